@@ -1,0 +1,220 @@
+"""Load a recipe from YAML plus command-line overrides into a :class:`Recipe`.
+
+Every problem is reported at once, each with its key path (``datasets[0].type``),
+as one :class:`~cptune.errors.RecipeError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from cptune.config.axolotl_keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
+from cptune.config.recipe import DatasetConfig, Recipe, combination_problems
+from cptune.errors import RecipeError, RecipeProblem
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe.
+
+    Args:
+        path: YAML file.
+        overrides: ``key=value`` strings (a leading ``--`` is allowed); nested keys
+            use dots and list indices, e.g. ``datasets.0.path=data.jsonl``. Values are
+            parsed as YAML scalars, so ``true``, ``3`` and ``[a, b]`` get their types.
+
+    Raises:
+        RecipeError: the file is unreadable or the recipe is invalid.
+    """
+    data = read_recipe_file(path)
+    for override in overrides:
+        key, value = parse_override(override)
+        set_by_path(data, key, value)
+    return validate_recipe(data, source=str(path))
+
+
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError([RecipeProblem("", f"recipe file not found: {path}")], source=str(path))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        where = ""
+        mark = getattr(err, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(err, "problem", None) or str(err)
+        raise RecipeError(
+            [RecipeProblem("", f"not valid YAML{where}: {problem}")], source=str(path)
+        ) from None
+    except UnicodeDecodeError:
+        raise RecipeError([RecipeProblem("", "the file is not UTF-8 text")], source=str(path)) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(
+            [RecipeProblem("", f"the recipe must be a mapping of keys to values, got {type(data).__name__}")],
+            source=str(path),
+        )
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Split ``--key.path=value`` into the key path and the YAML-parsed value."""
+    body = text[2:] if text.startswith("--") else text
+    key, sep, raw = body.partition("=")
+    if not sep or not key:
+        raise RecipeError([RecipeProblem("", f"override {text!r} is not of the form --key=value")])
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_by_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``value`` at ``a.b.0.c`` inside nested dicts/lists, creating dicts as needed."""
+    parts = dotted.split(".")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(
+                    [RecipeProblem(dotted, f"override index {part!r} is out of range (list of {len(node)})")]
+                )
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                node = node.setdefault(part, {})
+        else:
+            raise RecipeError([RecipeProblem(dotted, f"cannot set a key inside a {type(node).__name__}")])
+
+
+def validate_recipe(data: Mapping[str, Any], source: str | None = None) -> Recipe:
+    """Validate a recipe mapping, reporting field and combination problems together."""
+    try:
+        recipe = Recipe.model_validate(dict(data))
+    except ValidationError as err:
+        errors = _without_echoes(err.errors())
+        problems = [_problem_from_error(e) for e in errors]
+        broken = {_top_key(e["loc"]) for e in errors}
+        partial = _partial_recipe(data, broken)
+        if partial is not None:
+            problems += [RecipeProblem(k, m) for k, m in combination_problems(partial) if k not in broken]
+        raise RecipeError(_unique(problems), source=source) from None
+    problems = [RecipeProblem(k, m) for k, m in combination_problems(recipe)]
+    if problems:
+        raise RecipeError(problems, source=source)
+    return recipe
+
+
+def key_path(loc: Iterable[Any]) -> str:
+    """``("datasets", 0, "type")`` → ``datasets[0].type``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _top_key(loc: tuple[Any, ...]) -> str:
+    return str(loc[0]) if loc else ""
+
+
+def _without_echoes(errors: list[Any]) -> list[Any]:
+    """Drop a container's length error when an item inside it already failed.
+
+    pydantic reports ``datasets: at least 1 item`` when the only dataset is
+    invalid; that echo would send the user looking for the wrong problem.
+    """
+    locs = [tuple(e["loc"]) for e in errors]
+    return [
+        e
+        for e in errors
+        if not (
+            e["type"] == "too_short"
+            and any(len(o) > len(e["loc"]) and o[: len(e["loc"])] == tuple(e["loc"]) for o in locs)
+        )
+    ]
+
+
+def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
+    # pydantic adds the tagged-union / type name to loc for unions; drop those parts.
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+    path = key_path(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return RecipeProblem(path, _unknown_key_message(loc))
+    if kind == "missing":
+        return RecipeProblem(path, "is required but missing.")
+    got = error.get("input")
+    message = f"{error['msg']}; got {_short(got)}."
+    if kind == "literal_error" and isinstance(got, str):
+        choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
+        close = difflib.get_close_matches(got, choices, n=1, cutoff=0.6)
+        if close:
+            message += f" Did you mean '{close[0]}'?"
+    return RecipeProblem(path, message)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "tuple", "list", "dict", "none", "literal"}
+
+
+def _unknown_key_message(loc: tuple[Any, ...]) -> str:
+    key = str(loc[-1])
+    in_dataset = len(loc) >= 2 and loc[0] in ("datasets", "test_datasets")
+    unsupported = UNSUPPORTED_DATASET_KEYS if in_dataset else UNSUPPORTED_RECIPE_KEYS
+    model: type[BaseModel] = DatasetConfig if in_dataset else Recipe
+    if key in unsupported:
+        return f"is an Axolotl key that cptune does not support: {unsupported[key]}"
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    return f"is not a known key.{hint}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _partial_recipe(data: Mapping[str, Any], broken: set[str]) -> Recipe | None:
+    """A recipe of the keys that passed validation (defaults elsewhere), for combination rules.
+
+    Values are taken as written: they passed field validation, so they mean what
+    the validated value would mean for the rules' purposes.
+    """
+    values: dict[str, Any] = {}
+    for name, info in Recipe.model_fields.items():
+        if name in data and name not in broken:
+            values[name] = data[name]
+        elif not info.is_required():
+            values[name] = info.get_default(call_default_factory=True)
+    try:
+        return Recipe.model_construct(**values)
+    except Exception:  # best effort: never let this hide the real errors
+        return None
+
+
+def _unique(problems: list[RecipeProblem]) -> list[RecipeProblem]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for p in problems:
+        if (p.key, p.message) not in seen:
+            seen.add((p.key, p.message))
+            out.append(p)
+    return out

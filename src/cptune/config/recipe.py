@@ -1,0 +1,224 @@
+"""The recipe: one frozen, validated object that every layer of cptune reads.
+
+Key names follow Axolotl where Axolotl has the concept, so users can bring their
+recipes. Keys Axolotl lacks (``cp_backend``, ``causal``, ...) are cptune's own.
+Problems that involve several keys are collected by :func:`combination_problems`
+so that the loader can report them together with per-key type errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
+CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
+RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
+
+# Backends whose implementation has not landed yet. Validation refuses them
+# rather than falling back to another backend without a word.
+UNAVAILABLE_CP_BACKENDS: dict[str, str] = {
+    "torch": "issue 4 (PyTorch-native context parallelism through accelerate)",
+    "deepspeed": "issue 5 (DeepSpeed Ulysses sequence parallelism)",
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class DatasetConfig(_Frozen):
+    """One dataset source and how to read its rows."""
+
+    path: str = Field(description="Local file or folder, a `save_to_disk` folder, or a hub dataset id.")
+    type: DatasetType = Field("alpaca", description="Row format.")
+    split: str = Field("train", description="Split to read.")
+    data_files: str | tuple[str, ...] | None = Field(None, description="Files to read inside `path`.")
+    name: str | None = Field(None, description="Hub dataset configuration name.")
+    revision: str | None = Field(None, description="Hub dataset revision.")
+    # alpaca
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    # chat_template
+    field_messages: str = "messages"
+    message_field_role: str = "role"
+    message_field_content: str = "content"
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    # completion
+    field: str = "text"
+    # pretokenized
+    field_input_ids: str = "input_ids"
+    field_labels: str = "labels"
+
+
+class Recipe(_Frozen):
+    """A validated training recipe (see ``docs/recipe-reference.md``)."""
+
+    # --- model -----------------------------------------------------------
+    base_model: str = Field(description="Local folder or hub id of the model to fine-tune.")
+    tokenizer_config: str | None = Field(None, description="Tokenizer folder or hub id; default: base_model.")
+    trust_remote_code: bool = Field(False, description="Allow code shipped with the model to run.")
+    model_revision: str | None = Field(None, description="Hub revision of base_model.")
+
+    # --- data ------------------------------------------------------------
+    datasets: tuple[DatasetConfig, ...] = Field(min_length=1, description="Training data sources.")
+    test_datasets: tuple[DatasetConfig, ...] | None = Field(None, description="Evaluation data sources.")
+    val_set_size: float = Field(
+        0.0, ge=0, description="Held-out share (<1) or row count (>=1) of the training rows."
+    )
+    dataset_prepared_path: str = Field("prepared", description="Folder of the preprocessed-data cache.")
+    dataset_processes: int | None = Field(None, ge=1, description="Worker processes for tokenization.")
+    sequence_len: int = Field(2048, ge=2, description="Tokens per training row.")
+    sample_packing: bool = Field(False, description="Pack several samples into each row.")
+    pad_to_sequence_len: bool = Field(False, description="Pad every batch to sequence_len.")
+    train_on_inputs: bool = Field(False, description="Also train on prompt tokens.")
+    excess_length_strategy: Literal["drop", "truncate"] = Field(
+        "drop", description="What to do with samples longer than sequence_len."
+    )
+    skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of stopping.")
+    chat_template: Literal["tokenizer_default", "chatml"] | None = Field(
+        None, description="Chat template for chat_template datasets; default: the tokenizer's."
+    )
+
+    # --- adapter -----------------------------------------------------------
+    adapter: Literal["lora"] | None = Field(None, description="`lora`, or unset for a full fine-tune.")
+    lora_r: int = Field(8, ge=1)
+    lora_alpha: int = Field(16, ge=1)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: tuple[str, ...] | None = Field(None, description="Module names to adapt.")
+    lora_target_linear: bool = Field(False, description="Adapt every linear layer except the output head.")
+
+    # --- training ----------------------------------------------------------
+    micro_batch_size: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    num_epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(2e-4, gt=0)
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd"] = "adamw_torch"
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, ge=0, description="Gradient clipping; 0 or null disables.")
+    seed: int = 42
+    bf16: bool | Literal["auto"] = Field(
+        False, description="Train in bfloat16 (`auto`: when the GPU has it)."
+    )
+    fp16: bool = False
+    gradient_checkpointing: bool = False
+    output_dir: str = "./outputs"
+    logging_steps: int = Field(1, ge=1)
+    save_steps: int | None = Field(None, ge=1)
+    save_total_limit: int | None = Field(None, ge=1)
+    eval_steps: int | None = Field(None, ge=1)
+    report_to: tuple[Literal["tensorboard", "none"], ...] = ("none",)
+    dataloader_num_workers: int = Field(0, ge=0)
+
+    # --- context parallelism --------------------------------------------------
+    context_parallel_size: int = Field(1, ge=1, description="Processes that split each sequence.")
+    cp_backend: CpBackend = Field(
+        "ring-flash-attn", description="How attention is computed across the split."
+    )
+    ring_attn_func: RingAttnFunc | None = Field(
+        None, description="ring-flash-attn algorithm; default varlen_llama3."
+    )
+    heads_k_stride: int = Field(1, ge=1, description="KV heads gathered at a time by varlen_llama3.")
+    causal: bool = Field(True, description="false: bidirectional attention within each document.")
+
+    @field_validator("report_to", "lora_target_modules", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @property
+    def is_lora(self) -> bool:
+        return self.adapter == "lora"
+
+    @property
+    def resolved_ring_attn_func(self) -> RingAttnFunc:
+        return self.ring_attn_func or "varlen_llama3"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer_config or self.base_model
+
+
+# A rule reads a recipe (possibly only partly valid) and yields (key, message).
+Rule = Callable[[Recipe], Iterator[tuple[str, str]]]
+
+
+def _precision(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.bf16 is True and r.fp16:
+        yield "fp16", "bf16 and fp16 are both true; choose one (or neither for fp32)."
+
+
+def _warmup(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.warmup_steps is not None and r.warmup_ratio is not None:
+        yield "warmup_ratio", "set either warmup_steps or warmup_ratio, not both."
+
+
+def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.val_set_size and r.test_datasets:
+        yield "val_set_size", "set either val_set_size or test_datasets, not both."
+    if r.eval_steps is not None and not (r.val_set_size or r.test_datasets):
+        yield "eval_steps", "evaluation needs data: set val_set_size or test_datasets."
+
+
+def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.cp_backend in UNAVAILABLE_CP_BACKENDS:
+        yield (
+            "cp_backend",
+            f"'{r.cp_backend}' is not available yet in this version of cptune (planned in "
+            f"{UNAVAILABLE_CP_BACKENDS[r.cp_backend]}). Use cp_backend: ring-flash-attn.",
+        )
+    if r.ring_attn_func is not None and r.cp_backend != "ring-flash-attn":
+        yield "ring_attn_func", "applies only to cp_backend: ring-flash-attn; remove it."
+    if r.resolved_ring_attn_func == "batch_zigzag":
+        if r.sample_packing:
+            yield (
+                "ring_attn_func",
+                "batch_zigzag cannot keep packed samples apart (it has no document boundaries); "
+                "use ring_attn_func: varlen_llama3 with sample_packing.",
+            )
+        if not r.causal:
+            yield "ring_attn_func", "batch_zigzag is causal only; use varlen_llama3 with causal: false."
+        if r.bf16 is not True:
+            yield (
+                "ring_attn_func",
+                "batch_zigzag needs bf16: true. ring-flash-attn 0.1.8 computes wrong gradients for "
+                "zigzag in fp32/fp16 (its fp32 accumulator aliases a kernel buffer). "
+                "Use bf16: true, or ring_attn_func: varlen_llama3, which is exact in fp32.",
+            )
+    chunks = r.context_parallel_size * (2 if r.resolved_ring_attn_func == "batch_zigzag" else 1)
+    if r.sequence_len < chunks:
+        yield (
+            "sequence_len",
+            f"{r.sequence_len} tokens cannot be split into the {chunks} chunks that "
+            f"context_parallel_size={r.context_parallel_size} needs; use a longer sequence_len "
+            "or a smaller context_parallel_size.",
+        )
+
+
+def _adapter(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.lora_target_modules is not None and len(r.lora_target_modules) == 0:
+        yield "lora_target_modules", "is empty; list module names or set lora_target_linear: true."
+
+
+RULES: tuple[Rule, ...] = (_precision, _warmup, _evaluation, _context_parallel, _adapter)
+
+
+def combination_problems(recipe: Recipe) -> list[tuple[str, str]]:
+    """Problems that involve several keys, as (key path, message) pairs."""
+    problems: list[tuple[str, str]] = []
+    for rule in RULES:
+        try:
+            problems.extend(rule(recipe))
+        except (AttributeError, TypeError):
+            # The recipe was only partly valid (built from the keys that passed
+            # field validation); a rule that needs a broken key stays silent
+            # because that key already has its own error.
+            continue
+    return problems
