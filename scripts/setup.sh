@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create (or update) .venv with the CPU build of torch and cptune installed for
+# development. Safe to run again: what is already installed is kept.
+#
+# torch goes in first and on its own: asked for as a dependency, an unpinned
+# torch would pull a multi-GB CUDA build. On machines whose package index has no
+# CPU build of torch 2.13.0, install one first (e.g. from PyTorch's CPU index)
+# and this script keeps it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+pip_install() {
+  # Quiet on success; the whole log on failure.
+  if ! python -m pip install "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "cptune setup: pip install $* failed" >&2
+    exit 1
+  fi
+}
+
+if ! python -c "import torch" >/dev/null 2>&1; then
+  echo "cptune setup: installing torch 2.13.0 (CPU build)"
+  pip_install "torch==2.13.0"
+fi
+echo "cptune setup: installing cptune and its dependencies"
+pip_install -c constraints/tested.txt -e ".[test]"
+python -c "import cptune, torch, transformers; print(f'cptune setup: ok (torch {torch.__version__}, transformers {transformers.__version__})')"

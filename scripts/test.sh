@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite (CPU only, offline). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+exec python -m pytest -q "$@"

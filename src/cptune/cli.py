@@ -1,0 +1,152 @@
+"""The ``cptune`` command line: train, preprocess, validate.
+
+Errors a user can cause (:class:`~cptune.errors.CptuneError`) are printed as one
+message without a traceback, and the command exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cptune.errors import CptuneError
+
+app = typer.Typer(
+    name="cptune",
+    help="Fine-tune language models on very long sequences with exact context parallelism.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+OVERRIDES_HELP = "Recipe overrides as --key=value (nested keys with dots, e.g. --datasets.0.path=x.jsonl)."
+_EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+RecipeArg = Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)]
+
+
+def _setup_logging(rank: int = 0) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
+    logging.getLogger("cptune").setLevel(level)
+
+
+def _load(recipe: Path, ctx: typer.Context):
+    from cptune.config.loader import load_recipe
+
+    return load_recipe(recipe, list(ctx.args))
+
+
+@app.command(context_settings=_EXTRA, help=f"Train as the recipe says. {OVERRIDES_HELP}")
+def train(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(help="Processes to start on this node (default: context_parallel_size)."),
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Number of nodes (multi-node runs go through torchrun).")] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's rank (multi-node).")] = 0,
+    master_addr: Annotated[str | None, typer.Option(help="Address of the rank-0 node.")] = None,
+    master_port: Annotated[int | None, typer.Option(help="Port of the rank-0 node.")] = None,
+    rdzv_endpoint: Annotated[str | None, typer.Option(help="torchrun rendezvous endpoint.")] = None,
+    rdzv_backend: Annotated[str | None, typer.Option(help="torchrun rendezvous backend.")] = None,
+    rdzv_id: Annotated[str | None, typer.Option(help="torchrun rendezvous id.")] = None,
+) -> None:
+    from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.preflight import preflight
+
+    env = read_dist_env()
+    _setup_logging(env.rank)
+    loaded = _load(recipe, ctx)
+    if under_launcher():
+        from cptune.run.train import train as run_train
+
+        result = run_train(loaded)
+        if env.rank == 0:
+            typer.echo(
+                f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}"
+            )
+        return
+    plan = LaunchPlan(
+        nproc_per_node=nproc_per_node or loaded.context_parallel_size,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        rdzv_backend=rdzv_backend,
+        rdzv_id=rdzv_id,
+    )
+    preflight(loaded, world_size=plan.world_size, prepare_data=node_rank == 0 or not plan.multi_node)
+    if plan.world_size == 1:
+        from cptune.run.train import train as run_train
+
+        result = run_train(loaded)
+        typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
+        return
+    code = launch(plan, ["train", str(recipe), *ctx.args])
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(context_settings=_EXTRA, help=f"Tokenize, pack and cache the data. {OVERRIDES_HELP}")
+def preprocess(ctx: typer.Context, recipe: RecipeArg) -> None:
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.loading import load_tokenizer
+
+    _setup_logging()
+    loaded = _load(recipe, ctx)
+    prepared = prepare_datasets(loaded, load_tokenizer(loaded))
+    typer.echo(prepared.stats.format())
+    typer.echo(f"cache: {prepared.path}")
+
+
+@app.command(context_settings=_EXTRA, help=f"Check the recipe and print the plan. {OVERRIDES_HELP}")
+def validate(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Processes per node the run will use (default: context_parallel_size).")
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes the run will use.")] = 1,
+) -> None:
+    from cptune.run.preflight import describe_plan
+
+    _setup_logging()
+    loaded = _load(recipe, ctx)
+    world = (nproc_per_node or loaded.context_parallel_size) * nnodes
+    typer.echo(describe_plan(loaded, world_size=world))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except CptuneError as err:
+        rank = _rank_prefix()
+        print(f"{rank}error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except typer.Exit as exit_:
+        sys.exit(exit_.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as err:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(err, click.ClickException):
+            err.show()
+            sys.exit(err.exit_code)
+        raise
+
+
+def _rank_prefix() -> str:
+    from cptune.run.distributed import read_dist_env
+
+    env = read_dist_env()
+    return f"[rank {env.rank}] " if env.launched else ""

@@ -1,0 +1,126 @@
+"""Load the tokenizer and model a recipe names, and wrap the model in a LoRA adapter."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+
+log = logging.getLogger("cptune.models")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def load_tokenizer(recipe: Recipe) -> Any:
+    """The recipe's tokenizer, with a pad token (the eos token when it has none)."""
+    from transformers import AutoTokenizer
+
+    key = "tokenizer_config" if recipe.tokenizer_config else "base_model"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            recipe.tokenizer_path, trust_remote_code=recipe.trust_remote_code, revision=recipe.model_revision
+        )
+    except (OSError, ValueError, TypeError) as err:
+        raise CptuneError(
+            f"{key}: cannot load a tokenizer from '{recipe.tokenizer_path}' ({_first_line(err)}). "
+            "Give a local folder that holds the tokenizer files, or a hub id that is reachable from here."
+        ) from None
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise CptuneError(
+                f"{key}: the tokenizer at '{recipe.tokenizer_path}' has neither a pad nor an eos token; "
+                "cptune needs one of them to pad batches."
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info("the tokenizer has no pad token; using its eos token %r for padding", tokenizer.eos_token)
+    return tokenizer
+
+
+def torch_dtype(recipe: Recipe) -> torch.dtype:
+    """The training dtype: bf16, fp16 or fp32 as the recipe says (``bf16: auto`` → bf16 when supported)."""
+    if recipe.bf16 is True:
+        return torch.bfloat16
+    if recipe.bf16 == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if recipe.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def load_model(recipe: Recipe, attn_implementation: str) -> Any:
+    """The base model in the recipe's dtype with the given attention implementation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(
+            recipe.base_model, trust_remote_code=recipe.trust_remote_code, revision=recipe.model_revision
+        )
+    except (OSError, ValueError) as err:
+        raise CptuneError(
+            f"base_model: cannot load a model config from '{recipe.base_model}' ({_first_line(err)}). "
+            "Give a local folder with config.json and weights, or a hub id that is reachable from here."
+        ) from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            recipe.base_model,
+            config=config,
+            dtype=torch_dtype(recipe),
+            attn_implementation=attn_implementation,
+            trust_remote_code=recipe.trust_remote_code,
+            revision=recipe.model_revision,
+        )
+    except ValueError as err:
+        if "attn_implementation" in str(err):
+            raise CptuneError(
+                f"base_model: '{recipe.base_model}' cannot use the attention implementation "
+                f"'{attn_implementation}' that this recipe needs ({_first_line(err)}). Context parallelism "
+                "needs a model whose attention goes through transformers' AttentionInterface."
+            ) from None
+        raise CptuneError(f"base_model: cannot load '{recipe.base_model}' ({_first_line(err)}).") from None
+    except OSError as err:
+        raise CptuneError(f"base_model: cannot load '{recipe.base_model}' ({_first_line(err)}).") from None
+    # Packed documents are kept apart from position_ids only when no KV cache is
+    # created (transformers 5.23 masking_utils); a training run never needs one.
+    model.config.use_cache = False
+    if recipe.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def apply_lora(model: Any, recipe: Recipe) -> Any:
+    """Wrap ``model`` in a LoRA adapter as the recipe describes."""
+    from peft import LoraConfig, get_peft_model
+
+    if recipe.lora_target_modules:
+        targets: Any = list(recipe.lora_target_modules)
+    else:
+        # lora_target_linear, or nothing said: every linear layer except the output head.
+        targets = "all-linear"
+    config = LoraConfig(
+        r=recipe.lora_r,
+        lora_alpha=recipe.lora_alpha,
+        lora_dropout=recipe.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as err:
+        raise CptuneError(f"lora_target_modules: {_first_line(err)}") from None
+    if recipe.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return model
+
+
+def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

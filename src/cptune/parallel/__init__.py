@@ -1,0 +1,1 @@
+"""Context parallelism: layout arithmetic, sharding, loss and backends."""

@@ -1,0 +1,1 @@
+"""One module per context-parallel backend, behind the small interface in ``base``."""

@@ -1,0 +1,52 @@
+"""No context parallelism (cp=1): the reference path every CP backend must equal.
+
+Causal training uses transformers' own ``sdpa`` path, which keeps packed
+documents apart from their ``position_ids`` (with ``use_cache=False``).
+Bidirectional training uses cptune's attention function with a block-diagonal
+document mask, since transformers builds no such mask for decoder models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
+from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.shard import TokenBatch, document_starts
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(rows, 1, tokens, tokens) boolean mask: True where query and key share a document."""
+    doc_ids = document_starts(position_ids).cumsum(-1)
+    return (doc_ids[:, :, None] == doc_ids[:, None, :]).unsqueeze(1)
+
+
+class LocalBackend:
+    """Single-rank attention over whole rows."""
+
+    def __init__(self, causal: bool):
+        self.causal = causal
+        self.attn_implementation = "sdpa" if causal else ATTENTION_NAME
+
+    def shard(self, batch: TokenBatch) -> ShardedInputs:
+        kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        if self.causal:
+            return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None)
+        mask = document_mask(batch.position_ids)
+
+        def attend(q, k, v, scale):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            )
+            return out.transpose(1, 2)
+
+        call = AttentionCall(attend=attend)
+        return ShardedInputs(
+            model_kwargs={**kwargs, ATTENTION_KWARG: call}, shift_labels=batch.shift_labels, call=call
+        )

@@ -1,0 +1,156 @@
+"""The ring-flash-attn backend: attention across the CP group with ring-flash-attn's kernels.
+
+``varlen_llama3`` (default) all-gathers K and V ``heads_k_stride`` heads at a time
+and attends with ``cu_seqlens`` of the full sequence, so packed documents, padding
+and bidirectional attention are all exact, and it is exact in fp32.
+``batch_zigzag`` passes K and V around a ring over zigzag chunks; it balances
+causal work but knows no document boundaries (unpacked causal rows only) and is
+only correct in bf16 with ring-flash-attn 0.1.8 (the recipe validation enforces both).
+
+Without flash-attn (CPU), cptune's pure-torch kernels stand in for flash-attn's
+private functions while ring-flash-attn is imported, so the real ring-flash-attn
+code runs on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cptune.errors import BackendUnavailableError, CptuneError
+from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
+from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
+
+INSTALL_HINT = "pip install ring-flash-attn==0.1.8 (and flash-attn>=2.8 on CUDA GPUs)"
+
+
+@dataclass(frozen=True)
+class RingKernels:
+    """The ring-flash-attn entry points cptune uses."""
+
+    varlen_llama3: Callable[..., torch.Tensor]
+    prepare_cu_seqlens: Callable[..., tuple[Any, ...]]
+    zigzag: Callable[..., torch.Tensor]
+
+
+def load_ring_flash_attn() -> RingKernels:
+    """Import ring-flash-attn, with the CPU kernels standing in when flash-attn is absent.
+
+    Raises:
+        BackendUnavailableError: ring-flash-attn cannot be imported.
+    """
+    from cptune.parallel.kernels import flash_attn_available, flash_attn_shim_patches
+    from cptune.patches.core import PatchSet
+    from cptune.patches.transformers_patches import ring_flash_attn_import_compat_patch
+
+    if "ring_flash_attn" in sys.modules:
+        module = sys.modules["ring_flash_attn"]
+    else:
+        patches = [ring_flash_attn_import_compat_patch()]
+        if not flash_attn_available():
+            patches += flash_attn_shim_patches()
+        try:
+            with PatchSet(patches).applied(None):
+                module = importlib.import_module("ring_flash_attn")
+        except ImportError as err:
+            raise BackendUnavailableError(
+                f"cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be "
+                f"imported here ({err}). Install it with: {INSTALL_HINT}."
+            ) from None
+    return RingKernels(
+        varlen_llama3=module.llama3_flash_attn_varlen_func,
+        prepare_cu_seqlens=module.llama3_flash_attn_prepare_cu_seqlens,
+        zigzag=module.zigzag_ring_flash_attn_func,
+    )
+
+
+def check_heads_k_stride(num_key_value_heads: int, heads_k_stride: int) -> None:
+    """``varlen_llama3`` gathers KV heads ``heads_k_stride`` at a time: it must divide them."""
+    if num_key_value_heads % heads_k_stride:
+        divisors = [d for d in range(1, num_key_value_heads + 1) if num_key_value_heads % d == 0]
+        raise CptuneError(
+            f"heads_k_stride: {heads_k_stride} does not divide the model's {num_key_value_heads} "
+            f"key/value heads. Choose one of {divisors}."
+        )
+
+
+class RingFlashAttnBackend:
+    """Shards batches and attends across one context-parallel group."""
+
+    attn_implementation = ATTENTION_NAME
+
+    def __init__(
+        self,
+        *,
+        func: str,
+        causal: bool,
+        heads_k_stride: int,
+        cp_size: int,
+        cp_rank: int,
+        group: dist.ProcessGroup | None,
+        pad_token_id: int,
+        kernels: RingKernels,
+    ):
+        self.func = func
+        self.causal = causal
+        self.heads_k_stride = heads_k_stride
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.group = group
+        self.pad_token_id = pad_token_id
+        self.kernels = kernels
+
+    def shard(self, batch: TokenBatch) -> ShardedInputs:
+        if self.func == "varlen_llama3":
+            shard = shard_varlen(batch, self.cp_size, self.cp_rank, self.pad_token_id)
+            attend = self._varlen_attend(shard.cu_seqlens.to(batch.input_ids.device))
+        else:
+            shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
+            attend = self._zigzag_attend()
+        call = AttentionCall(attend=attend)
+        tokens = shard.tokens
+        kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
+        return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call)
+
+    def _varlen_attend(self, cu_seqlens: torch.Tensor):
+        cu_q, cu_k, max_q, max_k, k_slice = self.kernels.prepare_cu_seqlens(
+            cu_seqlens, causal=self.causal, rank=self.cp_rank, world_size=self.cp_size
+        )
+        kernels, causal, stride, group = self.kernels, self.causal, self.heads_k_stride, self.group
+
+        def attend(q, k, v, scale):
+            # One varlen sequence: the rows were laid end to end by shard_varlen.
+            out = kernels.varlen_llama3(
+                q[0].contiguous(),
+                k[0].contiguous(),
+                v[0].contiguous(),
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                stride,
+                k_slice,
+                softmax_scale=scale,
+                causal=causal,
+                group=group,
+            )
+            return out.unsqueeze(0)
+
+        return attend
+
+    def _zigzag_attend(self):
+        kernels, group = self.kernels, self.group
+
+        def attend(q, k, v, scale):
+            return kernels.zigzag(
+                q.contiguous(), k.contiguous(), v.contiguous(), softmax_scale=scale, causal=True, group=group
+            )
+
+        return attend

@@ -1,0 +1,1 @@
+"""Entry points that wire the layers together: train, preprocess, validate, launch."""

@@ -1,0 +1,138 @@
+"""Start the processes of a run.
+
+On one node cptune starts its own processes (one per rank, the torchrun
+environment variables set for each) so that it can stop them all as soon as one
+fails, and report which rank failed, instead of leaving the others waiting in a
+collective. Multi-node launches go through torchrun with the user's rendezvous
+arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# How long the other ranks get to exit on their own after one rank failed.
+GRACE_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How many processes to start, and where."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_environment(plan: LaunchPlan, rank: int, port: int, base: dict[str, str]) -> dict[str, str]:
+    """The environment torchrun would give local rank ``rank`` of a single-node run."""
+    env = dict(base)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(plan.nproc_per_node),
+        LOCAL_WORLD_SIZE=str(plan.nproc_per_node),
+        GROUP_RANK="0",
+        MASTER_ADDR=plan.master_addr or "127.0.0.1",
+        MASTER_PORT=str(port),
+        # As torchrun does: one thread per process unless the user said otherwise.
+        OMP_NUM_THREADS=base.get("OMP_NUM_THREADS", "1"),
+    )
+    return env
+
+
+def launch(plan: LaunchPlan, child_args: Sequence[str]) -> int:
+    """Run ``python -m cptune <child_args>`` in every process of the plan; return the exit code."""
+    if plan.multi_node:
+        return _launch_torchrun(plan, child_args)
+    return _launch_local(plan, child_args)
+
+
+def _launch_local(plan: LaunchPlan, child_args: Sequence[str]) -> int:
+    port = plan.master_port or free_port()
+    command = [sys.executable, "-m", "cptune", *child_args]
+    procs = [
+        subprocess.Popen(command, env=child_environment(plan, rank, port, dict(os.environ)))
+        for rank in range(plan.nproc_per_node)
+    ]
+    failed: tuple[int, int] | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failures = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failures:
+                failed = failures[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _stop(procs, signal.SIGINT)
+        return 130
+    rank, code = failed
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    _stop(procs, signal.SIGTERM)
+    print(f"cptune: rank {rank} exited with code {code}; stopped the other ranks.", file=sys.stderr)
+    return code if code > 0 else 1
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    deadline = time.monotonic() + GRACE_SECONDS
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _launch_torchrun(plan: LaunchPlan, child_args: Sequence[str]) -> int:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={plan.nproc_per_node}",
+        f"--nnodes={plan.nnodes}",
+        f"--node-rank={plan.node_rank}",
+    ]
+    optional = {
+        "--master-addr": plan.master_addr,
+        "--master-port": plan.master_port,
+        "--rdzv-endpoint": plan.rdzv_endpoint,
+        "--rdzv-backend": plan.rdzv_backend,
+        "--rdzv-id": plan.rdzv_id,
+    }
+    command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
+    command += ["-m", "cptune", *child_args]
+    return subprocess.call(command)

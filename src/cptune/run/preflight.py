@@ -1,0 +1,122 @@
+"""Checks that run before any process is started or any weight is loaded.
+
+A launch that cannot work fails here, in one process, with one message: the
+process layout, the model's attention and heads, the backend's dependencies, the
+output folder, and the data (which is also prepared and cached here, so the
+ranks only load it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+from cptune.parallel.layout import ParallelDims
+
+
+def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True) -> None:
+    """Fail early (before launching) on anything the recipe and launch cannot do together."""
+    dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
+    check_output_dir(recipe)
+    check_model_config(recipe, dims)
+    if dims.cp_enabled:
+        from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
+
+        load_ring_flash_attn()
+    if prepare_data:
+        from cptune.data.prepare import prepare_datasets
+        from cptune.models.loading import load_tokenizer
+
+        prepare_datasets(recipe, load_tokenizer(recipe))
+
+
+def check_output_dir(recipe: Recipe) -> None:
+    path = Path(recipe.output_dir)
+    if path.exists() and not path.is_dir():
+        raise CptuneError(f"output_dir: '{path}' is a file; give a folder path.")
+
+
+def model_config(recipe: Recipe) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            recipe.base_model, trust_remote_code=recipe.trust_remote_code, revision=recipe.model_revision
+        )
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CptuneError(
+            f"base_model: cannot load a model config from '{recipe.base_model}' ({first}). "
+            "Give a local folder with config.json and weights, or a hub id that is reachable from here."
+        ) from None
+
+
+def check_model_config(recipe: Recipe, dims: ParallelDims) -> None:
+    """Check the model's architecture against the CP backend without loading weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(recipe)
+    if not dims.cp_enabled:
+        return
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        raise CptuneError(
+            f"base_model: {model_class.__name__} does not route its attention through transformers' "
+            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
+            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
+        )
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if recipe.resolved_ring_attn_func == "varlen_llama3":
+        from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
+
+        check_heads_k_stride(kv_heads, recipe.heads_k_stride)
+
+
+def describe_plan(recipe: Recipe, *, world_size: int) -> str:
+    """Human-readable plan for ``cptune validate``: resolved recipe, layout, patches, data."""
+    from cptune.patches.registry import build_patch_set
+
+    dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
+    check_model_config(recipe, dims)
+    lines = ["Resolved recipe:"]
+    dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
+    lines += ["  " + line for line in dumped.splitlines()]
+    training = f"LoRA r={recipe.lora_r}" if recipe.is_lora else "full fine-tune"
+    lines += [
+        "",
+        "Plan:",
+        f"  model:      {recipe.base_model} ({training})",
+        f"  tokenizer:  {recipe.tokenizer_path}",
+        f"  processes:  {dims.world_size} = {dims.dp_size} data-parallel × {dims.cp_size} context-parallel",
+    ]
+    if dims.cp_enabled:
+        attention = "causal" if recipe.causal else "bidirectional"
+        lines.append(
+            f"  attention:  {recipe.cp_backend} / {recipe.resolved_ring_attn_func}, {attention}, "
+            f"heads_k_stride={recipe.heads_k_stride}"
+        )
+    else:
+        lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
+    plan = build_patch_set(recipe).plan(recipe)
+    lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
+    lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
+    return "\n".join(lines)
+
+
+def _data_status(recipe: Recipe) -> str:
+    from cptune.data.prepare import cached_stats
+    from cptune.models.loading import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(recipe)
+    except CptuneError as err:
+        return f"cannot check the cache: {err}"
+    stats = cached_stats(recipe, tokenizer)
+    if stats is None:
+        return "not prepared yet (`cptune preprocess` or `cptune train` will prepare it)"
+    return stats

@@ -1,0 +1,203 @@
+"""``train(recipe)``: wire data, model, backend, patches and the Trainer for one process.
+
+This runs inside every process of a launch (torchrun or cptune's own launcher),
+or alone for a single-process run. It owns the lifetime of the patch set: every
+patch is applied before the Trainer is built and reverted when training returns
+or raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+from cptune.models.loading import apply_lora, load_model, load_tokenizer, trainable_parameter_count
+from cptune.parallel.backends.attention import ATTENTION_NAME, register_attention
+from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.layout import ParallelDims
+from cptune.run.distributed import DistEnv, read_dist_env
+
+log = logging.getLogger("cptune.train")
+
+TRAIN_LOG_NAME = "train_log.json"
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports: per-step logs and where the model went."""
+
+    log_history: list[dict[str, Any]]
+    output_dir: Path
+    seconds: float
+
+    @property
+    def losses(self) -> list[float]:
+        return [entry["loss"] for entry in self.log_history if "loss" in entry]
+
+
+def train(recipe: Recipe) -> TrainResult:
+    """Fine-tune as the recipe says, in this process (one rank of the launch)."""
+    from cptune.data.prepare import prepare_datasets
+    from cptune.patches.registry import build_patch_set
+
+    env = read_dist_env()
+    dims = ParallelDims(world_size=env.world_size, cp_size=recipe.context_parallel_size)
+    started = time.perf_counter()
+
+    tokenizer = load_tokenizer(recipe)
+    prepared = prepare_datasets(recipe, tokenizer)
+    if env.rank == 0:
+        log.info("%s", prepared.stats.format())
+
+    backend_factory, attn_implementation = _backend_factory(recipe, dims, tokenizer.pad_token_id)
+    if attn_implementation == ATTENTION_NAME:
+        register_attention()
+    model = load_model(recipe, attn_implementation)
+    _check_model_for_backend(recipe, dims, model)
+    if recipe.is_lora:
+        model = apply_lora(model, recipe)
+    trainable, total = trainable_parameter_count(model)
+    log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
+
+    with build_patch_set(recipe).applied(recipe):
+        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory)
+        trainer.train()
+        trainer.save_model(recipe.output_dir)
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(recipe.output_dir)
+            _write_train_log(Path(recipe.output_dir), trainer.state.log_history)
+        history = list(trainer.state.log_history)
+        trainer.accelerator.wait_for_everyone()
+    return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
+
+
+def _backend_factory(recipe: Recipe, dims: ParallelDims, pad_token_id: int):
+    """(factory building the backend from the accelerator, attention implementation to load)."""
+    if not dims.cp_enabled:
+        backend = LocalBackend(causal=recipe.causal)
+        return (lambda accelerator: backend), backend.attn_implementation
+
+    from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
+
+    kernels = load_ring_flash_attn()
+
+    def build(accelerator: Any) -> RingFlashAttnBackend:
+        cp_mesh = accelerator.torch_device_mesh["cp"]
+        return RingFlashAttnBackend(
+            func=recipe.resolved_ring_attn_func,
+            causal=recipe.causal,
+            heads_k_stride=recipe.heads_k_stride,
+            cp_size=dims.cp_size,
+            cp_rank=cp_mesh.get_local_rank(),
+            group=cp_mesh.get_group(),
+            pad_token_id=pad_token_id,
+            kernels=kernels,
+        )
+
+    return build, ATTENTION_NAME
+
+
+def _check_model_for_backend(recipe: Recipe, dims: ParallelDims, model: Any) -> None:
+    from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
+
+    if not dims.cp_enabled:
+        return
+    if not model.is_backend_compatible():
+        raise CptuneError(
+            f"base_model: {type(model).__name__} does not route its attention through transformers' "
+            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
+            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
+        )
+    config = model.config.get_text_config()
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if recipe.resolved_ring_attn_func == "varlen_llama3":
+        check_heads_k_stride(kv_heads, recipe.heads_k_stride)
+
+
+def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
+    """The Trainer's arguments for this recipe and process layout."""
+    from transformers import TrainingArguments
+
+    parallelism = None
+    if dims.cp_enabled:
+        from accelerate import ParallelismConfig
+
+        parallelism = ParallelismConfig(dp_replicate_size=dims.dp_size, cp_size=dims.cp_size)
+    warmup: float = 0
+    if recipe.warmup_steps is not None:
+        warmup = recipe.warmup_steps
+    elif recipe.warmup_ratio is not None:
+        warmup = recipe.warmup_ratio
+    evaluate = recipe.eval_steps is not None
+    on_cpu = not torch.cuda.is_available()
+    return TrainingArguments(
+        output_dir=recipe.output_dir,
+        per_device_train_batch_size=recipe.micro_batch_size,
+        per_device_eval_batch_size=recipe.micro_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        num_train_epochs=recipe.num_epochs,
+        max_steps=recipe.max_steps or -1,
+        learning_rate=recipe.learning_rate,
+        optim=recipe.optimizer,
+        lr_scheduler_type=recipe.lr_scheduler,
+        warmup_steps=warmup,
+        weight_decay=recipe.weight_decay,
+        max_grad_norm=recipe.max_grad_norm or 0.0,
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        bf16=recipe.bf16 is True or (recipe.bf16 == "auto" and torch.cuda.is_available()),
+        fp16=recipe.fp16,
+        logging_steps=recipe.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps" if recipe.save_steps else "no",
+        save_steps=recipe.save_steps or 500,
+        save_total_limit=recipe.save_total_limit,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=recipe.eval_steps,
+        report_to=[r for r in recipe.report_to if r != "none"] or "none",
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_num_workers=recipe.dataloader_num_workers,
+        use_cpu=on_cpu,
+        ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
+        parallelism_config=parallelism,
+        disable_tqdm=env.rank != 0,
+        log_level="info" if env.rank == 0 else "warning",
+        log_level_replica="warning",
+    )
+
+
+def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory):
+    from cptune.data.collator import PackedCollator
+    from cptune.run.trainer import CptuneTrainer
+
+    collator = PackedCollator(
+        pad_token_id=tokenizer.pad_token_id,
+        sequence_len=recipe.sequence_len,
+        pad_to_sequence_len=recipe.pad_to_sequence_len,
+    )
+    return CptuneTrainer(
+        model=model,
+        args=training_arguments(recipe, dims, env),
+        train_dataset=prepared.train,
+        eval_dataset=prepared.eval,
+        data_collator=collator,
+        processing_class=tokenizer,
+        backend_factory=backend_factory,
+        cp_size=dims.cp_size,
+    )
+
+
+def _write_train_log(output_dir: Path, history: list[dict[str, Any]]) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / (TRAIN_LOG_NAME + ".tmp")
+    tmp.write_text(json.dumps(history, indent=1))
+    tmp.replace(output_dir / TRAIN_LOG_NAME)

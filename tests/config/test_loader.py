@@ -1,0 +1,125 @@
+import pytest
+
+from cptune.config.loader import load_recipe, parse_override, set_by_path, validate_recipe
+from cptune.errors import RecipeError
+
+MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
+
+
+def problems(data):
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    return {p.key: p.message for p in info.value.problems}
+
+
+def test_minimal_recipe_gets_defaults_and_is_frozen():
+    recipe = validate_recipe(MINIMAL)
+    assert recipe.context_parallel_size == 1
+    assert recipe.cp_backend == "ring-flash-attn"
+    assert recipe.datasets[0].type == "alpaca"
+    with pytest.raises(Exception, match="frozen"):
+        recipe.sequence_len = 5
+
+
+def test_typo_gets_a_suggestion_with_its_key_path():
+    found = problems({**MINIMAL, "sequnce_len": 12, "datasets": [{"path": "d", "feild": "x"}]})
+    assert found["sequnce_len"] == "is not a known key. Did you mean 'sequence_len'?"
+    assert found["datasets[0].feild"] == "is not a known key. Did you mean 'field'?"
+
+
+def test_unsupported_axolotl_key_says_so():
+    found = problems({**MINIMAL, "load_in_4bit": True, "sequence_parallel_degree": 2})
+    assert found["load_in_4bit"].startswith("is an Axolotl key that cptune does not support")
+    assert "context_parallel_size" in found["sequence_parallel_degree"]
+
+
+def test_wrong_type_names_the_value():
+    found = problems({**MINIMAL, "micro_batch_size": "abc"})
+    assert "valid integer" in found["micro_batch_size"] and "'abc'" in found["micro_batch_size"]
+
+
+def test_literal_typo_gets_a_suggestion():
+    found = problems({**MINIMAL, "datasets": [{"path": "d", "type": "alpca"}]})
+    assert found["datasets[0].type"].endswith("Did you mean 'alpaca'?")
+
+
+def test_all_problems_reported_together_field_and_combination():
+    found = problems(
+        {
+            **MINIMAL,
+            "lora_r": 0,
+            "micro_batch_size": "x",
+            "warmup_steps": 3,
+            "warmup_ratio": 0.1,
+            "typo_key": 1,
+        }
+    )
+    assert set(found) == {"lora_r", "micro_batch_size", "warmup_ratio", "typo_key"}
+
+
+def test_missing_required_key():
+    found = problems({"datasets": [{"path": "d"}]})
+    assert found["base_model"] == "is required but missing."
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_backends_not_landed_fail_with_not_available_yet(backend):
+    found = problems({**MINIMAL, "cp_backend": backend, "context_parallel_size": 2})
+    assert "not available yet" in found["cp_backend"]
+
+
+def test_zigzag_combinations_give_reason_and_alternative():
+    found = problems(
+        {**MINIMAL, "ring_attn_func": "batch_zigzag", "sample_packing": True, "context_parallel_size": 2}
+    )
+    assert "varlen_llama3" in found["ring_attn_func"]
+    ok = validate_recipe(
+        {**MINIMAL, "ring_attn_func": "batch_zigzag", "bf16": True, "context_parallel_size": 2}
+    )
+    assert ok.resolved_ring_attn_func == "batch_zigzag"
+
+
+def test_zigzag_in_fp32_is_refused():
+    found = problems({**MINIMAL, "ring_attn_func": "batch_zigzag", "context_parallel_size": 2})
+    assert "bf16: true" in found["ring_attn_func"]
+
+
+def test_sequence_shorter_than_cp_chunks():
+    found = problems({**MINIMAL, "sequence_len": 3, "context_parallel_size": 4})
+    assert "cannot be split" in found["sequence_len"]
+
+
+def test_overrides_parse_types_and_nested_paths(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("base_model: m\ndatasets:\n  - path: a.jsonl\n")
+    recipe = load_recipe(
+        path, ["--datasets.0.path=b.jsonl", "--sample_packing=true", "lora_r=4", "--adapter=lora"]
+    )
+    assert recipe.datasets[0].path == "b.jsonl"
+    assert recipe.sample_packing is True and recipe.lora_r == 4 and recipe.is_lora
+
+
+def test_override_errors():
+    with pytest.raises(RecipeError, match="not of the form"):
+        parse_override("--nothing")
+    with pytest.raises(RecipeError, match="out of range"):
+        set_by_path({"datasets": [{}]}, "datasets.3.path", "x")
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("base_model: m\ndatasets: [\n  - : :\n")
+    with pytest.raises(RecipeError, match="not valid YAML at line"):
+        load_recipe(path)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("base_model: !!python/object/apply:os.system ['echo hacked']\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "nope.yaml")
