@@ -1,0 +1,56 @@
+"""Run a Python script in several gloo processes and collect what each rank reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cptune.run.launch import LaunchPlan, child_environment, free_port
+
+
+def run_ranks(script: Path, world_size: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:
+    """Start ``world_size`` processes of ``script``; each writes ``out_dir/rank{r}.json``.
+
+    Fails with every rank's output when a process exits non-zero or times out.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    plan = LaunchPlan(nproc_per_node=world_size)
+    base = dict(os.environ)
+    base["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1] / "src"), base.get("PYTHONPATH", "")]
+    )
+    procs = []
+    for rank in range(world_size):
+        env = child_environment(plan, rank, port, base)
+        log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        procs.append(
+            (
+                subprocess.Popen(
+                    [sys.executable, str(script), str(out_dir), *args], env=env, stdout=log, stderr=log
+                ),
+                log,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc, _ in procs:
+            proc.kill()
+    finally:
+        for _, log in procs:
+            log.close()
+    codes = [proc.returncode for proc, _ in procs]
+    if any(code != 0 for code in codes):
+        logs = "\n".join(
+            f"--- rank {r} (exit {codes[r]}) ---\n{(out_dir / f'rank{r}.log').read_text()[-4000:]}"
+            for r in range(world_size)
+        )
+        raise AssertionError(f"distributed run failed:\n{logs}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -1,0 +1,171 @@
+"""One rank of the CP parity check: cptune's sharded path against the cp=1 reference.
+
+Every rank builds the same tiny Llama, the same global batches and computes the
+cp=1 reference itself (single process, whole rows, ``LocalBackend``). It then runs
+its shard of its data-parallel group's batches through the ring-flash-attn
+backend with the token-weighted loss, averages gradients over the world as DDP
+does, and reports, per case: the step-0 loss of both paths, the largest relative
+gradient difference, and the losses of 3 optimizer steps (AdamW) of both paths.
+
+Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cptune.data.collator import shift_labels_within_documents
+from cptune.parallel.backends.attention import register_attention
+from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
+from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
+from cptune.parallel.shard import TokenBatch
+from cptune.tiny import build_tiny_model, tiny_llama_config
+
+VOCAB = 97
+
+
+def make_row(generator: torch.Generator, length: int, packed: bool) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, labels (prompt tokens masked) and positions of one row of ``length`` tokens."""
+    if packed:
+        cuts = sorted(torch.randperm(length - 1, generator=generator)[:3].add(1).tolist())
+        docs = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
+    else:
+        real = int(torch.randint(length // 2, length + 1, (1,), generator=generator))
+        docs = [real] + ([length - real] if real < length else [])
+    ids = torch.randint(3, VOCAB, (length,), generator=generator)
+    labels = ids.clone()
+    positions: list[int] = []
+    start = 0
+    for i, n in enumerate(docs):
+        positions += list(range(n))
+        prompt = min(n - 1, 2)
+        labels[start : start + prompt] = -100  # like a prompt that is not trained
+        if not packed and i == 1:
+            labels[start : start + n] = -100  # the tail of an unpacked row is padding
+        start += n
+    return ids.tolist(), labels.tolist(), positions
+
+
+def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
+    """batches[dp_group][micro] for one optimizer step."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    out = []
+    for _ in range(dp_size):
+        micro = []
+        for _ in range(case["ga"]):
+            rows = [make_row(generator, case["seq_len"], case["packed"]) for _ in range(case["mbs"])]
+            ids = torch.tensor([r[0] for r in rows])
+            labels = torch.tensor([r[1] for r in rows])
+            positions = torch.tensor([r[2] for r in rows])
+            if case.get("empty_shard"):
+                labels[:, : case["seq_len"] // 2 + 1] = -100  # rank 0's half has no target
+            micro.append(TokenBatch(ids, positions, shift_labels_within_documents(labels, positions)))
+        out.append(micro)
+    return out
+
+
+def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
+    config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
+    model = build_tiny_model(config, seed=1234)
+    dtype = torch.bfloat16 if case.get("bf16") else torch.float32
+    model.to(dtype)
+    model.set_attn_implementation(attn_implementation)
+    if case["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
+    return model
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_step(model, backend, micro_batches, world_size, step_targets, group=None) -> float:
+    """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss."""
+    total = 0.0
+    for batch in micro_batches:
+        sharded = backend.shard(batch)
+        logits = model(**sharded.model_kwargs, use_cache=False).logits
+        loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), step_targets, world_size)
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def main() -> None:
+    out_dir, cp_size, cases = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_size, cp_rank, dp_rank = world // cp_size, rank % cp_size, rank // cp_size
+    cp_groups = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)]
+    kernels = load_ring_flash_attn()
+    register_attention()
+    results = {}
+    for case in cases:
+        torch.manual_seed(0)
+        reference = build_model(case, "sdpa" if case["causal"] else "cptune")
+        model = copy.deepcopy(reference)
+        model.set_attn_implementation("cptune")
+        local = LocalBackend(causal=case["causal"])
+        ring = RingFlashAttnBackend(
+            func=case.get("func", "varlen_llama3"),
+            causal=case["causal"],
+            heads_k_stride=case.get("heads_k_stride", 1),
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            group=cp_groups[dp_rank],
+            pad_token_id=0,
+            kernels=kernels,
+        )
+        ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        ref_losses, cp_losses, grad_rel = [], [], None
+        for step in range(3):
+            case_step = {**case, "seed": case["seed"] + step}
+            batches = make_batches(case_step, dp_size)
+            targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
+            # Reference: every batch of every DP group, one process, mean over all targets.
+            ref_total = run_step(reference, local, [b for g in batches for b in g], 1, targets)
+            mine = run_step(model, ring, batches[dp_rank], world, targets)
+            loss = torch.tensor(mine)
+            dist.all_reduce(loss)
+            for p in model.parameters():
+                if p.requires_grad:
+                    dist.all_reduce(p.grad)  # DDP: mean over the world
+                    p.grad /= world
+            if step == 0:
+                ref_g, cp_g = grads(reference), grads(model)
+                grad_rel = max(
+                    float((cp_g[n] - ref_g[n]).abs().max() / ref_g[n].abs().max().clamp_min(1e-30))
+                    for n in ref_g
+                )
+                grad_nonzero = all(float(ref_g[n].abs().max()) > 0 for n in ref_g)
+            ref_losses.append(ref_total)
+            cp_losses.append(loss.item() / world)
+            ref_opt.step()
+            opt.step()
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        results[case["name"]] = {
+            "ref_losses": ref_losses,
+            "cp_losses": cp_losses,
+            "grad_rel": grad_rel,
+            "grad_nonzero": grad_nonzero,
+        }
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
