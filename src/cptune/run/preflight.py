@@ -113,10 +113,9 @@ def _data_status(recipe: Recipe) -> str:
     from cptune.models.loading import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(recipe)
+        stats = cached_stats(recipe, load_tokenizer(recipe))
     except CptuneError as err:
         return f"cannot check the cache: {err}"
-    stats = cached_stats(recipe, tokenizer)
     if stats is None:
         return "not prepared yet (`cptune preprocess` or `cptune train` will prepare it)"
     return stats

@@ -130,7 +130,11 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     if dims.cp_enabled:
         from accelerate import ParallelismConfig
 
-        parallelism = ParallelismConfig(dp_replicate_size=dims.dp_size, cp_size=dims.cp_size)
+        # accelerate refuses dp_replicate > 1 with cp > 1 (it wants FSDP/HSDP), so the
+        # data-parallel axis is declared as dp_shard. Under plain DDP the name has no
+        # effect on the model; accelerate's data loader gives every rank of a CP
+        # group the same batch either way (rank // cp, accelerate/data_loader.py).
+        parallelism = ParallelismConfig(dp_shard_size=dims.dp_size, cp_size=dims.cp_size)
     warmup: float = 0
     if recipe.warmup_steps is not None:
         warmup = recipe.warmup_steps

@@ -1,0 +1,134 @@
+"""Batch prepared rows into tensors, with next-token targets that never cross a document.
+
+The batch carries no ``attention_mask``: with ``attention_mask=None`` and no KV
+cache (``use_cache=False``), transformers reads document boundaries from
+``position_ids`` (``masking_utils.find_packed_sequence_indices``: a new document
+starts wherever ``position_ids[i] != position_ids[i - 1] + 1``) and builds a
+block-diagonal causal mask. Padding is given positions 0..p-1 so that it forms a
+document of its own: real tokens never attend to it, whatever it attends to is
+discarded because its targets are -100.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cptune.data.labels import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "PackedCollator", "document_starts", "shift_labels_within_documents"]
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Bool tensor, True where a new document begins.
+
+    Uses transformers' rule: token 0 starts a document, and so does every token
+    whose position is not the previous position + 1 (in particular every restart
+    at 0). Keeping the same rule as the attention mask means the loss and the
+    mask agree on what a document is.
+
+    Args:
+        position_ids: Integer tensor of shape ``(..., seq)``.
+
+    Returns:
+        Bool tensor of the same shape.
+    """
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
+
+
+def shift_labels_within_documents(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets computed per document: ``out[i] = labels[i + 1]`` inside a document, else -100.
+
+    Build these from the full row before splitting it across context-parallel
+    ranks: a rank that holds token i may not hold token i + 1. The last token of
+    every document (and of the row) gets -100, so no document is trained to
+    predict the start of the next one.
+
+    Args:
+        labels: Integer tensor ``(..., seq)`` with -100 where a token is not trained.
+        position_ids: Integer tensor of the same shape; positions restart at 0 per document.
+
+    Returns:
+        A new tensor shaped like ``labels``; use it with logits unshifted
+        (``loss = cross_entropy(logits[..., i, :], out[..., i])``).
+
+    Raises:
+        ValueError: If the shapes differ.
+    """
+    if labels.shape != position_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and position_ids {tuple(position_ids.shape)} differ")
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    if labels.shape[-1] < 2:
+        return shifted
+    next_starts_new_document = document_starts(position_ids)[..., 1:]
+    shifted[..., :-1] = labels[..., 1:].masked_fill(next_starts_new_document, IGNORE_INDEX)
+    return shifted
+
+
+@dataclass(frozen=True)
+class PackedCollator:
+    """Turn rows of ``input_ids``/``labels``/``position_ids`` lists into a padded batch.
+
+    The batch has ``input_ids``, ``labels`` (-100 on padding), ``position_ids``
+    (0..p-1 on the padding, so padding is its own document) and ``shift_labels``
+    (see :func:`shift_labels_within_documents`). Rows are right-padded to the
+    longest row, or to ``sequence_len`` when ``pad_to_sequence_len``; then up to a
+    multiple of ``pad_to_multiple_of`` (context parallelism needs the length to
+    split evenly).
+
+    Args:
+        pad_token_id: Id written into padded ``input_ids``. Any valid id works (padding
+            is its own document and never trained); None, for tokenizers
+            without a pad token, writes 0.
+        sequence_len: The recipe's ``sequence_len``; used when ``pad_to_sequence_len``.
+        pad_to_sequence_len: Pad every batch to ``sequence_len`` (constant shapes).
+        pad_to_multiple_of: Round the padded length up to a multiple of this.
+    """
+
+    pad_token_id: int | None
+    sequence_len: int | None = None
+    pad_to_sequence_len: bool = False
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pad_to_sequence_len and self.sequence_len is None:
+            raise ValueError("pad_to_sequence_len needs sequence_len")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+
+    def padded_length(self, longest: int) -> int:
+        """Length every row of a batch whose longest row has ``longest`` tokens is padded to."""
+        length = max(longest, self.sequence_len) if self.pad_to_sequence_len else longest
+        multiple = self.pad_to_multiple_of
+        if multiple and length % multiple:
+            length += multiple - length % multiple
+        return length
+
+    def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, torch.Tensor]:
+        """Collate rows into ``input_ids``, ``labels``, ``position_ids`` and ``shift_labels`` of shape (batch, seq)."""
+        if not rows:
+            raise ValueError("cannot collate an empty batch")
+        length = self.padded_length(max(len(row["input_ids"]) for row in rows))
+        pad = 0 if self.pad_token_id is None else self.pad_token_id
+        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+        # Padding positions 0..p-1: a restart at 0 is a document boundary for
+        # transformers, so real tokens and padding never see each other.
+        position_ids = torch.arange(length, dtype=torch.long).repeat(len(rows), 1)
+        for b, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            labels[b, :n] = torch.as_tensor(row["labels"], dtype=torch.long)
+            if "position_ids" in row:
+                position_ids[b, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
+            position_ids[b, n:] = torch.arange(length - n, dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "position_ids": position_ids,
+            "shift_labels": shift_labels_within_documents(labels, position_ids),
+        }

@@ -1,0 +1,354 @@
+"""Row formats: turn one raw row into ``input_ids`` and ``labels`` (-100 where not trained).
+
+Four formats, chosen by a dataset's ``type``: ``alpaca``, ``chat_template``,
+``completion`` and ``pretokenized``. A format never sees the row index or the
+dataset name; it raises :class:`RowProblem` and the caller (see
+:mod:`cptune.data.rows`) turns that into a :class:`~cptune.errors.DataError`
+naming dataset, row and field, or counts and skips the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from cptune.config.recipe import DatasetConfig
+from cptune.data.labels import IGNORE_INDEX
+from cptune.errors import DataError
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "RowProblem",
+    "Sample",
+    "build_formatter",
+    "required_columns",
+    "resolve_chat_template",
+]
+
+# ChatML, written for cptune: "<|im_start|>{role}\n{content}<|im_end|>\n" per turn,
+# preceded by the tokenizer's bos token when it has one (Llama-style models
+# expect it; Qwen-style tokenizers have none and render nothing).
+CHATML_TEMPLATE = (
+    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+"""The built-in template used when the recipe sets ``chat_template: chatml``."""
+
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+_SKIP_HINT = "Fix the row, or set skip_invalid_rows: true to skip such rows (they are counted and reported)."
+
+
+class RowProblem(Exception):
+    """A row that a format cannot use.
+
+    Attributes:
+        reason: Short text used to count skipped rows (``field 'output' is missing``).
+        detail: The full sentence for an error message.
+        skippable: Whether ``skip_invalid_rows`` may skip the row. Problems of the
+            setup rather than of the row (a chat template that is not
+            prefix-stable) are not.
+    """
+
+    def __init__(self, reason: str, detail: str | None = None, *, skippable: bool = True):
+        self.reason = reason
+        self.detail = detail or f"{reason}. {_SKIP_HINT}"
+        self.skippable = skippable
+        super().__init__(self.detail)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized sample; ``labels`` is -100 on tokens that are not trained."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+Formatter = Callable[[Mapping[str, Any]], Sample]
+
+
+def _field_problem(name: str, problem: str) -> RowProblem:
+    return RowProblem(f"field {name!r} {problem}")
+
+
+def _text(row: Mapping[str, Any], name: str, *, required: bool = True) -> str:
+    value = row.get(name)
+    if value is None:
+        if required:
+            raise _field_problem(name, "is missing")
+        return ""
+    if not isinstance(value, str):
+        raise _field_problem(name, f"is a {type(value).__name__}, not text")
+    if required and not value.strip():
+        raise _field_problem(name, "is empty")
+    return value
+
+
+def _leading_special_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    # The ids the tokenizer puts before a text (bos, if it adds one), found by
+    # comparing an encoding with and without special tokens. Only the leading
+    # ones are kept: a tokenizer that appends eos to every text must not put an
+    # eos between a prompt and its response.
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataError(
+            "The tokenizer has no eos token, which alpaca and completion rows end with. "
+            "Use a tokenizer that defines eos_token (tokenizer_config in the recipe)."
+        )
+    return int(tokenizer.eos_token_id)
+
+
+def _alpaca(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_inputs: bool) -> Formatter:
+    bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        instruction = _text(row, config.field_instruction)
+        extra = _text(row, config.field_input, required=False)
+        output = _text(row, config.field_output)
+        template = ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT
+        prompt = template.format(instruction=instruction, input=extra)
+        # Tokenized apart so the prompt/response boundary is exact: no token
+        # straddles "### Response:\n" and the first word of the answer.
+        prompt_ids = bos + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        response_ids = [*tokenizer(output, add_special_tokens=False)["input_ids"], eos]
+        input_ids = prompt_ids + response_ids
+        labels = list(input_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids) + response_ids
+        return Sample(input_ids, labels)
+
+    return format_row
+
+
+def _completion(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+    bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        text = _text(row, config.field)
+        input_ids = [*bos, *tokenizer(text, add_special_tokens=False)["input_ids"], eos]
+        return Sample(input_ids, list(input_ids))
+
+    return format_row
+
+
+def _int_list(row: Mapping[str, Any], name: str, *, allow: Callable[[int], bool], allowed: str) -> list[int]:
+    value = row.get(name)
+    if value is None:
+        raise _field_problem(name, "is missing")
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise _field_problem(name, f"is a {type(value).__name__}, not a list of token ids")
+    if len(value) == 0:
+        raise _field_problem(name, "is empty")
+    for position, item in enumerate(value):
+        # bool is an int subclass; a True in a token list is a data bug.
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise _field_problem(name, f"holds a {type(item).__name__} at position {position}, not an int")
+        if not allow(item):
+            raise _field_problem(name, f"holds {item} at position {position}; {allowed}")
+    return list(value)
+
+
+def _pretokenized(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+    vocab = len(tokenizer)
+
+    def in_vocab(token: int) -> bool:
+        return 0 <= token < vocab
+
+    def label_ok(token: int) -> bool:
+        return token == IGNORE_INDEX or 0 <= token < vocab
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        input_ids = _int_list(
+            row, config.field_input_ids, allow=in_vocab, allowed=f"token ids must be in 0..{vocab - 1}"
+        )
+        if row.get(config.field_labels) is None:
+            return Sample(input_ids, list(input_ids))
+        labels = _int_list(
+            row, config.field_labels, allow=label_ok, allowed=f"labels must be -100 or in 0..{vocab - 1}"
+        )
+        if len(labels) != len(input_ids):
+            raise _field_problem(
+                config.field_labels,
+                f"has {len(labels)} entries but {config.field_input_ids} has {len(input_ids)}",
+            )
+        return Sample(input_ids, labels)
+
+    return format_row
+
+
+def resolve_chat_template(
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, label: str
+) -> str | None:
+    """The template to render chats with: ``None`` means the tokenizer's own.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        chat_template: The recipe's ``chat_template`` (None, ``tokenizer_default`` or ``chatml``).
+        label: Names the dataset in messages.
+
+    Raises:
+        DataError: If the tokenizer's template is asked for and it has none.
+    """
+    if chat_template == "chatml":
+        return CHATML_TEMPLATE
+    if not tokenizer.chat_template:
+        raise DataError(
+            f"{label} has type chat_template, but the tokenizer has no chat template. Set "
+            "chat_template: chatml in the recipe to use cptune's built-in ChatML template, or use a "
+            "tokenizer that ships a template (tokenizer_config)."
+        )
+    return None
+
+
+def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, str]]:
+    name = config.field_messages
+    value = row.get(name)
+    if value is None:
+        raise _field_problem(name, "is missing")
+    role_key, content_key = config.message_field_role, config.message_field_content
+    if isinstance(value, Mapping) and isinstance(value.get(role_key), list):
+        # datasets' legacy Sequence-of-struct feature decodes to a dict of lists.
+        value = [dict(zip(value, turn, strict=False)) for turn in zip(*value.values(), strict=False)]
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not value:
+        raise _field_problem(name, "is not a non-empty list of messages")
+    messages = []
+    for turn, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise _field_problem(name, f"message {turn} is a {type(message).__name__}, not an object")
+        role, content = message.get(role_key), message.get(content_key)
+        if not isinstance(role, str) or not role:
+            raise _field_problem(name, f"message {turn} has no text {role_key!r}")
+        if not isinstance(content, str):
+            raise _field_problem(name, f"message {turn} has no text {content_key!r}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _end_of_turn(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> int:
+    # Train a turn's content and its end-of-turn token, not the whitespace a
+    # template writes after it ("<|im_end|>\n"): generation stops at the token.
+    last_special = max((i for i, t in enumerate(span) if t in special_ids), default=None)
+    if last_special is None or tokenizer.decode(span[last_special + 1 :]).strip():
+        return len(span)
+    return last_special + 1
+
+
+def _chat(
+    config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_inputs: bool, template: str | None
+) -> Formatter:
+    special_ids = set(tokenizer.all_special_ids)
+    trained_roles = set(config.roles_to_train)
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as error:  # a template's raise_exception() is a row problem
+            raise RowProblem(f"the chat template rejected the messages ({error})") from error
+        return list(ids)
+
+    def not_prefix_stable(turn: int, what: str) -> RowProblem:
+        return RowProblem(
+            "chat template is not prefix-stable",
+            f"the chat template is not prefix-stable: {what}, so the trained tokens of message {turn} "
+            "cannot be located. Set chat_template: chatml in the recipe, or use a template whose "
+            "earlier turns render the same whatever follows them.",
+            skippable=False,
+        )
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        messages = _messages(row, config)
+        turns = [i for i, m in enumerate(messages) if m["role"] in trained_roles]
+        if not turns:
+            raise RowProblem(
+                f"no message with a role in roles_to_train {list(config.roles_to_train)}",
+            )
+        full = render(messages, add_generation_prompt=False)
+        labels = list(full) if train_on_inputs else [IGNORE_INDEX] * len(full)
+        if train_on_inputs:
+            return Sample(full, labels)
+        for turn in turns:
+            # The turn's tokens are what rendering it adds to the conversation
+            # before it (plus the assistant header, which is the prompt).
+            header = messages[turn]["role"] == "assistant"
+            before = render(messages[:turn], add_generation_prompt=header) if turn or header else []
+            through = render(messages[: turn + 1], add_generation_prompt=False)
+            if through[: len(before)] != before:
+                raise not_prefix_stable(
+                    turn, f"messages[:{turn}] does not render to a token prefix of messages[:{turn + 1}]"
+                )
+            if full[: len(through)] != through:
+                raise not_prefix_stable(
+                    turn, f"messages[:{turn + 1}] does not render to a token prefix of the whole conversation"
+                )
+            span = through[len(before) :]
+            end = len(before) + _end_of_turn(span, special_ids, tokenizer)
+            labels[len(before) : end] = full[len(before) : end]
+        return Sample(full, labels)
+
+    return format_row
+
+
+def required_columns(config: DatasetConfig) -> tuple[str, ...]:
+    """Columns a dataset of this type must have (optional ones excluded)."""
+    if config.type == "alpaca":
+        return (config.field_instruction, config.field_output)
+    if config.type == "chat_template":
+        return (config.field_messages,)
+    if config.type == "completion":
+        return (config.field,)
+    return (config.field_input_ids,)
+
+
+def build_formatter(
+    config: DatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    train_on_inputs: bool,
+    chat_template: str | None,
+    label: str,
+) -> Formatter:
+    """A function that turns one row of this dataset into a :class:`Sample`.
+
+    Args:
+        config: The dataset entry (its ``type`` and field names).
+        tokenizer: The model's tokenizer.
+        train_on_inputs: Train on prompt tokens too (alpaca, chat_template).
+        chat_template: The recipe's ``chat_template``.
+        label: Names the dataset in messages.
+
+    Returns:
+        The formatter; it raises :class:`RowProblem` for a row it cannot use.
+
+    Raises:
+        DataError: If the tokenizer cannot serve this format (no eos, no chat template).
+    """
+    if config.type == "alpaca":
+        return _alpaca(config, tokenizer, train_on_inputs)
+    if config.type == "completion":
+        return _completion(config, tokenizer)
+    if config.type == "pretokenized":
+        return _pretokenized(config, tokenizer)
+    if config.type == "chat_template":
+        template = resolve_chat_template(tokenizer, chat_template, label)
+        return _chat(config, tokenizer, train_on_inputs, template)
+    raise ValueError(f"unknown dataset type {config.type!r}")

@@ -1,0 +1,240 @@
+"""Prepare a recipe's data: load, tokenize, split, pack, and cache the result.
+
+:func:`prepare_datasets` is what ``cptune preprocess`` and ``cptune train`` call.
+It fingerprints the inputs, reuses ``dataset_prepared_path/<fingerprint>/``
+when a finished copy exists, and otherwise builds it (one process at a time,
+see :mod:`cptune.data.cache`). Each stored row has ``input_ids``, ``labels``
+and ``position_ids`` (int lists of at most ``sequence_len`` tokens; with
+packing, positions restart at 0 for every sample in the row).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets.table import InMemoryTable
+from transformers import PreTrainedTokenizerBase
+
+from cptune.config.recipe import DatasetConfig, Recipe
+from cptune.data.cache import build_once, compute_fingerprint, is_complete
+from cptune.data.formats import build_formatter, required_columns
+from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
+from cptune.data.rows import count_tokens, tokenize_dataset
+from cptune.data.sources import ResolvedSource, load_source, resolve_source
+from cptune.data.stats import DatasetStats, PrepStats, SplitStats
+from cptune.errors import DataError
+
+__all__ = ["PreparedData", "cached_stats", "load_prepared", "prepare_datasets", "resolve_sources"]
+
+logger = logging.getLogger(__name__)
+
+_STATS_FILE = "stats.json"
+_TRAIN, _EVAL = "train", "eval"
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The prepared data of a recipe.
+
+    Attributes:
+        train: Training rows (``input_ids``, ``labels``, ``position_ids``).
+        eval: Evaluation rows, or None when the recipe has no evaluation data.
+        path: The cache folder they are stored in.
+        stats: What preparation did (see :meth:`PrepStats.format`).
+    """
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    path: Path
+    stats: PrepStats
+
+
+def resolve_sources(recipe: Recipe) -> list[tuple[str, DatasetConfig, ResolvedSource]]:
+    """Resolve every entry of ``datasets`` and ``test_datasets`` (see :func:`resolve_source`)."""
+    entries = [("datasets", i, c) for i, c in enumerate(recipe.datasets)]
+    entries += [("test_datasets", i, c) for i, c in enumerate(recipe.test_datasets or ())]
+    return [(key, config, resolve_source(config, key, index)) for key, index, config in entries]
+
+
+def prepare_datasets(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    log: Callable[[str], None] | None = None,
+) -> PreparedData:
+    """Prepared train and eval rows for ``recipe``, from the cache or freshly built.
+
+    Safe to call from every rank of a launch at once: one process builds, the
+    others wait for it and load the result.
+
+    Args:
+        recipe: The validated recipe.
+        tokenizer: The model's tokenizer.
+        log: Receives progress lines (building, waiting for another process);
+            default: this module's logger at INFO. The stats are not logged
+            here: print ``result.stats.format()`` where it suits (rank 0).
+
+    Returns:
+        The prepared data.
+
+    Raises:
+        DataError: For anything in the data, or data settings, that prevents preparation.
+    """
+    log = log or logger.info
+    sources = resolve_sources(recipe)
+    fingerprint = compute_fingerprint(recipe, tokenizer, sources)
+
+    def build(folder: Path) -> None:
+        log(f"Preparing data into {Path(recipe.dataset_prepared_path) / fingerprint}")
+        _build(recipe, tokenizer, sources, folder, fingerprint)
+
+    path, built = build_once(recipe.dataset_prepared_path, fingerprint, build, log=log)
+    return load_prepared(path, from_cache=not built)
+
+
+def cached_stats(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The formatted stats of the recipe's prepared data if a finished cache exists, else None.
+
+    Reads nothing but the data files' bytes (for the fingerprint) and ``stats.json``;
+    builds nothing. For ``cptune validate``.
+
+    Raises:
+        DataError: If a dataset path cannot be resolved.
+    """
+    fingerprint = compute_fingerprint(recipe, tokenizer, resolve_sources(recipe))
+    folder = Path(recipe.dataset_prepared_path) / fingerprint
+    if not is_complete(folder, fingerprint):
+        return None
+    stats = PrepStats.from_json((folder / _STATS_FILE).read_text())
+    stats.from_cache = True
+    return f"{stats.format()}\ncache: {folder}"
+
+
+def load_prepared(path: str | Path, *, from_cache: bool = True) -> PreparedData:
+    """Load a finished cache folder written by :func:`prepare_datasets`."""
+    path = Path(path)
+    stats = PrepStats.from_json((path / _STATS_FILE).read_text())
+    stats.from_cache = from_cache
+    train = datasets.load_from_disk(str(path / _TRAIN))
+    evaluation = datasets.load_from_disk(str(path / _EVAL)) if (path / _EVAL).is_dir() else None
+    return PreparedData(train=train, eval=evaluation, path=path, stats=stats)
+
+
+def _tokenize_all(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
+    scratch: Path,
+) -> tuple[pa.Table, pa.Table | None, list[DatasetStats]]:
+    tables: dict[str, list[pa.Table]] = {"datasets": [], "test_datasets": []}
+    all_stats = []
+    for key, config, source in sources:
+        rows = load_source(source, config, cache_dir=scratch / "sources", num_proc=recipe.dataset_processes)
+        formatter = build_formatter(
+            config,
+            tokenizer,
+            train_on_inputs=recipe.train_on_inputs,
+            chat_template=recipe.chat_template,
+            label=source.label,
+        )
+        table, stats = tokenize_dataset(
+            rows,
+            formatter,
+            label=source.label,
+            key=source.key,
+            required=required_columns(config),
+            sequence_len=recipe.sequence_len,
+            excess_length_strategy=recipe.excess_length_strategy,
+            skip_invalid_rows=recipe.skip_invalid_rows,
+            scratch_dir=scratch,
+            num_proc=recipe.dataset_processes,
+        )
+        tables[key].append(table)
+        all_stats.append(stats)
+    train = pa.concat_tables(tables["datasets"])
+    test = pa.concat_tables(tables["test_datasets"]) if tables["test_datasets"] else None
+    return train, test, all_stats
+
+
+def _validation_split(train: pa.Table, val_set_size: float, seed: int) -> tuple[pa.Table, pa.Table]:
+    n = train.num_rows
+    if val_set_size >= 1:
+        if val_set_size != int(val_set_size):
+            raise DataError(
+                f"val_set_size: {val_set_size} is >= 1, so it counts rows and must be a whole number "
+                "(or use a fraction below 1)."
+            )
+        count = int(val_set_size)
+    else:
+        count = math.ceil(n * val_set_size)
+    if not 0 < count < n:
+        raise DataError(
+            f"val_set_size: {val_set_size} asks for {count} of the {n} training samples left after "
+            "preprocessing; the evaluation split needs at least 1 and the training split too. "
+            "Lower val_set_size or add data."
+        )
+    # A seeded permutation: the same recipe always holds out the same samples.
+    chosen = np.random.default_rng(seed).permutation(n)[:count]
+    is_eval = np.zeros(n, dtype=bool)
+    is_eval[chosen] = True
+    return train.filter(pa.array(~is_eval)), train.filter(pa.array(is_eval))
+
+
+def _finish_split(table: pa.Table, recipe: Recipe) -> tuple[pa.Table, SplitStats]:
+    tokens, trained = count_tokens(table)
+    samples = table.num_rows
+    if recipe.sample_packing:
+        lengths = pc.list_value_length(table.column("input_ids")).to_pylist()
+        table = pack_table(table, first_fit_decreasing(lengths, recipe.sequence_len))
+    split = SplitStats(
+        samples=samples,
+        rows=table.num_rows,
+        tokens=tokens,
+        trained_tokens=trained,
+        packing_efficiency=packing_efficiency(tokens, table.num_rows, recipe.sequence_len),
+    )
+    return table, split
+
+
+def _build(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
+    folder: Path,
+    fingerprint: str,
+) -> None:
+    started = time.perf_counter()
+    scratch = folder / "scratch"
+    scratch.mkdir()
+    train, test, dataset_stats = _tokenize_all(recipe, tokenizer, sources, scratch)
+    if test is None and recipe.val_set_size:
+        train, test = _validation_split(train, recipe.val_set_size, recipe.seed)
+    splits = {_TRAIN: train, _EVAL: test}
+    split_stats: dict[str, SplitStats | None] = {_EVAL: None}
+    for name, table in splits.items():
+        if table is None:
+            continue
+        rows, split_stats[name] = _finish_split(table, recipe)
+        datasets.Dataset(InMemoryTable(rows)).save_to_disk(str(folder / name))
+    # The tokenized copies in scratch are no longer needed once saved.
+    shutil.rmtree(scratch)
+    stats = PrepStats(
+        datasets=dataset_stats,
+        train=split_stats[_TRAIN] or SplitStats(),
+        eval=split_stats[_EVAL],
+        sequence_len=recipe.sequence_len,
+        sample_packing=recipe.sample_packing,
+        seconds=round(time.perf_counter() - started, 3),
+        fingerprint=fingerprint,
+    )
+    (folder / _STATS_FILE).write_text(stats.to_json())

@@ -1,0 +1,183 @@
+"""Tokenize every row of one dataset, enforce the length policy and count what was dropped.
+
+Runs the dataset's format over its rows with ``datasets.map`` (batched, with
+row indices, optionally in several processes). Each row yields a sample plus a
+status; rows that are not kept are counted by status and removed afterwards, so
+counting works the same in one process or many. Errors name the dataset, the
+row index (0-based, in the order the source yields rows) and the field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cptune.data.formats import Formatter, RowProblem
+from cptune.data.labels import IGNORE_INDEX, trained_token_count
+from cptune.data.stats import DatasetStats
+from cptune.errors import DataError
+
+__all__ = ["SAMPLE_COLUMNS", "count_tokens", "tokenize_dataset"]
+
+SAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")
+"""Columns of a tokenized sample and of a stored row."""
+
+_FEATURES = datasets.Features(
+    {
+        **{name: datasets.List(datasets.Value("int32")) for name in SAMPLE_COLUMNS},
+        "status": datasets.Value("string"),
+    }
+)
+
+# Statuses of a row; "invalid: <reason>" for skipped rows.
+_KEPT = "kept"
+_TRUNCATED = "truncated"
+_TOO_LONG = "too long"
+_NO_TRAINED = "no trained tokens"
+_INVALID = "invalid: "
+
+
+def count_tokens(table: pa.Table) -> tuple[int, int]:
+    """Tokens and target tokens (see :func:`~cptune.data.labels.trained_token_count`) of a table of samples."""
+    if table.num_rows == 0:
+        return 0, 0
+    labels = table.column("labels")
+    tokens = pc.sum(pc.list_value_length(labels)).as_py() or 0
+    trained = pc.sum(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX).cast(pa.int64())).as_py() or 0
+    first_trained = (
+        pc.sum(pc.not_equal(pc.list_element(labels, 0), IGNORE_INDEX).cast(pa.int64())).as_py() or 0
+    )
+    return tokens, trained - first_trained
+
+
+def _check_columns(dataset: datasets.Dataset, required: Sequence[str], label: str, key: str) -> None:
+    # A column absent from the whole dataset is a setup mistake (a wrong field
+    # name), not a bad row: report it once, even with skip_invalid_rows.
+    missing = [name for name in required if name not in dataset.column_names]
+    if missing:
+        raise DataError(
+            f"{label}: no column {', '.join(repr(m) for m in missing)} (it has "
+            f"{', '.join(repr(c) for c in dataset.column_names)}). Set the field name keys of {key} "
+            "(e.g. field_output, field_messages, field) to the columns your data uses."
+        )
+
+
+def tokenize_dataset(
+    dataset: datasets.Dataset,
+    formatter: Formatter,
+    *,
+    label: str,
+    key: str,
+    required: Sequence[str],
+    sequence_len: int,
+    excess_length_strategy: Literal["drop", "truncate"],
+    skip_invalid_rows: bool,
+    scratch_dir: str | os.PathLike[str],
+    num_proc: int | None = None,
+) -> tuple[pa.Table, DatasetStats]:
+    """Turn the rows of one dataset into samples of at most ``sequence_len`` tokens.
+
+    Args:
+        dataset: The source rows.
+        formatter: From :func:`cptune.data.formats.build_formatter`.
+        label: Names the dataset in messages: ``datasets[0] (data/train.jsonl)``.
+        key: Its recipe key: ``datasets[0]``.
+        required: Columns the format needs.
+        sequence_len: Longest sample kept.
+        excess_length_strategy: ``drop`` or ``truncate`` longer samples.
+        skip_invalid_rows: Skip and count malformed rows instead of raising.
+        scratch_dir: Folder for the intermediate arrow file (deleted with it).
+        num_proc: Worker processes; None or 1 for the current process.
+
+    Returns:
+        An in-memory table with ``input_ids``, ``labels`` and ``position_ids``
+        (int32 lists) of the kept samples, in source order, and their counts.
+
+    Raises:
+        DataError: For a malformed row (unless skipped), a missing column, or
+            when no sample is left.
+    """
+    _check_columns(dataset, required, label, key)
+
+    def process(batch: Mapping[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "position_ids": [], "status": []}
+
+        def emit(input_ids: list[int], labels: list[int], status: str) -> None:
+            out["input_ids"].append(input_ids)
+            out["labels"].append(labels)
+            out["position_ids"].append(list(range(len(input_ids))))
+            out["status"].append(status)
+
+        for j, index in enumerate(indices):
+            row = {name: column[j] for name, column in batch.items()}
+            try:
+                sample = formatter(row)
+            except RowProblem as problem:
+                if skip_invalid_rows and problem.skippable:
+                    emit([], [], _INVALID + problem.reason)
+                    continue
+                raise DataError(f"{label}, row {index}: {problem.detail}") from None
+            input_ids, labels, status = sample.input_ids, sample.labels, _KEPT
+            if len(input_ids) > sequence_len:
+                if excess_length_strategy == "drop":
+                    emit([], [], _TOO_LONG)
+                    continue
+                input_ids, labels, status = input_ids[:sequence_len], labels[:sequence_len], _TRUNCATED
+            if trained_token_count(labels) == 0:
+                emit([], [], _NO_TRAINED)
+                continue
+            emit(input_ids, labels, status)
+        return out
+
+    mapped = dataset.map(
+        process,
+        batched=True,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        features=_FEATURES,
+        num_proc=num_proc if num_proc and num_proc > 1 else None,
+        cache_file_name=os.path.join(os.fspath(scratch_dir), f"{key}.arrow"),
+        # An explicit fingerprint: datasets would otherwise hash the closure
+        # (tokenizer included) for a cache cptune does not use.
+        new_fingerprint=f"cptune-{key}",
+        load_from_cache_file=False,
+        desc=f"Tokenizing {label}",
+    )
+    statuses = mapped.data.table.column("status").to_pylist()
+    counts = Counter(statuses)
+    keep = [i for i, status in enumerate(statuses) if status in (_KEPT, _TRUNCATED)]
+    table = mapped.data.table.select(list(SAMPLE_COLUMNS)).take(pa.array(keep, type=pa.int64()))
+    table = table.combine_chunks()
+    tokens, trained = count_tokens(table)
+    stats = DatasetStats(
+        label=label,
+        rows_in=len(dataset),
+        rows_out=table.num_rows,
+        skipped={s[len(_INVALID) :]: n for s, n in sorted(counts.items()) if s.startswith(_INVALID)},
+        dropped_too_long=counts[_TOO_LONG],
+        truncated=counts[_TRUNCATED],
+        dropped_no_trained_tokens=counts[_NO_TRAINED],
+        tokens=tokens,
+        trained_tokens=trained,
+    )
+    if table.num_rows == 0:
+        raise DataError(
+            f"{label}: no sample is left of its {len(dataset)} rows ({_describe_losses(stats)}). "
+            "Check the field names and the data, raise sequence_len, or set excess_length_strategy: truncate."
+        )
+    return table, stats
+
+
+def _describe_losses(stats: DatasetStats) -> str:
+    parts = [
+        f"{stats.dropped_too_long} longer than sequence_len",
+        f"{stats.dropped_no_trained_tokens} without trained tokens",
+        *(f"{n} skipped: {reason}" for reason, n in stats.skipped.items()),
+    ]
+    return ", ".join(parts)

@@ -1,0 +1,468 @@
+"""Pure-torch stand-ins for the private kernels of flash-attn 2.8.
+
+ring-flash-attn 0.1.8 builds its context-parallel attention from four private functions of
+``flash_attn.flash_attn_interface``. This module implements them in plain torch with flash-attn
+2.8.3's signatures and conventions, so that ring-flash-attn's own code runs on CPU (gloo):
+
+* ``q`` is ``(batch, seqlen_q, nheads, headdim)`` (dense) or ``(total_q, nheads, headdim)``
+  (varlen); ``k``, ``v`` have ``nheads_k`` heads and query head ``h`` reads key head
+  ``h // (nheads // nheads_k)`` (grouped-query attention).
+* ``softmax_lse`` is fp32, ``(batch, nheads, seqlen_q)`` dense or ``(nheads, total_q)`` varlen.
+* Masks are bottom-right aligned: query ``i`` sits at key position ``p = i + seqlen_k - seqlen_q``
+  (per sequence) and sees keys ``[p - window_size_left, p + window_size_right]``; -1 means
+  unbounded and ``causal`` means ``window_size_right = 0``.
+* Varlen sequence ``i`` is ``q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]`` against the same slice of
+  ``k`` by ``cu_seqlens_k`` (int32).
+
+Deliberate differences from flash-attn:
+
+* fp32 and fp64 inputs are accepted (flash-attn takes fp16/bf16 only) so CPU tests can be exact.
+  Arithmetic is fp32 (fp64 for fp64 inputs); outputs and gradients are cast back.
+* A query row that sees no key gets ``out = 0`` and ``lse = -inf``. flash-attn writes ``+inf``,
+  with which ring-flash-attn's merge (``ring_flash_attn/utils.py:47-48``) would overwrite the
+  running output with the empty block's zeros; ``-inf`` leaves it untouched.
+* ``softmax_d`` has the shape of ``softmax_lse`` (flash-attn pads it). Wrong offsets or a
+  sequence longer than ``max_seqlen_q/k`` raise ``ValueError`` (flash-attn reads garbage).
+* dropout, softcapping, ALiBi, ``return_softmax``, paged KV (``block_table``), ``leftpad_k`` and
+  ``seqused_k`` raise ``NotImplementedError``; ``deterministic`` and ``rng_state`` are ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+# Upper bound on the elements of one block of attention scores: long inputs are processed in
+# query-row blocks so memory stays bounded (the backward holds about four such blocks).
+_MAX_SCORE_ELEMENTS = 1 << 23
+
+
+def _flash_attn_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    return_softmax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dense attention forward (flash-attn 2.8 signature; see the module docstring).
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``; ``k``, ``v``: ``(batch, seqlen_k, nheads_k, headdim)``.
+        softmax_scale: Scale of ``q @ k^T``; ``None`` means ``headdim ** -0.5``.
+        causal: Bottom-right aligned causal mask.
+        window_size_left: Sliding window left of the diagonal (and ``window_size_right``
+            right of it), -1 for none.
+        dropout_p: Must be 0; so must ``softcap``; ``alibi_slopes`` must be ``None`` and
+            ``return_softmax`` false.
+
+    Returns:
+        ``(out, softmax_lse, S_dmask, rng_state)``: ``out`` like ``q``, fp32 ``softmax_lse``
+        ``(batch, nheads, seqlen_q)``, and the empty ``S_dmask`` and unused ``rng_state`` that
+        flash-attn returns without dropout.
+
+    Raises:
+        NotImplementedError: For an unsupported feature (dropout, softcap, ALiBi, ...).
+        ValueError: For inconsistent shapes, dtypes or offsets (also in the other kernels).
+    """
+    _reject_unsupported(dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
+    _check_qkv(q, k, v, dims=4)
+    left, right = _window(causal, window_size_left, window_size_right)
+    out, lse = _attend_forward(q, k, v, _scale(softmax_scale, q), left, right)
+    return out.to(q.dtype), lse, *_unused_outputs(q)
+
+
+def _flash_attn_varlen_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    return_softmax: bool = False,
+    block_table: Tensor | None = None,
+    leftpad_k: Tensor | None = None,
+    seqused_k: Tensor | None = None,
+    zero_tensors: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Packed (varlen) attention forward (flash-attn 2.8 signature; see the module docstring).
+
+    Args not listed here are as in :func:`_flash_attn_forward`; ``q`` is ``(total_q, nheads,
+    headdim)`` and ``k``, ``v`` are ``(total_k, nheads_k, headdim)``.
+
+    Args:
+        cu_seqlens_q: int32 query offsets ``(num_seqs + 1,)``; masks are aligned per sequence.
+        cu_seqlens_k: int32 key offsets ``(num_seqs + 1,)``.
+        max_seqlen_q: Longest query sequence.
+        max_seqlen_k: Longest key sequence.
+        block_table: Must be ``None`` (no paged KV cache); so must ``leftpad_k``, ``seqused_k``.
+        zero_tensors: Accepted; rows outside every sequence are always 0 here.
+
+    Returns:
+        ``(out, softmax_lse, S_dmask, rng_state)`` with fp32 ``softmax_lse`` ``(nheads, total_q)``.
+    """
+    _reject_unsupported(
+        dropout_p,
+        softcap,
+        alibi_slopes,
+        return_softmax=return_softmax,
+        block_table=block_table,
+        leftpad_k=leftpad_k,
+        seqused_k=seqused_k,
+    )
+    _check_qkv(q, k, v, dims=3)
+    scale = _scale(softmax_scale, q)
+    left, right = _window(causal, window_size_left, window_size_right)
+    out = torch.zeros_like(q)
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+    for rows_q, rows_k in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+        seq_out, seq_lse = _attend_forward(
+            q[None, rows_q], k[None, rows_k], v[None, rows_k], scale, left, right
+        )
+        out[rows_q] = seq_out[0].to(q.dtype)
+        lse[:, rows_q] = seq_lse[0]
+    return out, lse, *_unused_outputs(q)
+
+
+def _flash_attn_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor | None,
+    dk: Tensor | None,
+    dv: Tensor | None,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    rng_state: Tensor | None = None,
+) -> Tensor:
+    """Dense attention backward (flash-attn 2.8 signature; see the module docstring).
+
+    ``out`` and ``softmax_lse`` may belong to a larger attention (ring attention passes the
+    merged ones): probabilities are recomputed as ``exp(scale * q k^T - softmax_lse)``, which is
+    what makes the gradients of the blocks sum to the full gradient.
+
+    Args:
+        dout: Gradient of ``out``; ``q``, ``k``, ``v``, ``out`` as in the forward.
+        softmax_lse: fp32 ``(batch, nheads, seqlen_q)``.
+        dq: Overwritten in place (any strides) with the gradient of ``q``, and so are ``dk``
+            and ``dv``; ``None`` skips one.
+        dropout_p: ``softmax_scale`` to ``alibi_slopes`` as in the forward.
+        deterministic: Ignored (this code is deterministic), as is ``rng_state``.
+
+    Returns:
+        ``softmax_d``: fp32 ``(batch, nheads, seqlen_q)``, the row sums of ``dout * out``.
+    """
+    _reject_unsupported(dropout_p, softcap, alibi_slopes)
+    _check_qkv(q, k, v, dims=4, dout=dout, out=out)
+    left, right = _window(causal, window_size_left, window_size_right)
+    *grads, softmax_d = _attend_backward(
+        dout, q, k, v, out, softmax_lse, _scale(softmax_scale, q), left, right
+    )
+    for target, grad in zip((dq, dk, dv), grads, strict=True):
+        if target is not None:
+            target.copy_(grad)
+    return softmax_d
+
+
+def _flash_attn_varlen_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    softmax_lse: Tensor,
+    dq: Tensor | None,
+    dk: Tensor | None,
+    dv: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Tensor | None,
+    deterministic: bool,
+    rng_state: Tensor | None = None,
+    zero_tensors: bool = False,
+) -> Tensor:
+    """Packed (varlen) attention backward (flash-attn 2.8 signature; see the module docstring).
+
+    Args not listed here are as in :func:`_flash_attn_backward` and
+    :func:`_flash_attn_varlen_forward`; ``dq``, ``dk``, ``dv`` get the rows of each sequence.
+
+    Args:
+        softmax_lse: fp32 ``(nheads, total_q)``.
+        zero_tensors: Zero ``dq``, ``dk``, ``dv`` first; otherwise rows outside every sequence
+            are left untouched, as flash-attn leaves them.
+
+    Returns:
+        ``softmax_d``: fp32 ``(nheads, total_q)``, the row sums of ``dout * out``.
+    """
+    _reject_unsupported(dropout_p, softcap, alibi_slopes)
+    _check_qkv(q, k, v, dims=3, dout=dout, out=out)
+    scale = _scale(softmax_scale, q)
+    left, right = _window(causal, window_size_left, window_size_right)
+    for target in (dq, dk, dv):
+        if zero_tensors and target is not None:
+            target.zero_()
+    softmax_d = q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+    for rows_q, rows_k in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
+        *grads, seq_d = _attend_backward(
+            dout[None, rows_q],
+            q[None, rows_q],
+            k[None, rows_k],
+            v[None, rows_k],
+            out[None, rows_q],
+            softmax_lse[None, :, rows_q],
+            scale,
+            left,
+            right,
+        )
+        for target, rows, grad in zip((dq, dk, dv), (rows_q, rows_k, rows_k), grads, strict=True):
+            if target is not None:
+                target[rows].copy_(grad[0])
+        softmax_d[:, rows_q] = seq_d[0]
+    return softmax_d
+
+
+def _attend_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int, right: int
+) -> tuple[Tensor, Tensor]:
+    """Forward on dense ``(b, s, h, d)`` tensors; returns ``out`` in compute dtype and fp32 lse."""
+    batch, seqlen_q, nheads, headdim = q.shape
+    compute = _compute_dtype(q)
+    q, k, v = (t.to(compute) for t in (q, k, v))
+    q_scaled = q * scale
+    out = torch.zeros_like(q)
+    lse = q.new_full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32)
+    for rows, keys, visible in _blocks(q, k, left, right):
+        scores = _scores(_grouped(q_scaled[:, rows], k), k[:, keys], visible)
+        blk_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _dead_rows_to_inf(blk_lse)[..., None])
+        blk_out = torch.einsum("bkgqs,bskd->bqkgd", probs, v[:, keys])
+        out[:, rows] = blk_out.reshape(batch, -1, nheads, headdim)
+        lse[:, :, rows] = blk_lse.reshape(batch, nheads, -1).float()
+    return out, lse
+
+
+def _attend_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    left: int,
+    right: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward on dense ``(b, s, h, d)`` tensors; returns dq, dk, dv and fp32 softmax_d."""
+    batch, _, nheads, headdim = q.shape
+    nheads_k = k.shape[2]
+    compute = _compute_dtype(q)
+    dout, q, k, v, out = (t.to(compute) for t in (dout, q, k, v, out))
+    q_scaled = q * scale
+    # delta_i = dout_i . out_i = sum_j P_ij dP_ij, the rank-one term of the softmax Jacobian.
+    delta = (dout * out).sum(dim=-1)
+    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, keys, visible in _blocks(q, k, left, right):
+        k_blk, v_blk = k[:, keys], v[:, keys]
+        q_blk, dout_blk = _grouped(q_scaled[:, rows], k), _grouped(dout[:, rows], k)
+        # (b, h, n) -> (b, h_kv, group, n), matching the score layout below.
+        lse_blk = lse[:, :, rows].to(compute).reshape(batch, nheads_k, nheads // nheads_k, -1)
+        delta_blk = delta[:, rows].reshape(batch, -1, nheads_k, nheads // nheads_k).permute(0, 2, 3, 1)
+        scores = _scores(q_blk, k_blk, visible)
+        probs = torch.exp(scores - _dead_rows_to_inf(lse_blk)[..., None])
+        grad_v[:, keys] += torch.einsum("bkgqs,bqkgd->bskd", probs, dout_blk)
+        dprobs = torch.einsum("bqkgd,bskd->bkgqs", dout_blk, v_blk)
+        dscores = probs * (dprobs - delta_blk[..., None])
+        blk_grad_q = torch.einsum("bkgqs,bskd->bqkgd", dscores, k_blk) * scale
+        grad_q[:, rows] = blk_grad_q.reshape(batch, -1, nheads, headdim)
+        # q_blk already carries the scale, so this is scale * dS^T q.
+        grad_k[:, keys] += torch.einsum("bkgqs,bqkgd->bskd", dscores, q_blk)
+    return grad_q, grad_k, grad_v, delta.transpose(1, 2).float()
+
+
+def _blocks(q: Tensor, k: Tensor, left: int, right: int) -> Iterator[tuple[slice, slice, Tensor | None]]:
+    """Split the score matrix into query-row blocks, each with the key range it can see.
+
+    Yields ``(rows, keys, visible)``: the query rows, the smallest key range that holds every
+    key those rows may see, and a boolean ``(rows, keys)`` mask (``None`` when all are visible).
+    Blocks whose rows see no key are skipped: their ``out`` stays 0 and ``lse`` stays -inf.
+    Narrowing the key range is what makes causal and sliding-window attention cheaper here.
+    """
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    # Bottom-right alignment: query i sits at key position i + shift.
+    shift = seqlen_k - seqlen_q
+    rows_per_block = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    for start in range(0, seqlen_q, rows_per_block):
+        stop = min(seqlen_q, start + rows_per_block)
+        first = 0 if left < 0 else max(0, start + shift - left)
+        last = seqlen_k if right < 0 else min(seqlen_k, stop - 1 + shift + right + 1)
+        if first >= last:
+            continue
+        visible = None
+        if left >= 0 or right >= 0:
+            offset = (
+                torch.arange(first, last, device=q.device)[None, :]
+                - torch.arange(start + shift, stop + shift, device=q.device)[:, None]
+            )
+            visible = torch.ones_like(offset, dtype=torch.bool)
+            if left >= 0:
+                visible &= offset >= -left
+            if right >= 0:
+                visible &= offset <= right
+        yield slice(start, stop), slice(first, last), visible
+
+
+def _scores(q_grouped: Tensor, k: Tensor, visible: Tensor | None) -> Tensor:
+    """Masked scores ``(b, h_kv, group, n_q, n_k)`` from grouped, pre-scaled queries."""
+    scores = torch.einsum("bqkgd,bskd->bkgqs", q_grouped, k)
+    if visible is not None:
+        scores.masked_fill_(~visible, float("-inf"))
+    return scores
+
+
+def _grouped(x: Tensor, k: Tensor) -> Tensor:
+    """View ``(b, n, h, d)`` as ``(b, n, h_kv, group, d)``: query head h reads key head h // group."""
+    batch, rows, nheads, headdim = x.shape
+    nheads_k = k.shape[2]
+    return x.reshape(batch, rows, nheads_k, nheads // nheads_k, headdim)
+
+
+def _dead_rows_to_inf(lse: Tensor) -> Tensor:
+    """Replace non-finite lse by +inf so ``exp(score - lse)`` is 0 on rows that see no key.
+
+    A row without visible keys has scores and lse of -inf; ``-inf - -inf`` would be NaN.
+    """
+    return lse.masked_fill(~torch.isfinite(lse), float("inf"))
+
+
+def _segments(
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, q: Tensor, k: Tensor
+) -> list[tuple[slice, slice]]:
+    """Validate varlen offsets and return the ``(q rows, k rows)`` of each sequence.
+
+    flash-attn trusts wrong offsets and skips the tail of a sequence longer than
+    ``max_seqlen_*`` without a word; checking here turns such bugs into errors on the CPU.
+    """
+    offsets = {}
+    for name, cu, max_len, total in (
+        ("q", cu_seqlens_q, max_seqlen_q, q.shape[0]),
+        ("k", cu_seqlens_k, max_seqlen_k, k.shape[0]),
+    ):
+        if cu.dim() != 1 or cu.dtype != torch.int32 or cu.numel() < 1:
+            raise ValueError(
+                f"cu_seqlens_{name} must be a non-empty 1-D int32 tensor as flash-attn requires; "
+                f"got {cu.dtype} {tuple(cu.shape)}."
+            )
+        offsets[name] = cu.tolist()
+        lengths = [stop - start for start, stop in itertools.pairwise(offsets[name])]
+        if offsets[name][0] < 0 or offsets[name][-1] > total or any(n < 0 for n in lengths):
+            raise ValueError(
+                f"cu_seqlens_{name} must be non-decreasing offsets into the {total} rows of {name}; "
+                f"got {offsets[name]}."
+            )
+        if lengths and max(lengths) > int(max_len):
+            raise ValueError(
+                f"max_seqlen_{name}={int(max_len)} is shorter than a sequence of {max(lengths)} rows."
+            )
+    if len(offsets["q"]) != len(offsets["k"]):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k describe different numbers of sequences: {offsets}.")
+    return [
+        (slice(q0, q1), slice(k0, k1))
+        for (q0, q1), (k0, k1) in zip(
+            itertools.pairwise(offsets["q"]), itertools.pairwise(offsets["k"]), strict=True
+        )
+    ]
+
+
+def _reject_unsupported(
+    dropout_p: float, softcap: float | None, alibi_slopes: Tensor | None, **options: object
+) -> None:
+    """Raise ``NotImplementedError`` naming every requested feature these kernels lack."""
+    requested = {"dropout_p": dropout_p, "softcap": softcap, "alibi_slopes": alibi_slopes, **options}
+    missing = [
+        name if isinstance(value, Tensor) else f"{name}={value!r}"
+        for name, value in requested.items()
+        if isinstance(value, Tensor) or value
+    ]
+    if missing:
+        raise NotImplementedError(
+            f"cptune's CPU stand-in for flash-attn does not support {', '.join(missing)}: "
+            "set attention dropout to 0, drop softcapping / ALiBi / paged KV, or run with "
+            "flash-attn 2.8 on a CUDA machine."
+        )
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, dims: int, **like_q: Tensor) -> None:
+    """Check the layouts flash-attn expects (``like_q``: tensors shaped like ``q``).
+
+    A misuse then fails in the CPU dry run, not later on the GPU.
+    """
+    layout = "(batch, seqlen, nheads, headdim)" if dims == 4 else "(total, nheads, headdim)"
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.dim() != dims:
+            raise ValueError(f"{name} must be {layout}; got shape {tuple(tensor.shape)}.")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}.")
+    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if q.shape[-1] != k.shape[-1] or (dims == 4 and q.shape[0] != k.shape[0]):
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch size and head dim.")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"nheads ({q.shape[-2]}) must be a multiple of nheads_k ({k.shape[-2]}).")
+    for name, tensor in like_q.items():
+        if tensor.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}; got {tuple(tensor.shape)}.")
+
+
+def _window(causal: bool, left: int | None, right: int | None) -> tuple[int, int]:
+    """Normalize window bounds to ``-1`` (unbounded) or ``>= 0``; causal means ``right = 0``."""
+    left = -1 if left is None or left < 0 else int(left)
+    right = -1 if right is None or right < 0 else int(right)
+    return left, 0 if causal else right
+
+
+def _scale(softmax_scale: float | None, q: Tensor) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _unused_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    # flash-attn returns an empty S_dmask without return_softmax, and the (seed, offset) of its
+    # dropout RNG, which nothing reads without dropout.
+    return q.new_empty((0,)), torch.zeros(2, dtype=torch.int64, device=q.device)

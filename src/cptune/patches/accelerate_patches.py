@@ -1,0 +1,223 @@
+"""Patches of accelerate 1.15 that let context parallelism run on plain DDP, with cptune's backends.
+
+cptune hands accelerate a ``ParallelismConfig`` with ``cp_size > 1`` so that
+accelerate builds the device mesh and its data loader gives every rank of a
+CP group the same batch (accelerate/data_loader.py:1164). Everything else
+accelerate does for ``cp_size > 1`` assumes torch's ``context_parallel`` on
+FSDP2; these patches switch off what cptune's backends do not want.
+
+Each function returns one :class:`~cptune.patches.core.Patch`. Recipe values
+a wrapper needs (the backend) are bound when the patch is built, by
+:func:`cptune.patches.registry.build_patch_set`, since a replacement factory
+only receives the original object. accelerate is imported lazily inside the
+wrappers, so importing this module does nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+from cptune.errors import PatchError
+from cptune.patches.core import ContextParallelWith, Patch
+
+ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
+"""The accelerate versions these patches were read against."""
+
+DDP_CP_BACKENDS = ("ring-flash-attn", "torch")
+"""cp_backend values that run CP next to plain DDP (deepspeed brings its own engine)."""
+
+
+def _torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
+    """Put in ``Accelerator._cp_context`` so that nothing silently falls back to torch CP."""
+    raise PatchError(
+        "accelerator.maybe_context_parallel() was called, but cptune's cp_backend shards the sequence "
+        "itself and has no torch context_parallel context. Remove the call (cptune's Trainer already "
+        "shards every batch), or set cp_backend: torch in the recipe."
+    )
+
+
+def _prepare_cp_for_ring(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``_prepare_cp`` for ring-flash-attn: leave the objects as they are.
+
+    The original (accelerate/accelerator.py:1659-1672) would call torch's
+    process-global ``set_rotate_method``, store a torch ``context_parallel``
+    partial in ``_cp_context`` and attach ``_attach_context_parallel_hooks``
+    (big_modeling.py:787), whose pre-hooks replace every ``attention_mask`` with
+    ``is_causal=True``: wrong for packed or bidirectional attention. The
+    original returns ``args`` as a tuple unchanged; so does this one.
+    """
+    accelerator._cp_context = _torch_cp_context_unavailable
+    return args
+
+
+_PREPARE_CP_BY_BACKEND: MappingProxyType[str, Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]] = (
+    MappingProxyType({"ring-flash-attn": _prepare_cp_for_ring})
+)
+"""cp_backend → what ``Accelerator._prepare_cp`` does instead; backends not listed keep accelerate's.
+
+The torch backend's entry (hooks that check the mask instead of dropping it)
+belongs here when it is written.
+"""
+
+
+def prepare_cp_patch(cp_backend: str) -> Patch:
+    """``Accelerator._prepare_cp`` → backend-aware preparation, bound to ``cp_backend``."""
+    handler = _PREPARE_CP_BY_BACKEND.get(cp_backend)
+
+    def replacement(original: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
+        @functools.wraps(original)  # keeps __wrapped__, so a re-plan checks the original's signature
+        def _prepare_cp(self: Any, *args: Any) -> tuple[Any, ...]:
+            if handler is None:
+                return original(self, *args)
+            return handler(self, args)
+
+        return _prepare_cp
+
+    return Patch(
+        name="accelerator-prepare-cp-by-backend",
+        target="accelerate.accelerator:Accelerator._prepare_cp",
+        replacement=replacement,
+        reason=(
+            "No torch CP context, rotate method or mask-dropping hooks for backends that shard themselves.\n"
+            "accelerate/accelerator.py:1659 _prepare_cp assumes cp_backend=torch: it sets torch's global "
+            "rotate method, a context_parallel context, and hooks (big_modeling.py:787) that drop "
+            "attention masks."
+        ),
+        remove_when="accelerate's ParallelismConfig accepts a cp_backend that shards inputs itself.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "args"),
+        applies_to=ContextParallelWith(tuple(_PREPARE_CP_BY_BACKEND)),
+    )
+
+
+class _MultiCpuAsMultiDevice:
+    """View of an Accelerator whose ``multi_device`` also counts ``MULTI_CPU``; all else delegates."""
+
+    multi_device = True
+
+    def __init__(self, accelerator: Any):
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._accelerator, name)
+
+
+def validate_accelerator_multi_cpu_patch() -> Patch:
+    """``ParallelismConfig._validate_accelerator`` → accept ``MULTI_CPU`` for CP-only configs.
+
+    The original (accelerate/parallelism_config.py:355, raising at :393-397)
+    says "ParallelismConfig is only compatible DistributedType.FSDP ... or
+    DistributedType.Multi{Device}" because ``Accelerator.multi_device``
+    (accelerator.py:659) leaves out ``MULTI_CPU``. The wrapper runs the
+    original with a view of the accelerator whose ``multi_device`` is true, so
+    all its other checks (total size = number of processes, FSDP dims, handler
+    warnings) still run. Measured on CPU (notes/cpu-measurements.md, A): with
+    it, 2 gloo processes get a ``cp`` mesh and a DDP-wrapped model.
+    """
+
+    def replacement(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        @functools.wraps(original)
+        def _validate_accelerator(self: Any, accelerator: Any) -> None:
+            from accelerate.utils import DistributedType
+
+            cp_only = self.cp_enabled and not self.tp_enabled and not self.sp_enabled
+            if cp_only and accelerator.distributed_type == DistributedType.MULTI_CPU:
+                return original(self, _MultiCpuAsMultiDevice(accelerator))
+            return original(self, accelerator)
+
+        return _validate_accelerator
+
+    return Patch(
+        name="parallelism-config-allow-multi-cpu",
+        target="accelerate.parallelism_config:ParallelismConfig._validate_accelerator",
+        replacement=replacement,
+        reason=(
+            "Lets CP run on CPU processes (gloo) with plain DDP.\n"
+            "accelerate/parallelism_config.py:393 rejects DistributedType.MULTI_CPU because "
+            "Accelerator.multi_device (accelerator.py:659) omits it; measured on CPU with 2 processes."
+        ),
+        remove_when="accelerate accepts MULTI_CPU in ParallelismConfig._validate_accelerator.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "accelerator"),
+        applies_to=ContextParallelWith(DDP_CP_BACKENDS),
+    )
+
+
+class _HiddenParallelismConfig:
+    """Falsy stand-in for the parallelism config while ``AcceleratorState.__init__`` runs.
+
+    ``__init__`` reads it only as ``if self.parallelism_config and ...`` and
+    ``self.parallelism_config is not None and self.parallelism_config.cp_enabled``
+    (accelerate/state.py:998-1012); both are false for this object.
+    """
+
+    cp_enabled = False
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def accelerator_state_cp_without_fsdp_patch() -> Patch:
+    """``AcceleratorState.__init__`` → CP with plain DDP on GPUs, without an FSDP plugin.
+
+    On MULTI_GPU-like setups accelerate/state.py:997-1016 raises "cp_size > 1
+    ... but no fsdp_plugin was provided" unless the environment variable
+    ACCELERATE_ALLOW_CP_STANDALONE=true; with the variable, it forces
+    ``distributed_type = FSDP`` with ``fsdp_plugin = None``, and then
+    ``AcceleratorState.is_fsdp2`` (state.py:1103) raises AttributeError
+    (measured) and ``prepare_model`` would take the FSDP branch.
+
+    The wrapper, when ``cp_size > 1`` and no ``fsdp_plugin`` is given, runs the
+    original with a falsy stand-in config (those lines are the only reads of
+    the config in ``__init__``: state.py:924, 998, 1003, 1011), so
+    ``distributed_type`` stays MULTI_GPU (DDP, as for any run without FSDP), and
+    then stores the real config where the original put the stand-in. Later
+    readers (mesh building, ``_validate_accelerator``, the data loader, the
+    Trainer) see the real config; ``is_fsdp2`` is False without touching
+    ``fsdp_plugin``. With an ``fsdp_plugin`` the original runs unchanged.
+
+    Inferred from the source, not run on a GPU. On CPU (MULTI_CPU) the
+    original never reaches these lines, so the wrapper changes nothing there;
+    that path is measured.
+    """
+
+    def replacement(original: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = signature.bind(self, *args, **kwargs)
+            config = bound.arguments.get("parallelism_config")
+            if config is None or not config.cp_enabled or bound.arguments.get("fsdp_plugin") is not None:
+                return original(self, *args, **kwargs)
+            stand_in = _HiddenParallelismConfig()
+            bound.arguments["parallelism_config"] = stand_in
+            try:
+                original(*bound.args, **bound.kwargs)
+            finally:
+                # The original stores the config only on first initialisation; the stand-in is
+                # found exactly when it did, also when it raised later on, as upstream would leave it.
+                if vars(self).get("parallelism_config") is stand_in:
+                    self.parallelism_config = config
+
+        return __init__
+
+    return Patch(
+        name="accelerator-state-cp-without-fsdp",
+        target="accelerate.state:AcceleratorState.__init__",
+        replacement=replacement,
+        reason=(
+            "Lets CP run with plain DDP on GPUs without an FSDP plugin or environment variables.\n"
+            "accelerate/state.py:997 requires an fsdp_plugin for cp_size > 1 unless "
+            "ACCELERATE_ALLOW_CP_STANDALONE=true, which forces FSDP with no plugin and breaks is_fsdp2 "
+            "(state.py:1103). Inferred from source; not run on a GPU."
+        ),
+        remove_when="accelerate supports cp_size > 1 without FSDP (drops the 'TODO: Siro' check in state.py).",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "fsdp_plugin", "parallelism_config"),
+        applies_to=ContextParallelWith(DDP_CP_BACKENDS),
+    )

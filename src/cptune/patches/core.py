@@ -1,0 +1,450 @@
+"""Checked, reversible patches of upstream libraries.
+
+A :class:`Patch` describes one replacement of an object inside transformers,
+accelerate or another library: where it lives, which versions it was written
+for, which parameters it relies on, why it exists and when it can go. A
+:class:`PatchSet` turns a list of them into a :class:`PatchPlan` for a recipe
+(no side effects, every incompatibility reported at once), applies the plan all
+or nothing, and reverts it in reverse order, putting back the very objects it
+found. Nothing here touches any library until ``apply`` is called.
+
+Vocabulary: the *target* is the place (``"module:Dotted.attr"`` or
+``"module:dotted.mapping['key']"``); the *original* is the object found there;
+the *replacement* is the factory that builds what gets installed.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import inspect
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from importlib import metadata
+from types import MappingProxyType
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from cptune.errors import PatchError
+
+logger = logging.getLogger("cptune.patches")
+
+
+class _Missing(Enum):
+    """Type of :data:`MISSING`; an enum so the sentinel is a typed singleton."""
+
+    MISSING = "MISSING"
+
+
+MISSING = _Missing.MISSING
+"""Passed to a replacement factory when a ``create=True`` target does not exist yet."""
+
+
+def always(recipe: Any) -> bool:
+    """Default predicate: the patch applies to every recipe."""
+    return True
+
+
+@dataclass(frozen=True)
+class ContextParallelWith:
+    """Predicate: ``context_parallel_size > 1`` and ``cp_backend`` in ``backends``.
+
+    An object rather than a lambda so that ``cptune validate`` can print the condition.
+    """
+
+    backends: tuple[str, ...]
+
+    def __call__(self, recipe: Any) -> bool:
+        return recipe.context_parallel_size > 1 and recipe.cp_backend in self.backends
+
+    def __str__(self) -> str:
+        return f"context_parallel_size > 1 and cp_backend in ({', '.join(self.backends)})"
+
+
+_TARGET_RE = re.compile(
+    r"^(?P<module>[A-Za-z_][\w.]*):(?P<path>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+    r"(?:\[(?P<key>'[^']*'|\"[^\"]*\")\])?$"
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed target: a module, a dotted attribute path from it and an optional mapping key."""
+
+    module: str
+    path: tuple[str, ...]
+    key: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Target:
+        """Parses ``"pkg.mod:Class.attr"`` or ``"pkg.mod:dotted.mapping['key']"``.
+
+        Raises:
+            ValueError: ``spec`` has neither form (a bug in the patch definition).
+        """
+        match = _TARGET_RE.match(spec)
+        if match is None:
+            raise ValueError(
+                f"patch target {spec!r} must look like 'pkg.module:Qualified.attr' "
+                "or 'pkg.module:dotted.mapping[\"key\"]'"
+            )
+        key = match["key"]
+        return cls(match["module"], tuple(match["path"].split(".")), ast.literal_eval(key) if key else None)
+
+
+@dataclass(frozen=True, eq=False)
+class Patch:
+    """One reversible replacement of an object inside an upstream library.
+
+    Attributes:
+        name: Short id used in logs and plans, e.g. ``"trainer-cp-inputs-noop"``.
+        target: Where the object lives; see :class:`Target`.
+        replacement: Factory called with the original object (the raw object as
+            stored in the owner's namespace, so a ``staticmethod``/``property``
+            arrives as such, or :data:`MISSING`); returns what gets installed.
+        reason: Why the patch exists, citing upstream code. Its first line is the
+            short summary used in logs and plans.
+        remove_when: The condition under which the patch can be deleted.
+        requires: Distribution name → PEP 440 specifier the patch was written for.
+        signature: Parameter names the original callable must accept.
+        applies_to: Predicate on the recipe; give it a readable ``str`` or name.
+        create: The target may be absent; it is then created and deleted on revert.
+    """
+
+    name: str
+    target: str
+    replacement: Callable[[Any], Any]
+    reason: str
+    remove_when: str
+    requires: Mapping[str, str] = field(default_factory=dict)
+    signature: tuple[str, ...] | None = None
+    applies_to: Callable[[Any], bool] = always
+    create: bool = False
+    parsed_target: Target = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Malformed definitions are cptune bugs, so they fail at construction time, not at plan time.
+        object.__setattr__(self, "parsed_target", Target.parse(self.target))
+        for dist, spec in self.requires.items():
+            try:
+                SpecifierSet(spec)
+            except InvalidSpecifier as exc:
+                raise ValueError(f"patch {self.name}: bad specifier {spec!r} for {dist}") from exc
+        object.__setattr__(self, "requires", MappingProxyType(dict(self.requires)))
+
+    @property
+    def summary(self) -> str:
+        """The first line of :attr:`reason`."""
+        return self.reason.strip().splitlines()[0] if self.reason.strip() else ""
+
+
+@dataclass(frozen=True)
+class PatchProblem:
+    """One incompatibility between a patch and the installed libraries."""
+
+    patch: str
+    target: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.patch} ({self.target}): {self.message}"
+
+
+@dataclass(frozen=True)
+class SkippedPatch:
+    """A patch the recipe does not need, with the condition it failed."""
+
+    patch: Patch
+    why: str
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    """What :meth:`PatchSet.apply` would do for one recipe, computed without side effects."""
+
+    selected: tuple[Patch, ...]
+    skipped: tuple[SkippedPatch, ...]
+    problems: tuple[PatchProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every selected patch fits the installed libraries."""
+        return not self.problems
+
+    def describe(self) -> str:
+        """Human-readable lines for ``cptune validate``: what is patched, what is skipped, and why."""
+        lines = [f"patches: {len(self.selected)} to apply, {len(self.skipped)} not needed"]
+        for patch in self.selected:
+            lines.append(f"  apply {patch.name}: {patch.target}")
+            lines.append(f"        why: {patch.summary}")
+        for skipped in self.skipped:
+            lines.append(f"  skip  {skipped.patch.name}: {skipped.patch.target} ({skipped.why})")
+        if self.problems:
+            lines.append("problems:")
+            lines.extend(f"  - {problem}" for problem in self.problems)
+        return "\n".join(lines)
+
+    def raise_for_problems(self) -> None:
+        """Raises one :class:`PatchError` listing every problem, if there is any."""
+        if not self.problems:
+            return
+        count = len(self.problems)
+        raise PatchError(
+            f"cptune cannot patch the installed libraries ({count} problem{'s' if count != 1 else ''}):\n"
+            + "\n".join(f"  - {problem}" for problem in self.problems)
+            + "\nInstall the versions cptune pins in its pyproject.toml (for example "
+            "`pip install -e .` in a fresh environment), or use a cptune release made for these versions."
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class _Slot:
+    """A resolved place: attribute ``name`` of ``owner``, or key ``name`` of the mapping ``owner``."""
+
+    owner: Any
+    name: str
+    is_item: bool
+
+    def own(self) -> Any:
+        """The raw object stored directly in the owner's namespace, or MISSING."""
+        if self.is_item:
+            return self.owner.get(self.name, MISSING)
+        namespace = getattr(self.owner, "__dict__", None)
+        if namespace is None:  # __slots__ objects: no raw namespace to look into
+            return getattr(self.owner, self.name, MISSING)
+        return namespace.get(self.name, MISSING)
+
+    def visible(self) -> Any:
+        """What the replacement factory receives: the own object, else an inherited raw one."""
+        if self.is_item:
+            return self.owner.get(self.name, MISSING)
+        if isinstance(self.owner, type):
+            # getattr_static walks the MRO without invoking descriptors, so a staticmethod,
+            # classmethod or property arrives as the object stored in the class __dict__.
+            return inspect.getattr_static(self.owner, self.name, MISSING)
+        # Modules and instances: plain getattr so a lazy module (transformers' _LazyModule)
+        # can resolve the name; the raw object is then in its __dict__.
+        value = getattr(self.owner, self.name, MISSING)
+        own = self.own()
+        return value if own is MISSING else own
+
+    def write(self, value: Any) -> None:
+        """Stores ``value`` as is; MISSING deletes what the owner holds (nothing inherited is touched)."""
+        if value is MISSING:
+            if self.own() is not MISSING:
+                if self.is_item:
+                    del self.owner[self.name]
+                else:
+                    delattr(self.owner, self.name)
+        elif self.is_item:
+            self.owner[self.name] = value
+        else:
+            setattr(self.owner, self.name, value)
+
+
+def _resolve(target: Target) -> _Slot:
+    """Imports the target's module and walks to the slot; raises LookupError/ImportError on failure."""
+    owner: Any = importlib.import_module(target.module)
+    for depth, part in enumerate(target.path[:-1], start=1):
+        if not hasattr(owner, part):
+            raise LookupError(f"{target.module}:{'.'.join(target.path[:depth])} does not exist")
+        owner = getattr(owner, part)
+    last = target.path[-1]
+    if target.key is None:
+        return _Slot(owner, last, is_item=False)
+    mapping = getattr(owner, last, MISSING)
+    if not isinstance(mapping, MutableMapping):
+        raise LookupError(f"{target.module}:{'.'.join(target.path)} is not a mutable mapping")
+    return _Slot(mapping, target.key, is_item=True)
+
+
+def _check_requirements(patch: Patch) -> list[str]:
+    messages = []
+    for dist, spec in patch.requires.items():
+        try:
+            installed = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            messages.append(f"needs {dist}{spec}, which is not installed")
+            continue
+        try:
+            fits = SpecifierSet(spec).contains(Version(installed), prereleases=True)
+        except InvalidVersion:
+            fits = False
+        if not fits:
+            messages.append(f"written for {dist}{spec}, but {dist} {installed} is installed")
+    return messages
+
+
+def _check_target(patch: Patch, original: Any = MISSING) -> list[str]:
+    """Checks the target exists and has the expected parameters.
+
+    ``original`` is given when this patch is installed already: the check must
+    look at the object it replaced, not at cptune's own replacement.
+    """
+    if original is MISSING:
+        try:
+            original = _resolve(patch.parsed_target).visible()
+        except Exception as exc:  # an import can fail with anything; report it instead of crashing the plan
+            return [f"target cannot be found: {type(exc).__name__}: {exc}"]
+    if original is MISSING:
+        return [] if patch.create else ["target does not exist"]
+    if patch.signature is None:
+        return []
+    # The parameters that matter are those of the function inside a static/class method or property.
+    function = original.fget if isinstance(original, property) else getattr(original, "__func__", original)
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return [f"expected a callable with parameters {patch.signature}, found {type(original).__name__}"]
+    missing = [name for name in patch.signature if name not in parameters]
+    if missing:
+        return [
+            f"signature drift: parameters {missing} are gone; "
+            f"found ({', '.join(parameters)}), expected ({', '.join(patch.signature)})"
+        ]
+    return []
+
+
+@dataclass(frozen=True, eq=False)
+class _Installed:
+    """What one applied patch changed, enough to undo it exactly."""
+
+    patch: Patch
+    slot: _Slot
+    saved: Any  # the slot's own raw object before install, or MISSING
+    original: Any  # what the replacement factory received
+    installed: Any
+
+
+class PatchSet:
+    """An ordered list of patches that are planned, applied and reverted together.
+
+    The instance holds what it applied (no module-level state), so idempotence
+    is per instance: applying the same set twice is a no-op, while two
+    separate instances would stack their wrappers.
+    """
+
+    def __init__(self, patches: Sequence[Patch]):
+        names = [patch.name for patch in patches]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate patch names: {duplicates}")
+        self.patches: tuple[Patch, ...] = tuple(patches)
+        self._installed: list[_Installed] = []
+
+    @property
+    def applied_patches(self) -> tuple[Patch, ...]:
+        """The patches currently installed by this set, in order of installation."""
+        return tuple(entry.patch for entry in self._installed)
+
+    def plan(self, recipe: Any = None) -> PatchPlan:
+        """Selects the patches the recipe needs and checks them against the installed libraries.
+
+        Imports target modules but modifies nothing and calls no replacement factory.
+        """
+        selected, skipped, problems = [], [], []
+        originals = {entry.patch.name: entry.original for entry in self._installed}
+        for patch in self.patches:
+            if not patch.applies_to(recipe):
+                # Functions print their name, predicate objects their condition.
+                when = getattr(patch.applies_to, "__name__", None) or str(patch.applies_to)
+                skipped.append(SkippedPatch(patch, f"needs {when}"))
+                continue
+            selected.append(patch)
+            target_messages = _check_target(patch, originals.get(patch.name, MISSING))
+            for message in _check_requirements(patch) + target_messages:
+                problems.append(PatchProblem(patch.name, patch.target, message))
+        return PatchPlan(tuple(selected), tuple(skipped), tuple(problems))
+
+    def apply(self, recipe: Any = None) -> PatchPlan:
+        """Plans for ``recipe`` and installs the selected patches, all or nothing.
+
+        Returns:
+            The plan that was applied.
+
+        Raises:
+            PatchError: The plan has problems; nothing was touched.
+            RuntimeError: This set is already applied with a different selection.
+            Exception: Whatever a replacement factory or an install raised, after
+                the patches installed so far were reverted.
+        """
+        plan = self.plan(recipe)
+        plan.raise_for_problems()
+        if self._installed:
+            if self.applied_patches == plan.selected:
+                return plan  # idempotent: already installed exactly this selection
+            raise RuntimeError(
+                f"patch set already applied with {[p.name for p in self.applied_patches]}; revert it before "
+                f"applying {[p.name for p in plan.selected]}"
+            )
+        installed: list[_Installed] = []
+        try:
+            for patch in plan.selected:
+                slot = _resolve(patch.parsed_target)
+                saved, original = slot.own(), slot.visible()
+                new = patch.replacement(original)
+                slot.write(new)
+                installed.append(_Installed(patch, slot, saved, original, new))
+        except BaseException:
+            # All or nothing: undo what this call installed, newest first, then re-raise.
+            for entry in reversed(installed):
+                entry.slot.write(entry.saved)
+            raise
+        self._installed = installed
+        # Logged only once everything is in, so a rolled-back apply leaves no misleading lines.
+        for entry in installed:
+            logger.info("patched %s (%s): %s", entry.patch.target, entry.patch.name, entry.patch.summary)
+        return plan
+
+    def revert(self) -> None:
+        """Restores every original object, newest patch first; a no-op when nothing is applied.
+
+        Raises:
+            PatchError: Some target no longer holds the object this set installed
+                (someone patched over it). Nothing is reverted then, so the
+                process keeps one consistent state instead of a half-undone one.
+        """
+        if not self._installed:
+            return
+        # Walk newest-first, simulating each restore, so two patches stacked on one slot check out.
+        expected: dict[tuple[int, str, bool], Any] = {}
+        foreign = []
+        for entry in reversed(self._installed):
+            key = (id(entry.slot.owner), entry.slot.name, entry.slot.is_item)
+            current = expected[key] if key in expected else entry.slot.own()
+            if current is not entry.installed:
+                foreign.append(entry)
+            expected[key] = entry.saved
+        if foreign:
+            targets = ", ".join(f"{entry.patch.target} ({entry.patch.name})" for entry in foreign)
+            raise PatchError(
+                f"cannot revert cptune's patches: {targets} was replaced by other code after cptune "
+                "patched it. Nothing was reverted. Undo the other patch first (or stop applying it "
+                "inside a cptune run) and revert again."
+            )
+        for entry in reversed(self._installed):
+            entry.slot.write(entry.saved)
+            logger.debug("reverted %s (%s)", entry.patch.target, entry.patch.name)
+        self._installed = []
+
+    @contextlib.contextmanager
+    def applied(self, recipe: Any = None) -> Iterator[PatchPlan]:
+        """Context manager: applies for ``recipe`` and always reverts on exit.
+
+        If this set was already applied when the block was entered, the block
+        neither applies nor reverts, so nested use leaves the outer one intact.
+        """
+        if self._installed:
+            yield self.apply(recipe)
+            return
+        plan = self.apply(recipe)
+        try:
+            yield plan
+        finally:
+            self.revert()

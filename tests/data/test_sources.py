@@ -1,0 +1,99 @@
+"""Finding and loading dataset sources: files by extension, folders, save_to_disk folders, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+
+from cptune.config.recipe import DatasetConfig
+from cptune.data.sources import load_source, resolve_source
+from cptune.errors import DataError
+
+ROWS = [{"text": f"row {i}", "n": i} for i in range(5)]
+
+
+def load(path: Path | str, tmp_path: Path, **config: object) -> datasets.Dataset:
+    dataset_config = DatasetConfig(path=str(path), type="completion", **config)
+    source = resolve_source(dataset_config, "datasets", 0)
+    return load_source(source, dataset_config, cache_dir=tmp_path / "hf-cache")
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    else:
+        dataset = datasets.Dataset.from_list(rows)
+        {".csv": dataset.to_csv, ".parquet": dataset.to_parquet}[suffix](str(path))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+def test_local_files_load_by_extension(tmp_path: Path, suffix: str) -> None:
+    path = write(tmp_path / f"data{suffix}", ROWS)
+    loaded = load(path, tmp_path)
+    assert loaded["text"] == [r["text"] for r in ROWS]
+    source = resolve_source(DatasetConfig(path=str(path)), "datasets", 0)
+    assert (source.kind, source.files) == ("files", (path,))
+
+
+def test_folder_of_files_and_data_files(tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    write(folder / "a.jsonl", ROWS[:2])
+    write(folder / "sub" / "b.jsonl", ROWS[2:])
+    (folder / "README.md").write_text("not data")
+    assert load(folder, tmp_path)["n"] == [0, 1, 2, 3, 4]
+    assert load(folder, tmp_path, data_files="sub/*.jsonl")["n"] == [2, 3, 4]
+    with pytest.raises(DataError, match=r"datasets\[0\].data_files entry 'nope/\*.jsonl' matches no file"):
+        load(folder, tmp_path, data_files=("nope/*.jsonl",))
+
+
+def test_folder_mixing_formats_is_refused(tmp_path: Path) -> None:
+    write(tmp_path / "mixed" / "a.jsonl", ROWS)
+    write(tmp_path / "mixed" / "b.csv", ROWS)
+    with pytest.raises(DataError, match="the files mix formats"):
+        load(tmp_path / "mixed", tmp_path)
+
+
+def test_save_to_disk_folders(tmp_path: Path) -> None:
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    assert resolve_source(DatasetConfig(path=str(tmp_path / "saved")), "datasets", 0).kind == "saved"
+    assert load(tmp_path / "saved", tmp_path)["n"] == [0, 1, 2, 3, 4]
+    both = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])}
+    )
+    both.save_to_disk(str(tmp_path / "dict"))
+    assert len(load(tmp_path / "dict", tmp_path, split="test")) == 1
+    with pytest.raises(DataError, match=r"has no split 'dev' \(it has test, train\)"):
+        load(tmp_path / "dict", tmp_path, split="dev")
+
+
+@pytest.mark.parametrize("path", ["data/missing.jsonl", "./missing", "/no/such/folder"])
+def test_missing_local_path_names_the_key_and_path(path: str) -> None:
+    with pytest.raises(DataError) as error:
+        resolve_source(DatasetConfig(path=path), "datasets", 2)
+    message = str(error.value)
+    assert message.startswith(f"datasets[2] ({path}): datasets[2].path '{path}' does not exist")
+
+
+def test_hub_ids_are_not_taken_for_missing_files() -> None:
+    source = resolve_source(DatasetConfig(path="tatsu-lab/alpaca"), "datasets", 0)
+    assert source.kind == "hub"
+
+
+def test_empty_dataset_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match=r"datasets\[0\] \(.*empty.jsonl\)"):
+        load(tmp_path / "empty.jsonl", tmp_path)
+
+
+def test_unreadable_file_type(tmp_path: Path) -> None:
+    (tmp_path / "data.txt").write_text("hello")
+    with pytest.raises(DataError, match=r"cannot read files of type \.txt"):
+        resolve_source(DatasetConfig(path=str(tmp_path / "data.txt")), "test_datasets", 0)

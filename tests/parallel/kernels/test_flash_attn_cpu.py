@@ -1,0 +1,415 @@
+"""The CPU flash-attn kernels against a float64 reference; the shim that lets ring-flash-attn import them."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import itertools
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from cptune.parallel.kernels import (
+    flash_attn_available,
+    flash_attn_cpu,
+    flash_attn_shim_patches,
+    shim_modules,
+)
+from cptune.parallel.kernels.flash_attn_cpu import (
+    _flash_attn_backward,
+    _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
+
+FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+# bf16 keeps 8 mantissa bits (eps 7.8e-3): inputs and outputs are rounded, arithmetic is fp32.
+BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+HEAD_DIM = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These tensors are tiny: a second intra-op thread only adds OpenMP barrier waits on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None):
+    """softmax(q k^T * scale + mask) v in float64, dense (b, s, h, d); returns out and lse (b, h, s_q)."""
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    diagonal = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    key = torch.arange(seqlen_k)[None, :]
+    left, right = window[0], 0 if causal else window[1]
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if left >= 0:
+        visible &= key >= diagonal - left
+    if right >= 0:
+        visible &= key <= diagonal + right
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: 0, not NaN
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(batch, seqlen_q, nheads, HEAD_DIM), *[(batch, seqlen_k, nheads_k, HEAD_DIM)] * 2]
+    q, k, v = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
+    dout = torch.randn(q.shape, generator=generator, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def reference_with_grads(q, k, v, dout, **mask):
+    """Reference out, lse and (dq, dk, dv) by autograd, all float64."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference_attention(q, k, v, **mask)
+    out.backward(dout)
+    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
+
+
+def assert_lse_close(actual, expected, **tol):
+    """Finite entries match; rows without a visible key are -inf in both."""
+    finite = torch.isfinite(expected)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual[finite].double(), expected[finite], **tol)
+    assert torch.equal(actual[~finite], expected[~finite].float())
+
+
+def run_dense(q, k, v, dout, *, dtype, causal, window=(-1, -1)):
+    """Forward and backward through the dense kernels in ``dtype``."""
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    common = {"dropout_p": 0.0, "softmax_scale": HEAD_DIM**-0.5, "causal": causal}
+    common |= {"window_size_left": window[0], "window_size_right": window[1]}
+    common |= {"softcap": 0.0, "alibi_slopes": None}
+    out, lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, return_softmax=False, **common)
+    assert s_dmask.numel() == 0 and rng_state.shape == (2,)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, *grads, deterministic=False, **common)
+    return out, lse, grads, softmax_d
+
+
+DENSE_CASES = {
+    "causal": dict(seqlen_q=13, seqlen_k=13, nheads=4, nheads_k=4, causal=True),
+    "non-causal": dict(seqlen_q=13, seqlen_k=13, nheads=4, nheads_k=4, causal=False),
+    "gqa-2kv-causal": dict(seqlen_q=12, seqlen_k=12, nheads=4, nheads_k=2, causal=True),
+    "gqa-1kv-non-causal": dict(seqlen_q=12, seqlen_k=12, nheads=4, nheads_k=1, causal=False),
+    "causal-q-shorter": dict(seqlen_q=5, seqlen_k=11, nheads=4, nheads_k=2, causal=True),
+    "causal-q-longer": dict(seqlen_q=11, seqlen_k=5, nheads=4, nheads_k=2, causal=True),
+    "non-causal-q-shorter": dict(seqlen_q=5, seqlen_k=11, nheads=4, nheads_k=1, causal=False),
+    "window-causal": dict(seqlen_q=14, seqlen_k=16, nheads=4, nheads_k=2, causal=True, window=(3, -1)),
+    "window-both-sides": dict(seqlen_q=14, seqlen_k=14, nheads=4, nheads_k=2, causal=False, window=(2, 1)),
+    "window-right-only": dict(seqlen_q=9, seqlen_k=14, nheads=4, nheads_k=4, causal=False, window=(-1, 0)),
+}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
+def test_dense_matches_reference_in_fp32(case):
+    case = dict(case)
+    mask = {"causal": case.pop("causal"), "window": case.pop("window", (-1, -1))}
+    q, k, v, dout = random_qkv(batch=2, **case)
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, dout, **mask)
+
+    out, lse, grads, softmax_d = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
+
+    assert out.dtype == torch.float32 and lse.shape == (2, case["nheads"], case["seqlen_q"])
+    torch.testing.assert_close(out.double(), ref_out, **FP32_TOL)
+    assert_lse_close(lse, ref_lse, **FP32_TOL)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref_grad, **FP32_TOL)
+    expected_d = (dout * ref_out).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(softmax_d.double(), expected_d, **FP32_TOL)
+
+
+def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
+    # Bottom-right causal with seqlen_q > seqlen_k: the first 6 queries see no key.
+    q, k, v, dout = random_qkv(batch=1, seqlen_q=11, seqlen_k=5, nheads=2, nheads_k=2)
+    out, lse, grads, _ = run_dense(q, k, v, dout, dtype=torch.float32, causal=True)
+    assert torch.all(out[:, :6] == 0) and torch.all(lse[:, :, :6] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 6:]).all()
+    assert all(torch.isfinite(grad).all() for grad in grads)
+    assert torch.all(grads[0][:, :6] == 0)
+
+
+def test_dense_bf16_within_loose_tolerance():
+    q, k, v, dout = random_qkv(batch=2, seqlen_q=16, seqlen_k=16, nheads=4, nheads_k=2)
+    # The reference sees the same bf16-rounded inputs, so only the kernel's rounding is measured.
+    q, k, v, dout = (t.to(torch.bfloat16).double() for t in (q, k, v, dout))
+    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, dout, causal=True)
+    out, lse, grads, _ = run_dense(q, k, v, dout, dtype=torch.bfloat16, causal=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert all(grad.dtype == torch.bfloat16 for grad in grads)
+    torch.testing.assert_close(out.double(), ref_out, **BF16_TOL)
+    assert_lse_close(lse, ref_lse, **FP32_TOL)  # lse is computed and kept in fp32
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref_grad, **BF16_TOL)
+
+
+def test_blocked_computation_equals_single_block(monkeypatch):
+    """Long inputs are split into query blocks with narrowed key ranges; results must not change."""
+    q, k, v, dout = random_qkv(batch=1, seqlen_q=23, seqlen_k=29, nheads=4, nheads_k=2)
+    for mask in ({"causal": True}, {"causal": False, "window": (4, 2)}, {"causal": True, "window": (3, -1)}):
+        whole = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
+        monkeypatch.setattr(flash_attn_cpu, "_MAX_SCORE_ELEMENTS", 4 * 29 * 3)  # 3 query rows per block
+        blocked = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
+        monkeypatch.undo()
+        for a, b in zip((whole[0], whole[1], *whole[2]), (blocked[0], blocked[1], *blocked[2]), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+VARLEN_Q = [0, 7, 20, 31]  # three sequences of 7, 13 and 11 queries
+VARLEN_K = [0, 7, 24, 35]  # 7, 17 and 11 keys: the middle one has more keys than queries
+
+
+def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=None):
+    cu_q, cu_k = torch.tensor(VARLEN_Q, dtype=torch.int32), torch.tensor(VARLEN_K, dtype=torch.int32)
+    seq = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 13, "max_seqlen_k": 17}
+    common = {"dropout_p": 0.0, "softmax_scale": None, "causal": causal}
+    common |= {"window_size_left": window[0], "window_size_right": window[1]}
+    out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, **seq, **common)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    common |= {"softcap": 0.0, "alibi_slopes": None, "deterministic": True}
+    softmax_d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, **seq, **common)
+    return out, lse, (dq, dk, dv), softmax_d
+
+
+def varlen_reference(q, k, v, dout, **mask):
+    """Per-sequence dense reference, concatenated; lse as (h, total_q)."""
+    outs, lses, grads = [], [], ([], [], [])
+    for (q0, q1), (k0, k1) in zip(
+        itertools.pairwise(VARLEN_Q),
+        itertools.pairwise(VARLEN_K),
+        strict=True,
+    ):
+        out, lse, seq_grads = reference_with_grads(
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], **mask
+        )
+        outs.append(out[0])
+        lses.append(lse[0])
+        for acc, grad in zip(grads, seq_grads, strict=True):
+            acc.append(grad[0])
+    return torch.cat(outs), torch.cat(lses, dim=1), [torch.cat(g) for g in grads]
+
+
+@pytest.mark.parametrize(
+    ("nheads_k", "mask"),
+    [(2, {"causal": True}), (1, {"causal": False}), (4, {"causal": True, "window": (4, -1)})],
+    ids=["gqa-causal", "mqa-non-causal", "window-causal"],
+)
+def test_varlen_matches_per_sequence_reference_in_fp32(nheads_k, mask):
+    q, k, v, dout = (t[0] for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], nheads=4, nheads_k=nheads_k))
+    ref_out, ref_lse, ref_grads = varlen_reference(q, k, v, dout, **mask)
+
+    out, lse, grads, softmax_d = run_varlen(*(t.float() for t in (q, k, v, dout)), **mask)
+
+    assert lse.shape == (4, VARLEN_Q[-1]) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, **FP32_TOL)
+    assert_lse_close(lse, ref_lse, **FP32_TOL)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad.double(), ref_grad, **FP32_TOL)
+    torch.testing.assert_close(softmax_d.double(), (dout * ref_out).sum(-1).T, **FP32_TOL)
+
+
+def test_varlen_bf16_within_loose_tolerance():
+    q, k, v, dout = (t[0].to(torch.bfloat16) for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], 4, 2))
+    ref_out, _, ref_grads = varlen_reference(*(t.double() for t in (q, k, v, dout)), causal=True)
+    out, _, grads, _ = run_varlen(q, k, v, dout, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, **BF16_TOL)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == torch.bfloat16
+        torch.testing.assert_close(grad.double(), ref_grad, **BF16_TOL)
+
+
+def test_backward_writes_into_strided_views_and_nothing_else():
+    """ring-flash-attn hands slices of larger buffers (e.g. ``dq_buffer[:, :seqlen_q]``) as dq/dk/dv."""
+    q, k, v, dout = (t[0].float() for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], nheads=4, nheads_k=2))
+    expected = run_varlen(q, k, v, dout, causal=True)[2]
+    # Head-interleaved views of wider buffers, the way ring-flash-attn slices heads_k_stride heads.
+    dq_buffer = torch.full((q.shape[0], 8, HEAD_DIM), 7.0)
+    dkv_buffer = torch.full((2, k.shape[0] + 5, 4, HEAD_DIM), 7.0)
+    views = (dq_buffer[:, 1::2], dkv_buffer[0, 5:, 2:], dkv_buffer[1, :-5, :2])
+    assert not any(view.is_contiguous() for view in views)
+
+    run_varlen(q, k, v, dout, causal=True, dq=views[0], dk=views[1], dv=views[2])
+
+    for view, grad in zip(views, expected, strict=True):
+        torch.testing.assert_close(view, grad, atol=0, rtol=0)
+    assert torch.all(dq_buffer[:, 0::2] == 7.0)
+    assert torch.all(dkv_buffer[0, :5] == 7.0) and torch.all(dkv_buffer[0, 5:, :2] == 7.0)
+    assert torch.all(dkv_buffer[1, -5:] == 7.0) and torch.all(dkv_buffer[1, :-5, 2:] == 7.0)
+
+
+def test_signatures_match_flash_attn_2_8():
+    """ring-flash-attn fills these by name from ``inspect.getfullargspec`` (ring_flash_attn/utils.py)."""
+    forward = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right"]
+    forward += ["softcap", "alibi_slopes", "return_softmax"]
+    varlen_forward = [*forward[:3], "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    varlen_forward += [*forward[3:], "block_table", "leftpad_k", "seqused_k", "zero_tensors"]
+    backward = ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", *forward[3:10]]
+    backward += ["deterministic", "rng_state"]
+    varlen_backward = [*backward[:9], *varlen_forward[3:7], *backward[9:], "zero_tensors"]
+    expected = {
+        _flash_attn_forward: (forward, {}),
+        _flash_attn_varlen_forward: (varlen_forward, {"window_size_left": -1, "window_size_right": -1}),
+        _flash_attn_backward: (backward, {"rng_state": None}),
+        _flash_attn_varlen_backward: (varlen_backward, {"rng_state": None, "zero_tensors": False}),
+    }
+    for function, (names, some_defaults) in expected.items():
+        spec = inspect.getfullargspec(function)
+        assert spec.args == names and not spec.kwonlyargs and spec.varargs is None
+        defaults = dict(zip(reversed(spec.args), reversed(spec.defaults or ()), strict=False))
+        assert some_defaults.items() <= defaults.items()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("dropout_p", 0.1), ("softcap", 30.0), ("alibi_slopes", torch.ones(4)), ("return_softmax", True)],
+)
+def test_unsupported_features_raise(option, value):
+    q, k, v, _ = (t.float() for t in random_qkv(1, 4, 4, nheads=4, nheads_k=2))
+    kwargs = {"dropout_p": 0.0, "softmax_scale": None, "causal": True, "window_size_left": -1}
+    kwargs |= {"window_size_right": -1, "softcap": 0.0, "alibi_slopes": None, "return_softmax": False}
+    with pytest.raises(NotImplementedError, match=option):
+        _flash_attn_forward(q, k, v, **(kwargs | {option: value}))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int64)}, "int32"),
+        ({"max_seqlen_k": 3}, "max_seqlen_k"),
+        ({"cu_seqlens_k": torch.tensor([0, 9], dtype=torch.int32)}, "cu_seqlens_k"),
+        ({"k": torch.zeros(4, 3, HEAD_DIM)}, "multiple of nheads_k"),
+        ({"block_table": torch.zeros(1, 1, dtype=torch.int32)}, "block_table"),
+    ],
+)
+def test_varlen_rejects_bad_arguments(change, message):
+    q, k, v = torch.zeros(4, 4, HEAD_DIM), torch.zeros(4, 2, HEAD_DIM), torch.zeros(4, 2, HEAD_DIM)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    kwargs = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 4}
+    kwargs |= {"max_seqlen_k": 4, "dropout_p": 0.0, "softmax_scale": None, "causal": False}
+    if "k" in change:
+        kwargs["v"] = change["k"]
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        _flash_attn_varlen_forward(**(kwargs | change))
+
+
+# ---- the shim -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ring_flash_attn() -> Iterator[object]:
+    """A fresh ``import ring_flash_attn`` through the shim; restores sys.modules and transformers after.
+
+    Any ring_flash_attn modules imported earlier in the session are set aside and put back, so
+    the import really runs here and other tests keep their module objects.
+    """
+    import transformers.modeling_flash_attention_utils as fa_utils
+
+    if flash_attn_available():
+        pytest.skip("flash-attn is installed: the shim is not used")
+    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if name.startswith("ring_flash_attn")}
+    had_flag = hasattr(fa_utils, "is_flash_attn_greater_or_equal_2_10")
+    if not had_flag:  # removed in transformers 5.x; ring_flash_attn/adapters/hf_adapter.py:9-17 imports it
+        fa_utils.is_flash_attn_greater_or_equal_2_10 = True
+    modules = shim_modules()
+    sys.modules.update(modules)
+    try:
+        module = importlib.import_module("ring_flash_attn")
+        yield module
+    finally:
+        for name in modules:
+            sys.modules.pop(name, None)
+        if not had_flag:
+            del fa_utils.is_flash_attn_greater_or_equal_2_10
+        for name in [name for name in sys.modules if name.startswith("ring_flash_attn")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def test_transformers_still_reports_flash_attn_absent_while_the_shim_is_installed():
+    from transformers.utils import import_utils
+
+    modules = shim_modules()
+    # Both checks are lru-cached: clear them so the answer is computed with the shim in place.
+    checks = (import_utils.is_flash_attn_2_available, import_utils.is_flash_attn_greater_or_equal)
+    before = flash_attn_available()
+    sys.modules.update(modules)
+    try:
+        for check in checks:
+            check.cache_clear()
+        assert importlib.util.find_spec("flash_attn") is modules["flash_attn"].__spec__
+        assert import_utils.is_flash_attn_2_available() is False
+        assert import_utils.is_flash_attn_greater_or_equal("2.1.0") is False
+        assert flash_attn_available() is before  # the shim never counts as flash-attn
+    finally:
+        for name in modules:
+            sys.modules.pop(name, None)
+        for check in checks:
+            check.cache_clear()
+
+
+def test_ring_flash_attn_imports_the_cpu_kernels_and_keeps_them_after_the_shim_is_gone(ring_flash_attn):
+    from ring_flash_attn import llama3_flash_attn_varlen, utils, zigzag_ring_flash_attn
+
+    # ring-flash-attn binds the kernels at import time, so the shim can go right after it.
+    sys.modules.pop("flash_attn")
+    sys.modules.pop("flash_attn.flash_attn_interface")
+    assert llama3_flash_attn_varlen._flash_attn_varlen_forward is _flash_attn_varlen_forward
+    assert llama3_flash_attn_varlen._flash_attn_varlen_backward is _flash_attn_varlen_backward
+    assert zigzag_ring_flash_attn._flash_attn_forward is _flash_attn_forward
+    assert zigzag_ring_flash_attn._flash_attn_backward is _flash_attn_backward
+    # ring-flash-attn builds its keyword arguments from these defaults (utils.py get_default_args).
+    defaults = utils.get_default_args(_flash_attn_varlen_backward)
+    assert defaults["softcap"] == 0.0 and defaults["zero_tensors"] is False and "window_size_left" in defaults
+
+
+def test_minus_inf_lse_for_rows_without_keys_keeps_ring_merge_correct(ring_flash_attn):
+    """Why such rows get lse = -inf: with flash-attn's +inf, ring-flash-attn's merge wipes the output."""
+    from ring_flash_attn.utils import update_out_and_lse
+
+    q, k, v, _ = (t.float() for t in random_qkv(1, 4, 8, nheads=2, nheads_k=2))
+    kwargs = {"dropout_p": 0.0, "softmax_scale": None, "window_size_left": -1, "window_size_right": -1}
+    kwargs |= {"softcap": 0.0, "alibi_slopes": None, "return_softmax": False}
+    first_out, first_lse, _, _ = _flash_attn_forward(q, k[:, :6], v[:, :6], causal=False, **kwargs)
+    # Four queries against two keys, bottom-right causal: queries 0 and 1 see no key.
+    second_out, second_lse, _, _ = _flash_attn_forward(q, k[:, 6:], v[:, 6:], causal=True, **kwargs)
+    assert torch.all(second_lse[:, :, :2] == float("-inf"))
+
+    out, lse = update_out_and_lse(None, None, first_out, first_lse)
+    out, lse = update_out_and_lse(out, lse, second_out, second_lse)
+
+    torch.testing.assert_close(out[:, :2], first_out[:, :2], atol=1e-6, rtol=1e-6)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    out_plus_inf, _ = update_out_and_lse(
+        *update_out_and_lse(None, None, first_out, first_lse),
+        second_out,
+        second_lse.nan_to_num(posinf=float("inf"), neginf=float("inf")),
+    )
+    assert torch.all(out_plus_inf[:, :2] == 0)  # flash-attn's convention would have lost the first block
+
+
+def test_shim_patches_install_and_remove_the_modules():
+    core = pytest.importorskip("cptune.patches.core")
+    if flash_attn_available():
+        pytest.skip("flash-attn is installed: the shim is not used")
+    patch_set = core.PatchSet(flash_attn_shim_patches())
+    assert patch_set.plan().ok
+    with patch_set.applied():
+        interface = importlib.import_module("flash_attn.flash_attn_interface")
+        assert interface._flash_attn_varlen_backward is _flash_attn_varlen_backward
+        assert sys.modules["flash_attn"].flash_attn_interface is interface
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("flash_attn.bert_padding")  # nothing else pretends to exist
+    assert "flash_attn" not in sys.modules and "flash_attn.flash_attn_interface" not in sys.modules

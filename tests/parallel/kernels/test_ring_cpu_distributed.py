@@ -1,0 +1,273 @@
+"""ring-flash-attn's real CP code on gloo, with cptune's CPU kernels standing in for flash-attn.
+
+Process start-up dominates here (torch, transformers and ring_flash_attn take seconds to import
+and the kernels milliseconds to run), so one launcher process imports everything once, then
+forks the gloo workers of world 2 and of world 4 from that state; each worker runs all of its
+cases. World 4 runs CP over all four ranks and, on two subgroups of two ranks, CP=2 next to data
+parallelism. Each worker creates its own process group (its only owner) from a file store, so
+no port can be taken. The launcher is this file: ``python test_ring_cpu_distributed.py OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+WORLD_SIZES = (2, 4)
+SEQ_LENS = (20, 41, 35)  # three packed documents, 96 tokens: divisible by 2, 4 and 2 * 4
+NHEADS, NHEADS_K, HEAD_DIM = 4, 2, 16
+FP32_ATOL = 1e-5
+# bf16 rounds q, k, v, out and the gradients (eps 7.8e-3, values up to ~4); the measured worst
+# errors for these inputs are 4.5e-3 (out) and 2.1e-2 (grads), about a third of the tolerance.
+BF16_ATOL = {"out": 2e-2, "grad": 6e-2}
+TIMEOUT_S = 120
+SRC = Path(__file__).resolve().parents[3] / "src"
+
+
+# ---- the tests (pytest process) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict[str, float]]:
+    """Run the launcher once; return ``{case: {"out"|"dq"|"dk"|"dv": max abs error}}``."""
+    out_dir = tmp_path_factory.mktemp("ring_cpu")
+    pythonpath = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+    completed = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out_dir)],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert completed.returncode == 0, (
+        f"launcher failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}"
+    )
+    table = {}
+    for world_size in WORLD_SIZES:
+        table |= json.loads((out_dir / f"world{world_size}.json").read_text())
+    return table
+
+
+def cases(results: dict[str, dict[str, float]], prefix: str) -> dict[str, dict[str, float]]:
+    selected = {name: errors for name, errors in results.items() if name.startswith(prefix)}
+    # Three CP layouts (world2 cp2, world4 cp4, world4 cp2xdp2); llama3 has 4 cases per layout.
+    assert len(selected) == (12 if prefix == "llama3" else 3), sorted(results)
+    return selected
+
+
+def test_llama3_varlen_fp32_matches_single_process(results):
+    """Packed documents, causal and bidirectional, heads_k_stride 1 and 2: exact in fp32."""
+    for name, errors in cases(results, "llama3").items():
+        assert max(errors.values()) <= FP32_ATOL, f"{name}: {errors}"
+
+
+def test_zigzag_ring_bf16_within_tolerance(results):
+    for name, errors in cases(results, "zigzag-bf16").items():
+        assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
+        assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
+
+
+def test_zigzag_ring_fp32_gradients_are_still_wrong_upstream(results):
+    """ring-flash-attn 0.1.8 zigzag_ring_flash_attn.py:164-166 does ``dq = dq_buffer.to(torch.float32)``.
+
+    In fp32 that is the buffer itself, which the next block's backward overwrites, so the
+    gradients come out wrong while the forward is fine. If this fails, upstream fixed it and
+    cptune can allow fp32 with the zigzag ring.
+    """
+    for name, errors in cases(results, "zigzag-fp32").items():
+        assert errors["out"] <= FP32_ATOL, f"{name}: {errors}"
+        assert max(errors[g] for g in ("dq", "dk", "dv")) > 1e-2, f"{name}: {errors}"
+
+
+# ---- the worker (child process) -------------------------------------------------------------
+
+
+def _import_ring_flash_attn():
+    """Import ring_flash_attn with the shim and the transformers flag, then remove both again."""
+    import transformers.modeling_flash_attention_utils as fa_utils
+
+    from cptune.parallel.kernels import flash_attn_available, shim_modules
+
+    modules = {} if flash_attn_available() else shim_modules()
+    had_flag = hasattr(fa_utils, "is_flash_attn_greater_or_equal_2_10")
+    fa_utils.is_flash_attn_greater_or_equal_2_10 = getattr(
+        fa_utils, "is_flash_attn_greater_or_equal_2_10", True
+    )
+    sys.modules.update(modules)
+    try:
+        import ring_flash_attn
+    finally:
+        for name in modules:
+            del sys.modules[name]
+        if not had_flag:
+            del fa_utils.is_flash_attn_greater_or_equal_2_10
+    return ring_flash_attn
+
+
+def _reference(q, k, v, dout, cu_seqlens, causal):
+    """Single-process float64 attention per document, with autograd gradients."""
+    import torch
+
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    group = NHEADS // NHEADS_K
+    outs = []
+    for start, stop in itertools.pairwise(cu_seqlens):
+        qs, ks, vs = (
+            q[start:stop],
+            k[start:stop].repeat_interleave(group, 1),
+            v[start:stop].repeat_interleave(group, 1),
+        )
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * HEAD_DIM**-0.5
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+    out = torch.cat(outs)
+    out.backward(dout.double())
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _gather(tensor, group, world):
+    import torch
+    import torch.distributed as dist
+
+    full = torch.empty((world * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+    dist.all_gather_into_tensor(full, tensor.contiguous(), group=group)
+    return full
+
+
+def _errors(got, expected):
+    return {name: (got[name].double() - expected[name]).abs().max().item() for name in expected}
+
+
+def _llama3_case(ring, data, group, causal, stride):
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    cu_seqlens = torch.tensor(data["cu_seqlens"], dtype=torch.int32)
+    cu_q, cu_k, max_q, max_k, local_k_slice = ring.llama3_flash_attn_prepare_cu_seqlens(
+        cu_seqlens, causal, rank, world
+    )
+    shard = slice(rank * data["q"].shape[0] // world, (rank + 1) * data["q"].shape[0] // world)
+    q, k, v = (data[name][shard].clone().requires_grad_() for name in ("q", "k", "v"))
+    out = ring.llama3_flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, stride, local_k_slice, causal=causal, group=group
+    )
+    out.backward(data["dout"][shard])
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return _errors({name: _gather(t, group, world) for name, t in got.items()}, data[f"ref_causal={causal}"])
+
+
+def _zigzag_case(ring, data, group, dtype):
+    """Dense causal attention over the whole packed row, zigzag layout (chunks r and 2W-1-r)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    order = [c for r in range(world) for c in (r, 2 * world - 1 - r)]
+    inverse = [order.index(c) for c in range(2 * world)]
+
+    def local(t):
+        return torch.cat([t.chunk(2 * world)[order[2 * rank + i]] for i in range(2)])[None]
+
+    q, k, v = (local(data[name]).to(dtype).requires_grad_() for name in ("q", "k", "v"))
+    out = ring.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
+    out.backward(local(data["dout"]).to(dtype))
+    got = {}
+    for name, tensor in {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}.items():
+        chunks = _gather(tensor[0], group, world).chunk(2 * world)
+        got[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
+    ref = data["ref_dense_bf16"] if dtype == torch.bfloat16 else data["ref_dense"]
+    return _errors(got, ref)
+
+
+def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        # Imported by the launcher before it forked (import here only under a spawn start method).
+        ring = sys.modules.get("ring_flash_attn") or _import_ring_flash_attn()
+        generator = torch.Generator().manual_seed(1234)
+        total = sum(SEQ_LENS)
+        data = {
+            "q": torch.randn(total, NHEADS, HEAD_DIM, generator=generator),
+            "k": torch.randn(total, NHEADS_K, HEAD_DIM, generator=generator),
+            "v": torch.randn(total, NHEADS_K, HEAD_DIM, generator=generator),
+            "dout": torch.randn(total, NHEADS, HEAD_DIM, generator=generator),
+            "cu_seqlens": [0, *itertools.accumulate(SEQ_LENS)],
+        }
+        qkvd = [data[name] for name in ("q", "k", "v", "dout")]
+        for causal in (True, False):
+            data[f"ref_causal={causal}"] = _reference(*qkvd, data["cu_seqlens"], causal)
+        data["ref_dense"] = _reference(*qkvd, [0, total], causal=True)
+        # The bf16 reference sees the same rounded inputs, so only the kernels' rounding is measured.
+        data["ref_dense_bf16"] = _reference(*(t.bfloat16() for t in qkvd), [0, total], causal=True)
+
+        groups = {f"world{world_size} cp{world_size}": dist.group.WORLD}
+        if world_size == 4:
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+            groups["world4 cp2xdp2"] = pairs[rank // 2]
+        results = {}
+        for label, group in groups.items():
+            for causal, stride in itertools.product((True, False), (1, 2)):
+                name = f"llama3 {label} causal={causal} heads_k_stride={stride}"
+                results[name] = _llama3_case(ring, data, group, causal, stride)
+            results[f"zigzag-bf16 {label}"] = _zigzag_case(ring, data, group, torch.bfloat16)
+            results[f"zigzag-fp32 {label}"] = _zigzag_case(ring, data, group, torch.float32)
+        # Every rank compared the gathered tensors; report the worst over ranks.
+        names, keys = sorted(results), ("out", "dq", "dk", "dv")
+        worst = torch.tensor([[results[n][key] for key in keys] for n in names], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            table = {
+                n: dict(zip(keys, row, strict=True)) for n, row in zip(names, worst.tolist(), strict=True)
+            }
+            Path(result_path).write_text(json.dumps(table, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(out_dir: Path) -> None:
+    """Import once, then fork the workers of each world size; exit non-zero if any fails."""
+    _import_ring_flash_attn()
+    # fork, not spawn: the children inherit the imports. Nothing here has started a thread pool
+    # or a process group yet, which is what makes forking safe.
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
+    for world_size in WORLD_SIZES:
+        store, result = out_dir / f"store{world_size}", out_dir / f"world{world_size}.json"
+        workers = [
+            context.Process(target=_worker, args=(rank, world_size, str(store), str(result)))
+            for rank in range(world_size)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(TIMEOUT_S / 2)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        codes = [worker.exitcode for worker in workers]
+        if any(codes):
+            sys.exit(f"world {world_size}: worker exit codes {codes}")
+
+
+if __name__ == "__main__":
+    _launch(Path(sys.argv[1]))
