@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -29,7 +30,17 @@ _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 RecipeArg = Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)]
 
 
+# Deprecation notices from upstream code cptune cannot change (ring-flash-attn's
+# collectives, peft's checkpointing query); they say nothing about the user's run.
+_UPSTREAM_NOISE = (
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"`is_gradient_checkpointing` is deprecated",
+)
+
+
 def _setup_logging(rank: int = 0) -> None:
+    for pattern in _UPSTREAM_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("cptune").setLevel(level)

@@ -45,6 +45,8 @@ class TrainResult:
 
 def train(recipe: Recipe) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch)."""
+    from transformers import set_seed
+
     from cptune.data.prepare import prepare_datasets
     from cptune.patches.registry import build_patch_set
 
@@ -63,6 +65,9 @@ def train(recipe: Recipe) -> TrainResult:
     model = load_model(recipe, attn_implementation)
     _check_model_for_backend(recipe, dims, model)
     if recipe.is_lora:
+        # The adapter's random init must not depend on what ran before (e.g. a CP
+        # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
+        set_seed(recipe.seed)
         model = apply_lora(model, recipe)
     trainable, total = trainable_parameter_count(model)
     log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
@@ -70,9 +75,8 @@ def train(recipe: Recipe) -> TrainResult:
     with build_patch_set(recipe).applied(recipe):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory)
         trainer.train()
-        trainer.save_model(recipe.output_dir)
+        trainer.save_model(recipe.output_dir)  # the adapter or model, and the tokenizer
         if trainer.is_world_process_zero():
-            tokenizer.save_pretrained(recipe.output_dir)
             _write_train_log(Path(recipe.output_dir), trainer.state.log_history)
         history = list(trainer.state.log_history)
         trainer.accelerator.wait_for_everyone()
@@ -174,8 +178,11 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
         parallelism_config=parallelism,
         disable_tqdm=env.rank != 0,
-        log_level="info" if env.rank == 0 else "warning",
-        log_level_replica="warning",
+        # transformers' info level dumps model configs; cptune logs what matters itself.
+        log_level="warning",
+        log_level_replica="error",
+        # The model is the same on every step: no extra autograd traversal per step.
+        ddp_find_unused_parameters=False,
     )
 
 
