@@ -1,0 +1,73 @@
+"""Fixtures shared by the end-to-end tests: a tiny model folder and a recipe writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama and its tokenizer, trained on the quickstart texts, saved like a hub model."""
+    from cptune.tiny import save_tiny_model_dir
+
+    rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
+    texts = [" ".join([r["instruction"], r.get("input", ""), r["output"]]) for r in rows]
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), texts, seed=0)
+
+
+@pytest.fixture
+def write_recipe(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Path]:
+    """Write a small LoRA recipe for the tiny model into tmp_path; keyword arguments override keys."""
+
+    def write(name: str = "recipe.yaml", **keys: Any) -> Path:
+        recipe: dict[str, Any] = {
+            "base_model": str(tiny_model_dir),
+            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
+            "dataset_prepared_path": str(tmp_path / "prepared"),
+            "sequence_len": 128,
+            "sample_packing": True,
+            "adapter": "lora",
+            "lora_r": 8,
+            "lora_alpha": 16,
+            "micro_batch_size": 2,
+            "max_steps": 4,
+            "learning_rate": 0.002,
+            "output_dir": str(tmp_path / "out"),
+            "logging_steps": 1,
+        }
+        recipe.update(keys)
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(recipe))
+        return path
+
+    return write
+
+
+def run_cptune(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300):
+    """Run ``python -m cptune ARGS`` like a user would; returns the completed process."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "cptune", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def logged_losses(output_dir: Path) -> list[float]:
+    history = json.loads((output_dir / "train_log.json").read_text())
+    return [entry["loss"] for entry in history if "loss" in entry]

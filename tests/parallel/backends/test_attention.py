@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from cptune.errors import CptuneError
+from cptune.parallel.backends.attention import (
+    AttentionCall,
+    check_layers_served,
+    count_attention_layers,
+    register_attention,
+)
+from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.shard import TokenBatch
+from cptune.tiny import build_tiny_model, tiny_llama_config
+
+
+def tiny_model():
+    register_attention()
+    model = build_tiny_model(tiny_llama_config(50), seed=0)
+    model.set_attn_implementation("cptune")
+    return model
+
+
+def batch():
+    ids = torch.randint(3, 50, (1, 8))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    return TokenBatch(ids, positions, ids.clone())
+
+
+def test_every_layer_goes_through_the_call():
+    model = tiny_model()
+    sharded = LocalBackend(causal=False).shard(batch())
+    model(**sharded.model_kwargs, use_cache=False)
+    check_layers_served(sharded.call, count_attention_layers(model))
+    assert sharded.call.layers_served == 2
+
+
+def test_a_layer_that_bypasses_the_backend_is_an_error():
+    model = tiny_model()
+    layer = model.model.layers[1].self_attn
+
+    def shard_local_attention(hidden_states, *args, **kwargs):
+        # Custom attention code that never asks the AttentionInterface.
+        return layer.o_proj(torch.zeros_like(hidden_states)), None
+
+    layer.forward = shard_local_attention
+    sharded = LocalBackend(causal=False).shard(batch())
+    model(**sharded.model_kwargs, use_cache=False)
+    with pytest.raises(CptuneError, match="ran 1 of its 2 attention layers"):
+        check_layers_served(sharded.call, count_attention_layers(model))
+
+
+def test_model_called_without_metadata_is_refused():
+    model = tiny_model()
+    with pytest.raises(CptuneError, match="needs per-batch metadata"):
+        model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+
+
+def test_bidirectional_local_attention_sees_the_future_within_a_document_only():
+    q = torch.randn(1, 8, 2, 4)
+    call_batch = LocalBackend(causal=False).shard(batch())
+    out = call_batch.call.attend(q, q, q, None)
+    # Token 0 attends to tokens 0-3 (its document) and never to 4-7.
+    scores = torch.softmax((q[0, :4, 0] @ q[0, :4, 0].T) / 2.0, -1)
+    assert torch.allclose(out[0, 0, 0], scores[0] @ q[0, :4, 0], atol=1e-6)
+    assert isinstance(call_batch.call, AttentionCall)

@@ -1,0 +1,66 @@
+"""One rank: train() with cp=2 leaves no patch behind, after success and after an exception.
+
+Usage: revert_worker.py OUT_DIR RECIPE
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from cptune.config.loader import load_recipe
+from cptune.patches.core import Target
+from cptune.patches.registry import build_patches
+from cptune.run import train as train_module
+
+
+def raw_object(target: Target) -> object:
+    """What is stored at the target right now (not what attribute lookup finds)."""
+    node = importlib.import_module(target.module)
+    for part in target.path[:-1]:
+        node = getattr(node, part)
+    if target.key is not None:
+        return getattr(node, target.path[-1]).get(target.key, "<absent>")
+    return vars(node).get(target.path[-1], "<absent>")
+
+
+def snapshot(recipe) -> dict[str, int]:
+    return {p.target: id(raw_object(Target.parse(p.target))) for p in build_patches(recipe)}
+
+
+def main() -> None:
+    out_dir, recipe_path = Path(sys.argv[1]), sys.argv[2]
+    recipe = load_recipe(recipe_path)
+    before = snapshot(recipe)
+    train_module.train(recipe)
+    after_success = snapshot(recipe)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("simulated failure after the patches were applied")
+
+    train_module._build_trainer = fail
+    try:
+        train_module.train(recipe)
+        raised = False
+    except RuntimeError:
+        raised = True
+    after_failure = snapshot(recipe)
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "targets": sorted(before),
+                "same_after_success": before == after_success,
+                "same_after_failure": before == after_failure,
+                "raised": raised,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Errors a user sees from the CLI: one clear message, non-zero exit, no traceback, before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cptune
+
+
+def assert_clean_failure(done, *fragments: str) -> None:
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, done.stderr
+
+
+def test_validate_misspelt_key_shows_path_and_suggestion(write_recipe):
+    done = run_cptune("validate", str(write_recipe(sequnce_len=64)))
+    assert_clean_failure(done, "sequnce_len: is not a known key. Did you mean 'sequence_len'?")
+
+
+def test_validate_prints_the_plan_with_patches(write_recipe):
+    done = run_cptune("validate", str(write_recipe(context_parallel_size=2)))
+    assert done.returncode == 0, done.stderr
+    assert "2 = 1 data-parallel × 2 context-parallel" in done.stdout
+    assert "Trainer._prepare_context_parallel_inputs" in done.stdout
+    assert "not prepared yet" in done.stdout
+
+
+def test_cp_not_dividing_world(write_recipe, tmp_path):
+    done = run_cptune("train", str(write_recipe(context_parallel_size=2)), "--nproc-per-node", "3")
+    assert_clean_failure(done, "context_parallel_size=2 does not divide the number of processes (3)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_heads_k_stride_not_dividing_kv_heads(write_recipe, tmp_path):
+    done = run_cptune("train", str(write_recipe(context_parallel_size=2, heads_k_stride=3)))
+    assert_clean_failure(done, "heads_k_stride: 3 does not divide the model's 2 key/value heads", "[1, 2]")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ring_flash_attn_not_importable(write_recipe, tmp_path):
+    shadow = tmp_path / "shadow" / "ring_flash_attn"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: ring-flash-attn is broken')\n")
+    done = run_cptune(
+        "train", str(write_recipe(context_parallel_size=2)), env={"PYTHONPATH": str(shadow.parent)}
+    )
+    assert_clean_failure(done, "needs the ring-flash-attn package", "pip install ring-flash-attn==0.1.8")
+
+
+def test_model_whose_attention_cannot_be_routed(write_recipe, tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer, BloomConfig, BloomForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model_dir = tmp_path / "bloom"
+    BloomForCausalLM(
+        BloomConfig(vocab_size=len(tokenizer), hidden_size=32, n_layer=1, n_head=2)
+    ).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    done = run_cptune("train", str(write_recipe(base_model=str(model_dir), context_parallel_size=2)))
+    assert_clean_failure(
+        done, "BloomForCausalLM does not route its attention through transformers' AttentionInterface"
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
+def test_backend_not_available_yet(write_recipe, backend):
+    done = run_cptune("train", str(write_recipe(context_parallel_size=2, cp_backend=backend)))
+    assert_clean_failure(done, f"cp_backend: '{backend}' is not available yet")
+
+
+def test_unknown_model_path(write_recipe, tmp_path):
+    done = run_cptune("train", str(write_recipe(base_model=str(tmp_path / "no-such-model"))))
+    assert_clean_failure(done, "base_model: cannot load a model config from")
+
+
+def test_output_dir_that_is_a_file(write_recipe, tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    done = run_cptune("train", str(write_recipe(output_dir=str(target))))
+    assert_clean_failure(done, "output_dir:", "is a file")
+    assert target.read_text() == "keep me"
