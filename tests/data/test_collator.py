@@ -46,11 +46,12 @@ def test_collator_pads_as_its_own_document() -> None:
         {"input_ids": [4, 4, 4], "labels": [-100, 4, 4], "position_ids": [0, 1, 2]},
     ]
     batch = PackedCollator(pad_token_id=0)(rows)
-    assert set(batch) == {"input_ids", "labels", "position_ids", "shift_labels"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "shift_labels", "num_tokens"}
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [4, 4, 4, 0, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7, 8, 9], [-100, 4, 4, -100, -100]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
     assert batch["shift_labels"].tolist() == [[6, 7, -100, 9, -100], [4, 4, -100, -100, -100]]
+    assert batch["num_tokens"].item() == 8
     # transformers sees the same documents, padding included as a separate one.
     segments = find_packed_sequence_indices(batch["position_ids"])
     assert segments.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 1]]

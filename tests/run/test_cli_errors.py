@@ -81,3 +81,17 @@ def test_output_dir_that_is_a_file(write_recipe, tmp_path):
     done = run_cptune("train", str(write_recipe(output_dir=str(target))))
     assert_clean_failure(done, "output_dir:", "is a file")
     assert target.read_text() == "keep me"
+
+
+def test_validate_reports_every_problem_at_once(write_recipe):
+    done = run_cptune(
+        "validate", str(write_recipe(sequnce_len=64, load_in_4bit=True, micro_batch_size="x")), "--lora_r=0"
+    )
+    assert_clean_failure(
+        done,
+        "has 4 problems",
+        "sequnce_len: is not a known key. Did you mean 'sequence_len'?",
+        "load_in_4bit: is an Axolotl key that cptune does not support",
+        "micro_batch_size: Input should be a valid integer",
+        "lora_r: Input should be greater than or equal to 1",
+    )

@@ -67,3 +67,35 @@ def test_train_reverts_every_patch_after_success_and_failure(write_recipe, tmp_p
     for r in results:
         assert len(r["targets"]) >= 4
         assert r["same_after_success"] and r["same_after_failure"] and r["raised"], r
+
+
+@pytest.mark.distributed
+def test_runs_directly_under_torchrun(write_recipe, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "torchrun"
+    recipe = write_recipe(max_steps=2, context_parallel_size=2, report_to="tensorboard")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "cptune",
+            "train",
+            str(recipe),
+            f"--output_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(logged_losses(out)) == 2
+    assert list(out.glob("runs/*/events.out.tfevents.*")), "report_to: tensorboard wrote no event file"

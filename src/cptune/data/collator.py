@@ -109,7 +109,8 @@ class PackedCollator:
         return length
 
     def __call__(self, rows: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, torch.Tensor]:
-        """Collate rows into ``input_ids``, ``labels``, ``position_ids`` and ``shift_labels`` of shape (batch, seq)."""
+        """Collate rows into ``input_ids``, ``labels``, ``position_ids`` and ``shift_labels`` of shape
+        (batch, seq), plus ``num_tokens``: the number of real (non-padding) tokens."""
         if not rows:
             raise ValueError("cannot collate an empty batch")
         length = self.padded_length(max(len(row["input_ids"]) for row in rows))
@@ -131,4 +132,6 @@ class PackedCollator:
             "labels": labels,
             "position_ids": position_ids,
             "shift_labels": shift_labels_within_documents(labels, position_ids),
+            # Real (non-padding) tokens, for throughput logging; never given to the model.
+            "num_tokens": torch.tensor(sum(len(row["input_ids"]) for row in rows)),
         }

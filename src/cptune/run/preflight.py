@@ -15,6 +15,7 @@ import yaml
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
+from cptune.parallel.backends.select import check_model_config
 from cptune.parallel.layout import ParallelDims
 
 
@@ -22,7 +23,7 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True) -> 
     """Fail early (before launching) on anything the recipe and launch cannot do together."""
     dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
     check_output_dir(recipe)
-    check_model_config(recipe, dims)
+    check_model(recipe, dims)
     if dims.cp_enabled:
         from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
 
@@ -55,26 +56,13 @@ def model_config(recipe: Recipe) -> Any:
         ) from None
 
 
-def check_model_config(recipe: Recipe, dims: ParallelDims) -> None:
+def check_model(recipe: Recipe, dims: ParallelDims) -> None:
     """Check the model's architecture against the CP backend without loading weights."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(recipe)
-    if not dims.cp_enabled:
-        return
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
-        raise CptuneError(
-            f"base_model: {model_class.__name__} does not route its attention through transformers' "
-            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
-            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
-        )
-    text = config.get_text_config()
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    if recipe.resolved_ring_attn_func == "varlen_llama3":
-        from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
-
-        check_heads_k_stride(kv_heads, recipe.heads_k_stride)
+    check_model_config(recipe, dims, config, model_class)
 
 
 def describe_plan(recipe: Recipe, *, world_size: int) -> str:
@@ -82,7 +70,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     from cptune.patches.registry import build_patch_set
 
     dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
-    check_model_config(recipe, dims)
+    check_model(recipe, dims)
     lines = ["Resolved recipe:"]
     dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
     lines += ["  " + line for line in dumped.splitlines()]

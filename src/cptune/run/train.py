@@ -18,10 +18,8 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.errors import CptuneError
 from cptune.models.loading import apply_lora, load_model, load_tokenizer, trainable_parameter_count
-from cptune.parallel.backends.attention import ATTENTION_NAME, register_attention
-from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.distributed import DistEnv, read_dist_env
 
@@ -59,11 +57,9 @@ def train(recipe: Recipe) -> TrainResult:
     if env.rank == 0:
         log.info("%s", prepared.stats.format())
 
-    backend_factory, attn_implementation = _backend_factory(recipe, dims, tokenizer.pad_token_id)
-    if attn_implementation == ATTENTION_NAME:
-        register_attention()
-    model = load_model(recipe, attn_implementation)
-    _check_model_for_backend(recipe, dims, model)
+    backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
+    model = load_model(recipe, backend.attn_implementation)
+    check_model_config(recipe, dims, model.config, type(model))
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP
         # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
@@ -73,7 +69,7 @@ def train(recipe: Recipe) -> TrainResult:
     log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
     with build_patch_set(recipe).applied(recipe):
-        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory)
+        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
         trainer.train()
         trainer.save_model(recipe.output_dir)  # the adapter or model, and the tokenizer
         if trainer.is_world_process_zero():
@@ -81,49 +77,6 @@ def train(recipe: Recipe) -> TrainResult:
         history = list(trainer.state.log_history)
         trainer.accelerator.wait_for_everyone()
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
-
-
-def _backend_factory(recipe: Recipe, dims: ParallelDims, pad_token_id: int):
-    """(factory building the backend from the accelerator, attention implementation to load)."""
-    if not dims.cp_enabled:
-        backend = LocalBackend(causal=recipe.causal)
-        return (lambda accelerator: backend), backend.attn_implementation
-
-    from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
-
-    kernels = load_ring_flash_attn()
-
-    def build(accelerator: Any) -> RingFlashAttnBackend:
-        cp_mesh = accelerator.torch_device_mesh["cp"]
-        return RingFlashAttnBackend(
-            func=recipe.resolved_ring_attn_func,
-            causal=recipe.causal,
-            heads_k_stride=recipe.heads_k_stride,
-            cp_size=dims.cp_size,
-            cp_rank=cp_mesh.get_local_rank(),
-            group=cp_mesh.get_group(),
-            pad_token_id=pad_token_id,
-            kernels=kernels,
-        )
-
-    return build, ATTENTION_NAME
-
-
-def _check_model_for_backend(recipe: Recipe, dims: ParallelDims, model: Any) -> None:
-    from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
-
-    if not dims.cp_enabled:
-        return
-    if not model.is_backend_compatible():
-        raise CptuneError(
-            f"base_model: {type(model).__name__} does not route its attention through transformers' "
-            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
-            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
-        )
-    config = model.config.get_text_config()
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if recipe.resolved_ring_attn_func == "varlen_llama3":
-        check_heads_k_stride(kv_heads, recipe.heads_k_stride)
 
 
 def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
@@ -172,6 +125,8 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         eval_steps=recipe.eval_steps,
         report_to=[r for r in recipe.report_to if r != "none"] or "none",
         remove_unused_columns=False,
+        # Under CP each rank holds logits for its shard only; evaluation reports the loss.
+        prediction_loss_only=True,
         label_names=["labels"],
         dataloader_num_workers=recipe.dataloader_num_workers,
         use_cpu=on_cpu,

@@ -9,14 +9,16 @@ the global token mean (see :mod:`cptune.parallel.loss`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
 
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
-from cptune.parallel.backends.base import CpBackend
+from cptune.parallel.backends.base import CpBackend, step_context
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch
 
@@ -35,6 +37,15 @@ class CptuneTrainer(Trainer):
         self.cp_size = cp_size
         self.cp_backend = backend_factory(self.accelerator)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
+        self._throughput = Throughput()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None):
+        with step_context(self.cp_backend):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        with step_context(self.cp_backend):
+            return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = sum((count_targets(b["shift_labels"]) for b in batch_samples), torch.tensor(0))
@@ -47,6 +58,8 @@ class CptuneTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | None = None,
     ):
+        if model.training and "num_tokens" in inputs:
+            self._throughput.add(int(inputs["num_tokens"]))
         batch = TokenBatch(
             input_ids=inputs["input_ids"],
             position_ids=inputs["position_ids"],
@@ -61,3 +74,47 @@ class CptuneTrainer(Trainer):
             num_items_in_batch = self._get_num_items_in_batch([inputs], loss_sum.device)
         loss = scaled_step_loss(loss_sum, num_items_in_batch, self.accelerator.num_processes)
         return (loss, outputs) if return_outputs else loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        started = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._throughput.pause(time.perf_counter() - started)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            # Every rank logs training steps together, so this collective is matched.
+            tokens_per_second = self._throughput.rate(self.cp_size)
+            if tokens_per_second is not None:
+                logs["tokens_per_second"] = round(tokens_per_second, 1)
+                logs["tokens_per_second_per_process"] = round(
+                    tokens_per_second / self.accelerator.num_processes, 1
+                )
+        super().log(logs, start_time)
+
+
+class Throughput:
+    """Real (non-padding) tokens trained per second, over all data-parallel groups."""
+
+    def __init__(self) -> None:
+        self._tokens = 0
+        self._since = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (e.g. an evaluation) out of the current interval."""
+        self._since += seconds
+
+    def rate(self, cp_size: int) -> float | None:
+        """Tokens per second since the last call; every rank of a CP group counted the same batches."""
+        total = torch.tensor(self._tokens, dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        now = time.perf_counter()
+        elapsed, self._since, self._tokens = now - self._since, now, 0
+        if elapsed <= 0:
+            return None
+        return int(total) / cp_size / elapsed

@@ -63,3 +63,15 @@ def test_bidirectional_local_attention_sees_the_future_within_a_document_only():
     scores = torch.softmax((q[0, :4, 0] @ q[0, :4, 0].T) / 2.0, -1)
     assert torch.allclose(out[0, 0, 0], scores[0] @ q[0, :4, 0], atol=1e-6)
     assert isinstance(call_batch.call, AttentionCall)
+
+
+def test_flash_attn_on_gpu_needs_half_precision():
+    from cptune.config.loader import validate_recipe
+    from cptune.parallel.backends.select import _check_ring_precision
+
+    fp32 = validate_recipe({"base_model": "m", "datasets": [{"path": "d"}], "context_parallel_size": 2})
+    with pytest.raises(CptuneError, match="bf16 and fp16 only"):
+        _check_ring_precision(fp32, cuda=True, flash_attn=True)
+    _check_ring_precision(fp32, cuda=False, flash_attn=False)  # CPU kernels take fp32
+    bf16 = fp32.model_copy(update={"bf16": True})
+    _check_ring_precision(bf16, cuda=True, flash_attn=True)

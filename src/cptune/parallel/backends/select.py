@@ -1,0 +1,101 @@
+"""Choose the context-parallel backend a recipe asks for.
+
+The one place that maps ``cp_backend`` (and cp=1) to a backend implementation;
+a new backend adds a branch here and a module beside this one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+from cptune.parallel.backends.attention import ATTENTION_NAME, register_attention
+from cptune.parallel.backends.base import CpBackend
+from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.layout import ParallelDims
+
+log = logging.getLogger("cptune.backends")
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """How to load the model and, once the accelerator exists, build the backend."""
+
+    attn_implementation: str
+    build: Callable[[Any], CpBackend]
+
+
+def plan_backend(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    """The backend for this recipe and process layout; imports its dependencies now."""
+    if not dims.cp_enabled:
+        local = LocalBackend(causal=recipe.causal)
+        plan = BackendPlan(local.attn_implementation, lambda accelerator: local)
+    elif recipe.cp_backend == "ring-flash-attn":
+        plan = _ring_flash_attn(recipe, dims, pad_token_id)
+    else:  # validation refuses backends that have not landed
+        raise CptuneError(f"cp_backend: '{recipe.cp_backend}' is not available in this version of cptune.")
+    if plan.attn_implementation == ATTENTION_NAME:
+        register_attention()
+    return plan
+
+
+def _ring_flash_attn(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
+    from cptune.parallel.kernels import flash_attn_available
+
+    _check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
+    kernels = load_ring_flash_attn()
+
+    def build(accelerator: Any) -> CpBackend:
+        cp_mesh = accelerator.torch_device_mesh["cp"]
+        return RingFlashAttnBackend(
+            func=recipe.resolved_ring_attn_func,
+            causal=recipe.causal,
+            heads_k_stride=recipe.heads_k_stride,
+            cp_size=dims.cp_size,
+            cp_rank=cp_mesh.get_local_rank(),
+            group=cp_mesh.get_group(),
+            pad_token_id=pad_token_id,
+            kernels=kernels,
+        )
+
+    return BackendPlan(ATTENTION_NAME, build)
+
+
+def _check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> None:
+    """flash-attn's CUDA kernels take half precision only; the CPU stand-ins take any float."""
+    half = recipe.bf16 in (True, "auto") or recipe.fp16
+    if cuda and flash_attn and not half:
+        raise CptuneError(
+            "cp_backend: ring-flash-attn runs flash-attn's CUDA kernels, which support bf16 and fp16 "
+            "only; set bf16: true (or fp16: true)."
+        )
+    if cuda and not flash_attn:
+        log.warning(
+            "flash-attn is not installed: ring-flash-attn will use cptune's pure-torch kernels on the GPU, "
+            "which are exact but slow and memory-hungry. Install it with: pip install 'cptune[flash-attn]'."
+        )
+
+
+def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None) -> None:
+    """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
+    if not dims.cp_enabled:
+        return
+    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        raise CptuneError(
+            f"base_model: {model_class.__name__} does not route its attention through transformers' "
+            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
+            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
+        )
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if recipe.cp_backend == "ring-flash-attn" and recipe.resolved_ring_attn_func == "varlen_llama3":
+        from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
+
+        check_heads_k_stride(kv_heads, recipe.heads_k_stride)
