@@ -17,27 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from cptune.data.labels import IGNORE_INDEX
+from cptune.tokens import document_starts
 
 __all__ = ["IGNORE_INDEX", "PackedCollator", "document_starts", "shift_labels_within_documents"]
-
-
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """Bool tensor, True where a new document begins.
-
-    Uses transformers' rule: token 0 starts a document, and so does every token
-    whose position is not the previous position + 1 (in particular every restart
-    at 0). Keeping the same rule as the attention mask means the loss and the
-    mask agree on what a document is.
-
-    Args:
-        position_ids: Integer tensor of shape ``(..., seq)``.
-
-    Returns:
-        Bool tensor of the same shape.
-    """
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
-    return starts
 
 
 def shift_labels_within_documents(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 __all__ = ["IGNORE_INDEX", "trained_token_count"]
 
-IGNORE_INDEX = -100
-"""Label of a token that is not trained (the default ``ignore_index`` of torch's cross entropy)."""
+from cptune.tokens import IGNORE_INDEX
 
 
 def trained_token_count(labels: Sequence[int]) -> int:

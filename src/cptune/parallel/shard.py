@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from cptune.tokens import IGNORE_INDEX, document_starts
 
 
 @dataclass(frozen=True)
@@ -49,18 +49,6 @@ class Shard:
     tokens: TokenBatch
     cu_seqlens: torch.Tensor | None
     max_seqlen: int | None
-
-
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
-    """True where a new document begins: each row's first token, or where positions do not step by one.
-
-    This is the rule transformers uses to detect packed documents
-    (``masking_utils.find_packed_sequence_indices``), so cp=1 and cp>1 agree on
-    where documents are.
-    """
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
-    return starts
 
 
 def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
