@@ -15,15 +15,11 @@ the *replacement* is the factory that builds what gets installed.
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib
 import inspect
 import logging
-import re
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from importlib import metadata
 from types import MappingProxyType
 from typing import Any
@@ -32,18 +28,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from cptune.errors import PatchError
+from cptune.patches.targets import MISSING, Slot, Target, resolve
 
 logger = logging.getLogger("cptune.patches")
-
-
-class _Missing(Enum):
-    """Type of :data:`MISSING`; an enum so the sentinel is a typed singleton."""
-
-    MISSING = "MISSING"
-
-
-MISSING = _Missing.MISSING
-"""Passed to a replacement factory when a ``create=True`` target does not exist yet."""
 
 
 def always(recipe: Any) -> bool:
@@ -65,37 +52,6 @@ class ContextParallelWith:
 
     def __str__(self) -> str:
         return f"context_parallel_size > 1 and cp_backend in ({', '.join(self.backends)})"
-
-
-_TARGET_RE = re.compile(
-    r"^(?P<module>[A-Za-z_][\w.]*):(?P<path>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
-    r"(?:\[(?P<key>'[^']*'|\"[^\"]*\")\])?$"
-)
-
-
-@dataclass(frozen=True)
-class Target:
-    """A parsed target: a module, a dotted attribute path from it and an optional mapping key."""
-
-    module: str
-    path: tuple[str, ...]
-    key: str | None = None
-
-    @classmethod
-    def parse(cls, spec: str) -> Target:
-        """Parses ``"pkg.mod:Class.attr"`` or ``"pkg.mod:dotted.mapping['key']"``.
-
-        Raises:
-            ValueError: ``spec`` has neither form (a bug in the patch definition).
-        """
-        match = _TARGET_RE.match(spec)
-        if match is None:
-            raise ValueError(
-                f"patch target {spec!r} must look like 'pkg.module:Qualified.attr' "
-                "or 'pkg.module:dotted.mapping[\"key\"]'"
-            )
-        key = match["key"]
-        return cls(match["module"], tuple(match["path"].split(".")), ast.literal_eval(key) if key else None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,67 +159,6 @@ class PatchPlan:
         )
 
 
-@dataclass(frozen=True, eq=False)
-class _Slot:
-    """A resolved place: attribute ``name`` of ``owner``, or key ``name`` of the mapping ``owner``."""
-
-    owner: Any
-    name: str
-    is_item: bool
-
-    def own(self) -> Any:
-        """The raw object stored directly in the owner's namespace, or MISSING."""
-        if self.is_item:
-            return self.owner.get(self.name, MISSING)
-        namespace = getattr(self.owner, "__dict__", None)
-        if namespace is None:  # __slots__ objects: no raw namespace to look into
-            return getattr(self.owner, self.name, MISSING)
-        return namespace.get(self.name, MISSING)
-
-    def visible(self) -> Any:
-        """What the replacement factory receives: the own object, else an inherited raw one."""
-        if self.is_item:
-            return self.owner.get(self.name, MISSING)
-        if isinstance(self.owner, type):
-            # getattr_static walks the MRO without invoking descriptors, so a staticmethod,
-            # classmethod or property arrives as the object stored in the class __dict__.
-            return inspect.getattr_static(self.owner, self.name, MISSING)
-        # Modules and instances: plain getattr so a lazy module (transformers' _LazyModule)
-        # can resolve the name; the raw object is then in its __dict__.
-        value = getattr(self.owner, self.name, MISSING)
-        own = self.own()
-        return value if own is MISSING else own
-
-    def write(self, value: Any) -> None:
-        """Stores ``value`` as is; MISSING deletes what the owner holds (nothing inherited is touched)."""
-        if value is MISSING:
-            if self.own() is not MISSING:
-                if self.is_item:
-                    del self.owner[self.name]
-                else:
-                    delattr(self.owner, self.name)
-        elif self.is_item:
-            self.owner[self.name] = value
-        else:
-            setattr(self.owner, self.name, value)
-
-
-def _resolve(target: Target) -> _Slot:
-    """Imports the target's module and walks to the slot; raises LookupError/ImportError on failure."""
-    owner: Any = importlib.import_module(target.module)
-    for depth, part in enumerate(target.path[:-1], start=1):
-        if not hasattr(owner, part):
-            raise LookupError(f"{target.module}:{'.'.join(target.path[:depth])} does not exist")
-        owner = getattr(owner, part)
-    last = target.path[-1]
-    if target.key is None:
-        return _Slot(owner, last, is_item=False)
-    mapping = getattr(owner, last, MISSING)
-    if not isinstance(mapping, MutableMapping):
-        raise LookupError(f"{target.module}:{'.'.join(target.path)} is not a mutable mapping")
-    return _Slot(mapping, target.key, is_item=True)
-
-
 def _check_requirements(patch: Patch) -> list[str]:
     messages = []
     for dist, spec in patch.requires.items():
@@ -289,7 +184,7 @@ def _check_target(patch: Patch, original: Any = MISSING) -> list[str]:
     """
     if original is MISSING:
         try:
-            original = _resolve(patch.parsed_target).visible()
+            original = resolve(patch.parsed_target).visible()
         except Exception as exc:  # an import can fail with anything; report it instead of crashing the plan
             return [f"target cannot be found: {type(exc).__name__}: {exc}"]
     if original is MISSING:
@@ -316,7 +211,7 @@ class _Installed:
     """What one applied patch changed, enough to undo it exactly."""
 
     patch: Patch
-    slot: _Slot
+    slot: Slot
     saved: Any  # the slot's own raw object before install, or MISSING
     original: Any  # what the replacement factory received
     installed: Any
@@ -386,7 +281,7 @@ class PatchSet:
         installed: list[_Installed] = []
         try:
             for patch in plan.selected:
-                slot = _resolve(patch.parsed_target)
+                slot = resolve(patch.parsed_target)
                 saved, original = slot.own(), slot.visible()
                 new = patch.replacement(original)
                 slot.write(new)
