@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cptune.parallel.kernels import (
+    blockwise,
     flash_attn_available,
-    flash_attn_cpu,
     flash_attn_shim_patches,
     shim_modules,
 )
@@ -159,7 +159,7 @@ def test_blocked_computation_equals_single_block(monkeypatch):
     q, k, v, dout = random_qkv(batch=1, seqlen_q=23, seqlen_k=29, nheads=4, nheads_k=2)
     for mask in ({"causal": True}, {"causal": False, "window": (4, 2)}, {"causal": True, "window": (3, -1)}):
         whole = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
-        monkeypatch.setattr(flash_attn_cpu, "_MAX_SCORE_ELEMENTS", 4 * 29 * 3)  # 3 query rows per block
+        monkeypatch.setattr(blockwise, "_MAX_SCORE_ELEMENTS", 4 * 29 * 3)  # 3 query rows per block
         blocked = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
         monkeypatch.undo()
         for a, b in zip((whole[0], whole[1], *whole[2]), (blocked[0], blocked[1], *blocked[2]), strict=True):

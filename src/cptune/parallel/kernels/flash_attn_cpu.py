@@ -30,14 +30,11 @@ Deliberate differences from flash-attn:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
-# Upper bound on the elements of one block of attention scores: long inputs are processed in
-# query-row blocks so memory stays bounded (the backward holds about four such blocks).
-_MAX_SCORE_ELEMENTS = 1 << 23
+from cptune.parallel.kernels.blockwise import attend_backward, attend_forward
 
 
 def _flash_attn_forward(
@@ -76,7 +73,7 @@ def _flash_attn_forward(
     _reject_unsupported(dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
     _check_qkv(q, k, v, dims=4)
     left, right = _window(causal, window_size_left, window_size_right)
-    out, lse = _attend_forward(q, k, v, _scale(softmax_scale, q), left, right)
+    out, lse = attend_forward(q, k, v, _scale(softmax_scale, q), left, right)
     return out.to(q.dtype), lse, *_unused_outputs(q)
 
 
@@ -132,7 +129,7 @@ def _flash_attn_varlen_forward(
     out = torch.zeros_like(q)
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for rows_q, rows_k in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-        seq_out, seq_lse = _attend_forward(
+        seq_out, seq_lse = attend_forward(
             q[None, rows_q], k[None, rows_k], v[None, rows_k], scale, left, right
         )
         out[rows_q] = seq_out[0].to(q.dtype)
@@ -180,7 +177,7 @@ def _flash_attn_backward(
     _reject_unsupported(dropout_p, softcap, alibi_slopes)
     _check_qkv(q, k, v, dims=4, dout=dout, out=out)
     left, right = _window(causal, window_size_left, window_size_right)
-    *grads, softmax_d = _attend_backward(
+    *grads, softmax_d = attend_backward(
         dout, q, k, v, out, softmax_lse, _scale(softmax_scale, q), left, right
     )
     for target, grad in zip((dq, dk, dv), grads, strict=True):
@@ -236,7 +233,7 @@ def _flash_attn_varlen_backward(
             target.zero_()
     softmax_d = q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
     for rows_q, rows_k in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
-        *grads, seq_d = _attend_backward(
+        *grads, seq_d = attend_backward(
             dout[None, rows_q],
             q[None, rows_q],
             k[None, rows_k],
@@ -252,120 +249,6 @@ def _flash_attn_varlen_backward(
                 target[rows].copy_(grad[0])
         softmax_d[:, rows_q] = seq_d[0]
     return softmax_d
-
-
-def _attend_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, left: int, right: int
-) -> tuple[Tensor, Tensor]:
-    """Forward on dense ``(b, s, h, d)`` tensors; returns ``out`` in compute dtype and fp32 lse."""
-    batch, seqlen_q, nheads, headdim = q.shape
-    compute = _compute_dtype(q)
-    q, k, v = (t.to(compute) for t in (q, k, v))
-    q_scaled = q * scale
-    out = torch.zeros_like(q)
-    lse = q.new_full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32)
-    for rows, keys, visible in _blocks(q, k, left, right):
-        scores = _scores(_grouped(q_scaled[:, rows], k), k[:, keys], visible)
-        blk_lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - _dead_rows_to_inf(blk_lse)[..., None])
-        blk_out = torch.einsum("bkgqs,bskd->bqkgd", probs, v[:, keys])
-        out[:, rows] = blk_out.reshape(batch, -1, nheads, headdim)
-        lse[:, :, rows] = blk_lse.reshape(batch, nheads, -1).float()
-    return out, lse
-
-
-def _attend_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    left: int,
-    right: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward on dense ``(b, s, h, d)`` tensors; returns dq, dk, dv and fp32 softmax_d."""
-    batch, _, nheads, headdim = q.shape
-    nheads_k = k.shape[2]
-    compute = _compute_dtype(q)
-    dout, q, k, v, out = (t.to(compute) for t in (dout, q, k, v, out))
-    q_scaled = q * scale
-    # delta_i = dout_i . out_i = sum_j P_ij dP_ij, the rank-one term of the softmax Jacobian.
-    delta = (dout * out).sum(dim=-1)
-    grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for rows, keys, visible in _blocks(q, k, left, right):
-        k_blk, v_blk = k[:, keys], v[:, keys]
-        q_blk, dout_blk = _grouped(q_scaled[:, rows], k), _grouped(dout[:, rows], k)
-        # (b, h, n) -> (b, h_kv, group, n), matching the score layout below.
-        lse_blk = lse[:, :, rows].to(compute).reshape(batch, nheads_k, nheads // nheads_k, -1)
-        delta_blk = delta[:, rows].reshape(batch, -1, nheads_k, nheads // nheads_k).permute(0, 2, 3, 1)
-        scores = _scores(q_blk, k_blk, visible)
-        probs = torch.exp(scores - _dead_rows_to_inf(lse_blk)[..., None])
-        grad_v[:, keys] += torch.einsum("bkgqs,bqkgd->bskd", probs, dout_blk)
-        dprobs = torch.einsum("bqkgd,bskd->bkgqs", dout_blk, v_blk)
-        dscores = probs * (dprobs - delta_blk[..., None])
-        blk_grad_q = torch.einsum("bkgqs,bskd->bqkgd", dscores, k_blk) * scale
-        grad_q[:, rows] = blk_grad_q.reshape(batch, -1, nheads, headdim)
-        # q_blk already carries the scale, so this is scale * dS^T q.
-        grad_k[:, keys] += torch.einsum("bkgqs,bqkgd->bskd", dscores, q_blk)
-    return grad_q, grad_k, grad_v, delta.transpose(1, 2).float()
-
-
-def _blocks(q: Tensor, k: Tensor, left: int, right: int) -> Iterator[tuple[slice, slice, Tensor | None]]:
-    """Split the score matrix into query-row blocks, each with the key range it can see.
-
-    Yields ``(rows, keys, visible)``: the query rows, the smallest key range that holds every
-    key those rows may see, and a boolean ``(rows, keys)`` mask (``None`` when all are visible).
-    Blocks whose rows see no key are skipped: their ``out`` stays 0 and ``lse`` stays -inf.
-    Narrowing the key range is what makes causal and sliding-window attention cheaper here.
-    """
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k = k.shape[1]
-    # Bottom-right alignment: query i sits at key position i + shift.
-    shift = seqlen_k - seqlen_q
-    rows_per_block = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * nheads * seqlen_k))
-    for start in range(0, seqlen_q, rows_per_block):
-        stop = min(seqlen_q, start + rows_per_block)
-        first = 0 if left < 0 else max(0, start + shift - left)
-        last = seqlen_k if right < 0 else min(seqlen_k, stop - 1 + shift + right + 1)
-        if first >= last:
-            continue
-        visible = None
-        if left >= 0 or right >= 0:
-            offset = (
-                torch.arange(first, last, device=q.device)[None, :]
-                - torch.arange(start + shift, stop + shift, device=q.device)[:, None]
-            )
-            visible = torch.ones_like(offset, dtype=torch.bool)
-            if left >= 0:
-                visible &= offset >= -left
-            if right >= 0:
-                visible &= offset <= right
-        yield slice(start, stop), slice(first, last), visible
-
-
-def _scores(q_grouped: Tensor, k: Tensor, visible: Tensor | None) -> Tensor:
-    """Masked scores ``(b, h_kv, group, n_q, n_k)`` from grouped, pre-scaled queries."""
-    scores = torch.einsum("bqkgd,bskd->bkgqs", q_grouped, k)
-    if visible is not None:
-        scores.masked_fill_(~visible, float("-inf"))
-    return scores
-
-
-def _grouped(x: Tensor, k: Tensor) -> Tensor:
-    """View ``(b, n, h, d)`` as ``(b, n, h_kv, group, d)``: query head h reads key head h // group."""
-    batch, rows, nheads, headdim = x.shape
-    nheads_k = k.shape[2]
-    return x.reshape(batch, rows, nheads_k, nheads // nheads_k, headdim)
-
-
-def _dead_rows_to_inf(lse: Tensor) -> Tensor:
-    """Replace non-finite lse by +inf so ``exp(score - lse)`` is 0 on rows that see no key.
-
-    A row without visible keys has scores and lse of -inf; ``-inf - -inf`` would be NaN.
-    """
-    return lse.masked_fill(~torch.isfinite(lse), float("inf"))
 
 
 def _segments(
@@ -456,10 +339,6 @@ def _window(causal: bool, left: int | None, right: int | None) -> tuple[int, int
 
 def _scale(softmax_scale: float | None, q: Tensor) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _unused_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
