@@ -1,4 +1,4 @@
-"""The ``cptune`` command line: train, preprocess, validate.
+"""The ``cptune`` command line: train, preprocess, validate, evaluate, merge-lora.
 
 Errors a user can cause (:class:`~cptune.errors.CptuneError`) are printed as one
 message without a traceback, and the command exits non-zero.
@@ -67,6 +67,14 @@ def train(
     rdzv_endpoint: Annotated[str | None, typer.Option(help="torchrun rendezvous endpoint.")] = None,
     rdzv_backend: Annotated[str | None, typer.Option(help="torchrun rendezvous backend.")] = None,
     rdzv_id: Annotated[str | None, typer.Option(help="torchrun rendezvous id.")] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue from the newest complete checkpoint in output_dir "
+            "(same as resume_from_checkpoint: true).",
+        ),
+    ] = False,
 ) -> None:
     from cptune.run.distributed import read_dist_env, under_launcher
     from cptune.run.launch import LaunchPlan, launch
@@ -75,6 +83,8 @@ def train(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
+    if resume and not loaded.resume_from_checkpoint:
+        loaded = loaded.model_copy(update={"resume_from_checkpoint": True})
     if under_launcher():
         from cptune.run.train import train as run_train
 
@@ -101,7 +111,7 @@ def train(
         result = run_train(loaded)
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
-    code = launch(plan, ["train", str(recipe), *ctx.args])
+    code = launch(plan, ["train", str(recipe), *ctx.args, *(["--resume"] if resume else [])])
     if code:
         raise typer.Exit(code)
 
@@ -135,10 +145,80 @@ def validate(
     typer.echo(describe_plan(loaded, world_size=world))
 
 
+CheckpointOption = Annotated[
+    Path | None,
+    typer.Option(help="output_dir or a checkpoint-N folder holding a LoRA adapter or a full model."),
+]
+
+
+@app.command(
+    context_settings=_EXTRA,
+    help="Loss and perplexity on the recipe's evaluation data (val_set_size or test_datasets), "
+    f"split across processes like training. {OVERRIDES_HELP}",
+)
+def evaluate(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    checkpoint: CheckpointOption = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(help="Processes to start (default: context_parallel_size); one node only."),
+    ] = None,
+) -> None:
+    import json
+
+    from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.evaluate import evaluate as run_evaluate
+    from cptune.run.evaluate import model_source
+    from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.preflight import preflight
+
+    env = read_dist_env()
+    _setup_logging(env.rank)
+    loaded = _load(recipe, ctx)
+    plan = LaunchPlan(nproc_per_node=nproc_per_node or loaded.context_parallel_size)
+    if not under_launcher():
+        model_source(checkpoint)  # a wrong path fails here, before any process starts
+        preflight(loaded, world_size=plan.world_size, training=False)
+    if under_launcher() or plan.world_size == 1:
+        metrics = run_evaluate(loaded, checkpoint)
+        if env.rank == 0:
+            typer.echo(json.dumps(metrics))
+        return
+    args = ["evaluate", str(recipe), *ctx.args]
+    if checkpoint is not None:
+        args += ["--checkpoint", str(checkpoint)]
+    code = launch(plan, args)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(
+    name="merge-lora",
+    context_settings=_EXTRA,
+    help=f"Merge the trained LoRA adapter into the base model and save a standalone model. {OVERRIDES_HELP}",
+)
+def merge_lora(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    checkpoint: CheckpointOption = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Where to save the merged model (default: output_dir/merged).")
+    ] = None,
+) -> None:
+    from cptune.run.merge import merge_lora as run_merge
+
+    _setup_logging()
+    loaded = _load(recipe, ctx)
+    target = run_merge(loaded, checkpoint, out)
+    typer.echo(f"cptune: merged model saved to {target}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Outside standalone mode click returns (not raises) the code of typer.Exit.
+        code = app(args=argv, standalone_mode=False)
     except CptuneError as err:
         rank = _rank_prefix()
         print(f"{rank}error: {err}", file=sys.stderr)
@@ -154,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             err.show()
             sys.exit(err.exit_code)
         raise
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 def _rank_prefix() -> str:

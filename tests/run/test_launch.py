@@ -1,0 +1,79 @@
+"""cptune's own launcher: a rank that dies stops the whole run quickly, naming the rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cptune.run.launch import LaunchPlan, child_environment
+
+# The launcher waits GRACE_SECONDS (10 s) for the other ranks, then SIGTERM, then
+# SIGKILL after another 10 s: a run must be over well within this bound.
+EXIT_BOUND_SECONDS = 40
+
+
+def children_by_rank(parent: int) -> dict[int, int]:
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(entry.name)
+    return found
+
+
+def test_child_environment_is_torchrun_like():
+    env = child_environment(LaunchPlan(nproc_per_node=2), rank=1, port=1234, base={"PATH": "/bin"})
+    assert env["RANK"] == env["LOCAL_RANK"] == "1"
+    assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_PORT"] == "1234" and env["MASTER_ADDR"] == "127.0.0.1"
+    assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the rank processes")
+def test_killed_rank_stops_the_run_within_bound(write_recipe, tmp_path):
+    recipe = write_recipe(max_steps=100000, context_parallel_size=2, logging_steps=1)
+    stderr_path, stdout_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
+    with stderr_path.open("w") as stderr_file, stdout_path.open("w") as stdout_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "cptune", "train", str(recipe)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=stdout_file,
+            stderr=stderr_file,
+        )
+        try:
+            # Wait until training runs: rank 0 has logged a step.
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and "'loss'" not in stdout_path.read_text():
+                assert launcher.poll() is None, stderr_path.read_text()[-2000:]
+                time.sleep(0.5)
+            ranks = children_by_rank(launcher.pid)
+            assert len(ranks) == 2, f"ranks not found: {ranks}"
+            killed_at = time.monotonic()
+            os.kill(ranks[1], signal.SIGKILL)
+            launcher.wait(timeout=EXIT_BOUND_SECONDS + 20)
+            took = time.monotonic() - killed_at
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    stderr = stderr_path.read_text()
+    assert launcher.returncode != 0
+    assert "rank 1 exited with code -9" in stderr
+    assert took <= EXIT_BOUND_SECONDS, took
+    assert not children_by_rank(launcher.pid)
