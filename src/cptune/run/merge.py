@@ -1,0 +1,95 @@
+"""``merge_lora(recipe)``: fold a trained LoRA adapter into the base model and save a standalone model.
+
+The result loads with ``AutoModelForCausalLM.from_pretrained`` alone (no peft,
+no cptune): the base model's config with the merged weights, plus the tokenizer
+the run saved. It runs in one process; merging is a weight update, not a
+forward pass, so nothing about it depends on context parallelism. The output
+folder is written beside its final place and renamed into it, so an interrupted
+merge never leaves a folder that looks like a finished model.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+from cptune.models.loading import load_model, load_tokenizer
+from cptune.run.checkpoints import latest_complete_checkpoint
+from cptune.run.evaluate import ADAPTER_CONFIG, model_source
+
+log = logging.getLogger("cptune.merge")
+
+MERGED_DIR = "merged"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | Path | None = None) -> Path:
+    """Merge the adapter in ``checkpoint`` (default: ``output_dir``) into the base model; returns the folder.
+
+    Args:
+        recipe: The recipe the adapter was trained with (its ``base_model`` and dtype).
+        checkpoint: ``output_dir`` or a complete ``checkpoint-N`` folder holding the adapter.
+        out: Where to save the merged model; default ``output_dir/merged``. Replaced if it exists.
+
+    Raises:
+        CptuneError: no adapter at ``checkpoint``, or ``out`` is a file.
+    """
+    from peft import PeftModel
+
+    if checkpoint is None and not recipe.is_lora:
+        raise CptuneError(
+            "merge-lora: the recipe fine-tunes the whole model (no adapter: lora), so output_dir already "
+            "holds a standalone model; there is no adapter to merge."
+        )
+    if checkpoint is None:
+        checkpoint = Path(recipe.output_dir)
+        if not (checkpoint / ADAPTER_CONFIG).is_file():
+            latest = latest_complete_checkpoint(checkpoint)
+            hint = f" (e.g. --checkpoint {latest})" if latest is not None else ""
+            raise CptuneError(
+                f"merge-lora: output_dir '{checkpoint}' holds no trained LoRA adapter ({ADAPTER_CONFIG}) yet. "
+                f"Train first, or pass --checkpoint with the folder that holds the adapter{hint}."
+            )
+    source = model_source(checkpoint)
+    if source.kind != "adapter" or source.path is None:
+        raise CptuneError(
+            f"merge-lora: '{source.path}' holds a full model, not a LoRA adapter; there is nothing to merge. "
+            "Use that folder as the model directly."
+        )
+    target = Path(out) if out is not None else Path(recipe.output_dir) / MERGED_DIR
+    if target.exists() and not target.is_dir():
+        raise CptuneError(f"--out: '{target}' is a file; give a folder path.")
+    # The tokenizer the run saved beside the adapter (its pad token included), else the recipe's.
+    has_tokenizer = any((source.path / name).is_file() for name in TOKENIZER_FILES)
+    if has_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=recipe.trust_remote_code)
+    else:
+        tokenizer = load_tokenizer(recipe)
+    # The default attention implementation: the saved model must not name cptune's CP attention.
+    base = load_model(recipe, "sdpa")
+    # Training turned the KV cache off (see load_model); a standalone model should generate with one.
+    base.config.use_cache = True
+    merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
+    log.info("merged %s into %s", source.path, recipe.base_model)
+    if not recipe.causal:
+        log.warning(
+            "the adapter was trained with bidirectional attention (causal: false); the merged model loads "
+            "with the model class's own (causal) attention unless you choose another when you load it."
+        )
+
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    merged.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    old = target.with_name(f".{target.name}.replaced")
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -1,0 +1,25 @@
+"""One rank of ``cptune evaluate``'s parity check: evaluate() for several recipes in one launch.
+
+Usage: eval_worker.py OUT_DIR RECIPE [RECIPE ...]; writes ``OUT_DIR/rank{r}.json``
+mapping each recipe file's stem to the metrics evaluate() returned on this rank.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from cptune.config.loader import load_recipe
+from cptune.run.distributed import read_dist_env
+from cptune.run.evaluate import evaluate
+
+
+def main() -> None:
+    out_dir, recipes = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
+    results = {path.stem: evaluate(load_recipe(path)) for path in recipes}
+    (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""One rank of a cptune training run for the checkpoint tests.
+
+Usage: train_worker.py OUT_DIR RECIPE [--crash-saving-step N]
+
+Runs ``cptune.run.train.train(recipe)``. Without ``--crash-saving-step``, rank 0
+then writes the trained model's logits for a fixed input, computed with the
+unwrapped model in a plain single-rank forward (no CP), to ``OUT_DIR/logits.pt``.
+With it, every rank kills itself with SIGKILL while the Trainer is writing
+checkpoint N (after the model files, before the optimizer state), like a
+machine that goes down mid-save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from cptune.config.loader import load_recipe
+from cptune.run import train as train_module
+from cptune.run.distributed import read_dist_env
+
+FIXED_TEXT = "### Instruction:\nName a colour of the sea.\n\n### Response:\nBlue, green or grey."
+
+
+def fixed_input_ids(tokenizer) -> torch.Tensor:
+    return tokenizer(FIXED_TEXT, return_tensors="pt").input_ids
+
+
+def main() -> None:
+    out_dir, recipe_path = Path(sys.argv[1]), sys.argv[2]
+    crash_step = (
+        int(sys.argv[sys.argv.index("--crash-saving-step") + 1])
+        if "--crash-saving-step" in sys.argv
+        else None
+    )
+    built = {}
+    build = train_module._build_trainer
+
+    def build_and_keep(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        built["trainer"] = trainer
+        if crash_step is not None:
+            save_optimizer = trainer._save_optimizer_and_scheduler
+
+            def crash_while_saving(output_dir):
+                if trainer.state.global_step == crash_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                save_optimizer(output_dir)
+
+            trainer._save_optimizer_and_scheduler = crash_while_saving
+        return trainer
+
+    train_module._build_trainer = build_and_keep
+    result = train_module.train(load_recipe(recipe_path))
+    rank = read_dist_env().rank
+    if rank == 0:
+        trainer = built["trainer"]
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        # cptune's CP attention needs per-batch metadata; a plain forward uses sdpa on the whole input.
+        model.set_attn_implementation("sdpa")
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=fixed_input_ids(trainer.processing_class)).logits
+        torch.save(logits, out_dir / "logits.pt")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses}))
+
+
+if __name__ == "__main__":
+    main()
