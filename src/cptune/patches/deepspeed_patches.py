@@ -1,0 +1,195 @@
+"""Patches that cp_backend: deepspeed needs, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
+
+They live together because they exist only for this backend: each applies when
+``context_parallel_size > 1`` and ``cp_backend: deepspeed``. Each function returns
+one :class:`~cptune.patches.core.Patch`; nothing is imported or patched until a
+:class:`~cptune.patches.core.PatchSet` applies it, and the targets' modules
+(DeepSpeed's among them) are imported only when a recipe selects these patches.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from cptune.patches.core import ContextParallelWith, Patch
+
+DEEPSPEED_REQUIREMENT = {"deepspeed": ">=0.19,<0.20"}
+ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
+TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
+
+FOR_DEEPSPEED = ContextParallelWith(("deepspeed",))
+
+
+def skip_shm_op_build_patch() -> Patch:
+    """``deepspeed.comm.torch.build_shm_op`` → no shared-memory op on CPU.
+
+    DeepSpeed's ``TorchBackend.__init__`` (deepspeed/comm/torch.py:207) JIT-compiles
+    the ``deepspeed_shm_comm`` C++ op with g++ whenever the accelerator is the CPU:
+    about 40 s on a cold cache (notes/cpu-measurements.md, D). The op serves only
+    ``inference_all_reduce`` (torch.py:292-306), which falls back to
+    ``torch.distributed.all_reduce`` without it; training never calls it. On other
+    accelerators the original runs unchanged.
+    """
+
+    def replacement(original: Callable[[], Any]) -> Callable[[], Any]:
+        @functools.wraps(original)
+        def build_shm_op() -> Any:
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() == "cpu":
+                return None
+            return original()
+
+        return build_shm_op
+
+    return Patch(
+        name="deepspeed-skip-cpu-shm-op",
+        target="deepspeed.comm.torch:build_shm_op",
+        replacement=replacement,
+        reason=(
+            "Skips a ~40 s g++ build of an inference-only op when DeepSpeed starts on CPU.\n"
+            "deepspeed/comm/torch.py:207 builds deepspeed_shm_comm in TorchBackend.__init__; it is used only "
+            "by inference_all_reduce (torch.py:292), which falls back to torch.distributed.all_reduce."
+        ),
+        remove_when="DeepSpeed builds the shared-memory op lazily, on first use by inference_all_reduce.",
+        requires=DEEPSPEED_REQUIREMENT,
+        signature=(),
+        applies_to=FOR_DEEPSPEED,
+    )
+
+
+def _deepspeed_launch_without_device(cpu: bool) -> bool:
+    """A DeepSpeed process under a launcher on a machine with no accelerator device accelerate knows."""
+    import torch
+
+    return (
+        not cpu
+        and int(os.environ.get("LOCAL_RANK", -1)) != -1
+        and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        and not torch.cuda.is_available()
+    )
+
+
+def deepspeed_cpu_backend_patch() -> Patch:
+    """``PartialState._prepare_backend`` → ``gloo`` for DeepSpeed processes on CPU.
+
+    DeepSpeed on CPU needs ``use_cpu`` off (with it on, accelerate never selects
+    DeepSpeed: accelerate/state.py:201 and :974 test ``not cpu``). Then
+    ``_prepare_backend`` (state.py:755-815) finds no device backend and returns
+    ``None``; DeepSpeed's ``init_distributed`` still creates a gloo process group
+    (state.py:204-214), but with ``backend is None`` accelerate records
+    ``num_processes = 1`` and ``process_index = 0`` (state.py:287-292), so the
+    Trainer reports world_size 1 on every rank (measured, notes D) and every rank
+    acts as the main process. The wrapper names the backend DeepSpeed's CPU
+    accelerator uses, so the real world size and rank are read from the process group.
+    """
+
+    def replacement(original: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+        @functools.wraps(original)
+        def _prepare_backend(self: Any, cpu: bool = False, sagemaker_dp: bool = False, backend: Any = None):
+            found, distributed_type = original(self, cpu, sagemaker_dp, backend)
+            if found is None and backend is None and _deepspeed_launch_without_device(cpu):
+                return "gloo", distributed_type
+            return found, distributed_type
+
+        return _prepare_backend
+
+    return Patch(
+        name="accelerate-deepspeed-cpu-world-size",
+        target="accelerate.state:PartialState._prepare_backend",
+        replacement=replacement,
+        reason=(
+            "DeepSpeed on CPU: accelerate sees the real world size instead of 1 process.\n"
+            "accelerate/state.py:755 _prepare_backend returns no backend on a machine without devices, so "
+            "state.py:288 records num_processes=1 although DeepSpeed initialised a gloo group."
+        ),
+        remove_when="accelerate picks a backend for DeepSpeed processes on CPU-only machines.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "cpu", "sagemaker_dp", "backend"),
+        applies_to=FOR_DEEPSPEED,
+    )
+
+
+def sp_attn_allows_cptune_patch() -> Patch:
+    """``DeepSpeedSequenceParallelConfig.__post_init__`` → also accept cptune's core attention.
+
+    accelerate/utils/dataclasses.py:2292-2309 accepts only ``flash_attention_2/3``,
+    ``sdpa`` and hub flash-attn kernels, although DeepSpeed itself takes any name
+    registered in transformers' ``AttentionInterface`` (ulysses_sp.py:488-492).
+    cptune's document-aware attention (the only core attention that keeps packed
+    documents apart on CPU) is registered under its own name; the wrapper
+    validates it as ``sdpa`` would be and then puts the name back.
+    """
+
+    def replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
+        @functools.wraps(original)
+        def __post_init__(self: Any) -> None:
+            from cptune.parallel.backends.deepspeed_ulysses import DOCUMENT_ATTENTION_NAME
+
+            name = self.sp_attn_implementation
+            if name != DOCUMENT_ATTENTION_NAME:
+                return original(self)
+            self.sp_attn_implementation = "sdpa"
+            try:
+                original(self)
+            finally:
+                self.sp_attn_implementation = name
+
+        return __post_init__
+
+    return Patch(
+        name="accelerate-sp-attn-allow-cptune",
+        target="accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig.__post_init__",
+        replacement=replacement,
+        reason=(
+            "Lets DeepSpeed's Ulysses wrap cptune's document-aware attention.\n"
+            "accelerate/utils/dataclasses.py:2303 rejects attention names other than flash_attention_2/3, sdpa "
+            "and hub kernels; DeepSpeed's register_with_transformers accepts any registered name."
+        ),
+        remove_when="accelerate accepts any attention registered in transformers' AttentionInterface.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self",),
+        applies_to=FOR_DEEPSPEED,
+    )
+
+
+def attention_registry_scope_patch() -> Patch:
+    """``ALL_ATTENTION_FUNCTIONS._local_mapping`` → a copy for the run, so DeepSpeed's wrapper goes away after.
+
+    ``UlyssesSPAttentionHF.register_with_transformers`` installs its all-to-all
+    wrapper with ``ALL_ATTENTION_FUNCTIONS[core] = uattn_wrapper``
+    (ulysses_sp.py:566), which lands in the instance's ``_local_mapping``
+    (transformers/utils/generic.py:1129-1131) and is never taken out: after the
+    run, every model in the process would still route ``sdpa`` (or cptune's
+    attention) through a wrapper holding the finished run's process group, and a
+    second run would wrap the wrapper. The patch gives the registry a copy of its
+    local mapping for the run; reverting puts the original dict back, without
+    DeepSpeed's entry. Models read the registry through the same object, so they
+    see the wrapper while the run lasts.
+    """
+    return Patch(
+        name="attention-registry-run-scope",
+        target="transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS._local_mapping",
+        replacement=lambda original: dict(original),
+        reason=(
+            "Keeps DeepSpeed's Ulysses attention wrapper from outliving the run.\n"
+            "deepspeed ulysses_sp.py:566 writes it into ALL_ATTENTION_FUNCTIONS (its _local_mapping, "
+            "transformers/utils/generic.py:1131) for good."
+        ),
+        remove_when="DeepSpeed undoes its attention registration (or registers under a name of its own).",
+        requires={**TRANSFORMERS_REQUIREMENT, **DEEPSPEED_REQUIREMENT},
+        applies_to=FOR_DEEPSPEED,
+    )
+
+
+def deepspeed_patches() -> list[Patch]:
+    """Every patch of cp_backend: deepspeed, in the order they are applied."""
+    return [
+        skip_shm_op_build_patch(),
+        deepspeed_cpu_backend_patch(),
+        sp_attn_allows_cptune_patch(),
+        attention_registry_scope_patch(),
+    ]

@@ -1,0 +1,248 @@
+"""One rank of the deepspeed backend's parity check: DeepSpeed Ulysses + ZeRO against the cp=1 reference.
+
+Every rank builds the same tiny Llama and the same global batches and computes the
+cp=1 reference itself (one process, whole rows, ``LocalBackend``, torch AdamW).
+The deepspeed side runs DeepSpeed's own pieces as accelerate and the Trainer wire
+them: ``UlyssesSPAttentionHF.register_with_transformers`` around the core
+attention, ``UlyssesSPDataLoaderAdapter`` over a loader of cptune's
+``UlyssesCollator`` batches (each rank loads its own batches; the adapter hands
+out shards), a DeepSpeed engine with the case's ZeRO stage, and cptune's
+backend, target count and loss scale exactly as ``CptuneTrainer`` uses them.
+Reported per case: step-0 loss of both paths (the deepspeed one as the Trainer
+would log it), the largest relative gradient difference after DeepSpeed's
+reduction, and the losses of 3 optimizer steps.
+
+Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel
+groups); DeepSpeed's sequence-parallel groups are built anew for every case.
+
+Usage: ulysses_parity_worker.py OUT_DIR CASES_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from cptune.data.collator import shift_labels_within_documents
+from cptune.parallel.backends.attention import check_layers_served, register_attention
+from cptune.parallel.backends.deepspeed_ulysses import (
+    CORE_ATTENTION_NAMES,
+    DeepSpeedUlyssesBackend,
+    UlyssesCollator,
+    gloo_fixed_length,
+    gradient_divisor,
+    register_document_attention,
+)
+from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
+from cptune.parallel.shard import TokenBatch
+from cptune.patches.core import PatchSet
+from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
+from cptune.tiny import build_tiny_model, tiny_llama_config
+
+VOCAB = 97
+STEPS = 3
+
+
+def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
+    """``mbs`` rows of ``seq_len`` tokens: packed (3 cuts) or one document plus end padding."""
+    ids, labels, positions = [], [], []
+    for _ in range(case["mbs"]):
+        length = case["seq_len"]
+        if case["packed"]:
+            cuts = sorted(torch.randperm(length - 1, generator=generator)[:3].add(1).tolist())
+            docs = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
+        else:
+            real = int(torch.randint(length // 2, length + 1, (1,), generator=generator))
+            docs = [real] + ([length - real] if real < length else [])
+        row_ids = torch.randint(3, VOCAB, (length,), generator=generator)
+        row_labels = row_ids.clone()
+        start = 0
+        for i, n in enumerate(docs):
+            row_labels[start : start + min(n - 1, 2)] = -100  # an untrained prompt
+            if not case["packed"] and i == 1:
+                row_labels[start : start + n] = -100  # the padding of an unpacked row
+            start += n
+        if case.get("empty_shard"):
+            row_labels[: length // 2 + 1] = -100  # the first rank's slice has no target
+        ids.append(row_ids)
+        labels.append(row_labels)
+        positions.append(torch.cat([torch.arange(n) for n in docs]))
+    ids_t, labels_t, positions_t = torch.stack(ids), torch.stack(labels), torch.stack(positions)
+    return TokenBatch(ids_t, positions_t, shift_labels_within_documents(labels_t, positions_t))
+
+
+def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
+    model = build_tiny_model(tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2)), seed=1234)
+    model.set_attn_implementation(attn_implementation)
+    if case["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
+    return model
+
+
+def collate_one(items: list[TokenBatch]) -> dict:
+    """What cptune's collator produces, for a batch that is already one TokenBatch."""
+    (batch,) = items
+    return {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "shift_labels": batch.shift_labels,
+        "labels": torch.full_like(batch.shift_labels, -100),  # replaced by UlyssesCollator
+        "num_tokens": torch.tensor(batch.input_ids.numel()),
+    }
+
+
+def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
+
+    Runs before DeepSpeed wraps any attention: its wrapper replaces ``sdpa`` for the
+    whole process (the cptune run scopes it with a patch).
+    """
+    causal = case.get("causal", True)
+    model = build_model(case, "sdpa" if causal else "cptune")
+    local = LocalBackend(causal=causal)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, step0_grads = [], {}
+    for t, step in enumerate(steps):
+        everything = [b for group in step for b in group]
+        targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for b in everything))
+        total = 0.0
+        for batch in everything:
+            sharded = local.shard(batch)
+            logits = model(**sharded.model_kwargs, use_cache=False).logits
+            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), targets, 1)
+            loss.backward()
+            total += loss.item()
+        if t == 0:
+            step0_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, step0_grads
+
+
+def run_case(case: dict) -> dict:
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+    from deepspeed.utils import safe_get_full_grad
+
+    rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
+    dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
+    core, stage, mbs, ga = case.get("core", "cptune"), case.get("stage", 0), case["mbs"], case["ga"]
+
+    # Global batches: steps[t][dp_group][micro].
+    generator = torch.Generator().manual_seed(case["seed"])
+    steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
+    ref_losses, ref_grads = reference_run(case, steps)
+
+    model = build_model(case, CORE_ATTENTION_NAMES[core])
+    parallel_state_sp._release_sequence_parallel_groups()  # one Ulysses setup per case, in one process
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model,
+        core_attn_implementation=CORE_ATTENTION_NAMES[core],
+        sequence_parallel_size=cp,
+        micro_batch_size=mbs,
+        seq_length_is_variable=True,
+        disable_in_eval=True,
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    config = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": mbs * ga * dp,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-2), config=config, mpu=mpu
+    )
+    backend = DeepSpeedUlyssesBackend(
+        core_attention=core,
+        causal=case.get("causal", True),
+        cp_size=cp,
+        gradient_divisor=gradient_divisor(stage, world, cp),
+        pad_token_id=0,
+        fixed_length=gloo_fixed_length(case["seq_len"], cp),
+    )
+    # Each data-parallel group's stream of micro batches is spread over its ranks'
+    # loaders as the adapter expects: rank r loads items r, r + cp, ...; the adapter
+    # gathers them and serves every rank its slice of each, in stream order.
+    stream = [batch for step in steps for batch in step[dp_rank]]
+    stream += stream[: (-len(stream)) % cp]  # whole refills; the extra items are never served
+    collate = backend.wrap_collator(collate_one)
+    assert isinstance(collate, UlyssesCollator)
+    loader = torch.utils.data.DataLoader(stream[cp_rank::cp], batch_size=1, collate_fn=collate)
+    micro_iter = iter(
+        UlyssesSPDataLoaderAdapter(loader, cp_rank, mpu.get_sequence_parallel_group(), cp, "cpu")
+    )
+
+    losses, grad_rel = [], None
+    for t in range(STEPS):
+        micro = [next(micro_iter) for _ in range(ga)]
+        local_targets = sum((count_targets(m["shift_labels"]) for m in micro), torch.tensor(0))
+        step_targets = step_target_count(local_targets, 1)  # shards: no copies to divide out
+        logged = torch.zeros((), dtype=torch.float64)
+        for i, m in enumerate(micro):
+            sharded = backend.shard(TokenBatch(m["input_ids"], m["position_ids"], m["shift_labels"]))
+            logits = engine(**sharded.model_kwargs, use_cache=False).logits
+            if sharded.call is not None:
+                check_layers_served(sharded.call, 2)
+            loss = scaled_step_loss(
+                token_loss_sum(logits, sharded.shift_labels), step_targets, backend.gradient_divisor
+            )
+            engine.backward(loss, scale_wrt_gas=False)
+            logged += loss.item() * world / backend.gradient_divisor  # CptuneTrainer.training_step
+            if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
+                mine = {
+                    n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad
+                }
+                grad_rel = max(
+                    float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
+                    for n, g in ref_grads.items()
+                )
+            engine.step()
+        dist.all_reduce(logged)
+        losses.append(float(logged) / world)  # the Trainer logs the mean over processes
+    return {
+        "ref_losses": ref_losses,
+        "cp_losses": losses,
+        "grad_rel": grad_rel,
+        "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
+    }
+
+
+def main() -> None:
+    import deepspeed
+
+    out_dir, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
+    recipe = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
+    with PatchSet([skip_shm_op_build_patch()]).applied(recipe):
+        deepspeed.init_distributed(dist_backend="gloo")
+    register_attention()
+    register_document_attention()
+    results = {}
+    for case in cases:
+        # DeepSpeed's wrapper must not wrap the previous case's wrapper.
+        with PatchSet([attention_registry_scope_patch()]).applied(recipe):
+            results[case["name"]] = run_case(case)
+    (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
