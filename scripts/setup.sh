@@ -6,8 +6,19 @@
 # torch would pull a multi-GB CUDA build. On machines whose package index has no
 # CPU build of torch 2.13.0, install one first (e.g. from PyTorch's CPU index)
 # and this script keeps it.
+#
+#   --deepspeed  also install the deepspeed extra (cp_backend: deepspeed), as the
+#                test suite does (scripts/test.sh); the quickstart does without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+extras="test"
+for arg in "$@"; do
+  case "$arg" in
+    --deepspeed) extras="test,deepspeed" ;;
+    *) echo "cptune setup: unknown option $arg (known: --deepspeed)" >&2; exit 2 ;;
+  esac
+done
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -31,6 +42,9 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "cptune setup: installing torch 2.13.0 (CPU build)"
   pip_install "torch==2.13.0"
 fi
-echo "cptune setup: installing cptune and its dependencies"
-pip_install -c constraints/tested.txt -e ".[test]"
+echo "cptune setup: installing cptune and its dependencies (extras: $extras)"
+# DeepSpeed builds its C++/CUDA ops at install time unless told not to; cptune needs
+# none of them (DeepSpeed compiles what it uses on first use).
+export DS_BUILD_OPS=0
+pip_install -c constraints/tested.txt -e ".[$extras]"
 python -c "import cptune, torch, transformers; print(f'cptune setup: ok (torch {torch.__version__}, transformers {transformers.__version__})')"

@@ -168,8 +168,8 @@ def evaluate(
     import json
 
     from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.evaluate import check_eval_data, model_source
     from cptune.run.evaluate import evaluate as run_evaluate
-    from cptune.run.evaluate import model_source
     from cptune.run.launch import LaunchPlan, launch
     from cptune.run.preflight import preflight
 
@@ -178,7 +178,9 @@ def evaluate(
     loaded = _load(recipe, ctx)
     plan = LaunchPlan(nproc_per_node=nproc_per_node or loaded.context_parallel_size)
     if not under_launcher():
-        model_source(checkpoint)  # a wrong path fails here, before any process starts
+        # A recipe without evaluation data or a wrong path fails here, before any process starts.
+        check_eval_data(loaded)
+        model_source(checkpoint)
         preflight(loaded, world_size=plan.world_size, training=False)
     if under_launcher() or plan.world_size == 1:
         metrics = run_evaluate(loaded, checkpoint)

@@ -62,10 +62,73 @@ def test_missing_required_key():
     assert found["base_model"] == "is required but missing."
 
 
-@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_backends_not_landed_fail_with_not_available_yet(backend):
-    found = problems({**MINIMAL, "cp_backend": backend, "context_parallel_size": 2})
-    assert "not available yet" in found["cp_backend"]
+def test_deepspeed_refuses_what_its_core_attention_would_train_wrong():
+    ulysses = {**MINIMAL, "cp_backend": "deepspeed", "context_parallel_size": 2}
+    found = problems(
+        {**ulysses, "ulysses_attn_implementation": "sdpa", "sample_packing": True, "causal": False}
+    )
+    assert "cannot keep packed samples apart" in found["sample_packing"]
+    assert "ulysses_attn_implementation: cptune" in found["sample_packing"]
+    assert "causally only" in found["ulysses_attn_implementation"]
+    found = problems(
+        {
+            **ulysses,
+            "ulysses_attn_implementation": "flash_attention_2",
+            "sample_packing": True,
+            "micro_batch_size": 2,
+        }
+    )
+    assert "micro_batch_size: 1" in found["micro_batch_size"]
+    # cptune's document-aware core attention (the default) takes packed and bidirectional rows.
+    ok = validate_recipe({**ulysses, "sample_packing": True, "causal": False, "micro_batch_size": 2})
+    assert ok.resolved_ulysses_attn_implementation == "cptune"
+
+
+def test_deepspeed_keys_need_the_deepspeed_backend_with_cp():
+    found = problems(
+        {**MINIMAL, "zero_stage": 2, "ulysses_attn_implementation": "sdpa", "deepspeed": "ds.json"}
+    )
+    for key in ("zero_stage", "ulysses_attn_implementation", "deepspeed"):
+        assert found[key] == "applies only to cp_backend: deepspeed; remove it."
+    found = problems({**MINIMAL, "cp_backend": "deepspeed", "zero_stage": 2})
+    assert "context_parallel_size > 1" in found["zero_stage"]
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "cp_backend": "deepspeed",
+            "context_parallel_size": 2,
+            "zero_stage": 3,
+            "deepspeed": "ds.json",
+        }
+    )
+    assert (recipe.zero_stage, recipe.deepspeed) == (3, "ds.json")  # Axolotl's `deepspeed` key is ours now
+
+
+def test_torch_backend_refuses_what_it_would_train_wrong_with_reason_and_alternative():
+    torch_cp = {**MINIMAL, "cp_backend": "torch", "context_parallel_size": 2}
+    found = problems({**torch_cp, "sample_packing": True})
+    assert "cannot keep packed samples apart" in found["sample_packing"]
+    assert "cp_backend: ring-flash-attn" in found["sample_packing"]
+    found = problems({**torch_cp, "causal": False, "cp_load_balance": True, "pad_to_sequence_len": True})
+    assert "cp_load_balance: false" in found["cp_load_balance"]
+    assert "cp_backend: ring-flash-attn" in found["pad_to_sequence_len"]
+    # with cp=1 the backend is never used, so packing stays allowed
+    assert validate_recipe({**torch_cp, "context_parallel_size": 1, "sample_packing": True})
+
+
+def test_torch_backend_keys_and_their_defaults():
+    torch_cp = {**MINIMAL, "cp_backend": "torch", "context_parallel_size": 2}
+    causal = validate_recipe(torch_cp)
+    assert (causal.resolved_cp_load_balance, causal.resolved_cp_comm_strategy) == (True, "allgather")
+    bidirectional = validate_recipe({**torch_cp, "causal": False, "cp_comm_strategy": "alltoall"})
+    assert not bidirectional.resolved_cp_load_balance
+    assert bidirectional.resolved_cp_comm_strategy == "alltoall"
+    # load balancing cuts each row into 2·cp chunks
+    assert "sequence_len" in problems({**torch_cp, "sequence_len": 3})
+    assert validate_recipe({**torch_cp, "sequence_len": 3, "cp_load_balance": False})
+    found = problems({**MINIMAL, "cp_comm_strategy": "alltoall", "cp_load_balance": False})
+    only_torch = "applies only to cp_backend: torch; remove it."
+    assert found["cp_comm_strategy"] == found["cp_load_balance"] == only_torch
 
 
 def test_zigzag_combinations_give_reason_and_alternative():

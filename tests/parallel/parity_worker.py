@@ -2,10 +2,12 @@
 
 Every rank builds the same tiny Llama, the same global batches and computes the
 cp=1 reference itself (single process, whole rows, ``LocalBackend``). It then runs
-its shard of its data-parallel group's batches through the ring-flash-attn
-backend with the token-weighted loss, averages gradients over the world as DDP
-does, and reports, per case: the step-0 loss of both paths, the largest relative
-gradient difference, and the losses of 3 optimizer steps (AdamW) of both paths.
+its shard of its data-parallel group's batches through the case's backend
+(``backend``: ring-flash-attn, the default, or torch) with the token-weighted
+loss, inside the backend's step context as the trainer does, averages gradients
+over the world as DDP does, and reports, per case: the step-0 loss of both
+paths, the largest relative gradient difference, and the losses of 3 optimizer
+steps (AdamW) of both paths.
 
 Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
 """
@@ -15,25 +17,39 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.attention import register_attention
+from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
+from cptune.parallel.backends.torch_cp import TorchCpBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
 from cptune.parallel.shard import TokenBatch
+from cptune.patches.core import PatchSet
+from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from cptune.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
 
 
-def make_row(generator: torch.Generator, length: int, packed: bool) -> tuple[list[int], list[int], list[int]]:
-    """Token ids, labels (prompt tokens masked) and positions of one row of ``length`` tokens."""
-    if packed:
+def make_row(
+    generator: torch.Generator, length: int, packed: bool, full: bool = False
+) -> tuple[list[int], list[int], list[int]]:
+    """Token ids, labels (prompt tokens masked) and positions of one row of ``length`` tokens.
+
+    ``full``: one document over the whole row (no padding), as torch's bidirectional CP needs.
+    """
+    if full:
+        docs = [length]
+    elif packed:
         cuts = sorted(torch.randperm(length - 1, generator=generator)[:3].add(1).tolist())
         docs = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
     else:
@@ -60,7 +76,10 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
     for _ in range(dp_size):
         micro = []
         for _ in range(case["ga"]):
-            rows = [make_row(generator, case["seq_len"], case["packed"]) for _ in range(case["mbs"])]
+            rows = [
+                make_row(generator, case["seq_len"], case["packed"], case.get("full_rows", False))
+                for _ in range(case["mbs"])
+            ]
             ids = torch.tensor([r[0] for r in rows])
             labels = torch.tensor([r[1] for r in rows])
             positions = torch.tensor([r[2] for r in rows])
@@ -95,12 +114,92 @@ def run_step(model, backend, micro_batches, world_size, step_targets, group=None
     """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss."""
     total = 0.0
     for batch in micro_batches:
-        sharded = backend.shard(batch)
-        logits = model(**sharded.model_kwargs, use_cache=False).logits
-        loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), step_targets, world_size)
-        loss.backward()
+        with step_context(backend):  # around forward and backward, as CptuneTrainer.training_step
+            sharded = backend.shard(batch)
+            logits = model(**sharded.model_kwargs, use_cache=False).logits
+            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), step_targets, world_size)
+            loss.backward()
         total += loss.item()
     return total
+
+
+@dataclass(frozen=True)
+class Groups:
+    """This rank's place in the dp × cp layout and its CP group, as a process group and as a mesh."""
+
+    world: int
+    dp_size: int
+    dp_rank: int
+    cp_size: int
+    cp_rank: int
+    cp_group: dist.ProcessGroup
+    cp_mesh: DeviceMesh
+
+
+def make_backend(case: dict, groups: Groups, kernels):
+    if case.get("backend") == "torch":
+        return TorchCpBackend(
+            causal=case["causal"],
+            load_balance=case.get("load_balance", case["causal"]),
+            comm_strategy=case.get("comm", "allgather"),
+            cp_mesh=groups.cp_mesh,
+            pad_token_id=0,
+        )
+    return RingFlashAttnBackend(
+        func=case.get("func", "varlen_llama3"),
+        causal=case["causal"],
+        heads_k_stride=case.get("heads_k_stride", 1),
+        cp_size=groups.cp_size,
+        cp_rank=groups.cp_rank,
+        group=groups.cp_group,
+        pad_token_id=0,
+        kernels=kernels,
+    )
+
+
+def run_case(case: dict, groups: Groups, kernels) -> dict:
+    """3 optimizer steps of the reference and of the CP path; see the module docstring."""
+    world = groups.world
+    torch.manual_seed(0)
+    reference = build_model(case, "sdpa" if case["causal"] else "cptune")
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation("cptune")
+    local = LocalBackend(causal=case["causal"])
+    backend = make_backend(case, groups, kernels)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_losses, cp_losses, grad_rel, grad_nonzero = [], [], None, None
+    for step in range(3):
+        case_step = {**case, "seed": case["seed"] + step}
+        batches = make_batches(case_step, groups.dp_size)
+        targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
+        # Reference: every batch of every DP group, one process, mean over all targets.
+        ref_total = run_step(reference, local, [b for g in batches for b in g], 1, targets)
+        mine = run_step(model, backend, batches[groups.dp_rank], world, targets)
+        loss = torch.tensor(mine)
+        dist.all_reduce(loss)
+        for p in model.parameters():
+            if p.requires_grad:
+                dist.all_reduce(p.grad)  # DDP: mean over the world
+                p.grad /= world
+        if step == 0:
+            ref_g, cp_g = grads(reference), grads(model)
+            grad_rel = max(
+                float((cp_g[n] - ref_g[n]).abs().max() / ref_g[n].abs().max().clamp_min(1e-30)) for n in ref_g
+            )
+            grad_nonzero = all(float(ref_g[n].abs().max()) > 0 for n in ref_g)
+        ref_losses.append(ref_total)
+        cp_losses.append(loss.item() / world)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    return {
+        "ref_losses": ref_losses,
+        "cp_losses": cp_losses,
+        "grad_rel": grad_rel,
+        "grad_nonzero": grad_nonzero,
+    }
 
 
 def main() -> None:
@@ -109,60 +208,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_size, cp_rank, dp_rank = world // cp_size, rank % cp_size, rank // cp_size
     cp_groups = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)]
-    kernels = load_ring_flash_attn()
+    # cptune's rank layout (cp innermost), so this rank's "cp" submesh holds the ranks of cp_groups[dp_rank].
+    cp_mesh = init_device_mesh("cpu", (dp_size, cp_size), mesh_dim_names=("dp", "cp"))["cp"]
+    groups = Groups(world, dp_size, dp_rank, cp_size, cp_rank, cp_groups[dp_rank], cp_mesh)
+    kernels = load_ring_flash_attn() if any(c.get("backend") != "torch" for c in cases) else None
     register_attention()
-    results = {}
-    for case in cases:
-        torch.manual_seed(0)
-        reference = build_model(case, "sdpa" if case["causal"] else "cptune")
-        model = copy.deepcopy(reference)
-        model.set_attn_implementation("cptune")
-        local = LocalBackend(causal=case["causal"])
-        ring = RingFlashAttnBackend(
-            func=case.get("func", "varlen_llama3"),
-            causal=case["causal"],
-            heads_k_stride=case.get("heads_k_stride", 1),
-            cp_size=cp_size,
-            cp_rank=cp_rank,
-            group=cp_groups[dp_rank],
-            pad_token_id=0,
-            kernels=kernels,
-        )
-        ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ref_losses, cp_losses, grad_rel = [], [], None
-        for step in range(3):
-            case_step = {**case, "seed": case["seed"] + step}
-            batches = make_batches(case_step, dp_size)
-            targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
-            # Reference: every batch of every DP group, one process, mean over all targets.
-            ref_total = run_step(reference, local, [b for g in batches for b in g], 1, targets)
-            mine = run_step(model, ring, batches[dp_rank], world, targets)
-            loss = torch.tensor(mine)
-            dist.all_reduce(loss)
-            for p in model.parameters():
-                if p.requires_grad:
-                    dist.all_reduce(p.grad)  # DDP: mean over the world
-                    p.grad /= world
-            if step == 0:
-                ref_g, cp_g = grads(reference), grads(model)
-                grad_rel = max(
-                    float((cp_g[n] - ref_g[n]).abs().max() / ref_g[n].abs().max().clamp_min(1e-30))
-                    for n in ref_g
-                )
-                grad_nonzero = all(float(ref_g[n].abs().max()) > 0 for n in ref_g)
-            ref_losses.append(ref_total)
-            cp_losses.append(loss.item() / world)
-            ref_opt.step()
-            opt.step()
-            ref_opt.zero_grad()
-            opt.zero_grad()
-        results[case["name"]] = {
-            "ref_losses": ref_losses,
-            "cp_losses": cp_losses,
-            "grad_rel": grad_rel,
-            "grad_nonzero": grad_nonzero,
-        }
+    # What `cptune train` applies for cp_backend: torch (the CPU SDPA op's CP handlers).
+    torch_patches = PatchSet([torch_cp_cpu_sdpa_patch()])
+    with torch_patches.applied(SimpleNamespace(context_parallel_size=cp_size, cp_backend="torch")):
+        results = {case["name"]: run_case(case, groups, kernels) for case in cases}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

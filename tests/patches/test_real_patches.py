@@ -54,7 +54,15 @@ def _selected(recipe) -> list[str]:
 def test_ring_plan_matches_installed_versions():
     plan = build_patch_set(RING).plan(RING)
     assert plan.ok, plan.describe()
-    assert len(plan.selected) == 4 and not plan.skipped
+    assert len(plan.selected) == 4
+    assert "torch-cp-cpu-sdpa-handlers" in [skipped.patch.name for skipped in plan.skipped]
+
+
+def test_torch_plan_matches_installed_versions():
+    plan = build_patch_set(TORCH).plan(TORCH)
+    assert plan.ok, plan.describe()
+    assert [patch.name for patch in plan.selected][-1] == "torch-cp-cpu-sdpa-handlers"
+    assert len(plan.selected) == 5
 
 
 def test_import_compat_plan_matches_installed_versions():
@@ -63,18 +71,24 @@ def test_import_compat_plan_matches_installed_versions():
 
 def test_selection_by_backend():
     everything = _selected(RING)
-    assert _selected(TORCH) == [name for name in everything if name != "accelerator-prepare-cp-by-backend"]
-    assert _selected(DEEPSPEED) == []  # deepspeed keeps the Trainer's and accelerate's own CP code
+    assert _selected(TORCH) == [*everything, "torch-cp-cpu-sdpa-handlers"]
+    # deepspeed keeps the Trainer's and accelerate's own CP code; it gets only its own patches.
+    assert _selected(DEEPSPEED) == [
+        "deepspeed-skip-cpu-shm-op",
+        "accelerate-deepspeed-cpu-world-size",
+        "accelerate-sp-attn-allow-cptune",
+        "attention-registry-run-scope",
+    ]
     assert _selected(NO_CP) == []
 
 
 def test_apply_then_revert_restores_identity():
-    patch_set = build_patch_set(RING)
-    before = {patch.target: _raw(patch.target) for patch in patch_set.patches}
-    with patch_set.applied(RING):
+    patch_set = build_patch_set(TORCH)  # ring's patches and torch's CPU handlers
+    before = {patch.target: _raw(patch.target) for patch in patch_set.plan(TORCH).selected}
+    with patch_set.applied(TORCH):
         for target, original in before.items():
             assert _raw(target) is not original
-        assert patch_set.plan(RING).ok  # re-planning while applied checks the originals
+        assert patch_set.plan(TORCH).ok  # re-planning while applied checks the originals
     for target, original in before.items():
         assert _raw(target) is original
 
@@ -114,6 +128,27 @@ def test_prepare_cp_for_ring_returns_args_and_adds_no_hooks(monkeypatch):
         accelerator._cp_context(buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
 
 
+def test_prepare_cp_for_torch_checks_instead_of_dropping_masks(monkeypatch):
+    import torch.distributed.tensor.experimental._attention as cp_attention
+    from accelerate import Accelerator
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the torch backend sets the rotate method per micro batch, not process-wide")
+
+    monkeypatch.setattr(cp_attention, "set_rotate_method", forbidden)
+    model = torch.nn.Sequential()
+    model.add_module("self_attn", torch.nn.Linear(2, 2))
+    accelerator = SimpleNamespace()
+    with PatchSet([prepare_cp_patch("torch")]).applied(TORCH):
+        returned = Accelerator._prepare_cp(accelerator, model)
+    assert returned == (model,)
+    # No accelerate hook that would replace the mask with is_causal=True; cptune's
+    # torch backend checks every batch's documents itself (tests/parallel/backends/test_torch_cp.py).
+    assert not model.self_attn._forward_pre_hooks
+    with pytest.raises(PatchError, match="would shard the batch a second time"):
+        accelerator._cp_context(buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
+
+
 def test_prepare_cp_for_other_backends_calls_original():
     calls = []
 
@@ -121,7 +156,7 @@ def test_prepare_cp_for_other_backends_calls_original():
         calls.append((self, args))
         return args
 
-    wrapper = prepare_cp_patch("torch").replacement(original)
+    wrapper = prepare_cp_patch("deepspeed").replacement(original)
     assert wrapper("acc", 1, 2) == (1, 2)
     assert calls == [("acc", (1, 2))]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tests.conftest import run_cptune
 
 
@@ -64,10 +62,23 @@ def test_model_whose_attention_cannot_be_routed(write_recipe, tmp_path, tiny_mod
     )
 
 
-@pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_backend_not_available_yet(write_recipe, backend):
-    done = run_cptune("train", str(write_recipe(context_parallel_size=2, cp_backend=backend)))
-    assert_clean_failure(done, f"cp_backend: '{backend}' is not available yet")
+def test_deepspeed_query_heads_not_dividing_cp(write_recipe, tmp_path):
+    recipe = write_recipe(context_parallel_size=3, cp_backend="deepspeed")
+    done = run_cptune("train", str(recipe), "--nproc-per-node", "3")
+    assert_clean_failure(done, "context_parallel_size: 3 does not divide the model's 4 query heads", "[2, 4]")
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepspeed_not_installed(write_recipe, tmp_path):
+    shadow = tmp_path / "shadow" / "deepspeed"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: DeepSpeed is not installed')\n")
+    done = run_cptune(
+        "train",
+        str(write_recipe(context_parallel_size=2, cp_backend="deepspeed")),
+        env={"PYTHONPATH": str(shadow.parent)},
+    )
+    assert_clean_failure(done, "cp_backend: deepspeed needs DeepSpeed", "DS_BUILD_OPS=0 pip install")
 
 
 def test_unknown_model_path(write_recipe, tmp_path):

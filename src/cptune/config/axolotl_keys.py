@@ -38,7 +38,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "unsloth_lora_qkv": _KERNELS,
     "unsloth_lora_o": _KERNELS,
     "plugins": "Axolotl plugins are not supported; remove it.",
-    "deepspeed": "a DeepSpeed config file is not supported yet; cp_backend: deepspeed is planned.",
     "fsdp": _FSDP,
     "fsdp_config": _FSDP,
     "fsdp_version": _FSDP,
@@ -70,8 +69,10 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "saves_per_epoch": "use save_steps.",
     "eval_batch_size": "evaluation uses micro_batch_size; remove it.",
     "early_stopping_patience": "early stopping is not supported yet; remove it.",
-    "auto_resume_from_checkpoints": "resuming is not supported yet; remove it.",
-    "resume_from_checkpoint": "resuming is not supported yet; remove it.",
+    "auto_resume_from_checkpoints": (
+        "use resume_from_checkpoint: true (or `cptune train --resume`), which continues from the newest "
+        "complete checkpoint in output_dir."
+    ),
     "neftune_noise_alpha": "NEFTune is not supported; remove it.",
     "noisy_embedding_alpha": "NEFTune is not supported; remove it.",
     "chat_template_jinja": "custom Jinja templates are not supported yet; use chat_template: chatml or the tokenizer's.",

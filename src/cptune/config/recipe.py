@@ -16,13 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
 RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
+UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
+CpCommStrategy = Literal["allgather", "alltoall"]
 
 # Backends whose implementation has not landed yet. Validation refuses them
 # rather than falling back to another backend without a word.
-UNAVAILABLE_CP_BACKENDS: dict[str, str] = {
-    "torch": "issue 4 (PyTorch-native context parallelism through accelerate)",
-    "deepspeed": "issue 5 (DeepSpeed Ulysses sequence parallelism)",
-}
+UNAVAILABLE_CP_BACKENDS: dict[str, str] = {}
 
 
 class _Frozen(BaseModel):
@@ -113,6 +112,10 @@ class Recipe(_Frozen):
     logging_steps: int = Field(1, ge=1)
     save_steps: int | None = Field(None, ge=1)
     save_total_limit: int | None = Field(None, ge=1)
+    resume_from_checkpoint: bool | str | None = Field(
+        None,
+        description="`true`: continue from the newest complete checkpoint in output_dir; or a checkpoint path.",
+    )
     eval_steps: int | None = Field(None, ge=1)
     report_to: tuple[Literal["tensorboard", "none"], ...] = ("none",)
     dataloader_num_workers: int = Field(0, ge=0)
@@ -127,6 +130,23 @@ class Recipe(_Frozen):
     )
     heads_k_stride: int = Field(1, ge=1, description="KV heads gathered at a time by varlen_llama3.")
     causal: bool = Field(True, description="false: bidirectional attention within each document.")
+    cp_comm_strategy: CpCommStrategy | None = Field(
+        None, description="cp_backend: torch: how K/V reach the other ranks; default allgather."
+    )
+    cp_load_balance: bool | None = Field(
+        None, description="cp_backend: torch: head-tail token order; default on when causal (off otherwise)."
+    )
+    ulysses_attn_implementation: UlyssesAttnImplementation | None = Field(
+        None,
+        description="cp_backend: deepspeed: attention over the whole sequence after Ulysses' all-to-all; "
+        "default cptune (keeps packed documents apart, runs anywhere).",
+    )
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, description="cp_backend: deepspeed: ZeRO stage; default 0 (or the stage in `deepspeed`)."
+    )
+    deepspeed: str | None = Field(
+        None, description="cp_backend: deepspeed: a DeepSpeed JSON config for anything beyond zero_stage."
+    )
 
     @field_validator("report_to", "lora_target_modules", mode="before")
     @classmethod
@@ -140,6 +160,19 @@ class Recipe(_Frozen):
     @property
     def resolved_ring_attn_func(self) -> RingAttnFunc:
         return self.ring_attn_func or "varlen_llama3"
+
+    @property
+    def resolved_cp_comm_strategy(self) -> CpCommStrategy:
+        return self.cp_comm_strategy or "allgather"
+
+    @property
+    def resolved_cp_load_balance(self) -> bool:
+        # torch balances causal work only (it refuses load balancing for non-causal attention).
+        return self.causal if self.cp_load_balance is None else self.cp_load_balance
+
+    @property
+    def resolved_ulysses_attn_implementation(self) -> UlyssesAttnImplementation:
+        return self.ulysses_attn_implementation or "cptune"
 
     @property
     def tokenizer_path(self) -> str:
@@ -192,7 +225,16 @@ def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
                 "zigzag in fp32/fp16 (its fp32 accumulator aliases a kernel buffer). "
                 "Use bf16: true, or ring_attn_func: varlen_llama3, which is exact in fp32.",
             )
-    chunks = r.context_parallel_size * (2 if r.resolved_ring_attn_func == "batch_zigzag" else 1)
+    if r.cp_backend != "torch":
+        for key in ("cp_comm_strategy", "cp_load_balance"):
+            if getattr(r, key) is not None:
+                yield key, "applies only to cp_backend: torch; remove it."
+    elif r.context_parallel_size > 1:
+        yield from _torch_context_parallel(r)
+    two_chunks = r.resolved_ring_attn_func == "batch_zigzag" or (
+        r.cp_backend == "torch" and r.resolved_cp_load_balance
+    )
+    chunks = r.context_parallel_size * (2 if two_chunks else 1)
     if r.sequence_len < chunks:
         yield (
             "sequence_len",
@@ -202,12 +244,77 @@ def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
+def _torch_context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
+    """torch's CP attention takes no mask: refuse recipes whose batches it would train wrong."""
+    if r.sample_packing:
+        yield (
+            "sample_packing",
+            "cp_backend: torch cannot keep packed samples apart (torch's context-parallel attention takes "
+            "no document mask), so they would attend to each other. Use cp_backend: ring-flash-attn, or "
+            "sample_packing: false.",
+        )
+    if not r.causal and r.cp_load_balance:
+        yield (
+            "cp_load_balance",
+            "torch's load balancing reorders tokens for causal attention only (it refuses it otherwise); "
+            "with causal: false set cp_load_balance: false, or remove it.",
+        )
+    if not r.causal and r.pad_to_sequence_len:
+        yield (
+            "pad_to_sequence_len",
+            "with cp_backend: torch and causal: false every token would attend to the padding (torch's "
+            "context-parallel attention takes no padding mask). Use cp_backend: ring-flash-attn, or "
+            "pad_to_sequence_len: false.",
+        )
+
+
 def _adapter(r: Recipe) -> Iterator[tuple[str, str]]:
     if r.lora_target_modules is not None and len(r.lora_target_modules) == 0:
         yield "lora_target_modules", "is empty; list module names or set lora_target_linear: true."
 
 
-RULES: tuple[Rule, ...] = (_precision, _warmup, _evaluation, _context_parallel, _adapter)
+def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong."""
+    if r.cp_backend != "deepspeed":
+        for key in ("ulysses_attn_implementation", "zero_stage", "deepspeed"):
+            if getattr(r, key) is not None:
+                yield key, "applies only to cp_backend: deepspeed; remove it."
+        return
+    if r.context_parallel_size == 1:
+        for key in ("zero_stage", "deepspeed"):
+            if getattr(r, key) is not None:
+                yield (
+                    key,
+                    "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); "
+                    "remove it, or set context_parallel_size.",
+                )
+        return
+    attention = r.resolved_ulysses_attn_implementation
+    if attention == "cptune":
+        return
+    if not r.causal:
+        yield (
+            "ulysses_attn_implementation",
+            f"{attention} attends causally only here (DeepSpeed's Ulysses wrapper drops attention masks); "
+            "use ulysses_attn_implementation: cptune with causal: false.",
+        )
+    if r.sample_packing and attention == "sdpa":
+        yield (
+            "sample_packing",
+            "ulysses_attn_implementation: sdpa cannot keep packed samples apart (DeepSpeed's Ulysses wrapper "
+            "drops the mask and sdpa ignores position_ids), so the loss would be silently wrong. Use "
+            "ulysses_attn_implementation: cptune (or flash_attention_2 on GPUs), or sample_packing: false.",
+        )
+    elif r.sample_packing and r.micro_batch_size > 1:
+        yield (
+            "micro_batch_size",
+            f"{attention} finds packed samples from position_ids only in batches of one row "
+            "(transformers' _is_packed_sequence); with more rows they would attend to each other. Use "
+            "micro_batch_size: 1 with more gradient_accumulation_steps, or ulysses_attn_implementation: cptune.",
+        )
+
+
+RULES: tuple[Rule, ...] = (_precision, _warmup, _evaluation, _context_parallel, _deepspeed, _adapter)
 
 
 def combination_problems(recipe: Recipe) -> list[tuple[str, str]]:

@@ -54,38 +54,40 @@ def torch_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float32
 
 
-def load_model(recipe: Recipe, attn_implementation: str) -> Any:
-    """The base model in the recipe's dtype with the given attention implementation."""
+def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None) -> Any:
+    """The base model (or the full model saved at ``path``) in the recipe's dtype and attention."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    source = path or recipe.base_model
+    revision = None if path else recipe.model_revision
     try:
         config = AutoConfig.from_pretrained(
-            recipe.base_model, trust_remote_code=recipe.trust_remote_code, revision=recipe.model_revision
+            source, trust_remote_code=recipe.trust_remote_code, revision=revision
         )
     except (OSError, ValueError) as err:
         raise CptuneError(
-            f"base_model: cannot load a model config from '{recipe.base_model}' ({_first_line(err)}). "
+            f"base_model: cannot load a model config from '{source}' ({_first_line(err)}). "
             "Give a local folder with config.json and weights, or a hub id that is reachable from here."
         ) from None
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            recipe.base_model,
+            source,
             config=config,
             dtype=torch_dtype(recipe),
             attn_implementation=attn_implementation,
             trust_remote_code=recipe.trust_remote_code,
-            revision=recipe.model_revision,
+            revision=revision,
         )
     except ValueError as err:
         if "attn_implementation" in str(err):
             raise CptuneError(
-                f"base_model: '{recipe.base_model}' cannot use the attention implementation "
+                f"base_model: '{source}' cannot use the attention implementation "
                 f"'{attn_implementation}' that this recipe needs ({_first_line(err)}). Context parallelism "
                 "needs a model whose attention goes through transformers' AttentionInterface."
             ) from None
-        raise CptuneError(f"base_model: cannot load '{recipe.base_model}' ({_first_line(err)}).") from None
+        raise CptuneError(f"base_model: cannot load '{source}' ({_first_line(err)}).") from None
     except OSError as err:
-        raise CptuneError(f"base_model: cannot load '{recipe.base_model}' ({_first_line(err)}).") from None
+        raise CptuneError(f"base_model: cannot load '{source}' ({_first_line(err)}).") from None
     # Packed documents are kept apart from position_ids only when no KV cache is
     # created (transformers 5.23 masking_utils); a training run never needs one.
     model.config.use_cache = False

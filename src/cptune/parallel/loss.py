@@ -10,6 +10,11 @@ gradients over ``world_size`` processes and the Trainer sums micro batches, whic
 together give exactly the global token mean. The Trainer logs the mean over
 processes of the summed returned values, which is the same global token mean.
 A rank whose shard holds no target contributes a zero sum — never ``0/0``.
+
+An engine that divides the gradient sum by something else passes that instead of
+``world_size`` (DeepSpeed under Ulysses: the data-parallel size for ZeRO 0-2; see
+``backends.deepspeed_ulysses.gradient_divisor``); the Trainer then rescales the
+value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
 """
 
 from __future__ import annotations
@@ -63,7 +68,11 @@ def step_target_count(
 
 
 def scaled_step_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The value to backpropagate for one micro batch on one rank (see module docstring)."""
+    """The value to backpropagate for one micro batch on one rank (see module docstring).
+
+    ``world_size`` is what the gradient sum over all ranks is divided by: the world
+    size under DDP, the engine's own divisor otherwise.
+    """
     targets = step_targets.to(loss_sum.device)
     if int(targets) == 0:
         # No target anywhere in the step: a zero loss that keeps the graph alive.

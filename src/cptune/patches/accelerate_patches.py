@@ -54,14 +54,36 @@ def _prepare_cp_for_ring(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, 
     return args
 
 
-_PREPARE_CP_BY_BACKEND: MappingProxyType[str, Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]] = (
-    MappingProxyType({"ring-flash-attn": _prepare_cp_for_ring})
-)
-"""cp_backend → what ``Accelerator._prepare_cp`` does instead; backends not listed keep accelerate's.
+def _torch_cp_context_owned_by_backend(*args: Any, **kwargs: Any) -> Any:
+    """Put in ``Accelerator._cp_context`` for cp_backend: torch, whose backend drives torch CP itself."""
+    raise PatchError(
+        "accelerator.maybe_context_parallel() was called, but cptune's torch backend already shards every "
+        "batch and switches torch's context-parallel attention on around each micro batch; accelerate's "
+        "context would shard the batch a second time. Remove the call (cptune's Trainer does this for you)."
+    )
 
-The torch backend's entry (hooks that check the mask instead of dropping it)
-belongs here when it is written.
-"""
+
+def _prepare_cp_for_torch(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``_prepare_cp`` for cptune's torch backend: no mask-dropping hooks and no process-wide state.
+
+    The original's pre-hooks (big_modeling.py:828-831) replace every attention mask
+    with ``is_causal=True``, so a padded or packed batch would train wrong without
+    a word. cptune's torch backend checks each batch's documents instead
+    (``parallel/backends/torch_cp.py:check_batch``, which raises naming
+    ring-flash-attn) and its attention function refuses any mask. The rotate
+    method is set around each micro batch by the backend and restored, rather
+    than process-wide by ``set_rotate_method``; and ``_cp_context`` becomes a
+    guard, since torch's ``context_parallel`` would re-shard inputs cptune has
+    sharded (why cptune calls torch's dispatcher directly: torch_cp's docstring).
+    """
+    accelerator._cp_context = _torch_cp_context_owned_by_backend
+    return args
+
+
+_PREPARE_CP_BY_BACKEND: MappingProxyType[str, Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]] = (
+    MappingProxyType({"ring-flash-attn": _prepare_cp_for_ring, "torch": _prepare_cp_for_torch})
+)
+"""cp_backend → what ``Accelerator._prepare_cp`` does instead; backends not listed keep accelerate's."""
 
 
 def prepare_cp_patch(cp_backend: str) -> Patch:

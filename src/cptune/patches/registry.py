@@ -17,6 +17,8 @@ from cptune.patches.accelerate_patches import (
     validate_accelerator_multi_cpu_patch,
 )
 from cptune.patches.core import Patch, PatchSet
+from cptune.patches.deepspeed_patches import deepspeed_patches
+from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from cptune.patches.transformers_patches import ring_flash_attn_import_compat_patch, trainer_cp_inputs_patch
 
 
@@ -30,6 +32,8 @@ def build_patches(recipe: Any) -> list[Patch]:
         prepare_cp_patch(recipe.cp_backend),
         validate_accelerator_multi_cpu_patch(),
         accelerator_state_cp_without_fsdp_patch(),
+        torch_cp_cpu_sdpa_patch(),
+        *deepspeed_patches(),
     ]
 
 

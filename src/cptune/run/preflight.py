@@ -2,12 +2,13 @@
 
 A launch that cannot work fails here, in one process, with one message: the
 process layout, the model's attention and heads, the backend's dependencies, the
-output folder, and the data (which is also prepared and cached here, so the
-ranks only load it).
+output folder, the checkpoint to resume from, and the data (which is also
+prepared and cached here, so the ranks only load it).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,34 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.parallel.backends.select import check_model_config
 from cptune.parallel.layout import ParallelDims
+from cptune.run.checkpoints import latest_complete_checkpoint, resume_checkpoint
+
+log = logging.getLogger("cptune.preflight")
 
 
-def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True) -> None:
-    """Fail early (before launching) on anything the recipe and launch cannot do together."""
+def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, training: bool = True) -> None:
+    """Fail early (before launching) on anything the recipe and launch cannot do together.
+
+    Args:
+        recipe: The validated recipe.
+        world_size: Processes the launch will start.
+        prepare_data: Prepare and cache the data here (the ranks then only load it).
+        training: Also check what only training needs (the checkpoint to resume from).
+    """
     dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
     check_output_dir(recipe)
+    if training:
+        check_resume(recipe)
     check_model(recipe, dims)
-    if dims.cp_enabled:
+    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
+        from cptune.parallel.backends import deepspeed_ulysses as ulysses
+
+        ulysses.load_deepspeed()
+        if training:
+            ulysses.check_resume_supported(recipe)
+        ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
+        ulysses.deepspeed_config(recipe)  # reads and checks the recipe's DeepSpeed JSON, if any
+    elif dims.cp_enabled:
         from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
 
         load_ring_flash_attn()
@@ -39,6 +60,22 @@ def check_output_dir(recipe: Recipe) -> None:
     path = Path(recipe.output_dir)
     if path.exists() and not path.is_dir():
         raise CptuneError(f"output_dir: '{path}' is a file; give a folder path.")
+
+
+def check_resume(recipe: Recipe) -> None:
+    """Refuse a resume without a complete checkpoint; say so when a fresh run will overwrite checkpoints."""
+    resume = resume_checkpoint(recipe)
+    if resume is not None:
+        log.info("will resume from %s", resume)
+        return
+    latest = latest_complete_checkpoint(recipe.output_dir)
+    if latest is not None:
+        log.warning(
+            "output_dir '%s' holds checkpoints of an earlier run (newest: %s); this run starts from scratch "
+            "and replaces them as it saves. Pass --resume to continue that run instead.",
+            recipe.output_dir,
+            latest.name,
+        )
 
 
 def model_config(recipe: Recipe) -> Any:
@@ -84,10 +121,14 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     ]
     if dims.cp_enabled:
         attention = "causal" if recipe.causal else "bidirectional"
-        lines.append(
-            f"  attention:  {recipe.cp_backend} / {recipe.resolved_ring_attn_func}, {attention}, "
-            f"heads_k_stride={recipe.heads_k_stride}"
-        )
+        if recipe.cp_backend == "torch":
+            balance = "load-balanced" if recipe.resolved_cp_load_balance else "contiguous"
+            detail = f"{recipe.resolved_cp_comm_strategy} ring, {balance}, {attention}"
+        elif recipe.cp_backend == "deepspeed":
+            detail = f"Ulysses all-to-all, core attention {recipe.resolved_ulysses_attn_implementation}, {attention}"
+        else:
+            detail = f"{recipe.resolved_ring_attn_func}, {attention}, heads_k_stride={recipe.heads_k_stride}"
+        lines.append(f"  attention:  {recipe.cp_backend} / {detail}")
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
     plan = build_patch_set(recipe).plan(recipe)

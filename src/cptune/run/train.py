@@ -21,6 +21,7 @@ from cptune.config.recipe import Recipe
 from cptune.models.loading import apply_lora, load_model, load_tokenizer, trainable_parameter_count
 from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
+from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, read_dist_env
 
 log = logging.getLogger("cptune.train")
@@ -68,9 +69,13 @@ def train(recipe: Recipe) -> TrainResult:
     trainable, total = trainable_parameter_count(model)
     log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
+    resume = resume_checkpoint(recipe)
+    if resume is not None and env.rank == 0:
+        log.info("resuming from %s", resume)
     with build_patch_set(recipe).applied(recipe):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
-        trainer.train()
+        # The Trainer restores the weights, optimizer, scheduler, RNG states and data position.
+        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
         trainer.save_model(recipe.output_dir)  # the adapter or model, and the tokenizer
         if trainer.is_world_process_zero():
             _write_train_log(Path(recipe.output_dir), trainer.state.log_history)
@@ -83,8 +88,13 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     """The Trainer's arguments for this recipe and process layout."""
     from transformers import TrainingArguments
 
-    parallelism = None
-    if dims.cp_enabled:
+    parallelism = deepspeed = None
+    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
+        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config, ulysses_parallelism_config
+
+        parallelism = ulysses_parallelism_config(recipe, dims.dp_size, dims.cp_size)
+        deepspeed = deepspeed_config(recipe)
+    elif dims.cp_enabled:
         from accelerate import ParallelismConfig
 
         # accelerate refuses dp_replicate > 1 with cp > 1 (it wants FSDP/HSDP), so the
@@ -129,9 +139,12 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         prediction_loss_only=True,
         label_names=["labels"],
         dataloader_num_workers=recipe.dataloader_num_workers,
-        use_cpu=on_cpu,
+        # With use_cpu accelerate never selects DeepSpeed (accelerate/state.py:974); on CPU a patch
+        # (patches/deepspeed_patches.py) gives DeepSpeed processes the gloo backend instead.
+        use_cpu=on_cpu and deepspeed is None,
         ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
         parallelism_config=parallelism,
+        deepspeed=deepspeed,
         disable_tqdm=env.rank != 0,
         # transformers' info level dumps model configs; cptune logs what matters itself.
         log_level="warning",

@@ -4,23 +4,35 @@ Uses the Trainer's documented extension points (``compute_loss``,
 ``loss_is_scaled_for_ga``) rather than patches: every micro batch is sharded by the
 context-parallel backend, the loss is computed from this rank's logits and its
 pre-shifted targets, and scaled so that the optimizer step's gradient is that of
-the global token mean (see :mod:`cptune.parallel.loss`).
+the global token mean (see :mod:`cptune.parallel.loss`). Evaluation reports the
+exact token mean over the whole evaluation set (:mod:`cptune.run.eval_loop`), and
+checkpoints appear only once complete (:mod:`cptune.run.checkpoints`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer
+from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
-from cptune.parallel.backends.base import CpBackend, step_context
+from cptune.parallel.backends.base import (
+    CpBackend,
+    batch_is_sharded,
+    gradient_divisor,
+    step_context,
+    wrap_collator,
+)
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch
+from cptune.run.checkpoints import save_checkpoint_atomically
+from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 
 # Builds the backend once the accelerator (and so the process groups) exists.
 BackendFactory = Callable[[Any], CpBackend]
@@ -36,12 +48,20 @@ class CptuneTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.cp_size = cp_size
         self.cp_backend = backend_factory(self.accelerator)
+        self.data_collator = wrap_collator(self.cp_backend, self.data_collator)
+        self._gradient_divisor = gradient_divisor(self.cp_backend, self.accelerator.num_processes)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
+        # Set while a checkpoint is written: the Trainer then writes into cptune's staging folder.
+        self._checkpoint_staging: Path | None = None
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None):
         with step_context(self.cp_backend):
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        # The Trainer logs the mean over processes of these values. Reported as if the
+        # gradients were averaged over the world (as DDP does), it is the step's token
+        # mean whatever the engine divides the gradient sum by (cptune.parallel.loss).
+        return loss * (self.accelerator.num_processes / self._gradient_divisor)
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         with step_context(self.cp_backend):
@@ -49,7 +69,9 @@ class CptuneTrainer(Trainer):
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = sum((count_targets(b["shift_labels"]) for b in batch_samples), torch.tensor(0))
-        return step_target_count(local.to(device), self.cp_size)
+        # Ranks that shard the batch themselves each count the whole batch of their CP group.
+        copies = 1 if batch_is_sharded(self.cp_backend) else self.cp_size
+        return step_target_count(local.to(device), copies)
 
     def compute_loss(
         self,
@@ -60,6 +82,14 @@ class CptuneTrainer(Trainer):
     ):
         if model.training and "num_tokens" in inputs:
             self._throughput.add(int(inputs["num_tokens"]))
+        loss_sum, _, outputs = self._shard_forward(model, inputs)
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], loss_sum.device)
+        loss = scaled_step_loss(loss_sum, num_items_in_batch, self._gradient_divisor)
+        return (loss, outputs) if return_outputs else loss
+
+    def _shard_forward(self, model: torch.nn.Module, inputs: dict[str, Any]):
+        """This rank's shard of the batch through the model: (token loss sum, shard targets, outputs)."""
         batch = TokenBatch(
             input_ids=inputs["input_ids"],
             position_ids=inputs["position_ids"],
@@ -69,11 +99,81 @@ class CptuneTrainer(Trainer):
         outputs = model(**sharded.model_kwargs, use_cache=False)
         if sharded.call is not None:
             check_layers_served(sharded.call, self._attention_layers)
-        loss_sum = token_loss_sum(outputs.logits, sharded.shift_labels)
-        if num_items_in_batch is None:
-            num_items_in_batch = self._get_num_items_in_batch([inputs], loss_sum.device)
-        loss = scaled_step_loss(loss_sum, num_items_in_batch, self.accelerator.num_processes)
-        return (loss, outputs) if return_outputs else loss
+        return token_loss_sum(outputs.logits, sharded.shift_labels), sharded.shift_labels, outputs
+
+    def get_eval_dataloader(self, eval_dataset: Any = None):
+        """This data-parallel group's evaluation rows, each once (see :mod:`cptune.run.eval_loop`)."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        # A backend whose training batches are split by its data loader (DeepSpeed Ulysses) turns
+        # sequence parallelism off in eval, so each rank evaluates whole rows: every rank then
+        # takes rows of its own, else the sums would count each row on every rank of its group.
+        split = 1 if batch_is_sharded(self.cp_backend) else self.cp_size
+        return build_eval_dataloader(
+            dataset,
+            batch_size=self.args.eval_batch_size,
+            collate_fn=self.data_collator,
+            dp_size=self.accelerator.num_processes // split,
+            dp_rank=self.accelerator.process_index // split,
+            num_workers=self.args.dataloader_num_workers,
+        )
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """Token-weighted loss over the whole evaluation set: sums per process, one all-reduce at the end."""
+        # Under no_grad the model needs no DDP wrapper (the Trainer's own loop does the same).
+        model = self._wrap_model(self.model, training=False)
+        model.eval()
+        self.callback_handler.eval_dataloader = dataloader
+
+        def local_loss(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            inputs = self._prepare_inputs(inputs)
+            with step_context(self.cp_backend), self.compute_loss_context_manager():
+                loss_sum, shift_labels, _ = self._shard_forward(model, inputs)
+            return loss_sum, count_targets(shift_labels)
+
+        def progress() -> None:
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+
+        loss_sum, targets = evaluate_batches(dataloader, local_loss, progress)
+        totals = all_reduce_totals(loss_sum, targets, self.args.device)
+        return EvalLoopOutput(
+            predictions=None,
+            label_ids=None,
+            metrics=totals.metrics(metric_key_prefix),
+            num_samples=len(dataloader.dataset),
+        )
+
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._checkpoint_staging is not None:
+            return str(self._checkpoint_staging)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, written into a staging folder and published when complete."""
+
+        def write(staging_root: Path) -> None:
+            self._checkpoint_staging = staging_root
+            try:
+                super(CptuneTrainer, self)._save_checkpoint(model, trial)
+            finally:
+                self._checkpoint_staging = None
+
+        started = time.perf_counter()
+        save_checkpoint_atomically(
+            output_dir=self._get_output_dir(trial),
+            step=self.state.global_step,
+            is_writer=self.args.should_save,
+            barrier=self.accelerator.wait_for_everyone,
+            write=write,
+            save_total_limit=self.args.save_total_limit,
+        )
+        # Writing a checkpoint is not training: keep it out of tokens_per_second.
+        self._throughput.pause(time.perf_counter() - started)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         started = time.perf_counter()

@@ -38,6 +38,10 @@ def plan_backend(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> Backe
         plan = BackendPlan(local.attn_implementation, lambda accelerator: local)
     elif recipe.cp_backend == "ring-flash-attn":
         plan = _ring_flash_attn(recipe, dims, pad_token_id)
+    elif recipe.cp_backend == "torch":
+        plan = _torch(recipe, pad_token_id)
+    elif recipe.cp_backend == "deepspeed":
+        plan = _deepspeed(recipe, dims, pad_token_id)
     else:  # validation refuses backends that have not landed
         raise CptuneError(f"cp_backend: '{recipe.cp_backend}' is not available in this version of cptune.")
     if plan.attn_implementation == ATTENTION_NAME:
@@ -66,6 +70,51 @@ def _ring_flash_attn(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> B
         )
 
     return BackendPlan(ATTENTION_NAME, build)
+
+
+def _torch(recipe: Recipe, pad_token_id: int) -> BackendPlan:
+    from cptune.parallel.backends.torch_cp import TorchCpBackend
+
+    def build(accelerator: Any) -> CpBackend:
+        return TorchCpBackend(
+            causal=recipe.causal,
+            load_balance=recipe.resolved_cp_load_balance,
+            comm_strategy=recipe.resolved_cp_comm_strategy,
+            cp_mesh=accelerator.torch_device_mesh["cp"],
+            pad_token_id=pad_token_id,
+        )
+
+    return BackendPlan(ATTENTION_NAME, build)
+
+
+def _deepspeed(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    from cptune.parallel.backends import deepspeed_ulysses as ulysses
+
+    ulysses.load_deepspeed()
+    ulysses.check_resume_supported(recipe)
+    core = recipe.resolved_ulysses_attn_implementation
+    ulysses.check_core_attention_available(core)
+    if core == "cptune":
+        ulysses.register_document_attention()
+    stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]
+
+    def build(accelerator: Any) -> CpBackend:
+        if accelerator.num_processes != dims.world_size:
+            raise CptuneError(
+                f"DeepSpeed reports {accelerator.num_processes} processes, but {dims.world_size} were "
+                "launched; the loss would be scaled wrongly. This is a bug in cptune's DeepSpeed setup: "
+                "please report it."
+            )
+        return ulysses.DeepSpeedUlyssesBackend(
+            core_attention=core,
+            causal=recipe.causal,
+            cp_size=dims.cp_size,
+            gradient_divisor=ulysses.gradient_divisor(stage, dims.world_size, dims.cp_size),
+            pad_token_id=pad_token_id,
+            fixed_length=ulysses.gloo_fixed_length(recipe.sequence_len, dims.cp_size),
+        )
+
+    return BackendPlan(ulysses.CORE_ATTENTION_NAMES[core], build)
 
 
 def _check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> None:
@@ -99,3 +148,11 @@ def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_cl
         from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
 
         check_heads_k_stride(kv_heads, recipe.heads_k_stride)
+    if recipe.cp_backend == "torch":
+        from cptune.parallel.backends.torch_cp import check_full_attention
+
+        check_full_attention(text)
+    if recipe.cp_backend == "deepspeed":
+        from cptune.parallel.backends.deepspeed_ulysses import check_heads
+
+        check_heads(text, dims.cp_size, recipe.resolved_ulysses_attn_implementation)

@@ -1,0 +1,104 @@
+"""The pure parts of the GPU script: FLOP counting, MFU, run planning and recipe building."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from benchmarks.backends import discover
+from benchmarks.gpu import config
+from benchmarks.gpu.flops import (
+    LLAMA_31_8B,
+    attention_flops_per_token,
+    hardware_flops_per_token,
+    lora_parameters,
+    mfu,
+    model_flops_per_token,
+)
+
+from cptune.config.loader import validate_recipe
+
+
+def test_llama_31_8b_has_8_billion_parameters():
+    assert LLAMA_31_8B.parameters == pytest.approx(8.03e9, rel=2e-3)
+
+
+def test_flops_reproduce_the_torchtitan_figures_of_the_field_notes():
+    # notes/field.md: 3,890 tokens/s/GPU at 32K -> ~288 TFLOP/s, attention 35% of the FLOPs.
+    per_token = model_flops_per_token(LLAMA_31_8B, 32768)
+    assert 3890 * per_token / 1e12 == pytest.approx(288, rel=0.01)
+    assert attention_flops_per_token(LLAMA_31_8B, 32768) / per_token == pytest.approx(0.35, abs=0.01)
+    # 548 tokens/s/GPU at 262,144 tokens -> ~139 TFLOP/s, attention 81%.
+    per_token = model_flops_per_token(LLAMA_31_8B, 262144)
+    assert 548 * per_token / 1e12 == pytest.approx(139, rel=0.01)
+    assert attention_flops_per_token(LLAMA_31_8B, 262144) / per_token == pytest.approx(0.81, abs=0.01)
+
+
+def test_causal_attention_is_half_of_bidirectional_and_lora_does_less_than_6p():
+    s = 4096
+    full = attention_flops_per_token(LLAMA_31_8B, s, causal=False)
+    assert attention_flops_per_token(LLAMA_31_8B, s) == full / 2 == 6 * 32 * 4096 * s
+    lora = lora_parameters(LLAMA_31_8B, 16)
+    assert 40e6 < lora < 43e6  # r=16 on all linear layers of Llama-3.1-8B: ~42M
+    assert hardware_flops_per_token(LLAMA_31_8B, s, lora) < model_flops_per_token(LLAMA_31_8B, s)
+    assert mfu(1000.0, 989e9, 989e12) == pytest.approx(1.0)
+
+
+def base_recipe(tmp_path: Path) -> dict:
+    plan = config.RunPlan(None, (), 1, 8192)
+    return config.build_recipe(
+        config.load_template(),
+        plan,
+        base_model="meta-llama/Llama-3.1-8B",
+        data_path=tmp_path / "rows.jsonl",
+        prepared_path=tmp_path / "prepared",
+        output_dir=tmp_path / "out",
+        steps=5,
+        gradient_checkpointing=True,
+    )
+
+
+def test_every_planned_run_builds_a_valid_recipe(tmp_path):
+    base = base_recipe(tmp_path)
+    variants, _ = discover(base, cp_size=8, precisions=("bf16",))
+    assert variants, "no backend can run the GPU template"
+    plans = config.plan_sweep(variants, [1, 2, 8], [8192])
+    assert len(plans) == 1 + 2 * len(variants)
+    for plan in plans:
+        recipe = config.build_recipe(
+            config.load_template(),
+            plan,
+            base_model="m",
+            data_path=tmp_path / "d.jsonl",
+            prepared_path=tmp_path / "p",
+            output_dir=tmp_path / "o",
+            steps=4,
+            gradient_checkpointing=False,
+        )
+        validated = validate_recipe(recipe)
+        assert validated.sequence_len == plan.cp_size * 8192
+        assert validated.context_parallel_size == plan.cp_size
+        assert validated.bf16 is True and validated.is_lora and not validated.gradient_checkpointing
+
+
+def test_run_metrics_and_weak_scaling():
+    one = config.run_metrics(LLAMA_31_8B, config.RunPlan(None, (), 1, 8192), 2.0, 40 << 30, 989e12, 16)
+    eight = config.run_metrics(LLAMA_31_8B, config.RunPlan("x", (), 8, 65536), 20.0, 60 << 30, 989e12, 16)
+    assert one["tokens_per_second_per_gpu"] == 4096
+    assert eight["tokens_per_second_per_gpu"] == pytest.approx(65536 / 20 / 8)
+    assert one["peak_gib"] == 40
+    rows = [one, eight]
+    config.weak_scaling(rows)
+    assert one["weak_scaling_efficiency"] == 1.0
+    assert eight["weak_scaling_efficiency"] == pytest.approx(eight["mfu"] / one["mfu"])
+    table = config.markdown_table(rows, {"x cp=8": {"fits": 131072, "fails": 139264}})
+    assert "131072" in table and "| x cp=8 S=65536 |" in table
+
+
+def test_max_length_search_doubles_then_bisects():
+    assert config.next_length(65536, None, 8192) == 131072
+    assert config.next_length(131072, 262144, 8192) == 196608
+    assert config.next_length(131072, 139264, 8192) is None
+    assert config.next_length(None, 65536, 8192) == 32768
+    assert config.next_length(None, 8192, 8192) is None
+    assert config.is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")

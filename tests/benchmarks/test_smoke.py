@@ -1,0 +1,47 @@
+"""The benchmark suite's smoke mode runs end to end, so the suite cannot rot.
+
+It checks that every benchmark ran and that the page and results were written;
+it asserts nothing about the numbers (performance claims live in the benchmark
+results, never in timed assertions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from benchmarks.__main__ import MODULES
+
+from tests.conftest import REPO
+
+
+@pytest.mark.distributed
+def test_smoke_suite_runs_every_benchmark_and_writes_the_page(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "all", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    results = json.loads((tmp_path / "benchmarks" / "results.json").read_text())
+    assert results["run"]["smoke"] is True
+    for name in MODULES:
+        section = results["sections"][name]
+        assert "error" not in section, section.get("error")
+        assert section["result"]
+    page = (tmp_path / "benchmarks.md").read_text()
+    for module in MODULES.values():
+        assert f"## {module.TITLE}" in page
+    assert "Smoke run" in page
+    assert "## GPU script" in page
+    for chart in ("memory.svg", "balance.svg"):
+        svg = (tmp_path / "benchmarks" / chart).read_text()
+        assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+        assert f"](benchmarks/{chart})" in page
