@@ -65,6 +65,28 @@ def cptune_attention_forward(
     return out, None
 
 
+def sdpa_tokens_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """PyTorch SDPA on (batch, tokens, heads, head_dim) tensors, grouped-query heads included."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
 def register_attention() -> str:
     """Register cptune's attention function (idempotent) and return its name."""
     AttentionInterface.register(ATTENTION_NAME, cptune_attention_forward)

@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from cptune.errors import BackendUnavailableError, CptuneError
-from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall
+from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall, sdpa_tokens_first
 from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.shard import TokenBatch, pad_tokens
 from cptune.tokens import IGNORE_INDEX, document_starts
@@ -241,15 +240,7 @@ def dense_attend(causal: bool) -> Callable[..., torch.Tensor]:
     """Exact attention of one document, (1, tokens, heads, head_dim) in and out."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
-        return out.transpose(1, 2)
+        return sdpa_tokens_first(q, k, v, scale, is_causal=causal)
 
     return attend
 

@@ -9,9 +9,13 @@ document mask, since transformers builds no such mask for decoder models.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
+from cptune.parallel.backends.attention import (
+    ATTENTION_KWARG,
+    ATTENTION_NAME,
+    AttentionCall,
+    sdpa_tokens_first,
+)
 from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.shard import TokenBatch, document_starts
 
@@ -36,15 +40,7 @@ class LocalBackend:
         mask = document_mask(batch.position_ids)
 
         def attend(q, k, v, scale):
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=q.shape[2] != k.shape[2],
-            )
-            return out.transpose(1, 2)
+            return sdpa_tokens_first(q, k, v, scale, attn_mask=mask)
 
         call = AttentionCall(attend=attend)
         return ShardedInputs(
