@@ -413,3 +413,12 @@ def test_shim_patches_install_and_remove_the_modules():
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module("flash_attn.bert_padding")  # nothing else pretends to exist
     assert "flash_attn" not in sys.modules and "flash_attn.flash_attn_interface" not in sys.modules
+
+
+def test_score_blocks_shrink_with_the_queries():
+    """The attention workspace follows the local queries, so it shrinks with cp like the rest."""
+    head = (4, 16)
+    whole, quarter = torch.empty(1, 8192, *head), torch.empty(1, 2048, *head)
+    assert blockwise.score_block_elements(quarter) * 4 == blockwise.score_block_elements(whole)
+    assert blockwise.score_block_elements(torch.empty(1, 3, *head)) == blockwise._MIN_SCORE_ELEMENTS
+    assert blockwise.score_block_elements(torch.empty(1, 1 << 20, *head)) == blockwise._MAX_SCORE_ELEMENTS

@@ -15,8 +15,13 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-# Upper bound on the elements of one block of attention scores: long inputs are processed in
-# query-row blocks so memory stays bounded (the backward holds about four such blocks).
+# Elements of one block of attention scores. Long inputs are processed in query-row blocks so
+# the workspace stays small next to the kernel's own inputs (the backward holds about four
+# blocks): a block holds at most _SCORES_PER_QUERY_ELEMENT x the elements of q, within the
+# bounds below. A fixed budget (it was 2**23) made a CPU dry run's attention workspace the same
+# at every cp size, so per-rank memory stopped shrinking with cp (docs/benchmarks.md, section 1).
+_SCORES_PER_QUERY_ELEMENT = 4
+_MIN_SCORE_ELEMENTS = 1 << 16
 _MAX_SCORE_ELEMENTS = 1 << 23
 
 
@@ -90,7 +95,7 @@ def _blocks(q: Tensor, k: Tensor, left: int, right: int) -> Iterator[tuple[slice
     seqlen_k = k.shape[1]
     # Bottom-right alignment: query i sits at key position i + shift.
     shift = seqlen_k - seqlen_q
-    rows_per_block = max(1, _MAX_SCORE_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    rows_per_block = max(1, score_block_elements(q) // max(1, batch * nheads * seqlen_k))
     for start in range(0, seqlen_q, rows_per_block):
         stop = min(seqlen_q, start + rows_per_block)
         first = 0 if left < 0 else max(0, start + shift - left)
@@ -109,6 +114,11 @@ def _blocks(q: Tensor, k: Tensor, left: int, right: int) -> Iterator[tuple[slice
             if right >= 0:
                 visible &= offset <= right
         yield slice(start, stop), slice(first, last), visible
+
+
+def score_block_elements(q: Tensor) -> int:
+    """How many attention scores one block may hold for queries ``q``: proportional to ``q``, bounded."""
+    return min(_MAX_SCORE_ELEMENTS, max(_MIN_SCORE_ELEMENTS, _SCORES_PER_QUERY_ELEMENT * q.numel()))
 
 
 def _scores(q_grouped: Tensor, k: Tensor, visible: Tensor | None) -> Tensor:
