@@ -46,8 +46,11 @@ FAILURES = """\
   with `[rank R]`. Tested on CPU: the whole run is over within 40 s.
 - **A rank hangs** (alive, but never reaches the next collective). The other
   ranks fail when a collective has waited `ddp_timeout` seconds (default 1800);
-  set it lower in the recipe for quicker failure on small runs. Under torchrun
-  (multi-node), torchrun stops the remaining workers once one fails.
+  set it lower in the recipe for quicker failure on small runs. On CPU,
+  transformers 5.23 does not pass `ddp_timeout` to the process group, so torch's
+  default of 1800 s applies (cptune warns when the recipe sets another value).
+  Under torchrun (multi-node), torchrun stops the remaining workers once one
+  fails.
 - **Checkpoints survive.** A checkpoint appears in `output_dir` only once every
   rank has finished writing it, so `cptune train --resume` continues from the
   newest complete one after any failure.

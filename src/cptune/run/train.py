@@ -30,6 +30,9 @@ from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_outpu
 
 log = logging.getLogger("cptune.train")
 
+# torch's default collective timeout for gloo, and transformers' default ddp_timeout (seconds).
+DEFAULT_DDP_TIMEOUT = 1800
+
 
 @dataclass(frozen=True)
 class TrainResult:
@@ -127,6 +130,14 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         warmup = recipe.warmup_ratio
     evaluate = recipe.eval_steps is not None
     on_cpu = not torch.cuda.is_available()
+    if on_cpu and env.world_size > 1 and deepspeed is None and recipe.ddp_timeout != DEFAULT_DDP_TIMEOUT:
+        log.warning(
+            "ddp_timeout: %d s is not applied on CPU: transformers 5.23 passes it to the process group only "
+            "for GPU and DeepSpeed runs (TrainingArguments._setup_devices), so a hung collective here waits "
+            "torch's default of %d s. A rank that dies or raises still stops the run at once.",
+            recipe.ddp_timeout,
+            DEFAULT_DDP_TIMEOUT,
+        )
     return TrainingArguments(
         output_dir=recipe.output_dir,
         per_device_train_batch_size=recipe.micro_batch_size,
