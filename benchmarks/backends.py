@@ -124,6 +124,8 @@ def run(settings: Settings) -> dict[str, Any]:
                 **config["keys"],
                 **PRECISIONS[config["precision"]],
                 "output_dir": str(work / f"out{index}"),
+                # Every round reuses the folder: scratch, not a run to keep.
+                "overwrite_output_dir": True,
             }
             path = work / f"recipe-{round_index}-{index}.yaml"
             path.write_text(yaml.safe_dump(recipe, sort_keys=False))

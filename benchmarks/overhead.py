@@ -47,6 +47,7 @@ def write_recipe(work: Path, spec: dict[str, Any]) -> Path:
         "logging_steps": 1,
         "seed": 42,
         "output_dir": str(work / "out"),
+        "overwrite_output_dir": True,  # a rerun with the same work_dir reuses the folder
     }
     path = work / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

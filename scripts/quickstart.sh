@@ -5,4 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec cptune train examples/quickstart.yaml "$@"
+# Running the quickstart again starts afresh in outputs/quickstart (--overwrite), unless
+# asked to continue the earlier run (--resume).
+case " $* " in
+  *" --resume "*) exec cptune train examples/quickstart.yaml "$@" ;;
+  *) exec cptune train examples/quickstart.yaml --overwrite "$@" ;;
+esac

@@ -52,6 +52,21 @@ def _load(recipe: Path, ctx: typer.Context):
     return load_recipe(recipe, list(ctx.args))
 
 
+def _with_flags(loaded, recipe: Path, *, resume: bool, overwrite: bool):
+    """The recipe with ``--resume`` / ``--overwrite`` set, validated like the keys they stand for."""
+    from cptune.config.loader import validate_recipe
+
+    updates: dict[str, object] = {}
+    if resume and not loaded.resume_from_checkpoint:
+        updates["resume_from_checkpoint"] = True
+    if overwrite:
+        updates["overwrite_output_dir"] = True
+    if not updates:
+        return loaded
+    # Validated again, so that e.g. --resume with overwrite_output_dir: true is refused like in a recipe.
+    return validate_recipe({**loaded.model_dump(), **updates}, source=str(recipe))
+
+
 @app.command(context_settings=_EXTRA, help=f"Train as the recipe says. {OVERRIDES_HELP}")
 def train(
     ctx: typer.Context,
@@ -75,16 +90,25 @@ def train(
             "(same as resume_from_checkpoint: true).",
         ),
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start afresh even if output_dir holds an earlier run, removing its checkpoints and "
+            "train log (same as overwrite_output_dir: true).",
+        ),
+    ] = False,
 ) -> None:
     from cptune.run.distributed import read_dist_env, under_launcher
-    from cptune.run.launch import LaunchPlan, launch
-    from cptune.run.preflight import preflight
 
     env = read_dist_env()
     _setup_logging(env.rank)
-    loaded = _load(recipe, ctx)
-    if resume and not loaded.resume_from_checkpoint:
-        loaded = loaded.model_copy(update={"resume_from_checkpoint": True})
+    flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
+    # The recipe is checked before torch and transformers are imported: a typo fails in a second.
+    loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
+    from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.preflight import preflight
+
     if under_launcher():
         from cptune.run.train import train as run_train
 
@@ -111,7 +135,7 @@ def train(
         result = run_train(loaded)
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
-    code = launch(plan, ["train", str(recipe), *ctx.args, *(["--resume"] if resume else [])])
+    code = launch(plan, ["train", str(recipe), *ctx.args, *flags])
     if code:
         raise typer.Exit(code)
 

@@ -178,9 +178,13 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 def test_yaml_is_loaded_safely(tmp_path):
     path = tmp_path / "evil.yaml"
-    path.write_text("base_model: !!python/object/apply:os.system ['echo hacked']\n")
-    with pytest.raises(RecipeError, match="not valid YAML"):
+    marker = tmp_path / "hacked"
+    path.write_text(f"base_model: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(
+        RecipeError, match=r"the YAML tag '!!python/object/apply:os.system' .* is not allowed"
+    ):
         load_recipe(path)
+    assert not marker.exists()
 
 
 def test_missing_file(tmp_path):

@@ -1,4 +1,4 @@
-"""One rank: train() with cp=2 leaves no patch behind, after success and after an exception.
+"""One rank: train() with cp=2 leaves no patch and no environment variable behind, after success and after an exception.
 
 Usage: revert_worker.py OUT_DIR RECIPE
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,8 +35,12 @@ def main() -> None:
     out_dir, recipe_path = Path(sys.argv[1]), sys.argv[2]
     recipe = load_recipe(recipe_path)
     before = snapshot(recipe)
+    env_before = dict(os.environ)
     train_module.train(recipe)
     after_success = snapshot(recipe)
+    env_after_success = dict(os.environ)
+    # The first run finished in output_dir: the second starts afresh there only when told to.
+    recipe = recipe.model_copy(update={"overwrite_output_dir": True})
 
     def fail(*args, **kwargs):
         raise RuntimeError("simulated failure after the patches were applied")
@@ -47,6 +52,7 @@ def main() -> None:
     except RuntimeError:
         raised = True
     after_failure = snapshot(recipe)
+    env_after_failure = dict(os.environ)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -57,6 +63,9 @@ def main() -> None:
                 "same_after_success": before == after_success,
                 "same_after_failure": before == after_failure,
                 "raised": raised,
+                "env_same_after_success": env_before == env_after_success,
+                "env_same_after_failure": env_before == env_after_failure,
+                "env_leaked": sorted(set(env_after_success) ^ set(env_before)),
             }
         )
     )

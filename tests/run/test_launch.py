@@ -77,3 +77,58 @@ def test_killed_rank_stops_the_run_within_bound(write_recipe, tmp_path):
     assert "rank 1 exited with code -9" in stderr
     assert took <= EXIT_BOUND_SECONDS, took
     assert not children_by_rank(launcher.pid)
+
+
+# Started by Python in every process whose PYTHONPATH holds it: rank 1 raises at its third training step.
+RAISING_RANK = """
+import os
+if os.environ.get("RANK") == "1":
+    import time
+    from pathlib import Path
+
+    from cptune.run.trainer import CptuneTrainer
+
+    original = CptuneTrainer.training_step
+    calls = []
+
+    def training_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            Path(os.environ["CPTUNE_TEST_FAILED_AT"]).write_text(repr(time.time()))
+            raise RuntimeError("simulated failure on rank 1")
+        return original(self, *args, **kwargs)
+
+    CptuneTrainer.training_step = training_step
+"""
+
+
+def run_with_raising_rank(command: list[str], recipe: Path, tmp_path: Path) -> tuple[int, str, float]:
+    """Run ``command`` (a launcher) with rank 1 raising mid-training; (exit code, stderr, seconds to exit)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RAISING_RANK)
+    failed_at = tmp_path / "failed_at"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+        "CPTUNE_TEST_FAILED_AT": str(failed_at),
+    }
+    done = subprocess.run(
+        [*command, "train", str(recipe)], env=env, capture_output=True, text=True, timeout=300
+    )
+    ended = time.time()
+    assert failed_at.exists(), f"rank 1 never reached its third step:\n{done.stderr[-3000:]}"
+    return done.returncode, done.stderr, ended - float(failed_at.read_text())
+
+
+@pytest.mark.distributed
+def test_raising_rank_stops_the_run_within_bound(write_recipe, tmp_path):
+    recipe = write_recipe(max_steps=100000, context_parallel_size=2)
+    code, stderr, took = run_with_raising_rank([sys.executable, "-m", "cptune"], recipe, tmp_path)
+    assert code != 0
+    assert "RuntimeError: simulated failure on rank 1" in stderr
+    assert "cptune: rank 1 exited with code 1; stopped the other ranks." in stderr
+    print(f"the run was over {took:.1f} s after rank 1 raised (bound {EXIT_BOUND_SECONDS} s)")
+    assert took <= EXIT_BOUND_SECONDS, took
+    assert not (tmp_path / "out" / "train_log.json").exists()

@@ -67,6 +67,7 @@ def test_train_reverts_every_patch_after_success_and_failure(write_recipe, tmp_p
     for r in results:
         assert len(r["targets"]) >= 4
         assert r["same_after_success"] and r["same_after_failure"] and r["raised"], r
+        assert r["env_same_after_success"] and r["env_same_after_failure"], r
 
 
 @pytest.mark.distributed

@@ -51,9 +51,17 @@ def read_recipe_file(path: str | Path) -> dict[str, Any]:
         if mark is not None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(err, "problem", None) or str(err)
-        raise RecipeError(
-            [RecipeProblem("", f"not valid YAML{where}: {problem}")], source=str(path)
-        ) from None
+        tag = re.search(r"constructor for the tag '([^']*)'", problem)
+        if isinstance(err, yaml.constructor.ConstructorError) and tag:
+            shown = tag.group(1).replace("tag:yaml.org,2002:", "!!")
+            message = (
+                f"the YAML tag '{shown}'{where} is not allowed: cptune reads recipes with YAML's safe "
+                "loader, which never builds Python objects. Write the value as plain YAML (text, a "
+                "number, a list or a mapping)."
+            )
+        else:
+            message = f"not valid YAML{where}: {problem}"
+        raise RecipeError([RecipeProblem("", message)], source=str(path)) from None
     except UnicodeDecodeError:
         raise RecipeError([RecipeProblem("", "the file is not UTF-8 text")], source=str(path)) from None
     if data is None:
@@ -163,7 +171,11 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
     if kind == "missing":
         return RecipeProblem(path, "is required but missing.")
     got = error.get("input")
-    message = f"{error['msg']}; got {_short(got)}."
+    text = error["msg"]
+    if kind == "too_short":
+        # Lists in the recipe are tuples in the frozen Recipe; the user wrote a list.
+        text = text.replace("Tuple should", "List should")
+    message = f"{text}; got {_short(got)}."
     if kind == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
         close = difflib.get_close_matches(got, choices, n=1, cutoff=0.6)

@@ -109,6 +109,11 @@ class Recipe(_Frozen):
     fp16: bool = False
     gradient_checkpointing: bool = False
     output_dir: str = "./outputs"
+    overwrite_output_dir: bool = Field(
+        False,
+        description="Start afresh in an output_dir that holds an earlier run (its checkpoints and train "
+        "log are removed); without it cptune refuses, so a finished run is never replaced by mistake.",
+    )
     logging_steps: int = Field(1, ge=1)
     save_steps: int | None = Field(None, ge=1)
     save_total_limit: int | None = Field(None, ge=1)
@@ -119,6 +124,13 @@ class Recipe(_Frozen):
     eval_steps: int | None = Field(None, ge=1)
     report_to: tuple[Literal["tensorboard", "none"], ...] = ("none",)
     dataloader_num_workers: int = Field(0, ge=0)
+    ddp_timeout: int = Field(
+        1800,
+        ge=1,
+        description="Seconds a collective may wait for the other processes before the run fails "
+        "(a hung or lost process then stops the run instead of holding it forever). On CPU "
+        "transformers 5.23 does not pass it on: torch's default (1800) applies.",
+    )
 
     # --- context parallelism --------------------------------------------------
     context_parallel_size: int = Field(1, ge=1, description="Processes that split each sequence.")
@@ -198,6 +210,15 @@ def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
         yield "val_set_size", "set either val_set_size or test_datasets, not both."
     if r.eval_steps is not None and not (r.val_set_size or r.test_datasets):
         yield "eval_steps", "evaluation needs data: set val_set_size or test_datasets."
+
+
+def _output(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.overwrite_output_dir and r.resume_from_checkpoint not in (None, False):
+        yield (
+            "overwrite_output_dir",
+            "resume_from_checkpoint continues the earlier run in output_dir, overwrite_output_dir starts "
+            "afresh and removes it; set only one of them.",
+        )
 
 
 def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
@@ -314,7 +335,15 @@ def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
-RULES: tuple[Rule, ...] = (_precision, _warmup, _evaluation, _context_parallel, _deepspeed, _adapter)
+RULES: tuple[Rule, ...] = (
+    _precision,
+    _warmup,
+    _evaluation,
+    _output,
+    _context_parallel,
+    _deepspeed,
+    _adapter,
+)
 
 
 def combination_problems(recipe: Recipe) -> list[tuple[str, str]]:

@@ -3,13 +3,13 @@
 A launch that cannot work fails here, in one process, with one message: the
 process layout, the model's attention and heads, the backend's dependencies, the
 output folder, the checkpoint to resume from, and the data (which is also
-prepared and cached here, so the ranks only load it).
+prepared and cached here, so the ranks only load it). Nothing in output_dir
+is written or removed here.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -18,7 +18,8 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.parallel.backends.select import check_model_config
 from cptune.parallel.layout import ParallelDims
-from cptune.run.checkpoints import latest_complete_checkpoint, resume_checkpoint
+from cptune.run.checkpoints import resume_checkpoint
+from cptune.run.output_dir import check_earlier_run, check_output_dir
 
 log = logging.getLogger("cptune.preflight")
 
@@ -33,9 +34,10 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         training: Also check what only training needs (the checkpoint to resume from).
     """
     dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
-    check_output_dir(recipe)
+    check_output_dir(recipe, writable=training)
     if training:
         check_resume(recipe)
+        check_earlier_run(recipe)
     check_model(recipe, dims)
     if dims.cp_enabled and recipe.cp_backend == "deepspeed":
         from cptune.parallel.backends import deepspeed_ulysses as ulysses
@@ -56,26 +58,11 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         prepare_datasets(recipe, load_tokenizer(recipe))
 
 
-def check_output_dir(recipe: Recipe) -> None:
-    path = Path(recipe.output_dir)
-    if path.exists() and not path.is_dir():
-        raise CptuneError(f"output_dir: '{path}' is a file; give a folder path.")
-
-
 def check_resume(recipe: Recipe) -> None:
-    """Refuse a resume without a complete checkpoint; say so when a fresh run will overwrite checkpoints."""
+    """Refuse a resume without a complete checkpoint; name the checkpoint a resume starts from."""
     resume = resume_checkpoint(recipe)
     if resume is not None:
         log.info("will resume from %s", resume)
-        return
-    latest = latest_complete_checkpoint(recipe.output_dir)
-    if latest is not None:
-        log.warning(
-            "output_dir '%s' holds checkpoints of an earlier run (newest: %s); this run starts from scratch "
-            "and replaces them as it saves. Pass --resume to continue that run instead.",
-            recipe.output_dir,
-            latest.name,
-        )
 
 
 def model_config(recipe: Recipe) -> Any:

@@ -8,9 +8,12 @@ or raises.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +26,12 @@ from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, read_dist_env
+from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
 
 log = logging.getLogger("cptune.train")
 
-TRAIN_LOG_NAME = "train_log.json"
+# torch's default collective timeout for gloo, and transformers' default ddp_timeout (seconds).
+DEFAULT_DDP_TIMEOUT = 1800
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,17 @@ class TrainResult:
 
 
 def train(recipe: Recipe) -> TrainResult:
-    """Fine-tune as the recipe says, in this process (one rank of the launch)."""
+    """Fine-tune as the recipe says, in this process (one rank of the launch).
+
+    Environment variables that the libraries set while training (accelerate's
+    and transformers' own settings) are restored when this returns or raises, as
+    the patches are: a second run in the same process starts from the same state.
+    """
+    with _restored_environment():
+        return _train(recipe)
+
+
+def _train(recipe: Recipe) -> TrainResult:
     from transformers import set_seed
 
     from cptune.data.prepare import prepare_datasets
@@ -52,6 +67,12 @@ def train(recipe: Recipe) -> TrainResult:
     env = read_dist_env()
     dims = ParallelDims(world_size=env.world_size, cp_size=recipe.context_parallel_size)
     started = time.perf_counter()
+    # The launcher's preflight checked this too; under an external launcher (torchrun) it is the
+    # first check, and it runs before anything is loaded or written.
+    check_output_dir(recipe)
+    check_earlier_run(recipe)
+    if env.rank == 0:
+        clear_earlier_run(recipe)
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
@@ -109,6 +130,14 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         warmup = recipe.warmup_ratio
     evaluate = recipe.eval_steps is not None
     on_cpu = not torch.cuda.is_available()
+    if on_cpu and env.world_size > 1 and deepspeed is None and recipe.ddp_timeout != DEFAULT_DDP_TIMEOUT:
+        log.warning(
+            "ddp_timeout: %d s is not applied on CPU: transformers 5.23 passes it to the process group only "
+            "for GPU and DeepSpeed runs (TrainingArguments._setup_devices), so a hung collective here waits "
+            "torch's default of %d s. A rank that dies or raises still stops the run at once.",
+            recipe.ddp_timeout,
+            DEFAULT_DDP_TIMEOUT,
+        )
     return TrainingArguments(
         output_dir=recipe.output_dir,
         per_device_train_batch_size=recipe.micro_batch_size,
@@ -151,6 +180,8 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         log_level_replica="error",
         # The model is the same on every step: no extra autograd traversal per step.
         ddp_find_unused_parameters=False,
+        # A collective that waits longer than this fails the run instead of holding it forever.
+        ddp_timeout=recipe.ddp_timeout,
     )
 
 
@@ -180,3 +211,17 @@ def _write_train_log(output_dir: Path, history: list[dict[str, Any]]) -> None:
     tmp = output_dir / (TRAIN_LOG_NAME + ".tmp")
     tmp.write_text(json.dumps(history, indent=1))
     tmp.replace(output_dir / TRAIN_LOG_NAME)
+
+
+@contextlib.contextmanager
+def _restored_environment() -> Iterator[None]:
+    """Put ``os.environ`` back as it was (accelerate and transformers set variables while training)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        for name, value in saved.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
