@@ -17,7 +17,7 @@ def rel(a: float, b: float) -> float:
 
 @pytest.mark.distributed
 def test_quickstart_with_deepspeed_matches_cp1_step_by_step(tmp_path):
-    # The override documented in examples/quickstart.yaml's header, with gradient
+    # The quickstart switched to deepspeed by overrides (examples/cpu/deepspeed.yaml is the recipe form), with gradient
     # accumulation and a short run; packed rows, LoRA, ZeRO stage 0.
     common = [
         "--max_steps=5",

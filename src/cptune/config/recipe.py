@@ -38,23 +38,29 @@ class DatasetConfig(_Frozen):
     name: str | None = Field(None, description="Hub dataset configuration name.")
     revision: str | None = Field(None, description="Hub dataset revision.")
     # alpaca
-    field_instruction: str = "instruction"
-    field_input: str = "input"
-    field_output: str = "output"
+    field_instruction: str = Field("instruction", description="alpaca: column of the instruction.")
+    field_input: str = Field("input", description="alpaca: column of the optional input.")
+    field_output: str = Field("output", description="alpaca: column of the response (the trained part).")
     # chat_template
-    field_messages: str = "messages"
-    message_field_role: str = "role"
-    message_field_content: str = "content"
-    roles_to_train: tuple[str, ...] = ("assistant",)
+    field_messages: str = Field("messages", description="chat_template: column of the list of messages.")
+    message_field_role: str = Field("role", description="chat_template: key of a message's role.")
+    message_field_content: str = Field("content", description="chat_template: key of a message's text.")
+    roles_to_train: tuple[str, ...] = Field(
+        ("assistant",),
+        description="chat_template: roles whose messages are trained (unless train_on_inputs).",
+    )
     # completion
-    field: str = "text"
+    field: str = Field("text", description="completion: column of the text; every token is trained.")
     # pretokenized
-    field_input_ids: str = "input_ids"
-    field_labels: str = "labels"
+    field_input_ids: str = Field("input_ids", description="pretokenized: column of the token ids.")
+    field_labels: str = Field(
+        "labels",
+        description="pretokenized: column of the labels (-100: not trained); absent: train every token.",
+    )
 
 
 class Recipe(_Frozen):
-    """A validated training recipe (see ``docs/recipe-reference.md``)."""
+    """A validated training recipe (reference: ``docs/reference/recipe.md``, generated from this class)."""
 
     # --- model -----------------------------------------------------------
     base_model: str = Field(description="Local folder or hub id of the model to fine-tune.")
@@ -84,46 +90,76 @@ class Recipe(_Frozen):
 
     # --- adapter -----------------------------------------------------------
     adapter: Literal["lora"] | None = Field(None, description="`lora`, or unset for a full fine-tune.")
-    lora_r: int = Field(8, ge=1)
-    lora_alpha: int = Field(16, ge=1)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: tuple[str, ...] | None = Field(None, description="Module names to adapt.")
-    lora_target_linear: bool = Field(False, description="Adapt every linear layer except the output head.")
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(
+        16, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r)."
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    lora_target_modules: tuple[str, ...] | None = Field(
+        None, description="Module names to adapt; default: every linear layer except the output head."
+    )
+    lora_target_linear: bool = Field(
+        False,
+        description="Adapt every linear layer except the output head (also what happens when "
+        "lora_target_modules is unset).",
+    )
 
     # --- training ----------------------------------------------------------
-    micro_batch_size: int = Field(1, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    num_epochs: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(1, ge=1, description="Rows per process per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    num_epochs: float = Field(
+        1.0, gt=0, description="Passes over the training rows (max_steps wins when set)."
+    )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    learning_rate: float = Field(2e-4, gt=0)
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd"] = "adamw_torch"
-    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    warmup_steps: int | None = Field(None, ge=0)
-    warmup_ratio: float | None = Field(None, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd"] = Field(
+        "adamw_torch", description="The Trainer's optimizer."
+    )
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: int | None = Field(None, ge=0, description="Warmup length in optimizer steps.")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warmup length as a share of all steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float | None = Field(1.0, ge=0, description="Gradient clipping; 0 or null disables.")
-    seed: int = 42
+    seed: int = Field(42, description="Seed of the LoRA init, data order and validation split.")
     bf16: bool | Literal["auto"] = Field(
         False, description="Train in bfloat16 (`auto`: when the GPU has it)."
     )
-    fp16: bool = False
-    gradient_checkpointing: bool = False
-    output_dir: str = "./outputs"
+    fp16: bool = Field(False, description="Train in float16 with loss scaling.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer in the backward pass: less activation memory, "
+        "about one more forward pass of compute.",
+    )
+    output_dir: str = Field(
+        "./outputs", description="Where the model/adapter, checkpoints and train_log.json go."
+    )
     overwrite_output_dir: bool = Field(
         False,
         description="Start afresh in an output_dir that holds an earlier run (its checkpoints and train "
         "log are removed); without it cptune refuses, so a finished run is never replaced by mistake.",
     )
-    logging_steps: int = Field(1, ge=1)
-    save_steps: int | None = Field(None, ge=1)
-    save_total_limit: int | None = Field(None, ge=1)
+    logging_steps: int = Field(
+        1, ge=1, description="Log loss, learning rate and tokens/s every this many steps."
+    )
+    save_steps: int | None = Field(
+        None, ge=1, description="Write a checkpoint-N folder every this many steps."
+    )
+    save_total_limit: int | None = Field(
+        None, ge=1, description="Keep only the newest this many checkpoints."
+    )
     resume_from_checkpoint: bool | str | None = Field(
         None,
         description="`true`: continue from the newest complete checkpoint in output_dir; or a checkpoint path.",
     )
-    eval_steps: int | None = Field(None, ge=1)
-    report_to: tuple[Literal["tensorboard", "none"], ...] = ("none",)
-    dataloader_num_workers: int = Field(0, ge=0)
+    eval_steps: int | None = Field(
+        None, ge=1, description="Evaluate every this many steps and at the end (needs evaluation data)."
+    )
+    report_to: tuple[Literal["tensorboard", "none"], ...] = Field(
+        ("none",), description="Loggers besides train_log.json; one name or a list."
+    )
+    dataloader_num_workers: int = Field(0, ge=0, description="Data-loader worker processes per rank.")
     ddp_timeout: int = Field(
         1800,
         ge=1,
@@ -196,16 +232,29 @@ Rule = Callable[[Recipe], Iterator[tuple[str, str]]]
 
 
 def _precision(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Precision.
+
+    - `bf16: true` and `fp16: true` together are refused: choose one (or neither for fp32).
+    """
     if r.bf16 is True and r.fp16:
         yield "fp16", "bf16 and fp16 are both true; choose one (or neither for fp32)."
 
 
 def _warmup(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Warmup.
+
+    - `warmup_steps` and `warmup_ratio` together are refused: set one.
+    """
     if r.warmup_steps is not None and r.warmup_ratio is not None:
         yield "warmup_ratio", "set either warmup_steps or warmup_ratio, not both."
 
 
 def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Evaluation data.
+
+    - `val_set_size` and `test_datasets` together are refused: set one.
+    - `eval_steps` needs evaluation data: `val_set_size` or `test_datasets`.
+    """
     if r.val_set_size and r.test_datasets:
         yield "val_set_size", "set either val_set_size or test_datasets, not both."
     if r.eval_steps is not None and not (r.val_set_size or r.test_datasets):
@@ -213,6 +262,11 @@ def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
 
 
 def _output(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Output folder.
+
+    - `overwrite_output_dir: true` and `resume_from_checkpoint` are refused together: one starts
+      afresh, the other continues the earlier run.
+    """
     if r.overwrite_output_dir and r.resume_from_checkpoint not in (None, False):
         yield (
             "overwrite_output_dir",
@@ -222,6 +276,20 @@ def _output(r: Recipe) -> Iterator[tuple[str, str]]:
 
 
 def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Context parallelism.
+
+    - `ring_attn_func` applies only to `cp_backend: ring-flash-attn`.
+    - `ring_attn_func: batch_zigzag` is refused with `sample_packing: true` (it has no document
+      boundaries), with `causal: false` (causal only) and without `bf16: true` (ring-flash-attn 0.1.8
+      computes wrong zigzag gradients in fp32/fp16).
+    - `cp_comm_strategy` and `cp_load_balance` apply only to `cp_backend: torch`.
+    - With `cp_backend: torch` and `context_parallel_size > 1` (torch's attention takes no mask):
+      `sample_packing: true` is refused (packed samples would attend to each other); with
+      `causal: false`, `cp_load_balance: true` is refused (torch balances causal attention only) and
+      `pad_to_sequence_len: true` is refused (every token would attend to the padding).
+    - `sequence_len` must hold at least one chunk per rank: `context_parallel_size` chunks, or twice
+      that for `batch_zigzag` and for `cp_backend: torch` with load balancing.
+    """
     if r.cp_backend in UNAVAILABLE_CP_BACKENDS:
         yield (
             "cp_backend",
@@ -290,12 +358,25 @@ def _torch_context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
 
 
 def _adapter(r: Recipe) -> Iterator[tuple[str, str]]:
+    """LoRA.
+
+    - `lora_target_modules` must not be an empty list.
+    """
     if r.lora_target_modules is not None and len(r.lora_target_modules) == 0:
         yield "lora_target_modules", "is empty; list module names or set lora_target_linear: true."
 
 
 def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
-    """Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong."""
+    """DeepSpeed Ulysses.
+
+    Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong.
+
+    - `ulysses_attn_implementation`, `zero_stage` and `deepspeed` apply only to `cp_backend: deepspeed`.
+    - `zero_stage` and `deepspeed` need `context_parallel_size > 1` (a cp=1 run trains with plain DDP).
+    - With `context_parallel_size > 1` and a core attention other than `cptune`: `causal: false` is
+      refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
+      with `flash_attention_2/3` needs `micro_batch_size: 1`.
+    """
     if r.cp_backend != "deepspeed":
         for key in ("ulysses_attn_implementation", "zero_stage", "deepspeed"):
             if getattr(r, key) is not None:

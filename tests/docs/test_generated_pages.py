@@ -1,0 +1,94 @@
+"""The generated reference pages match the code, and the code gives them what they need."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from cptune.config.recipe import RULES, DatasetConfig, Recipe
+from cptune.docs import REGENERATE_COMMAND, generated_pages
+from cptune.docs.__main__ import main, stale_pages
+from cptune.docs.patch_list import import_patches, run_patches
+from cptune.docs.recipe_reference import recipe_sections
+from cptune.patches.registry import build_patches
+from tests.conftest import REPO
+
+PAGES = generated_pages()
+
+
+@pytest.mark.parametrize("relative", sorted(PAGES))
+def test_committed_page_is_up_to_date(relative: str):
+    path = REPO / relative
+    committed = path.read_text(encoding="utf-8") if path.is_file() else ""
+    assert committed == PAGES[relative], (
+        f"{relative} is out of date with the code. Regenerate it from the repository root with "
+        f"`{REGENERATE_COMMAND}` (in a checkout: PYTHONPATH=src python -m cptune.docs) and commit the result."
+    )
+
+
+@pytest.mark.parametrize("model", [Recipe, DatasetConfig])
+def test_every_key_has_a_description(model):
+    missing = [name for name, info in model.model_fields.items() if not (info.description or "").strip()]
+    assert not missing, f"{model.__name__} keys without Field(description=...): {missing}"
+
+
+def test_every_recipe_key_is_in_one_section():
+    names = [name for _, fields in recipe_sections() for name in fields]
+    assert sorted(names) == sorted(Recipe.model_fields)
+    assert len(names) == len(set(names))
+    assert "other" not in dict(recipe_sections())
+
+
+def test_every_cross_key_rule_documents_itself():
+    for rule in RULES:
+        doc = inspect.getdoc(rule) or ""
+        title, _, body = doc.partition("\n")
+        assert title.strip() and "\n- " in "\n" + body.strip(), (
+            f"{rule.__name__} needs a title and '- ' rules"
+        )
+
+
+def test_reference_names_every_key_and_every_refused_axolotl_key():
+    from cptune.config.axolotl_keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
+
+    page = PAGES["docs/reference/recipe.md"]
+    keys = [
+        *Recipe.model_fields,
+        *DatasetConfig.model_fields,
+        *UNSUPPORTED_RECIPE_KEYS,
+        *UNSUPPORTED_DATASET_KEYS,
+    ]
+    assert [key for key in keys if f"| `{key}` |" not in page] == []
+
+
+def test_patch_page_lists_every_patch_of_every_backend():
+    page = PAGES["docs/reference/patches.md"]
+    names = {
+        p.name for backend in ("ring-flash-attn", "torch", "deepspeed") for p in build_patches(_Stub(backend))
+    }
+    names |= {patch.name for patch, _ in import_patches()}
+    assert names == {p.name for p in run_patches()} | {patch.name for patch, _ in import_patches()}
+    for name in names:
+        assert f"### {name}\n" in page
+
+
+def test_check_command_reports_a_stale_page(tmp_path, capsys):
+    assert stale_pages(REPO) == []
+    (tmp_path / "docs" / "reference").mkdir(parents=True)
+    for relative, text in PAGES.items():
+        (tmp_path / relative).write_text(text, encoding="utf-8")
+    assert main(["--check", "--root", str(tmp_path)]) == 0
+    (tmp_path / "docs/reference/patches.md").write_text("old\n", encoding="utf-8")
+    assert main(["--check", "--root", str(tmp_path)]) == 1
+    assert (
+        f"docs/reference/patches.md is out of date with the code; regenerate it with `{REGENERATE_COMMAND}`"
+        in (capsys.readouterr().out)
+    )
+    assert main(["--root", str(tmp_path)]) == 0
+    assert stale_pages(tmp_path) == []
+
+
+class _Stub:
+    def __init__(self, cp_backend: str):
+        self.cp_backend = cp_backend
