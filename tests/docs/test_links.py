@@ -11,8 +11,6 @@ from tests.conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# Written on another branch (issue 9: generated from a catalogue of bad inputs); linked ahead of it.
-PENDING = {REPO / "docs" / "troubleshooting.md"}
 
 
 def _anchors(page: Path) -> set[str]:
@@ -32,8 +30,6 @@ def test_relative_links_resolve(page: Path):
             continue  # http(s), mailto
         path_part, _, anchor = target.partition("#")
         path = (page.parent / path_part).resolve() if path_part else page
-        if path in PENDING:
-            continue
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in _anchors(path)):
             broken.append(target)
     assert not broken, f"{page.relative_to(REPO)}: broken links {broken}"
