@@ -16,7 +16,6 @@ from cptune.parallel.backends.torch_cp import (
     TorchCpBackend,
     UnmaskableBatchError,
     check_batch,
-    check_full_attention,
 )
 from cptune.parallel.shard import TokenBatch, zigzag_indices
 from cptune.patches.core import PatchSet
@@ -169,12 +168,3 @@ def test_cpu_patch_adds_handlers_to_a_new_dict_and_reverts():
         )
     assert _attention.custom_ops is original
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in original
-
-
-def test_full_attention_models_only():
-    check_full_attention(SimpleNamespace(layer_types=["full_attention"] * 2, sliding_window=4096))
-    check_full_attention(SimpleNamespace())  # Llama: neither attribute
-    with pytest.raises(CptuneError, match=r"\['sliding_attention'\]"):
-        check_full_attention(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
-    with pytest.raises(CptuneError, match="cp_backend: torch computes full"):
-        check_full_attention(SimpleNamespace(sliding_window=4096))  # Mistral-style config

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -85,6 +86,34 @@ def sdpa_tokens_first(
         enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def windowed_layer_types(config: Any) -> list[str]:
+    """The kinds of attention layers in ``config`` other than full attention (e.g. sliding windows)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return sorted({kind for kind in layer_types if kind != "full_attention"})
+    # Models that predate layer_types (Mistral) window every layer when sliding_window is set.
+    return ["sliding_attention"] if getattr(config, "sliding_window", None) else []
+
+
+def check_full_attention(config: Any, computed_by: str) -> None:
+    """Refuse a model with sliding-window (or other non-full) attention layers.
+
+    cptune's attention computes full (causal or bidirectional) attention over the whole row and
+    never sees a window, so such layers would silently attend to too much.
+
+    Args:
+        config: The model's (text) config.
+        computed_by: Who computes the attention, for the message (e.g. ``cp_backend: torch``).
+    """
+    limited = windowed_layer_types(config)
+    if limited:
+        raise CptuneError(
+            f"base_model: has attention layers of type {limited}, but {computed_by} computes full "
+            "(causal or bidirectional) attention over the whole row, so those layers would silently see "
+            "too much. Use a model with full attention only, or context_parallel_size: 1 with causal: true."
+        )
 
 
 def register_attention() -> str:

@@ -37,7 +37,12 @@ import torch
 from transformers import AttentionInterface
 
 from cptune.errors import BackendUnavailableError, CptuneError
-from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall, sdpa_tokens_first
+from cptune.parallel.backends.attention import (
+    ATTENTION_KWARG,
+    AttentionCall,
+    sdpa_tokens_first,
+    windowed_layer_types,
+)
 from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.shard import TokenBatch, pad_tokens
 from cptune.tokens import IGNORE_INDEX, document_starts
@@ -120,13 +125,7 @@ def check_heads(text_config: Any, cp_size: int, core: str) -> None:
             f"key/value heads, which DeepSpeed's Ulysses attention needs. Choose context_parallel_size in "
             f"{fits}, or cp_backend: ring-flash-attn."
         )
-    layer_types = getattr(text_config, "layer_types", None)
-    windowed = (
-        any(kind != "full_attention" for kind in layer_types)
-        if layer_types is not None
-        else bool(getattr(text_config, "sliding_window", None))
-    )
-    if windowed and core in ("cptune", "sdpa"):
+    if windowed_layer_types(text_config) and core in ("cptune", "sdpa"):
         raise CptuneError(
             f"base_model: has sliding-window attention layers, which ulysses_attn_implementation: {core} "
             "would compute as full attention (DeepSpeed's Ulysses wrapper drops the mask). Use "

@@ -15,7 +15,7 @@ import torch
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.attention import ATTENTION_NAME, register_attention
+from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attention, register_attention
 from cptune.parallel.backends.base import CpBackend
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.layout import ParallelDims
@@ -134,6 +134,14 @@ def _check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> No
 
 def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None) -> None:
     """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
+    text = config.get_text_config()
+    if recipe.cp_backend != "deepspeed" and (dims.cp_enabled or not recipe.causal):
+        # cptune's own attention function runs here (cp > 1, or bidirectional at cp=1); DeepSpeed's
+        # core attention has its own check below, as flash_attention_2 keeps windows there.
+        computed_by = (
+            f"cp_backend: {recipe.cp_backend}" if dims.cp_enabled else "cptune's bidirectional attention"
+        )
+        check_full_attention(text, computed_by)
     if not dims.cp_enabled:
         return
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
@@ -142,16 +150,11 @@ def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_cl
             "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
             "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
         )
-    text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if recipe.cp_backend == "ring-flash-attn" and recipe.resolved_ring_attn_func == "varlen_llama3":
         from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
 
         check_heads_k_stride(kv_heads, recipe.heads_k_stride)
-    if recipe.cp_backend == "torch":
-        from cptune.parallel.backends.torch_cp import check_full_attention
-
-        check_full_attention(text)
     if recipe.cp_backend == "deepspeed":
         from cptune.parallel.backends.deepspeed_ulysses import check_heads
 

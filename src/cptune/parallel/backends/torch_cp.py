@@ -106,22 +106,6 @@ def check_batch(batch: TokenBatch, *, causal: bool, cp_size: int) -> None:
         )
 
 
-def check_full_attention(config: Any) -> None:
-    """Refuse a model with sliding-window (or other non-full) attention layers: CP computes full attention."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        limited = sorted({kind for kind in layer_types if kind != "full_attention"})
-    else:
-        # Models that predate layer_types (Mistral) window every layer when sliding_window is set.
-        limited = ["sliding_attention"] if getattr(config, "sliding_window", None) else []
-    if limited:
-        raise CptuneError(
-            f"base_model: has attention layers of type {limited}, but cp_backend: torch computes full "
-            "(causal or bidirectional) attention over the whole row, so those layers would silently see "
-            "too much. Use a model with full attention only, or context_parallel_size: 1."
-        )
-
-
 class TorchCpBackend:
     """Shards batches for one CP group and attends with torch's context-parallel ring attention."""
 
