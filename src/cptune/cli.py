@@ -73,7 +73,9 @@ def train(
     recipe: RecipeArg,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option(help="Processes to start on this node (default: context_parallel_size)."),
+        typer.Option(
+            help="Processes to start on this node (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
+        ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Number of nodes (multi-node runs go through torchrun).")] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's rank (multi-node).")] = 0,
@@ -119,7 +121,7 @@ def train(
             )
         return
     plan = LaunchPlan(
-        nproc_per_node=nproc_per_node or loaded.context_parallel_size,
+        nproc_per_node=nproc_per_node or loaded.default_process_count,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -157,7 +159,10 @@ def validate(
     ctx: typer.Context,
     recipe: RecipeArg,
     nproc_per_node: Annotated[
-        int | None, typer.Option(help="Processes per node the run will use (default: context_parallel_size).")
+        int | None,
+        typer.Option(
+            help="Processes per node the run will use (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
+        ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the run will use.")] = 1,
 ) -> None:
@@ -165,7 +170,7 @@ def validate(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    world = (nproc_per_node or loaded.context_parallel_size) * nnodes
+    world = (nproc_per_node or loaded.default_process_count) * nnodes
     typer.echo(describe_plan(loaded, world_size=world))
 
 
@@ -186,7 +191,9 @@ def evaluate(
     checkpoint: CheckpointOption = None,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option(help="Processes to start (default: context_parallel_size); one node only."),
+        typer.Option(
+            help="Processes to start (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size); one node only."
+        ),
     ] = None,
 ) -> None:
     import json
@@ -200,7 +207,7 @@ def evaluate(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
-    plan = LaunchPlan(nproc_per_node=nproc_per_node or loaded.context_parallel_size)
+    plan = LaunchPlan(nproc_per_node=nproc_per_node or loaded.default_process_count)
     if not under_launcher():
         # A recipe without evaluation data or a wrong path fails here, before any process starts.
         check_eval_data(loaded)

@@ -17,3 +17,45 @@ def test_cp_must_divide_world():
         LaunchError, match="context_parallel_size=2 does not divide the number of processes \\(3\\)"
     ):
         ParallelDims(world_size=3, cp_size=2)
+
+
+def test_fsdp_layout_shards_over_dp_shard_times_cp():
+    dims = ParallelDims(world_size=8, cp_size=2, dp_replicate_size=2, fsdp=True)
+    assert (dims.dp_size, dims.dp_shard_size, dims.shard_group_size) == (4, 2, 4)
+    assert dims.sharded
+    assert dims.describe() == (
+        "8 = 2 dp_replicate × 2 dp_shard × 2 cp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp), "
+        "replicated 2×"
+    )
+    # A single process has nothing to shard.
+    assert not ParallelDims(world_size=1, cp_size=1, fsdp=True).sharded
+    plain = ParallelDims(world_size=4, cp_size=2)
+    assert plain.shard_group_size == 1 and not plain.sharded
+    assert plain.describe() == "4 = 2 data-parallel × 2 context-parallel; model states whole on every rank"
+
+
+def test_fsdp_layouts_that_cannot_work():
+    with pytest.raises(
+        LaunchError, match=r"dp_replicate_size=2 × context_parallel_size=2 = 4 does not divide"
+    ):
+        ParallelDims(world_size=6, cp_size=2, dp_replicate_size=2, fsdp=True)
+    # accelerate refuses HSDP with CP when dp_shard is 1.
+    with pytest.raises(LaunchError, match=r"leaves dp_shard_size at 1.*\(dp_shard_size ≥ 2: 8\)"):
+        ParallelDims(world_size=4, cp_size=2, dp_replicate_size=2, fsdp=True)
+
+
+def test_recipe_dp_shard_size_must_match_the_processes():
+    from cptune.config.loader import validate_recipe
+
+    recipe = validate_recipe(
+        {
+            "base_model": "m",
+            "datasets": [{"path": "d"}],
+            "fsdp_version": 2,
+            "dp_shard_size": 2,
+            "context_parallel_size": 2,
+        }
+    )
+    assert ParallelDims.from_recipe(recipe, 4).dp_shard_size == 2
+    with pytest.raises(LaunchError, match=r"dp_shard_size=2 needs .* = 4 processes, but 2 were asked for"):
+        ParallelDims.from_recipe(recipe, 2)

@@ -27,15 +27,16 @@ from cptune.errors import PatchError
 from cptune.patches import MISSING, Patch, PatchSet, Target, build_patch_set, ring_flash_attn_import_patch_set
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
+    accelerator_state_fsdp_on_cpu_patch,
     prepare_cp_patch,
     validate_accelerator_multi_cpu_patch,
 )
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 
-RING = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn")
-TORCH = SimpleNamespace(context_parallel_size=2, cp_backend="torch")
-DEEPSPEED = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
-NO_CP = SimpleNamespace(context_parallel_size=1, cp_backend="ring-flash-attn")
+RING = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn", is_fsdp=False)
+TORCH = SimpleNamespace(context_parallel_size=2, cp_backend="torch", is_fsdp=False)
+DEEPSPEED = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed", is_fsdp=False)
+NO_CP = SimpleNamespace(context_parallel_size=1, cp_backend="ring-flash-attn", is_fsdp=False)
 
 
 def _raw(target: str):
@@ -188,28 +189,42 @@ def test_validate_accelerator_accepts_multi_cpu_for_cp_only():
             ParallelismConfig(tp_size=2)._validate_accelerator(_multi_cpu_accelerator())
 
 
-@pytest.fixture
-def fake_multi_gpu_state():
-    """Makes accelerate believe a 2-process MULTI_GPU PartialState exists; restores the real state after."""
+@contextlib.contextmanager
+def _fake_partial_state(distributed_type: str, backend: str):
+    """Makes accelerate believe a 2-process PartialState of this type exists; restores the real state after."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     saved = dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
     AcceleratorState._reset_state(reset_partial_state=True)
     PartialState._shared_state.update(
-        distributed_type=DistributedType.MULTI_GPU,
+        distributed_type=DistributedType(distributed_type),
         device=torch.device("cpu"),
         num_processes=2,
         process_index=0,
         local_process_index=0,
-        backend="nccl",
+        backend=backend,
         debug=False,
         fork_launched=False,
     )
-    yield AcceleratorState
-    AcceleratorState._reset_state(reset_partial_state=True)
-    PartialState._shared_state.update(saved[0])
-    AcceleratorState._shared_state.update(saved[1])
+    try:
+        yield AcceleratorState
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._shared_state.update(saved[0])
+        AcceleratorState._shared_state.update(saved[1])
+
+
+@pytest.fixture
+def fake_multi_gpu_state():
+    with _fake_partial_state("MULTI_GPU", "nccl") as state:
+        yield state
+
+
+@pytest.fixture
+def fake_multi_cpu_state():
+    with _fake_partial_state("MULTI_CPU", "gloo") as state:
+        yield state
 
 
 def _state_kwargs(**overrides):
@@ -255,6 +270,47 @@ def test_state_init_patch_leaves_fsdp_runs_alone(fake_multi_gpu_state):
         state = fake_multi_gpu_state(**kwargs)
     assert state.distributed_type == "FSDP" and state.is_fsdp2 is True
     assert state.parallelism_config is kwargs["parallelism_config"]
+
+
+FSDP_RING = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn", is_fsdp=True)
+
+
+def _fsdp_plugin():
+    precisions = []
+    plugin = SimpleNamespace(fsdp_version=2, set_mixed_precision=precisions.append)
+    return plugin, precisions
+
+
+def test_state_init_upstream_drops_the_fsdp_plugin_on_cpu(fake_multi_cpu_state):
+    plugin, _ = _fsdp_plugin()
+    state = fake_multi_cpu_state(**_state_kwargs(fsdp_plugin=plugin))
+    assert state.distributed_type == "MULTI_CPU" and not state.is_fsdp2  # what the patch exists for
+
+
+def test_state_init_patch_makes_cpu_runs_fsdp_with_the_plugin_and_precision(fake_multi_cpu_state):
+    plugin, precisions = _fsdp_plugin()
+    kwargs = _state_kwargs(fsdp_plugin=plugin, mixed_precision="bf16")
+    with PatchSet([accelerator_state_fsdp_on_cpu_patch()]).applied(FSDP_RING):
+        state = fake_multi_cpu_state(**kwargs)
+    assert state.distributed_type == "FSDP" and state.is_fsdp2 is True
+    assert state.fsdp_plugin is plugin and precisions == ["bf16"]
+    assert state.parallelism_config is kwargs["parallelism_config"]
+
+
+def test_state_init_fsdp_patch_changes_nothing_without_a_plugin(fake_multi_cpu_state):
+    with PatchSet([accelerator_state_fsdp_on_cpu_patch()]).applied(FSDP_RING):
+        state = fake_multi_cpu_state(**_state_kwargs())
+    assert state.distributed_type == "MULTI_CPU"
+
+
+def test_fsdp_recipes_get_the_fsdp_patch_and_not_the_plain_ddp_ones():
+    selected = _selected(FSDP_RING)
+    assert "accelerator-state-fsdp-on-cpu" in selected
+    assert "accelerator-state-cp-without-fsdp" not in selected
+    assert "parallelism-config-allow-multi-cpu" not in selected
+    assert "accelerator-prepare-cp-by-backend" in selected
+    assert "accelerator-state-fsdp-on-cpu" not in _selected(RING)
+    assert build_patch_set(FSDP_RING).plan(FSDP_RING).ok
 
 
 @contextlib.contextmanager
@@ -316,7 +372,8 @@ from types import SimpleNamespace
 from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig
 from cptune.patches.accelerate_patches import (
-    accelerator_state_cp_without_fsdp_patch, prepare_cp_patch, validate_accelerator_multi_cpu_patch)
+    accelerator_state_cp_without_fsdp_patch,
+    accelerator_state_fsdp_on_cpu_patch, prepare_cp_patch, validate_accelerator_multi_cpu_patch)
 from cptune.patches.core import PatchSet
 
 recipe = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn")

@@ -63,7 +63,13 @@ def recipe_for(root: Path, model_dir: Path, name: str) -> Path:
     return path
 
 
-def run_until_killed(recipe: Path, out_dir: Path, world_size: int = 2, timeout: float = 240) -> list[int]:
+def run_until_killed(
+    recipe: Path,
+    out_dir: Path,
+    world_size: int = 2,
+    timeout: float = 240,
+    crash_saving_step: int = 2 * SAVE_STEPS,
+) -> list[int]:
     """Run the worker with ``--crash-saving-step``; returns every rank's exit code."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port, plan = free_port(), LaunchPlan(nproc_per_node=world_size)
@@ -76,7 +82,7 @@ def run_until_killed(recipe: Path, out_dir: Path, world_size: int = 2, timeout: 
                 str(out_dir),
                 str(recipe),
                 "--crash-saving-step",
-                str(2 * SAVE_STEPS),
+                str(crash_saving_step),
             ],
             env=child_environment(plan, rank, port, base),
             stdout=subprocess.DEVNULL,

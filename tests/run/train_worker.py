@@ -4,7 +4,8 @@ Usage: train_worker.py OUT_DIR RECIPE [--crash-saving-step N]
 
 Runs ``cptune.run.train.train(recipe)``. Without ``--crash-saving-step``, rank 0
 then writes the trained model's logits for a fixed input, computed with the
-unwrapped model in a plain single-rank forward (no CP), to ``OUT_DIR/logits.pt``.
+unwrapped model in a plain forward over the whole input (no CP; every rank joins
+in when the model is sharded with FSDP2), to ``OUT_DIR/logits.pt``.
 With it, every rank kills itself with SIGKILL while the Trainer is writing
 checkpoint N (after the model files, before the optimizer state), like a
 machine that goes down mid-save.
@@ -58,16 +59,42 @@ def main() -> None:
     train_module._build_trainer = build_and_keep
     result = train_module.train(load_recipe(recipe_path))
     rank = read_dist_env().rank
-    if rank == 0:
-        trainer = built["trainer"]
+    trainer = built["trainer"]
+    # Measured before the forward below: FSDP2 keeps the root's and the output layer's weights
+    # gathered after a forward until the next backward.
+    report = {"losses": result.losses, **state_bytes(trainer)}
+    # A model sharded with FSDP2 gathers its weights in the forward: every rank takes part.
+    if rank == 0 or trainer.is_fsdp_enabled:
         model = trainer.accelerator.unwrap_model(trainer.model)
         # cptune's CP attention needs per-batch metadata; a plain forward uses sdpa on the whole input.
         model.set_attn_implementation("sdpa")
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=fixed_input_ids(trainer.processing_class)).logits
-        torch.save(logits, out_dir / "logits.pt")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"losses": result.losses}))
+        if rank == 0:
+            torch.save(logits, out_dir / "logits.pt")
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def state_bytes(trainer) -> dict[str, int]:
+    """Bytes of weights and optimizer state this rank holds, and of the whole model's weights."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    params = list(trainer.model.parameters())
+    moments = [v for state in trainer.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    return {
+        "weight_bytes": sum(local(p).numel() * p.element_size() for p in params),
+        "optimizer_bytes": sum(local(v).numel() * v.element_size() for v in moments if v.dim() > 0),
+        "model_weight_bytes": sum(p.numel() * p.element_size() for p in params),
+        "trained_dtypes": sorted({str(p.dtype) for p in params if p.requires_grad}),
+        "frozen_dtypes": sorted({str(p.dtype) for p in params if not p.requires_grad}),
+        "fsdp_compute_dtype": str(getattr(policy, "param_dtype", None)),
+    }
 
 
 if __name__ == "__main__":

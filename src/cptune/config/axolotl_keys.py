@@ -9,7 +9,6 @@ from __future__ import annotations
 
 _QUANTIZED = "quantized base models (QLoRA, 8-bit) are not supported by cptune yet; remove it."
 _ATTENTION = "cptune chooses the attention implementation from cp_backend; remove it."
-_FSDP = "FSDP sharding is not supported yet; remove it (CP runs with plain DDP)."
 _WANDB = "Weights & Biases logging is not supported; use report_to: tensorboard."
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself."
 _KERNELS = "fused kernels from Axolotl's integrations are not supported; remove it."
@@ -38,9 +37,8 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "unsloth_lora_qkv": _KERNELS,
     "unsloth_lora_o": _KERNELS,
     "plugins": "Axolotl plugins are not supported; remove it.",
-    "fsdp": _FSDP,
-    "fsdp_config": _FSDP,
-    "fsdp_version": _FSDP,
+    "fsdp": "Axolotl's FSDP1 switch; shard with FSDP2 instead: fsdp_version: 2 (settings under fsdp_config).",
+    "tensor_parallel_size": "tensor parallelism is not supported; shard model states with fsdp_version: 2.",
     "wandb_project": _WANDB,
     "wandb_entity": _WANDB,
     "wandb_name": _WANDB,
@@ -96,3 +94,25 @@ UNSUPPORTED_DATASET_KEYS: dict[str, str] = {
     "message_property_mappings": "use message_field_role and message_field_content.",
     "chat_template": "set chat_template at the top level of the recipe.",
 }
+
+_FSDP1_ONLY = "an FSDP1 setting with no FSDP2 counterpart; remove it."
+
+UNSUPPORTED_FSDP_KEYS: dict[str, str] = {
+    "sharding_strategy": (
+        "an FSDP1 setting; with FSDP2 use reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP), and "
+        "dp_replicate_size at the top level for HYBRID_SHARD."
+    ),
+    "backward_prefetch": _FSDP1_ONLY,
+    "forward_prefetch": _FSDP1_ONLY,
+    "use_orig_params": _FSDP1_ONLY,
+    "sync_module_states": _FSDP1_ONLY,
+    "limit_all_gathers": _FSDP1_ONLY,
+    "min_num_params": "size-based wrapping is not supported: every decoder layer is its own FSDP unit; remove it.",
+    "cpu_ram_efficient_loading": (
+        "not supported yet: every process loads the base model before it is sharded, so the host needs memory "
+        "for one copy per process on the node; remove it."
+    ),
+    "version": "set fsdp_version at the top level of the recipe.",
+    "activation_checkpointing_reentrant": "cptune's gradient checkpointing is non-reentrant; remove it.",
+}
+"""Keys Axolotl or accelerate accept inside ``fsdp_config`` that cptune does not (after a leading ``fsdp_``)."""

@@ -15,8 +15,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from cptune.config.axolotl_keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
-from cptune.config.recipe import DatasetConfig, Recipe, combination_problems
+from cptune.config.axolotl_keys import (
+    UNSUPPORTED_DATASET_KEYS,
+    UNSUPPORTED_FSDP_KEYS,
+    UNSUPPORTED_RECIPE_KEYS,
+)
+from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe, combination_problems
 from cptune.errors import RecipeError, RecipeProblem
 
 
@@ -172,6 +176,9 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
         return RecipeProblem(path, "is required but missing.")
     got = error.get("input")
     text = error["msg"]
+    if kind == "value_error":
+        # A validator of cptune's own: its message already says what is wrong and what to do.
+        return RecipeProblem(path, text.removeprefix("Value error, ") + ".")
     if kind == "too_short":
         # Lists in the recipe are tuples in the frozen Recipe; the user wrote a list.
         text = text.replace("Tuple should", "List should")
@@ -187,11 +194,19 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
 _UNION_TAGS = {"str", "int", "float", "bool", "tuple", "list", "dict", "none", "literal"}
 
 
+# Sections of the recipe that are models of their own: their fields and the Axolotl keys they refuse.
+_SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
+    "datasets": (DatasetConfig, UNSUPPORTED_DATASET_KEYS),
+    "test_datasets": (DatasetConfig, UNSUPPORTED_DATASET_KEYS),
+    "fsdp_config": (FsdpConfig, UNSUPPORTED_FSDP_KEYS),
+}
+
+
 def _unknown_key_message(loc: tuple[Any, ...]) -> str:
     key = str(loc[-1])
-    in_dataset = len(loc) >= 2 and loc[0] in ("datasets", "test_datasets")
-    unsupported = UNSUPPORTED_DATASET_KEYS if in_dataset else UNSUPPORTED_RECIPE_KEYS
-    model: type[BaseModel] = DatasetConfig if in_dataset else Recipe
+    model, unsupported = (
+        _SECTIONS[loc[0]] if len(loc) >= 2 and loc[0] in _SECTIONS else (Recipe, UNSUPPORTED_RECIPE_KEYS)
+    )
     if key in unsupported:
         return f"is an Axolotl key that cptune does not support: {unsupported[key]}"
     close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
 RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
 UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
 CpCommStrategy = Literal["allgather", "alltoall"]
+FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 
 # Backends whose implementation has not landed yet. Validation refuses them
 # rather than falling back to another backend without a word.
@@ -57,6 +58,59 @@ class DatasetConfig(_Frozen):
         "labels",
         description="pretokenized: column of the labels (-100: not trained); absent: train every token.",
     )
+
+
+class FsdpConfig(_Frozen):
+    """How FSDP2 shards the model states (Axolotl's ``fsdp_config``; a leading ``fsdp_`` on a key is accepted)."""
+
+    reshard_after_forward: bool = Field(
+        True,
+        description="Free each layer's gathered weights after its forward pass and gather them again for the "
+        "backward (less memory); false keeps them until the backward (FSDP1's SHARD_GRAD_OP).",
+    )
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] = Field(
+        "TRANSFORMER_BASED_WRAP", description="Each decoder layer is its own FSDP unit (the only policy)."
+    )
+    transformer_layer_cls_to_wrap: tuple[str, ...] | None = Field(
+        None, description="Layer class names to shard one by one; default: the model's decoder layer class."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="The same as `gradient_checkpointing: true` (accepted for Axolotl recipes)."
+    )
+    offload_params: bool = Field(
+        False,
+        description="Keep the sharded weights, gradients and optimizer state in CPU memory between uses "
+        "(GPU runs; much slower, for models whose states do not fit on the GPUs).",
+    )
+    state_dict_type: FsdpStateDictType = Field(
+        "SHARDED_STATE_DICT",
+        description="Checkpoints are always written sharded and the final model is always gathered into a "
+        "standard Hugging Face folder; FULL_STATE_DICT is refused with an explanation.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_fsdp_prefix(cls, data: Any) -> Any:
+        # Axolotl's older recipes (and accelerate configs) spell the keys fsdp_offload_params, ...
+        if not isinstance(data, dict):
+            return data
+        renamed: dict[Any, Any] = {}
+        written: dict[Any, Any] = {}
+        for key, value in data.items():
+            plain = key[len("fsdp_") :] if isinstance(key, str) and key.startswith("fsdp_") else key
+            if plain in renamed:
+                raise ValueError(
+                    f"'{written[plain]}' and '{key}' are the same key (with and without the fsdp_ prefix); "
+                    "keep one of them"
+                )
+            renamed[plain], written[plain] = value, key
+        return renamed
+
+    @field_validator("transformer_layer_cls_to_wrap", mode="before")
+    @classmethod
+    def _one_or_many_layers(cls, value: Any) -> Any:
+        # accelerate's configs give a comma-separated string; Axolotl's a class name.
+        return tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else value
 
 
 class Recipe(_Frozen):
@@ -168,6 +222,27 @@ class Recipe(_Frozen):
         "transformers 5.23 does not pass it on: torch's default (1800) applies.",
     )
 
+    # --- sharding of model states (FSDP2) -------------------------------------
+    fsdp_version: Literal[1, 2] | None = Field(
+        None,
+        description="2: shard weights, gradients and optimizer state with FSDP2 across the dp_shard × cp ranks "
+        "(full fine-tunes of models whose states do not fit one device); unset: plain DDP, every rank holds "
+        "them whole.",
+    )
+    fsdp_config: FsdpConfig | None = Field(None, description="FSDP2 settings (needs fsdp_version: 2).")
+    dp_shard_size: int | None = Field(
+        None,
+        ge=1,
+        description="With FSDP2: data-parallel ranks that shard the model states together with the cp ranks; "
+        "default: processes / (dp_replicate_size × context_parallel_size).",
+    )
+    dp_replicate_size: int | None = Field(
+        None,
+        ge=1,
+        description="With FSDP2: copies of the sharded model (HSDP: shard within a group, e.g. a node, "
+        "replicate across groups); default 1.",
+    )
+
     # --- context parallelism --------------------------------------------------
     context_parallel_size: int = Field(1, ge=1, description="Processes that split each sequence.")
     cp_backend: CpBackend = Field(
@@ -204,6 +279,32 @@ class Recipe(_Frozen):
     @property
     def is_lora(self) -> bool:
         return self.adapter == "lora"
+
+    @property
+    def is_fsdp(self) -> bool:
+        """FSDP2 sharding of the model states is asked for (it takes effect with more than one process)."""
+        return self.fsdp_version == 2
+
+    @property
+    def resolved_fsdp_config(self) -> FsdpConfig:
+        return self.fsdp_config or FsdpConfig()
+
+    @property
+    def resolved_gradient_checkpointing(self) -> bool:
+        return self.gradient_checkpointing or (
+            self.is_fsdp and self.resolved_fsdp_config.activation_checkpointing
+        )
+
+    @property
+    def resolved_dp_replicate_size(self) -> int:
+        return self.dp_replicate_size or 1
+
+    @property
+    def default_process_count(self) -> int:
+        """Processes to start on one node when the command line does not say (``--nproc-per-node``)."""
+        if self.dp_shard_size is not None:
+            return self.resolved_dp_replicate_size * self.dp_shard_size * self.context_parallel_size
+        return self.resolved_dp_replicate_size * self.context_parallel_size
 
     @property
     def resolved_ring_attn_func(self) -> RingAttnFunc:
@@ -416,6 +517,46 @@ def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
+def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Sharding of model states (FSDP2).
+
+    - `fsdp_version: 1` is refused: cptune shards with FSDP2 only.
+    - `fsdp_config`, `dp_shard_size` and `dp_replicate_size` need `fsdp_version: 2`.
+    - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
+    - `fsdp_config.state_dict_type: FULL_STATE_DICT` is refused: checkpoints are written sharded and the
+      final model is always gathered into a standard Hugging Face folder.
+    """
+    if r.fsdp_version == 1:
+        yield (
+            "fsdp_version",
+            "FSDP1 is not supported (transformers deprecates it); use fsdp_version: 2, which shards the same "
+            "model states with FSDP2.",
+        )
+    if r.fsdp_version is None:
+        for key in ("fsdp_config", "dp_shard_size", "dp_replicate_size"):
+            if getattr(r, key) is not None:
+                yield (
+                    key,
+                    "applies only with fsdp_version: 2 (without FSDP every rank holds the whole model and the "
+                    "data-parallel size is the number of processes / context_parallel_size); set fsdp_version: 2 "
+                    "or remove it.",
+                )
+        return
+    if r.cp_backend == "deepspeed":
+        yield (
+            "fsdp_version",
+            "cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP; use zero_stage: 3 "
+            "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
+        )
+    if r.fsdp_config is not None and r.fsdp_config.state_dict_type == "FULL_STATE_DICT":
+        yield (
+            "fsdp_config.state_dict_type",
+            "cptune always gathers the final model (or adapter) into a standard Hugging Face folder in output_dir, "
+            "which is what FULL_STATE_DICT gives in Axolotl, and writes checkpoints sharded (each rank its own "
+            "part, resumable with the same number of processes). Remove state_dict_type.",
+        )
+
+
 RULES: tuple[Rule, ...] = (
     _precision,
     _warmup,
@@ -423,6 +564,7 @@ RULES: tuple[Rule, ...] = (
     _output,
     _context_parallel,
     _deepspeed,
+    _fsdp,
     _adapter,
 )
 

@@ -18,8 +18,12 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from cptune.config.axolotl_keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
-from cptune.config.recipe import RULES, DatasetConfig, Recipe
+from cptune.config.axolotl_keys import (
+    UNSUPPORTED_DATASET_KEYS,
+    UNSUPPORTED_FSDP_KEYS,
+    UNSUPPORTED_RECIPE_KEYS,
+)
+from cptune.config.recipe import RULES, DatasetConfig, FsdpConfig, Recipe
 
 HEADER = """# Recipe reference
 
@@ -50,7 +54,7 @@ def render_recipe_reference() -> str:
     """The whole page, ending with one newline."""
     parts = [HEADER]
     for section, names in recipe_sections():
-        parts.append(f"## {section.capitalize()}\n")
+        parts.append(f"## {section[:1].upper()}{section[1:]}\n")
         parts.append(_field_table(Recipe, names))
     parts.append("## Dataset keys\n")
     parts.append(
@@ -58,6 +62,12 @@ def render_recipe_reference() -> str:
         "name the columns of one row format and are ignored by the others.\n"
     )
     parts.append(_field_table(DatasetConfig, list(DatasetConfig.model_fields)))
+    parts.append("## FSDP2 keys\n")
+    parts.append(
+        "The keys of `fsdp_config` (with `fsdp_version: 2`). A leading `fsdp_`, as in Axolotl's older\n"
+        "recipes and accelerate's configs (`fsdp_reshard_after_forward`), is accepted.\n"
+    )
+    parts.append(_field_table(FsdpConfig, list(FsdpConfig.model_fields)))
     parts.append(_rules_section())
     parts.append(_axolotl_section())
     return "\n".join(parts).rstrip("\n") + "\n"
@@ -110,11 +120,11 @@ def type_text(annotation: Any) -> str:
     if annotation in _BASIC:
         return _BASIC[annotation]
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
-        return (
-            "dataset (see [dataset keys](#dataset-keys))"
-            if annotation is DatasetConfig
-            else annotation.__name__
-        )
+        if annotation is DatasetConfig:
+            return "dataset (see [dataset keys](#dataset-keys))"
+        if annotation is FsdpConfig:
+            return "mapping (see [FSDP2 keys](#fsdp2-keys))"
+        return annotation.__name__
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Literal:
         return "one of " + ", ".join(f"`{_yaml_scalar(value)}`" for value in args)
@@ -186,4 +196,6 @@ def _axolotl_section() -> str:
     lines += [f"| `{key}` | {_cell(hint)} |" for key, hint in UNSUPPORTED_RECIPE_KEYS.items()]
     lines += ["", "| dataset key | what to do |", "|---|---|"]
     lines += [f"| `{key}` | {_cell(hint)} |" for key, hint in UNSUPPORTED_DATASET_KEYS.items()]
+    lines += ["", "| `fsdp_config` key | what to do |", "|---|---|"]
+    lines += [f"| `{key}` | {_cell(hint)} |" for key, hint in UNSUPPORTED_FSDP_KEYS.items()]
     return "\n".join(lines) + "\n"

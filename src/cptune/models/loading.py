@@ -91,7 +91,7 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
     # Packed documents are kept apart from position_ids only when no KV cache is
     # created (transformers 5.23 masking_utils); a training run never needs one.
     model.config.use_cache = False
-    if recipe.gradient_checkpointing:
+    if recipe.resolved_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -116,7 +116,7 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
         model = get_peft_model(model, config)
     except ValueError as err:
         raise CptuneError(f"lora_target_modules: {_first_line(err)}") from None
-    if recipe.gradient_checkpointing:
+    if recipe.resolved_gradient_checkpointing:
         model.enable_input_require_grads()
     return model
 

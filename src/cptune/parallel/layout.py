@@ -1,42 +1,113 @@
-"""Process layout: world = dp × cp, as pure arithmetic.
+"""Process layout: world = dp_replicate × dp_shard × cp, as pure arithmetic.
 
-Vocabulary: an *axis* is a mesh axis (``dp``, ``cp``); a *dim* is a tensor
-dimension. Ranks are laid out with cp innermost, ``rank = dp_rank * cp + cp_rank``,
-the same order accelerate's device mesh uses (``dp_replicate`` before ``cp``), so the
-ranks of one CP group are consecutive and share a data-loader shard.
+Vocabulary: an *axis* is a mesh axis (``dp_replicate``, ``dp_shard``, ``cp``); a
+*dim* is a tensor dimension. Ranks are laid out with cp innermost,
+``rank = (replica * dp_shard + shard) * cp + cp_rank``, the order accelerate's
+device mesh uses, so the ranks of one CP group are consecutive and share a
+data-loader shard. Without FSDP there is one data-parallel axis (``dp_size``
+groups of ``cp_size`` ranks); with FSDP2 the model states are sharded over the
+``dp_shard × cp`` ranks of a replica and replicated across ``dp_replicate``
+replicas (HSDP).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cptune.errors import LaunchError
+
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How ``world_size`` processes split into data-parallel and context-parallel axes."""
+    """How ``world_size`` processes split into data-parallel and context-parallel axes.
+
+    Attributes:
+        world_size: Processes of the run.
+        cp_size: Ranks that split one sequence.
+        dp_replicate_size: Replicas of the sharded model (FSDP2 only; 1 otherwise).
+        fsdp: The recipe asks for FSDP2; the states are sharded only when there is more
+            than one process (see :attr:`sharded`).
+    """
 
     world_size: int
     cp_size: int
+    dp_replicate_size: int = 1
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.cp_size < 1:
-            raise LaunchError(f"world size ({self.world_size}) and context_parallel_size must be positive.")
+        if self.world_size < 1 or self.cp_size < 1 or self.dp_replicate_size < 1:
+            raise LaunchError(
+                f"world size ({self.world_size}), context_parallel_size and dp_replicate_size must be positive."
+            )
+        if self.dp_replicate_size > 1 and not self.fsdp:
+            raise LaunchError("dp_replicate_size applies only with fsdp_version: 2.")
         if self.world_size % self.cp_size != 0:
             raise LaunchError(
                 f"context_parallel_size={self.cp_size} does not divide the number of processes "
                 f"({self.world_size}). Launch a multiple of {self.cp_size} processes "
                 f"(e.g. --nproc-per-node {self.cp_size}), or change context_parallel_size."
             )
+        unit = self.cp_size * self.dp_replicate_size
+        if self.world_size % unit != 0:
+            raise LaunchError(
+                f"dp_replicate_size={self.dp_replicate_size} × context_parallel_size={self.cp_size} = {unit} does "
+                f"not divide the number of processes ({self.world_size}). Launch a multiple of {unit} processes, "
+                "or change dp_replicate_size."
+            )
+        if self.dp_replicate_size > 1 and self.cp_size > 1 and self.dp_shard_size == 1:
+            # accelerate's ParallelismConfig refuses this layout (parallelism_config.py:335).
+            raise LaunchError(
+                f"dp_replicate_size={self.dp_replicate_size} with context_parallel_size={self.cp_size} leaves "
+                "dp_shard_size at 1, which accelerate does not support with context parallelism. Launch more "
+                f"processes (dp_shard_size ≥ 2: {2 * unit}), or remove dp_replicate_size to shard the model "
+                "states over every rank."
+            )
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe, world_size: int) -> ParallelDims:
+        """The layout of ``world_size`` processes for ``recipe``, checked against its ``dp_shard_size``."""
+        dims = cls(
+            world_size=world_size,
+            cp_size=recipe.context_parallel_size,
+            dp_replicate_size=recipe.resolved_dp_replicate_size,
+            fsdp=recipe.is_fsdp,
+        )
+        if recipe.dp_shard_size is not None and recipe.dp_shard_size != dims.dp_shard_size:
+            wanted = recipe.default_process_count
+            raise LaunchError(
+                f"dp_shard_size={recipe.dp_shard_size} needs dp_replicate_size × dp_shard_size × "
+                f"context_parallel_size = {wanted} processes, but {world_size} were asked for. Launch "
+                f"{wanted} (e.g. --nproc-per-node {wanted}), or change dp_shard_size (or remove it: it "
+                "then follows from the number of processes)."
+            )
+        return dims
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel groups: each sees its own batches (dp_replicate × dp_shard)."""
         return self.world_size // self.cp_size
+
+    @property
+    def dp_shard_size(self) -> int:
+        return self.dp_size // self.dp_replicate_size
 
     @property
     def cp_enabled(self) -> bool:
         return self.cp_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Model states are sharded with FSDP2 (asked for, and more than one process)."""
+        return self.fsdp and self.world_size > 1
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that hold one copy of the model states between them (1: every rank holds them whole)."""
+        return self.dp_shard_size * self.cp_size if self.sharded else 1
 
     def cp_rank(self, rank: int) -> int:
         return rank % self.cp_size
@@ -48,3 +119,19 @@ class ParallelDims:
         """The global ranks that split one sequence together."""
         start = dp_rank * self.cp_size
         return list(range(start, start + self.cp_size))
+
+    def describe(self) -> str:
+        """One line for logs and ``cptune validate``, e.g. ``4 = 2 dp_shard × 2 cp; ...``."""
+        if not self.sharded:
+            return (
+                f"{self.world_size} = {self.dp_size} data-parallel × {self.cp_size} context-parallel; "
+                "model states whole on every rank"
+            )
+        axes = [f"{self.dp_shard_size} dp_shard", f"{self.cp_size} cp"]
+        if self.dp_replicate_size > 1:
+            axes.insert(0, f"{self.dp_replicate_size} dp_replicate")
+        return (
+            f"{self.world_size} = {' × '.join(axes)}; model states sharded (FSDP2) over "
+            f"{self.shard_group_size} ranks (dp_shard × cp)"
+            + (f", replicated {self.dp_replicate_size}×" if self.dp_replicate_size > 1 else "")
+        )

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from cptune.errors import PatchError
-from cptune.patches.core import ContextParallelWith, Patch
+from cptune.patches.core import ContextParallelWith, Patch, ShardsModelStates
 
 ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
 """The accelerate versions these patches were read against."""
@@ -165,7 +165,8 @@ def validate_accelerator_multi_cpu_patch() -> Patch:
         remove_when="accelerate accepts MULTI_CPU in ParallelismConfig._validate_accelerator.",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "accelerator"),
-        applies_to=ContextParallelWith(DDP_CP_BACKENDS),
+        # With FSDP2 the CPU run is an FSDP run (accelerator-state-fsdp-on-cpu), which the original accepts.
+        applies_to=ContextParallelWith(DDP_CP_BACKENDS, plain_ddp=True),
     )
 
 
@@ -241,5 +242,51 @@ def accelerator_state_cp_without_fsdp_patch() -> Patch:
         remove_when="accelerate supports cp_size > 1 without FSDP (drops the 'TODO: Siro' check in state.py).",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "fsdp_plugin", "parallelism_config"),
-        applies_to=ContextParallelWith(DDP_CP_BACKENDS),
+        applies_to=ContextParallelWith(DDP_CP_BACKENDS, plain_ddp=True),
+    )
+
+
+def accelerator_state_fsdp_on_cpu_patch() -> Patch:
+    """``AcceleratorState.__init__`` → FSDP2 on CPU processes (gloo) when an FSDP plugin is given.
+
+    accelerate/state.py:986-1016 turns an ``fsdp_plugin`` into ``distributed_type =
+    FSDP`` only inside its branch for GPU-like devices; a MULTI_CPU run keeps
+    MULTI_CPU, drops the plugin, and the model is wrapped in DDP whole. FSDP2's
+    ``fully_shard`` itself runs on CPU with gloo (measured: dp_shard=2 × cp=2 on 4
+    processes equals one process to 1e-7), so the wrapper finishes what the GPU
+    branch does (state.py:1007-1011): after the original, a MULTI_CPU state given
+    a plugin becomes FSDP, keeps the plugin and passes it the mixed precision. On
+    GPUs the original already did this and the wrapper changes nothing.
+    """
+
+    def replacement(original: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            from accelerate.utils import DistributedType
+
+            original(self, *args, **kwargs)
+            plugin = signature.bind(self, *args, **kwargs).arguments.get("fsdp_plugin")
+            if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+                self.distributed_type = DistributedType.FSDP
+                if self._mixed_precision != "no":
+                    plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = plugin
+
+        return __init__
+
+    return Patch(
+        name="accelerator-state-fsdp-on-cpu",
+        target="accelerate.state:AcceleratorState.__init__",
+        replacement=replacement,
+        reason=(
+            "Lets FSDP2 shard model states across CPU processes (gloo), so sharded runs dry-run on a laptop.\n"
+            "accelerate/state.py:986 sets distributed_type = FSDP only for GPU-like devices; on MULTI_CPU the "
+            "fsdp_plugin is dropped. Measured on CPU: dp_shard=2 x cp=2 equals one process."
+        ),
+        remove_when="accelerate selects FSDP for MULTI_CPU runs given an fsdp_plugin.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "fsdp_plugin", "parallelism_config"),
+        applies_to=ShardsModelStates(),
     )

@@ -42,16 +42,32 @@ def always(recipe: Any) -> bool:
 class ContextParallelWith:
     """Predicate: ``context_parallel_size > 1`` and ``cp_backend`` in ``backends``.
 
+    With ``plain_ddp``, also no FSDP2 sharding of the model states (``fsdp_version`` unset).
     An object rather than a lambda so that ``cptune validate`` can print the condition.
     """
 
     backends: tuple[str, ...]
+    plain_ddp: bool = False
 
     def __call__(self, recipe: Any) -> bool:
+        if self.plain_ddp and getattr(recipe, "is_fsdp", False):
+            return False
         return recipe.context_parallel_size > 1 and recipe.cp_backend in self.backends
 
     def __str__(self) -> str:
-        return f"context_parallel_size > 1 and cp_backend in ({', '.join(self.backends)})"
+        text = f"context_parallel_size > 1 and cp_backend in ({', '.join(self.backends)})"
+        return text + " and no fsdp_version" if self.plain_ddp else text
+
+
+@dataclass(frozen=True)
+class ShardsModelStates:
+    """Predicate: the recipe shards model states with FSDP2 (``fsdp_version: 2``)."""
+
+    def __call__(self, recipe: Any) -> bool:
+        return bool(getattr(recipe, "is_fsdp", False))
+
+    def __str__(self) -> str:
+        return "fsdp_version: 2"
 
 
 @dataclass(frozen=True, eq=False)

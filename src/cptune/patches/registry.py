@@ -2,9 +2,11 @@
 
 Every patch cptune knows is built here, in a fixed order; each patch's own
 predicate decides whether a recipe needs it, so ``cptune validate`` can show
-what is applied and what is skipped. The patches touch different targets, so
-their order does not change the result; it only fixes the order of the log
-lines and of reverting.
+what is applied and what is skipped. The patches that a recipe can need
+together touch different targets, so their order does not change the result;
+it only fixes the order of the log lines and of reverting. Two patches share
+``AcceleratorState.__init__`` (CP without FSDP on GPUs, FSDP2 on CPUs); their
+predicates exclude each other (``fsdp_version`` unset / set).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
+    accelerator_state_fsdp_on_cpu_patch,
     prepare_cp_patch,
     validate_accelerator_multi_cpu_patch,
 )
@@ -32,6 +35,7 @@ def build_patches(recipe: Any) -> list[Patch]:
         prepare_cp_patch(recipe.cp_backend),
         validate_accelerator_multi_cpu_patch(),
         accelerator_state_cp_without_fsdp_patch(),
+        accelerator_state_fsdp_on_cpu_patch(),
         torch_cp_cpu_sdpa_patch(),
         *deepspeed_patches(),
     ]

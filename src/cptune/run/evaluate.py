@@ -114,7 +114,7 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
     check_eval_data(recipe)
     source = model_source(checkpoint)
     env = read_dist_env()
-    dims = ParallelDims(world_size=env.world_size, cp_size=recipe.context_parallel_size)
+    dims = ParallelDims.from_recipe(recipe, env.world_size)
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
     if prepared.eval is None:  # cannot happen after check_eval_data, unless the cache was edited

@@ -33,7 +33,7 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         prepare_data: Prepare and cache the data here (the ranks then only load it).
         training: Also check what only training needs (the checkpoint to resume from).
     """
-    dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
+    dims = ParallelDims.from_recipe(recipe, world_size)
     check_output_dir(recipe, writable=training)
     if training:
         check_resume(recipe)
@@ -93,7 +93,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, patches, data."""
     from cptune.patches.registry import build_patch_set
 
-    dims = ParallelDims(world_size=world_size, cp_size=recipe.context_parallel_size)
+    dims = ParallelDims.from_recipe(recipe, world_size)
     check_model(recipe, dims)
     lines = ["Resolved recipe:"]
     dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
@@ -104,7 +104,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
         "Plan:",
         f"  model:      {recipe.base_model} ({training})",
         f"  tokenizer:  {recipe.tokenizer_path}",
-        f"  processes:  {dims.world_size} = {dims.dp_size} data-parallel × {dims.cp_size} context-parallel",
+        f"  processes:  {dims.describe()}",
     ]
     if dims.cp_enabled:
         attention = "causal" if recipe.causal else "bidirectional"
@@ -118,10 +118,67 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
         lines.append(f"  attention:  {recipe.cp_backend} / {detail}")
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
+    lines += ["", *describe_state_memory(recipe, dims, model_config(recipe))]
     plan = build_patch_set(recipe).plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
     return "\n".join(lines)
+
+
+def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> list[str]:
+    """Lines estimating each rank's memory for weights, gradients and optimizer state in this layout."""
+    from cptune.models.sizing import count_parameters
+    from cptune.parallel.memory import (
+        format_bytes,
+        fsdp_state_memory,
+        optimizer_state_elements,
+        zero_state_memory,
+    )
+
+    counts = count_parameters(recipe, config)
+    common = {
+        "total": counts.total,
+        "trainable": counts.trainable,
+        "optimizer_elements": optimizer_state_elements(recipe.optimizer, counts.trainable_shapes),
+        "dtype_bytes": counts.dtype_bytes,
+    }
+    plain = fsdp_state_memory(**common, shard_ranks=1)
+    rows = []
+    if dims.sharded:
+        rows.append(
+            (
+                f"FSDP2 over {dims.shard_group_size} ranks",
+                fsdp_state_memory(**common, shard_ranks=dims.shard_group_size),
+            )
+        )
+    elif dims.cp_enabled and recipe.cp_backend == "deepspeed":
+        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config
+
+        stage = deepspeed_config(recipe)["zero_optimization"]["stage"]
+        rows.append(
+            (
+                f"ZeRO-{stage} over {dims.world_size} ranks",
+                zero_state_memory(**common, stage=stage, ranks=dims.world_size),
+            )
+        )
+    rows.append(("every rank whole (plain DDP)", plain))
+    width = max(len(name) for name, _ in rows)
+    trained = "LoRA adapter" if recipe.is_lora else "all"
+    lines = [
+        f"Memory per rank for model states (estimate from the config: {counts.total:,} parameters, "
+        f"{counts.trainable:,} trained ({trained}), {recipe.optimizer}; activations not included):",
+        f"  {'layout':<{width}}  {'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}",
+    ]
+    for name, memory in rows:
+        values = (memory.weights, memory.gradients, memory.optimizer, memory.total)
+        lines.append(f"  {name:<{width}}  " + " ".join(f"{format_bytes(v):>10}" for v in values))
+    if dims.sharded:
+        gathered = 2 * counts.largest_layer * counts.dtype_bytes
+        lines.append(
+            f"  FSDP2 also gathers whole layers while they run: about {format_bytes(gathered)} more "
+            "(two decoder layers in flight)."
+        )
+    return lines
 
 
 def _data_status(recipe: Recipe) -> str:

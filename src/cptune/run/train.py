@@ -26,6 +26,7 @@ from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, read_dist_env
+from cptune.run.fsdp import fsdp_training_arguments
 from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
 
 log = logging.getLogger("cptune.train")
@@ -65,7 +66,7 @@ def _train(recipe: Recipe) -> TrainResult:
     from cptune.patches.registry import build_patch_set
 
     env = read_dist_env()
-    dims = ParallelDims(world_size=env.world_size, cp_size=recipe.context_parallel_size)
+    dims = ParallelDims.from_recipe(recipe, env.world_size)
     started = time.perf_counter()
     # The launcher's preflight checked this too; under an external launcher (torchrun) it is the
     # first check, and it runs before anything is loaded or written.
@@ -79,6 +80,8 @@ def _train(recipe: Recipe) -> TrainResult:
     if env.rank == 0:
         log.info("%s", prepared.stats.format())
 
+    if recipe.is_fsdp and not dims.sharded:
+        log.info("fsdp_version: 2 with one process: there is nothing to shard; training without FSDP")
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
     model = load_model(recipe, backend.attn_implementation)
     check_model_config(recipe, dims, model.config, type(model))
@@ -115,14 +118,17 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
 
         parallelism = ulysses_parallelism_config(recipe, dims.dp_size, dims.cp_size)
         deepspeed = deepspeed_config(recipe)
-    elif dims.cp_enabled:
+    elif dims.cp_enabled or dims.sharded:
         from accelerate import ParallelismConfig
 
-        # accelerate refuses dp_replicate > 1 with cp > 1 (it wants FSDP/HSDP), so the
-        # data-parallel axis is declared as dp_shard. Under plain DDP the name has no
-        # effect on the model; accelerate's data loader gives every rank of a CP
-        # group the same batch either way (rank // cp, accelerate/data_loader.py).
-        parallelism = ParallelismConfig(dp_shard_size=dims.dp_size, cp_size=dims.cp_size)
+        # One mesh, dp_replicate × dp_shard × cp (cp innermost). With FSDP2 the model states are
+        # sharded over dp_shard × cp. Without it (plain DDP) the data-parallel axis is declared as
+        # dp_shard, since accelerate refuses dp_replicate > 1 with cp > 1 unless sharding; the name
+        # then has no effect on the model. accelerate's data loader gives every rank of a CP group
+        # the same batch either way (rank // cp, accelerate/data_loader.py).
+        parallelism = ParallelismConfig(
+            dp_replicate_size=dims.dp_replicate_size, dp_shard_size=dims.dp_shard_size, cp_size=dims.cp_size
+        )
     warmup: float = 0
     if recipe.warmup_steps is not None:
         warmup = recipe.warmup_steps
@@ -182,6 +188,7 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         ddp_find_unused_parameters=False,
         # A collective that waits longer than this fails the run instead of holding it forever.
         ddp_timeout=recipe.ddp_timeout,
+        **fsdp_training_arguments(recipe, dims),
     )
 
 

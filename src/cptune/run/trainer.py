@@ -33,6 +33,7 @@ from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_co
 from cptune.parallel.shard import TokenBatch
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
+from cptune.run.fsdp import gathered_state_dict
 
 # Builds the backend once the accelerator (and so the process groups) exists.
 BackendFactory = Callable[[Any], CpBackend]
@@ -100,6 +101,21 @@ class CptuneTrainer(Trainer):
         if sharded.call is not None:
             check_layers_served(sharded.call, self._attention_layers)
         return token_loss_sum(outputs.logits, sharded.shift_labels), sharded.shift_labels, outputs
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's save; for a sharded (FSDP2) model, the gathered weights in a standard folder.
+
+        With sharded state dicts the Trainer writes no weights here (checkpoints
+        hold them sharded, written with the optimizer state); the final model is
+        gathered instead, the adapter only for LoRA.
+        """
+        if not (self.is_fsdp_enabled and not _internal_call):
+            return super().save_model(output_dir, _internal_call)
+        from peft import PeftModel
+
+        state_dict = gathered_state_dict(self.model, trainable_only=isinstance(self.model, PeftModel))
+        self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        return None
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
         """This data-parallel group's evaluation rows, each once (see :mod:`cptune.run.eval_loop`)."""

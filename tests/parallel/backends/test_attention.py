@@ -34,6 +34,19 @@ def test_every_layer_goes_through_the_call():
     assert sharded.call.layers_served == 2
 
 
+def test_the_call_survives_wrappers_that_map_over_forward_kwargs():
+    # FSDP2 with mixed precision casts every tensor in a forward's kwargs through this function,
+    # which rebuilds dataclasses: the layers then counted on a copy, and the trainer saw 0 layers.
+    from torch.distributed.utils import _apply_to_tensors
+
+    model = tiny_model()
+    sharded = LocalBackend(causal=False).shard(batch())
+    cast = _apply_to_tensors(lambda t: t.clone(), dict(sharded.model_kwargs))
+    assert cast["cp_attention"] is sharded.call
+    model(**cast, use_cache=False)
+    check_layers_served(sharded.call, count_attention_layers(model))
+
+
 def test_a_layer_that_bypasses_the_backend_is_an_error():
     model = tiny_model()
     layer = model.model.layers[1].self_attn

@@ -13,7 +13,6 @@ instead of silently computing shard-local attention.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,12 +28,22 @@ ATTENTION_KWARG = "cp_attention"
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
 
 
-@dataclass
 class AttentionCall:
-    """What one forward pass needs to compute attention over the full sequence."""
+    """What one forward pass needs to compute attention over the full sequence.
 
-    attend: Attend
-    layers_served: int = field(default=0)
+    Deliberately not a dataclass: wrappers that map over a forward's keyword
+    arguments (FSDP2's input casting under mixed precision, through
+    ``torch.distributed.utils._apply_to_tensors``) rebuild dataclasses with
+    ``dataclasses.replace``, and the attention layers would then count their calls
+    on a copy the trainer never sees. Objects of other classes pass through as
+    they are.
+    """
+
+    __slots__ = ("attend", "layers_served")
+
+    def __init__(self, attend: Attend) -> None:
+        self.attend = attend
+        self.layers_served = 0
 
 
 def cptune_attention_forward(

@@ -1,0 +1,53 @@
+"""Parameter counts of the recipe's model, from its config alone (no weights are read).
+
+The model is built on PyTorch's ``meta`` device, which allocates no memory, and
+wrapped in the recipe's LoRA adapter, so the counts are exactly those of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.models.loading import apply_lora, torch_dtype
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """What the memory estimate needs to know about the model."""
+
+    total: int
+    trainable: int
+    trainable_shapes: tuple[tuple[int, ...], ...]
+    #: parameters of the largest decoder layer (FSDP2 gathers one layer at a time)
+    largest_layer: int
+    dtype_bytes: int
+
+
+def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
+    """Parameter counts of ``recipe``'s model (``config`` is its transformers config)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    largest_layer = max(
+        (
+            sum(p.numel() for p in m.parameters())
+            for m in model.modules()
+            if type(m).__name__ in layer_classes
+        ),
+        default=0,
+    )
+    if recipe.is_lora:
+        model = apply_lora(model, recipe)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ParameterCounts(
+        total=sum(p.numel() for p in model.parameters()),
+        trainable=sum(p.numel() for p in trainable),
+        trainable_shapes=tuple(tuple(p.shape) for p in trainable),
+        largest_layer=largest_layer,
+        dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
+    )

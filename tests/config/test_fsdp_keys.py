@@ -1,0 +1,101 @@
+"""The FSDP2 keys: Axolotl's spellings accepted, what cptune cannot do refused with the reason."""
+
+import pytest
+
+from cptune.config.loader import validate_recipe
+from cptune.errors import RecipeError
+
+MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
+
+
+def problems(data):
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    return {p.key: p.message for p in info.value.problems}
+
+
+def test_axolotl_fsdp2_block_is_accepted_with_and_without_the_fsdp_prefix():
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "fsdp_version": 2,
+            "fsdp_config": {
+                "fsdp_reshard_after_forward": False,
+                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "transformer_layer_cls_to_wrap": "LlamaDecoderLayer, MistralDecoderLayer",
+                "fsdp_activation_checkpointing": True,
+                "state_dict_type": "SHARDED_STATE_DICT",
+            },
+            "dp_shard_size": 2,
+            "context_parallel_size": 2,
+        }
+    )
+    assert recipe.is_fsdp
+    assert recipe.fsdp_config.reshard_after_forward is False
+    assert recipe.fsdp_config.transformer_layer_cls_to_wrap == ("LlamaDecoderLayer", "MistralDecoderLayer")
+    # activation_checkpointing is the same switch as gradient_checkpointing.
+    assert recipe.resolved_gradient_checkpointing and not recipe.gradient_checkpointing
+    assert recipe.default_process_count == 4
+
+
+def test_default_process_count_follows_the_layout():
+    assert validate_recipe({**MINIMAL, "context_parallel_size": 2}).default_process_count == 2
+    fsdp = {**MINIMAL, "fsdp_version": 2, "context_parallel_size": 2}
+    assert validate_recipe(fsdp).default_process_count == 2
+    assert validate_recipe({**fsdp, "dp_shard_size": 2, "dp_replicate_size": 2}).default_process_count == 8
+
+
+def test_fsdp1_and_fsdp_keys_without_fsdp_are_refused():
+    found = problems({**MINIMAL, "fsdp_version": 1})
+    assert found["fsdp_version"].startswith("FSDP1 is not supported")
+    assert "fsdp_version: 2" in found["fsdp_version"]
+    found = problems({**MINIMAL, "fsdp_config": {}, "dp_shard_size": 2, "dp_replicate_size": 2})
+    assert set(found) == {"fsdp_config", "dp_shard_size", "dp_replicate_size"}
+    assert all(message.startswith("applies only with fsdp_version: 2") for message in found.values())
+
+
+def test_deepspeed_shards_with_zero_not_fsdp():
+    found = problems({**MINIMAL, "fsdp_version": 2, "cp_backend": "deepspeed", "context_parallel_size": 2})
+    assert "use zero_stage: 3" in found["fsdp_version"]
+
+
+def test_full_state_dict_is_refused_with_what_cptune_does_instead():
+    found = problems({**MINIMAL, "fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}})
+    message = found["fsdp_config.state_dict_type"]
+    assert "always gathers the final model" in message and "Remove state_dict_type" in message
+
+
+def test_fsdp1_settings_and_typos_inside_fsdp_config():
+    found = problems(
+        {
+            **MINIMAL,
+            "fsdp_version": 2,
+            "fsdp_config": {
+                "fsdp_sharding_strategy": "FULL_SHARD",
+                "cpu_ram_efficient_loading": True,
+                "reshard_after_foward": True,
+            },
+        }
+    )
+    assert found["fsdp_config.sharding_strategy"].startswith("is an Axolotl key that cptune does not support")
+    assert "reshard_after_forward" in found["fsdp_config.sharding_strategy"]
+    assert "not supported yet" in found["fsdp_config.cpu_ram_efficient_loading"]
+    assert (
+        found["fsdp_config.reshard_after_foward"]
+        == "is not a known key. Did you mean 'reshard_after_forward'?"
+    )
+
+
+def test_the_same_key_with_and_without_prefix_is_refused():
+    found = problems(
+        {**MINIMAL, "fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True, "offload_params": False}}
+    )
+    assert found["fsdp_config"] == (
+        "'fsdp_offload_params' and 'offload_params' are the same key (with and without the fsdp_ prefix); "
+        "keep one of them."
+    )
+
+
+def test_old_axolotl_fsdp_list_points_to_fsdp2():
+    found = problems({**MINIMAL, "fsdp": ["full_shard", "auto_wrap"]})
+    assert "fsdp_version: 2" in found["fsdp"]
