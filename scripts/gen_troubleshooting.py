@@ -41,9 +41,13 @@ FAILURES = """\
 - **A rank dies or raises.** On one node cptune starts the ranks itself and
   watches them: when one exits with an error, the others get 10 s to finish,
   then are stopped (SIGTERM, then SIGKILL 10 s later). The run exits non-zero
-  with `cptune: rank R exited with code C; stopped the other ranks.` The failing
-  rank's own message (or traceback, for a bug) is printed above it, prefixed
-  with `[rank R]`. Tested on CPU: the whole run is over within 40 s.
+  with `cptune: rank R exited with code C; stopped the other ranks: ...`, which
+  also says how each other rank ended (its own exit code, or the signal cptune
+  had to send it). A negative code is a signal: `-9 (SIGKILL)` is often the
+  kernel's out-of-memory killer. The failing rank's own message (or traceback,
+  for a bug) is printed above it, prefixed with `[rank R]`. Tested on CPU by
+  killing one of two ranks with SIGKILL: the whole run is over within 40 s
+  (a few seconds in practice).
 - **A rank hangs** (alive, but never reaches the next collective). The other
   ranks fail when a collective has waited `ddp_timeout` seconds (default 1800);
   set it lower in the recipe for quicker failure on small runs. On CPU,

@@ -49,7 +49,38 @@ def _setup_logging(rank: int = 0) -> None:
 def _load(recipe: Path, ctx: typer.Context):
     from cptune.config.loader import load_recipe
 
+    _refuse_underscored_options(ctx)
     return load_recipe(recipe, list(ctx.args))
+
+
+def _refuse_underscored_options(ctx: typer.Context) -> None:
+    """Refuse an option written with underscores (torchrun's ``--nproc_per_node``).
+
+    Unknown options are recipe overrides, so ``--nproc_per_node=2`` would be read
+    as a recipe key and fail as an unknown key, which hides the real mistake.
+    """
+    options = {opt for param in ctx.command.params for opt in param.opts if opt.startswith("--")}
+    for arg in ctx.args:
+        name = arg.partition("=")[0]
+        dashed = name.replace("_", "-")
+        if dashed != name and dashed in options:
+            raise CptuneError(
+                f"{name}: cptune spells this option {dashed} (with dashes); written with underscores it "
+                f"would be read as a recipe key. Use {dashed}."
+            )
+
+
+def _nproc_per_node(nproc_per_node: int | None, nnodes: int, recipe) -> int:
+    """Processes per node: ``--nproc-per-node``, by default the recipe's layout; both options checked."""
+    from cptune.errors import LaunchError
+
+    for option, value, what in (
+        ("--nproc-per-node", nproc_per_node, "process per node"),
+        ("--nnodes", nnodes, "node"),
+    ):
+        if value is not None and value < 1:
+            raise LaunchError(f"{option}: got {value}, but a run needs at least 1 {what}; give 1 or more.")
+    return recipe.default_process_count if nproc_per_node is None else nproc_per_node
 
 
 def _with_flags(loaded, recipe: Path, *, resume: bool, overwrite: bool):
@@ -121,7 +152,7 @@ def train(
             )
         return
     plan = LaunchPlan(
-        nproc_per_node=nproc_per_node or loaded.default_process_count,
+        nproc_per_node=_nproc_per_node(nproc_per_node, nnodes, loaded),
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -170,7 +201,7 @@ def validate(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    world = (nproc_per_node or loaded.default_process_count) * nnodes
+    world = _nproc_per_node(nproc_per_node, nnodes, loaded) * nnodes
     typer.echo(describe_plan(loaded, world_size=world))
 
 
@@ -207,7 +238,7 @@ def evaluate(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
-    plan = LaunchPlan(nproc_per_node=nproc_per_node or loaded.default_process_count)
+    plan = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
     if not under_launcher():
         # A recipe without evaluation data or a wrong path fails here, before any process starts.
         check_eval_data(loaded)

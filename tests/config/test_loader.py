@@ -1,6 +1,12 @@
 import pytest
 
-from cptune.config.loader import load_recipe, parse_override, set_by_path, validate_recipe
+from cptune.config.loader import (
+    load_recipe,
+    parse_override,
+    read_recipe_file,
+    set_by_path,
+    validate_recipe,
+)
 from cptune.errors import RecipeError
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
@@ -190,3 +196,29 @@ def test_yaml_is_loaded_safely(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_a_key_written_twice_is_refused_at_any_depth(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("base_model: m\ndatasets:\n  - path: a.jsonl\n    type: alpaca\n    path: b.jsonl\n")
+    with pytest.raises(RecipeError, match=r"line 5, .*the key 'path' appears twice .*\(first at line 3\)"):
+        load_recipe(path)
+
+
+def test_a_merged_key_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text(
+        "base_model: m\ndefaults: &data {path: a.jsonl, type: alpaca}\n"
+        "datasets:\n  - <<: *data\n    path: b.jsonl\n"
+    )
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    # Only the unknown 'defaults' key is wrong: the merge and its override are read as written.
+    assert [p.key for p in info.value.problems] == ["defaults"]
+    data = read_recipe_file(path)
+    assert data["datasets"] == [{"path": "b.jsonl", "type": "alpaca"}]
+
+
+def test_a_folder_is_not_a_recipe(tmp_path):
+    with pytest.raises(RecipeError, match="is a folder, not a recipe file"):
+        load_recipe(tmp_path)

@@ -105,11 +105,13 @@ class Case:
     setup: Setup | None = None
     # Raw recipe file content instead of the YAML dump of the keys.
     recipe_text: str | bytes | None = None
+    # YAML lines appended to the dump of the keys (e.g. a key written a second time).
+    extra_yaml: str = ""
     command: str = "train"
     # Also run through a real subprocess, to check stderr of the console entry point.
     subprocess: bool = False
-    # Point the command at a recipe file that does not exist.
-    missing_recipe: bool = False
+    # Point the command at this path (relative to the workspace) instead of recipe.yaml.
+    recipe_at: str | None = None
 
     def write_recipe(self, ws: Workspace) -> Path:
         keys = dict(ws.keys)
@@ -126,11 +128,11 @@ class Case:
         elif self.recipe_text is not None:
             ws.recipe.write_text(self.recipe_text)
         else:
-            ws.recipe.write_text(yaml.safe_dump(keys))
+            ws.recipe.write_text(yaml.safe_dump(keys) + self.extra_yaml)
         return ws.recipe
 
     def argv(self, ws: Workspace) -> list[str]:
-        recipe = ws.root / "no-such-recipe.yaml" if self.missing_recipe else ws.recipe
+        recipe = ws.root / self.recipe_at if self.recipe_at is not None else ws.recipe
         return [self.command, str(recipe), *self.args]
 
 
@@ -202,6 +204,37 @@ def _tokenizer_without_template(ws: Workspace) -> dict[str, Any]:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     return _chat(ws, [good], tokenizer_config=str(folder))
+
+
+def _chat_messages_not_a_list(ws: Workspace) -> dict[str, Any]:
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    return _chat(ws, [good, {"messages": "Hi! Hello!"}])
+
+
+def _chat_unknown_role(ws: Workspace) -> dict[str, Any]:
+    bad = {"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    return _chat(ws, [bad])
+
+
+def _folder_without_data(ws: Workspace) -> dict[str, Any]:
+    folder = ws.data / "notes"
+    folder.mkdir()
+    (folder / "README.txt").write_text("the data is somewhere else\n")
+    return _dataset(ws, str(folder))
+
+
+def _latin1_rows(ws: Workspace) -> dict[str, Any]:
+    good = json.dumps({"instruction": "Say hi.", "input": "", "output": "Hi."})
+    bad = '{"instruction": "Say caf\u00e9.", "input": "", "output": "Caf\u00e9."}'
+    (ws.data / "latin1.jsonl").write_bytes((good + "\n" + bad + "\n").encode("latin-1"))
+    return _dataset(ws, str(ws.data / "latin1.jsonl"))
+
+
+def _model_without_weights(ws: Workspace) -> dict[str, Any]:
+    folder = ws.root / "config-only-model"
+    folder.mkdir()
+    shutil.copy(ws.model_dir / "config.json", folder / "config.json")
+    return {"base_model": str(folder)}
 
 
 def _output_dir_is_file(ws: Workspace) -> dict[str, Any]:
@@ -315,7 +348,33 @@ CASES: tuple[Case, ...] = (
         "The recipe file does not exist",
         "recipe file not found:",
         "Check the path given to `cptune train`; relative paths are read from the current folder.",
-        missing_recipe=True,
+        recipe_at="no-such-recipe.yaml",
+    ),
+    Case(
+        "recipe-is-folder",
+        RECIPE_FILE,
+        "The recipe path is a folder",
+        "is a folder, not a recipe file; give the path of the YAML file",
+        "Give the path of the recipe's YAML file itself, not the folder it is in.",
+        recipe_at="data",
+    ),
+    Case(
+        "recipe-empty",
+        RECIPE_FILE,
+        "The recipe file is empty",
+        "has 2 problems:\n  - base_model: is required but missing.\n  - datasets: is required but missing.",
+        "An empty file (or one with only comments) is an empty recipe. Check that the file was saved; "
+        "a recipe needs at least `base_model` and `datasets`.",
+        recipe_text="# a recipe that was never filled in\n",
+    ),
+    Case(
+        "yaml-duplicate-key",
+        RECIPE_FILE,
+        "A key written twice",
+        "the key 'sequence_len' appears twice in one mapping (first at line",
+        "YAML parsers keep the last of two equal keys without a word, so the first value would be "
+        "silently ignored. cptune refuses instead: keep one of them.",
+        extra_yaml="sequence_len: 64\n",
     ),
     # --- keys and values ---
     Case(
@@ -392,6 +451,14 @@ CASES: tuple[Case, ...] = (
         keys={"lora_dropout": 1.5},
     ),
     Case(
+        "range-learning-rate",
+        RECIPE_KEYS,
+        "A negative learning rate",
+        "learning_rate: Input should be greater than 0; got -0.0002.",
+        "`learning_rate` is a positive number (e.g. `2e-4` for LoRA).",
+        keys={"learning_rate": -2e-4},
+    ),
+    Case(
         "choice-misspelt",
         RECIPE_KEYS,
         "A misspelt choice",
@@ -407,6 +474,31 @@ CASES: tuple[Case, ...] = (
         "datasets: List should have at least 1 item after validation, not 0; got [].",
         "List at least one dataset under `datasets`.",
         keys={"datasets": []},
+    ),
+    Case(
+        "datasets-not-a-list",
+        RECIPE_KEYS,
+        "datasets written as a single entry instead of a list",
+        "datasets: Input should be a valid list; got {",
+        "`datasets` is a list even with one dataset: start the entry with `- ` (`- path: ...`).",
+        setup=lambda ws: {"datasets": {"path": str(ws.data / "train.jsonl"), "type": "alpaca"}},
+    ),
+    Case(
+        "override-unknown-key",
+        RECIPE_KEYS,
+        "A command-line override of a key that does not exist",
+        "sequnce_len: is not a known key. Did you mean 'sequence_len'?",
+        "Overrides are checked like recipe keys; use the suggested spelling.",
+        args=("--sequnce_len=64",),
+    ),
+    Case(
+        "option-with-underscores",
+        RECIPE_KEYS,
+        "A command-line option spelt with underscores (`--nproc_per_node`)",
+        "--nproc_per_node: cptune spells this option --nproc-per-node (with dashes)",
+        "cptune's options are spelt with dashes; any other `--key=value` is a recipe override. Use the "
+        "spelling the message gives (`cptune train --help` lists the options).",
+        args=("--nproc_per_node=2",),
     ),
     Case(
         "override-malformed",
@@ -487,6 +579,15 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: {"base_model": str(ws.root / "no-such-model")},
     ),
     Case(
+        "model-without-weights",
+        MODEL,
+        "base_model is a folder without weights",
+        "holds no weight files (*.safetensors or *.bin), only config.json",
+        "The folder has the model's configuration but not its weights (a partial copy or download). "
+        "Copy the weight files into it, or point `base_model` at a complete folder or a hub id.",
+        setup=_model_without_weights,
+    ),
+    Case(
         "tokenizer-path-unknown",
         MODEL,
         "tokenizer_config does not exist",
@@ -503,6 +604,14 @@ CASES: tuple[Case, ...] = (
         keys={"context_parallel_size": 2},
         args=("--nproc-per-node", "3"),
         subprocess=True,
+    ),
+    Case(
+        "nproc-zero",
+        MODEL,
+        "--nproc-per-node 0",
+        "--nproc-per-node: got 0, but a run needs at least 1 process per node",
+        "Give the number of processes to start on this node (by default, context_parallel_size).",
+        args=("--nproc-per-node", "0"),
     ),
     Case(
         "cp-exceeds-sequence",
@@ -543,6 +652,14 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: _dataset(ws, str(ws.data / "missing.jsonl")),
     ),
     Case(
+        "data-folder-without-files",
+        DATA,
+        "A dataset folder without data files",
+        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow)",
+        "Point the dataset at a data file, or at a folder holding files of the listed types.",
+        setup=_folder_without_data,
+    ),
+    Case(
         "data-file-empty",
         DATA,
         "An empty data file",
@@ -558,6 +675,15 @@ CASES: tuple[Case, ...] = (
         "The message quotes the reader's error; fix the line it names (every line of a .jsonl file is "
         "one JSON object).",
         setup=_bad_json,
+    ),
+    Case(
+        "data-not-utf8",
+        DATA,
+        "A data file that is not UTF-8",
+        "latin1.jsonl' is not UTF-8 text (line 2).",
+        "JSON, JSON lines, CSV and TSV files must be UTF-8. Convert the file (e.g. "
+        "`iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`) or fix the bytes on the line shown.",
+        setup=_latin1_rows,
     ),
     Case(
         "data-unsupported-file",
@@ -609,6 +735,24 @@ CASES: tuple[Case, ...] = (
         "Every chat row needs a turn to train on. Fix the row, set `roles_to_train` for the dataset, or "
         "skip such rows with `skip_invalid_rows: true`.",
         setup=_chat_without_assistant,
+    ),
+    Case(
+        "chat-messages-not-a-list",
+        DATA,
+        "A chat row whose messages are not a list",
+        "row 1: field 'messages' is not a non-empty list of messages.",
+        "`messages` holds a list of `{role, content}` turns. Fix the row, or skip such rows with "
+        "`skip_invalid_rows: true`.",
+        setup=_chat_messages_not_a_list,
+    ),
+    Case(
+        "chat-unknown-role",
+        DATA,
+        "A chat row with a role the chat template does not know",
+        "row 0: the chat template rejected the messages (Unknown role human",
+        "The tokenizer's chat template refused the row; its own message follows. Map the roles to the "
+        "template's (e.g. `human` to `user`), or skip such rows with `skip_invalid_rows: true`.",
+        setup=_chat_unknown_role,
     ),
     Case(
         "chat-no-template",

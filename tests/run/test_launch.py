@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from cptune.run.launch import LaunchPlan, child_environment
 
 # The launcher waits GRACE_SECONDS (10 s) for the other ranks, then SIGTERM, then
-# SIGKILL after another 10 s: a run must be over well within this bound.
+# SIGKILL after another 10 s (20 s at worst): a run must be over well within this bound.
 EXIT_BOUND_SECONDS = 40
 
 
@@ -45,9 +46,56 @@ def test_child_environment_is_torchrun_like():
     assert env["OMP_NUM_THREADS"] == "1" and env["PATH"] == "/bin"
 
 
+# How each rank behaves in the launcher tests below (stand-ins for `python -m cptune`): rank 1
+# fails at once; rank 0 then exits on its own (as after a broken collective), stops on SIGTERM,
+# or ignores SIGTERM (as a process stuck in native code may).
+FAILING_RANK = "import time; time.sleep(0.3); raise SystemExit(3)"
+SURVIVORS = {
+    "exits-itself": (
+        "import time; time.sleep(1.2); raise SystemExit(1)",
+        "stopped the other ranks: rank 0 exited with code 1.",
+    ),
+    "stops-on-sigterm": (
+        "import time; time.sleep(60)",
+        "stopped the other ranks: rank 0 did not exit on its own and was sent SIGTERM (code -15).",
+    ),
+    "ignores-sigterm": (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+        "stopped the other ranks: rank 0 did not exit on its own and was sent SIGKILL (code -9).",
+    ),
+}
+
+
+@pytest.mark.parametrize("survivor", sorted(SURVIVORS))
+def test_launcher_stops_every_rank_and_says_how_each_ended(survivor, monkeypatch, capsys):
+    from cptune.run import launch as launch_module
+
+    script, expected = SURVIVORS[survivor]
+    real_popen = subprocess.Popen
+    started = []
+
+    def fake_popen(command, env):
+        assert command[1:4] == ["-m", "cptune", "train"]
+        code = FAILING_RANK if env["RANK"] == "1" else script
+        started.append(real_popen([sys.executable, "-c", code], env=env))
+        return started[-1]
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(launch_module, "GRACE_SECONDS", 2.0)
+    began = time.monotonic()
+    code = launch_module.launch(LaunchPlan(nproc_per_node=2), ["train", "recipe.yaml"])
+    took = time.monotonic() - began
+    stderr = capsys.readouterr().err
+    assert code == 3
+    assert f"cptune: rank 1 exited with code 3; {expected}" in stderr, stderr
+    assert all(p.returncode is not None for p in started)
+    assert took < 10, took  # 0.3 s until rank 1 fails, then at most 2 s grace + 2 s after SIGTERM
+
+
 @pytest.mark.distributed
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the rank processes")
 def test_killed_rank_stops_the_run_within_bound(write_recipe, tmp_path):
+    """SIGKILL rank 1 mid-training: rank 0 and the launcher exit non-zero within EXIT_BOUND_SECONDS."""
     recipe = write_recipe(max_steps=100000, context_parallel_size=2, logging_steps=1)
     stderr_path, stdout_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
     with stderr_path.open("w") as stderr_file, stdout_path.open("w") as stdout_file:
@@ -73,10 +121,20 @@ def test_killed_rank_stops_the_run_within_bound(write_recipe, tmp_path):
             if launcher.poll() is None:
                 launcher.kill()
     stderr = stderr_path.read_text()
+    print(f"the run was over {took:.1f} s after rank 1 was killed (bound {EXIT_BOUND_SECONDS} s)")
     assert launcher.returncode != 0
-    assert "rank 1 exited with code -9" in stderr
     assert took <= EXIT_BOUND_SECONDS, took
-    assert not children_by_rank(launcher.pid)
+    # The launcher names the killed rank and says how the surviving rank ended: non-zero.
+    verdict = re.search(
+        r"^cptune: rank 1 exited with code -9 \(SIGKILL\); stopped the other ranks: (.*)$", stderr, re.M
+    )
+    assert verdict, stderr[-3000:]
+    survivor = re.search(
+        r"rank 0 (?:exited with |did not exit on its own and was sent \w+ \()code (-?\d+)", verdict[1]
+    )
+    assert survivor and int(survivor[1]) != 0, verdict[0]
+    # The surviving rank is gone (not left running, orphaned, once the launcher exited).
+    assert not Path(f"/proc/{ranks[0]}").exists()
 
 
 # Started by Python in every process whose PYTHONPATH holds it: rank 1 raises at its third training step.
@@ -128,7 +186,7 @@ def test_raising_rank_stops_the_run_within_bound(write_recipe, tmp_path):
     code, stderr, took = run_with_raising_rank([sys.executable, "-m", "cptune"], recipe, tmp_path)
     assert code != 0
     assert "RuntimeError: simulated failure on rank 1" in stderr
-    assert "cptune: rank 1 exited with code 1; stopped the other ranks." in stderr
+    assert "cptune: rank 1 exited with code 1; stopped the other ranks: rank 0 " in stderr
     print(f"the run was over {took:.1f} s after rank 1 raised (bound {EXIT_BOUND_SECONDS} s)")
     assert took <= EXIT_BOUND_SECONDS, took
     assert not (tmp_path / "out" / "train_log.json").exists()

@@ -43,12 +43,48 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     return validate_recipe(data, source=str(path))
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping.
+
+    PyYAML keeps the last of two equal keys without a word, so a recipe that sets
+    ``sequence_len`` twice would silently train with the second value. Keys that a
+    merge (``<<: *anchor``) brings in may still be overridden.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base class says what is wrong
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key!r} appears twice in one mapping (first at line {first.start_mark.line + 1}); "
+                    "YAML would keep only the last value. Remove one of them.",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    """The recipe file's top-level mapping, read with a safe YAML loader that refuses duplicate keys."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(
+            [RecipeProblem("", f"'{path}' is a folder, not a recipe file; give the path of the YAML file")],
+            source=str(path),
+        )
     if not path.is_file():
         raise RecipeError([RecipeProblem("", f"recipe file not found: {path}")], source=str(path))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        # _RecipeLoader is a SafeLoader: a recipe never builds Python objects or runs code.
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_RecipeLoader)
     except yaml.YAMLError as err:
         where = ""
         mark = getattr(err, "problem_mark", None)
@@ -179,9 +215,8 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
     if kind == "value_error":
         # A validator of cptune's own: its message already says what is wrong and what to do.
         return RecipeProblem(path, text.removeprefix("Value error, ") + ".")
-    if kind == "too_short":
-        # Lists in the recipe are tuples in the frozen Recipe; the user wrote a list.
-        text = text.replace("Tuple should", "List should")
+    # Lists in the recipe are tuples in the frozen Recipe; the user wrote (or should write) a list.
+    text = text.replace("Tuple should", "List should").replace("a valid tuple", "a valid list")
     message = f"{text}; got {_short(got)}."
     if kind == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))

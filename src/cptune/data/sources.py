@@ -173,6 +173,34 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
     return ResolvedSource("hub", label, entry)
 
 
+# Builders that read text: their files must be UTF-8 (the json reader takes other bytes and
+# fails later, deep inside the tokenizing loop, with a traceback).
+_TEXT_BUILDERS = ("json", "csv")
+
+
+def _first_non_utf8_line(path: Path) -> int | None:
+    """The number of the first line of ``path`` that is not UTF-8, or None."""
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return None
+
+
+def _check_utf8(source: ResolvedSource) -> None:
+    if source.kind != "files" or source.builder not in _TEXT_BUILDERS:
+        return
+    for path in source.files:
+        line = _first_non_utf8_line(path)
+        if line is not None:
+            raise DataError(
+                f"{source.label}: '{path}' is not UTF-8 text (line {line}). Save the file as UTF-8 "
+                "(e.g. `iconv -f latin1 -t utf-8`), or fix the bytes on that line."
+            )
+
+
 def _split_name(split: str) -> str:
     # "train[:10%]" selects from the split "train".
     return split.split("[", 1)[0]
@@ -211,12 +239,14 @@ def load_source(
         A non-empty dataset.
 
     Raises:
-        DataError: If the data cannot be read, the split does not exist, or it has no rows.
+        DataError: If the data cannot be read (a text file that is not UTF-8 included), the
+            split does not exist, or it has no rows.
     """
     if source.kind == "files" and all(f.stat().st_size == 0 for f in source.files):
         raise DataError(
             f"{source.label}: the data files are empty. Point {source.key}.path at data with rows."
         )
+    _check_utf8(source)
     try:
         if source.kind == "files":
             loaded: Any = datasets.load_dataset(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,28 @@ def load_tokenizer(recipe: Recipe) -> Any:
         tokenizer.pad_token = tokenizer.eos_token
         log.info("the tokenizer has no pad token; using its eos token %r for padding", tokenizer.eos_token)
     return tokenizer
+
+
+# What a model's weights are saved as (one file, shards, or their index all end so).
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def check_local_weights(recipe: Recipe) -> None:
+    """Refuse a local ``base_model`` folder that holds no weight files (e.g. only config.json was copied).
+
+    Checked before launching, so the mistake does not surface in every rank after the data was prepared.
+    A hub id is left to the hub.
+    """
+    folder = Path(recipe.base_model)
+    if not folder.is_dir():
+        return
+    if any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in folder.iterdir()):
+        return
+    raise CptuneError(
+        f"base_model: the folder '{folder}' holds no weight files (*.safetensors or *.bin), only "
+        f"{', '.join(sorted(p.name for p in folder.iterdir())[:6]) or 'nothing'}. Copy or download the "
+        "model's weights into it, or point base_model at a complete model folder or a hub id."
+    )
 
 
 def torch_dtype(recipe: Recipe) -> torch.dtype:

@@ -99,22 +99,54 @@ def _launch_local(plan: LaunchPlan, child_args: Sequence[str]) -> int:
     deadline = time.monotonic() + GRACE_SECONDS
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.2)
-    _stop(procs, signal.SIGTERM)
-    print(f"cptune: rank {rank} exited with code {code}; stopped the other ranks.", file=sys.stderr)
+    signalled = _stop(procs, signal.SIGTERM)
+    others = "; ".join(
+        _how_it_ended(r, p.returncode, signalled.get(r)) for r, p in enumerate(procs) if r != rank
+    )
+    print(
+        f"cptune: rank {rank} exited with code {code}{_signal_name(code)}; stopped the other ranks: {others}.",
+        file=sys.stderr,
+    )
     return code if code > 0 else 1
 
 
-def _stop(procs: list[subprocess.Popen], sig: int) -> None:
-    for p in procs:
+def _signal_name(code: int) -> str:
+    """`` (SIGKILL)`` for a process ended by a signal (Popen reports it as a negative code)."""
+    if code >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-code).name})"
+    except ValueError:
+        return ""
+
+
+def _how_it_ended(rank: int, code: int | None, signalled: str | None) -> str:
+    """How a rank other than the failing one ended, for the launcher's last line."""
+    if signalled is not None:
+        return f"rank {rank} did not exit on its own and was sent {signalled} (code {code})"
+    return f"rank {rank} exited with code {code}{_signal_name(code or 0)}"
+
+
+def _stop(procs: list[subprocess.Popen], sig: int) -> dict[int, str]:
+    """Send ``sig`` to the processes still running, SIGKILL those that outlive GRACE_SECONDS.
+
+    Returns:
+        For each rank that had to be signalled, the last signal it was sent.
+    """
+    signalled: dict[int, str] = {}
+    for rank, p in enumerate(procs):
         if p.poll() is None:
             p.send_signal(sig)
+            signalled[rank] = signal.Signals(sig).name
     deadline = time.monotonic() + GRACE_SECONDS
-    for p in procs:
+    for rank, p in enumerate(procs):
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            signalled[rank] = "SIGKILL"
+    return signalled
 
 
 def _launch_torchrun(plan: LaunchPlan, child_args: Sequence[str]) -> int:

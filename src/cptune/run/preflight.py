@@ -81,10 +81,13 @@ def model_config(recipe: Recipe) -> Any:
 
 
 def check_model(recipe: Recipe, dims: ParallelDims) -> None:
-    """Check the model's architecture against the CP backend without loading weights."""
+    """Check the model's architecture against the CP backend, and that its weights are there, without loading them."""
     from transformers import AutoModelForCausalLM
 
+    from cptune.models.loading import check_local_weights
+
     config = model_config(recipe)
+    check_local_weights(recipe)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_model_config(recipe, dims, config, model_class)
 
