@@ -56,6 +56,18 @@ def test_example_recipe_validates(path: Path):
             assert (REPO / dataset.path).is_file(), dataset.path
 
 
+def _header(path: Path) -> str:
+    """The recipe's comment lines as one line of text, so phrases may wrap."""
+    return " ".join(
+        line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")
+    )
+
+
+@pytest.mark.parametrize("path", CPU_EXAMPLES, ids=_name)
+def test_cpu_example_says_hardware_and_memory(path: Path):
+    assert re.search(r"Hardware: .*?\d+(\.\d+)? GB .*?per process", _header(path)), "hardware and RAM"
+
+
 def _llama31_8b_config():
     """Llama-3.1-8B's architecture (its config.json on the hub), built locally."""
     from transformers import LlamaConfig
@@ -84,10 +96,7 @@ def test_gpu_example_fits_llama31_8b_and_says_what_it_needs(path: Path):
     check_model_config(recipe, dims, _llama31_8b_config(), LlamaForCausalLM)
     assert recipe.bf16 is True and recipe.gradient_checkpointing and recipe.is_lora
 
-    # The header comment as one line of text, so phrases may wrap.
-    header = " ".join(
-        line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#")
-    )
+    header = _header(path)
     assert "Hardware:" in header
     assert f"cptune train examples/gpu/{path.name}" in header
     assert re.search(r"Expected memory per GPU: about \d+ GB \(an estimate", header), "memory estimate"

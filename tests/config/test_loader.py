@@ -39,6 +39,18 @@ def test_unsupported_axolotl_key_says_so():
     assert "context_parallel_size" in found["sequence_parallel_degree"]
 
 
+def test_keys_of_axolotls_example_recipes_get_advice():
+    """Keys that Axolotl's shipped LoRA recipes set name cptune's equivalent, not just "unknown key"."""
+    found = problems(
+        {**MINIMAL, "revision_of_model": "main", "use_tensorboard": True, "tf32": False, "batch_size": 8}
+    )
+    assert all(m.startswith("is an Axolotl key that cptune does not support") for m in found.values())
+    assert "model_revision" in found["revision_of_model"]
+    assert "report_to: tensorboard" in found["use_tensorboard"]
+    assert "micro_batch_size" in found["batch_size"]
+    assert set(found) == {"revision_of_model", "use_tensorboard", "tf32", "batch_size"}
+
+
 def test_wrong_type_names_the_value():
     found = problems({**MINIMAL, "micro_batch_size": "abc"})
     assert "valid integer" in found["micro_batch_size"] and "'abc'" in found["micro_batch_size"]

@@ -15,6 +15,10 @@ _KERNELS = "fused kernels from Axolotl's integrations are not supported; remove 
 
 UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "sequence_parallel_degree": "Axolotl's older name for context_parallel_size; rename it.",
+    "revision_of_model": "cptune calls it model_revision; rename it.",
+    "batch_size": "set micro_batch_size and gradient_accumulation_steps instead; remove it.",
+    "tf32": "TF32 is not configurable in cptune (torch's default applies); remove it.",
+    "gradient_checkpointing_kwargs": "cptune checkpoints with use_reentrant: false; remove it.",
     "load_in_8bit": _QUANTIZED,
     "load_in_4bit": _QUANTIZED,
     "bnb_config_kwargs": _QUANTIZED,
@@ -46,6 +50,7 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "wandb_log_model": _WANDB,
     "wandb_run_id": _WANDB,
     "mlflow_tracking_uri": "MLflow logging is not supported; use report_to: tensorboard.",
+    "use_tensorboard": "use report_to: tensorboard.",
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
     "push_dataset_to_hub": _HUB,
@@ -82,6 +87,7 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "debug": "use `cptune validate` to see the resolved recipe; remove it.",
     "local_rank": "set by the launcher, not the recipe; remove it.",
     "loss_watchdog_threshold": "not supported; remove it.",
+    "loss_watchdog_patience": "not supported; remove it.",
     "base_model_config": "use tokenizer_config for a separate tokenizer; the model's config comes from base_model.",
     "tokenizer_type": "the tokenizer class comes from the tokenizer folder; remove it.",
     "model_type": "the model class comes from base_model's config; remove it.",
