@@ -38,6 +38,20 @@ def test_evaluate_an_incomplete_checkpoint_or_a_folder_without_a_model(tmp_path)
         model_source(tmp_path)
 
 
+def test_evaluate_a_sharded_checkpoint_points_to_the_gathered_model(tmp_path):
+    from cptune.run.checkpoints import write_marker
+    from cptune.run.evaluate import model_source
+
+    checkpoint = tmp_path / "checkpoint-2"
+    (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
+    (checkpoint / "pytorch_model_fsdp_0" / "__0_0.distcp").write_bytes(b"shard")
+    write_marker(checkpoint, 2)
+    with pytest.raises(
+        CptuneError, match=r"is a sharded checkpoint of an FSDP2 run .* Give the run's output_dir"
+    ):
+        model_source(checkpoint)
+
+
 def test_merge_without_an_adapter_or_for_a_full_fine_tune(write_recipe):
     from cptune.run.merge import merge_lora
 

@@ -106,3 +106,39 @@ def test_validate_reports_every_problem_at_once(write_recipe):
         "micro_batch_size: Input should be a valid integer",
         "lora_r: Input should be greater than or equal to 1",
     )
+
+
+def test_validate_shows_the_fsdp2_mesh_and_state_memory_per_rank(write_recipe, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from cptune.parallel.memory import format_bytes, fsdp_state_memory
+
+    recipe = write_recipe(context_parallel_size=2, fsdp_version=2, dp_shard_size=2)
+    done = run_cptune(
+        "validate", str(recipe)
+    )  # 4 processes by default: dp_shard_size × context_parallel_size
+    assert done.returncode == 0, done.stderr
+    assert (
+        "processes:  4 = 2 dp_shard × 2 cp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp)"
+        in done.stdout
+    )
+    assert "apply accelerator-state-fsdp-on-cpu" in done.stdout
+
+    # The estimate counts what the run will train: the real model with the recipe's adapter.
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"{total:,} parameters, {trained:,} trained (LoRA adapter), adamw_torch" in done.stdout
+    for name, ranks in (("FSDP2 over 4 ranks", 4), ("every rank whole (plain DDP)", 1)):
+        memory = fsdp_state_memory(
+            total=total, trainable=trained, optimizer_elements=2 * trained, dtype_bytes=4, shard_ranks=ranks
+        )
+        row = next(line for line in done.stdout.splitlines() if line.strip().startswith(name))
+        cells = " ".join(
+            format_bytes(v) for v in (memory.weights, memory.gradients, memory.optimizer, memory.total)
+        )
+        assert " ".join(row.split()) == f"{name} {cells}", row

@@ -22,6 +22,7 @@ from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import COMPLETE_MARKER, checkpoint_step, is_complete, latest_complete_checkpoint
 from cptune.run.distributed import read_dist_env
+from cptune.run.fsdp import is_sharded_checkpoint
 
 log = logging.getLogger("cptune.evaluate")
 
@@ -76,6 +77,12 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
         return ModelSource("adapter", path)
     if (path / MODEL_CONFIG).is_file():
         return ModelSource("full", path)
+    if is_sharded_checkpoint(path):
+        raise CptuneError(
+            f"--checkpoint: '{path}' is a sharded checkpoint of an FSDP2 run (each process wrote its own part "
+            "of the weights), for resuming that run with `cptune train --resume`. Give the run's output_dir "
+            "instead: its final model or adapter is gathered into a standard folder."
+        )
     latest = latest_complete_checkpoint(path)
     hint = f" It holds checkpoints, e.g. --checkpoint {latest}." if latest is not None else ""
     raise CptuneError(

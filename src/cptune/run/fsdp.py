@@ -16,6 +16,7 @@ writes a standard Hugging Face folder (the adapter only, for LoRA).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,14 @@ from cptune.config.recipe import Recipe
 from cptune.parallel.layout import ParallelDims
 
 log = logging.getLogger("cptune.fsdp")
+
+# The Trainer's folder for a sharded model checkpoint (transformers.trainer.FSDP_MODEL_NAME + "_0").
+SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """True for a checkpoint written by an FSDP2 run: each rank's shards, no loadable model files."""
+    return (path / SHARDED_MODEL_DIR).is_dir()
 
 
 def fsdp_training_arguments(recipe: Recipe, dims: ParallelDims) -> dict[str, Any]:
