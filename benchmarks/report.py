@@ -47,7 +47,7 @@ def render_page(
         "What context parallelism buys (memory per rank, longest sequence) and what it costs (load "
         "imbalance, overhead, step time), measured side by side in one run of the suite on the machine "
         "below. Reproduce with `python -m benchmarks all` (`--smoke` for a quick check, or one of "
-        "`memory balance overhead data backends`). Raw numbers: "
+        "`memory balance overhead data backends sharding`). Raw numbers: "
         "[`benchmarks/results.json`](benchmarks/results.json).",
         "",
     ]

@@ -11,10 +11,8 @@ A :class:`StepProbe` callback records, per optimizer step, the wall and CPU time
 from the end of the previous step to the end of this one (so data loading,
 collation, the optimizer and logging are all inside), the growth of resident
 memory (or of CUDA memory on a GPU), and, for the last step, the tensor-memory
-trace of :class:`benchmarks.memtrace.AllocationTrace` (CPU only). cptune builds
-its Trainer inside ``train()``, so the probe is added by wrapping
-``transformers.Trainer.train`` in this process only; the HF baseline gets it
-through ``callbacks`` -- the same callback, the same place, in both.
+trace of :class:`benchmarks.memtrace.AllocationTrace` (CPU only). Both get it
+through their ``callbacks`` argument -- the same callback, the same place.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from benchmarks.common import write_rank_report
 from benchmarks.memtrace import AllocationTrace, reset_peak_rss, rss_status
@@ -83,17 +81,6 @@ class StepProbe(TrainerCallback):
         self._begin_interval(state.global_step + 1)
 
 
-def install_probe(probe: StepProbe) -> None:
-    """Add ``probe`` to every Trainer this process trains (cptune builds its Trainer out of reach)."""
-    original = Trainer.train
-
-    def train_with_probe(self, *args, **kwargs):
-        self.add_callback(probe)
-        return original(self, *args, **kwargs)
-
-    Trainer.train = train_with_probe
-
-
 def main() -> None:
     out_dir, mode, recipe_path = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     from cptune.config.loader import load_recipe
@@ -107,8 +94,7 @@ def main() -> None:
     if mode == "cptune":
         from cptune.run.train import train
 
-        install_probe(probe)
-        train(recipe)
+        train(recipe, callbacks=[probe])
     elif mode == "hf":
         from benchmarks.workers.hf_baseline import train_plain
 

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,18 +48,23 @@ class TrainResult:
         return [entry["loss"] for entry in self.log_history if "loss" in entry]
 
 
-def train(recipe: Recipe) -> TrainResult:
+def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
     Environment variables that the libraries set while training (accelerate's
     and transformers' own settings) are restored when this returns or raises, as
     the patches are: a second run in the same process starts from the same state.
+
+    Args:
+        recipe: The validated recipe.
+        callbacks: ``transformers.TrainerCallback`` objects added to the Trainer (e.g. to
+            measure steps); they see the model as trained (wrapped, and sharded with FSDP2).
     """
     with _restored_environment():
-        return _train(recipe)
+        return _train(recipe, callbacks)
 
 
-def _train(recipe: Recipe) -> TrainResult:
+def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from transformers import set_seed
 
     from cptune.data.prepare import prepare_datasets
@@ -98,6 +103,8 @@ def _train(recipe: Recipe) -> TrainResult:
         log.info("resuming from %s", resume)
     with build_patch_set(recipe).applied(recipe):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
+        for callback in callbacks:
+            trainer.add_callback(callback)
         # The Trainer restores the weights, optimizer, scheduler, RNG states and data position.
         trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
         trainer.save_model(recipe.output_dir)  # the adapter or model, and the tokenizer
