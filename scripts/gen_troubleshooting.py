@@ -1,7 +1,10 @@
 """Write docs/troubleshooting.md from the catalogue of bad inputs (tests/reliability/catalogue.py).
 
-Every entry's message is one that the catalogue's tests check against the real
-CLI, so the page says what cptune actually prints.
+Every case's message is one that the catalogue's tests check against the real
+CLI, so the page says what cptune actually prints. Documented entries (errors
+raised after the processes started, only on a GPU, or only without a package)
+quote the source file that raises them, which tests/reliability/test_error_coverage.py
+checks, and name the test that proves them.
 
     python scripts/gen_troubleshooting.py           # rewrite the page
     python scripts/gen_troubleshooting.py --check   # exit 1 if the page is out of date
@@ -28,8 +31,11 @@ the value and what to do, exit code 2, and no traceback; nothing on disk is
 changed (the data cache may keep an empty lock file). A traceback means a bug in
 cptune: please report it.
 
-Each entry below shows a fragment of the message you see. Every one is tested
-against the real command line (`tests/reliability/test_catalogue.py`).
+Each entry below shows a fragment of the message you see. Entries are tested
+against the real command line (`tests/reliability/test_catalogue.py`), except
+those marked *Not reproduced by the catalogue*: errors that only happen once a
+run has started, only on a GPU, or only when a package is missing. Those name
+the file that raises them and the test that proves them.
 
 `cptune validate recipe.yaml --nproc-per-node N` runs the same recipe checks and
 prints the plan without preparing data or starting processes.
@@ -75,30 +81,34 @@ mix. Choose one:
 """
 
 
-def _load_cases():
+def _load_catalogue():
     sys.path.insert(0, str(REPO))
-    from tests.reliability.catalogue import CASES, SECTIONS
+    from tests.reliability.catalogue import CASES, DOCUMENTED, SECTION_NOTES, SECTIONS
 
-    return CASES, SECTIONS
+    return CASES, DOCUMENTED, SECTIONS, SECTION_NOTES
+
+
+def _entry(title: str, fragment: str, fix: str) -> list[str]:
+    return [f"### {title}", "", "```text", fragment, "```", "", fix, ""]
+
+
+def _provenance(entry) -> str:
+    tested = f"; tested by `{entry.tested_by}`" if entry.tested_by else "; no test reproduces it"
+    return f"*Not reproduced by the catalogue: {entry.why_not_in_catalogue}. Raised in `{entry.raised_in}`{tested}.*"
 
 
 def render() -> str:
     """The page's Markdown."""
-    cases, sections = _load_cases()
+    cases, documented, sections, notes = _load_catalogue()
     lines = [INTRO]
     for section in sections:
         lines += [f"## {section}", ""]
+        if section in notes:
+            lines += [notes[section], ""]
         for case in (c for c in cases if c.section == section):
-            lines += [
-                f"### {case.title}",
-                "",
-                "```text",
-                case.fragment,
-                "```",
-                "",
-                case.fix,
-                "",
-            ]
+            lines += _entry(case.title, case.fragment, case.fix)
+        for entry in (d for d in documented if d.section == section):
+            lines += [*_entry(entry.title, entry.fragment, entry.fix), _provenance(entry), ""]
     lines.append(FAILURES)
     return "\n".join(lines).rstrip() + "\n"
 

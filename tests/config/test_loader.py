@@ -185,6 +185,16 @@ def test_override_errors():
         parse_override("--nothing")
     with pytest.raises(RecipeError, match="out of range"):
         set_by_path({"datasets": [{}]}, "datasets.3.path", "x")
+    with pytest.raises(
+        RecipeError, match=r"sequence_len holds a value of type int, which has no keys; override "
+    ):
+        set_by_path({"sequence_len": 128}, "sequence_len.x", 1)
+
+
+def test_val_set_size_of_one_or_more_counts_whole_rows():
+    assert "must be a whole number" in problems({**MINIMAL, "val_set_size": 2.5})["val_set_size"]
+    for fine in (0.05, 1, 25):
+        assert validate_recipe({**MINIMAL, "val_set_size": fine}).val_set_size == fine
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

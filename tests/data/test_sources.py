@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -91,6 +92,21 @@ def test_empty_dataset_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match=r"datasets\[0\] \(.*empty.jsonl\)"):
         load(tmp_path / "empty.jsonl", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "split"),
+    [
+        ("header.csv", "text,n\n", "train"),  # a CSV file with only its header line
+        ("none.json", "[]", "train"),
+        ("rows.jsonl", json.dumps(ROWS[0]) + "\n", "train[:0]"),  # a slice that selects nothing
+    ],
+)
+def test_data_without_rows_says_so(tmp_path: Path, name: str, content: str, split: str) -> None:
+    # datasets reports these as 'Instruction "train" corresponds to no data!', which reads like a wrong split.
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DataError, match=rf"split '{re.escape(split)}' has no rows \(the data holds none"):
+        load(tmp_path / name, tmp_path, split=split)
 
 
 def test_unreadable_file_type(tmp_path: Path) -> None:

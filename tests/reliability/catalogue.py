@@ -6,6 +6,12 @@ fragment of the message the user must see. ``test_catalogue.py`` runs every case
 through the real CLI; ``scripts/gen_troubleshooting.py`` renders the same cases
 as ``docs/troubleshooting.md``, so the page cannot drift from what the code says.
 
+A few user-facing errors cannot be met cheaply through the CLI before a run starts (they
+happen at the first batch, only on a GPU, or only when a package is missing). They are
+:class:`Documented` entries: the page shows them too, with the file that raises them and the
+test that proves them, and ``test_error_coverage.py`` checks that their fragment is still
+literal text of that file and that every user-facing error in ``src/`` has an entry.
+
 Workspace layout (see :class:`Workspace`): ``recipe.yaml``, ``data/train.jsonl``
 (the quickstart rows), a ``prepared/`` cache holding an earlier build, and an
 ``out/`` output folder holding a file that is not a run. A case changes only
@@ -112,6 +118,9 @@ class Case:
     subprocess: bool = False
     # Point the command at this path (relative to the workspace) instead of recipe.yaml.
     recipe_at: str | None = None
+    # Skip the case (with this reason) when it returns a reason; for inputs that are only bad on
+    # some machines (a package that is absent here may be installed there).
+    skip_if: Callable[[], str | None] | None = None
 
     def write_recipe(self, ws: Workspace) -> Path:
         keys = dict(ws.keys)
@@ -132,8 +141,29 @@ class Case:
         return ws.recipe
 
     def argv(self, ws: Workspace) -> list[str]:
+        """The command line; ``{ws}`` in an argument stands for the workspace folder."""
         recipe = ws.root / self.recipe_at if self.recipe_at is not None else ws.recipe
-        return [self.command, str(recipe), *self.args]
+        return [self.command, str(recipe), *(arg.replace("{ws}", str(ws.root)) for arg in self.args)]
+
+
+@dataclass(frozen=True)
+class Documented:
+    """A user-facing error shown on the troubleshooting page but not reproduced by the catalogue.
+
+    For errors that only happen after the processes started (at the first batch), only on a
+    GPU, or only without an optional package. ``fragment`` must be literal text of a message
+    raised in ``raised_in`` (checked by test_error_coverage.py), and ``tested_by`` names the
+    test that proves the error, as ``path::function``, when there is one.
+    """
+
+    id: str
+    section: str
+    title: str
+    fragment: str
+    fix: str
+    raised_in: str
+    why_not_in_catalogue: str
+    tested_by: str | None = None
 
 
 # --- setups -------------------------------------------------------------------------------
@@ -237,6 +267,14 @@ def _model_without_weights(ws: Workspace) -> dict[str, Any]:
     return {"base_model": str(folder)}
 
 
+def _model_with_truncated_weights(ws: Workspace) -> dict[str, Any]:
+    folder = ws.root / "half-copied-model"
+    shutil.copytree(ws.model_dir, folder)
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # an interrupted copy
+    return {"base_model": str(folder)}
+
+
 def _output_dir_is_file(ws: Workspace) -> dict[str, Any]:
     (ws.root / "taken").write_text("keep me")
     return {"output_dir": str(ws.root / "taken")}
@@ -294,6 +332,174 @@ def _resume_path_incomplete(ws: Workspace) -> dict[str, Any]:
     return {"resume_from_checkpoint": str(ws.out / "checkpoint-4")}
 
 
+def _pretokenized(ws: Workspace, rows: list[Any]) -> dict[str, Any]:
+    path = ws.write_rows("tokens.jsonl", rows)
+    return {"datasets": [{"path": path, "type": "pretokenized"}]}
+
+
+def _tokenizer_folder(
+    ws: Workspace, name: str, *, drop: tuple[str, ...] = (), template: str | None = None
+) -> str:
+    """A copy of the workspace model's tokenizer without some special tokens, or with another chat template."""
+    folder = ws.root / name
+    folder.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ws.model_dir / file, folder / file)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in drop:
+        config.pop(key, None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return str(folder)
+
+
+def _tokenizer_without_eos(ws: Workspace) -> dict[str, Any]:
+    return {"tokenizer_config": _tokenizer_folder(ws, "no-eos-tokenizer", drop=("eos_token",))}
+
+
+def _tokenizer_without_pad_or_eos(ws: Workspace) -> dict[str, Any]:
+    return {"tokenizer_config": _tokenizer_folder(ws, "bare-tokenizer", drop=("eos_token", "pad_token"))}
+
+
+# A ChatML-like template that starts with the number of messages: rendering fewer messages
+# is then never a prefix of rendering more.
+COUNTING_TEMPLATE = (
+    "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A ChatML-like template that marks conversations of more than two messages at the start.
+LONG_MARK_TEMPLATE = (
+    "{% if messages | length > 2 %}[long]{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HELLO = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+
+
+def _chat_template_counting(ws: Workspace) -> dict[str, Any]:
+    folder = _tokenizer_folder(ws, "counting-tokenizer", template=COUNTING_TEMPLATE)
+    return _chat(ws, [{"messages": HELLO}], tokenizer_config=folder)
+
+
+def _chat_template_marking_long(ws: Workspace) -> dict[str, Any]:
+    folder = _tokenizer_folder(ws, "marking-tokenizer", template=LONG_MARK_TEMPLATE)
+    rows = [{"messages": [*HELLO, {"role": "user", "content": "Thanks"}]}]
+    return _chat(ws, rows, tokenizer_config=folder)
+
+
+def _saved_model(ws: Workspace, name: str, config: Any) -> dict[str, Any]:
+    """A real (random, tiny) model of ``config`` with the workspace model's tokenizer, as base_model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = ws.root / name
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(ws.model_dir).save_pretrained(folder)
+    return {"base_model": str(folder)}
+
+
+def _vocab(ws: Workspace) -> int:
+    return json.loads((ws.model_dir / "config.json").read_text())["vocab_size"]
+
+
+def _llama_like(ws: Workspace, config_class: str, **fields: Any) -> Any:
+    import transformers
+
+    small = {
+        "vocab_size": _vocab(ws),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    return getattr(transformers, config_class)(**{**small, **fields})
+
+
+def _bloom_model(ws: Workspace) -> dict[str, Any]:
+    from transformers import BloomConfig
+
+    return _saved_model(ws, "bloom", BloomConfig(vocab_size=_vocab(ws), hidden_size=32, n_layer=1, n_head=2))
+
+
+def _sliding_window_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "mistral-windowed", _llama_like(ws, "MistralConfig", sliding_window=16))
+
+
+def _dropout_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "llama-dropout", _llama_like(ws, "LlamaConfig", attention_dropout=0.1))
+
+
+def _twelve_heads_model(ws: Workspace) -> dict[str, Any]:
+    config = _llama_like(ws, "LlamaConfig", hidden_size=96, num_attention_heads=12, num_key_value_heads=4)
+    return _saved_model(ws, "llama-12-heads", config)
+
+
+def _mixed_formats(ws: Workspace) -> dict[str, Any]:
+    folder = ws.data / "mixed"
+    folder.mkdir()
+    shutil.copy(ws.data / "train.jsonl", folder / "part-1.jsonl")
+    (folder / "part-2.csv").write_text("instruction,input,output\nSay hi.,,Hi.\n")
+    return _dataset(ws, str(folder))
+
+
+def _csv_header_only(ws: Workspace) -> dict[str, Any]:
+    (ws.data / "header.csv").write_text("instruction,input,output\n")
+    return _dataset(ws, str(ws.data / "header.csv"))
+
+
+def _saved_dataset_without_split(ws: Workspace) -> dict[str, Any]:
+    import datasets
+
+    folder = ws.data / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(_alpaca_rows())}).save_to_disk(str(folder))
+    return _dataset(ws, str(folder), split="validation")
+
+
+def _deepspeed_json(ws: Workspace, content: str, **keys: Any) -> dict[str, Any]:
+    path = ws.root / "ds_config.json"
+    path.write_text(content)
+    return {**DEEPSPEED_CP, "deepspeed": str(path), **keys}
+
+
+DEEPSPEED_CP = {"cp_backend": "deepspeed", "context_parallel_size": 2}
+
+
+def _without_deepspeed() -> str | None:
+    import importlib.util
+
+    return (
+        None
+        if importlib.util.find_spec("deepspeed")
+        else "DeepSpeed is not installed (its own entry covers that)"
+    )
+
+
+def _with_flash_attn() -> str | None:
+    reason = _without_deepspeed()
+    if reason is not None:
+        return reason
+    from transformers.utils import is_flash_attn_2_available
+
+    return (
+        "flash-attn is installed here: the core attention is available"
+        if is_flash_attn_2_available()
+        else None
+    )
+
+
+def _adapter_folder(ws: Workspace) -> None:
+    folder = ws.root / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (ws.root / "merged.txt").write_text("a file where the merged model would go")
+
+
+def _full_model_folder(ws: Workspace) -> None:
+    folder = ws.root / "full-model"
+    folder.mkdir()
+    shutil.copy(ws.model_dir / "config.json", folder / "config.json")
+
+
 # --- the cases ------------------------------------------------------------------------------
 
 RECIPE_FILE = "The recipe file"
@@ -301,9 +507,34 @@ RECIPE_KEYS = "Recipe keys and values"
 CONTRADICTIONS = "Keys that contradict each other"
 MODEL = "Model, tokenizer and processes"
 DATA = "Data"
+DEEPSPEED = "DeepSpeed (cp_backend: deepspeed)"
 OUTPUT = "The output folder and resuming"
+EVALUATE = "cptune evaluate and merge-lora"
+PACKAGES = "Installed packages and devices"
+DURING_RUN = "During a run"
+LIBRARY = "Using cptune from Python"
 
-SECTIONS = (RECIPE_FILE, RECIPE_KEYS, CONTRADICTIONS, MODEL, DATA, OUTPUT)
+# A paragraph under a section's heading on the page, where the entries need one.
+SECTION_NOTES: dict[str, str] = {
+    DURING_RUN: "These stop a run that has already started: each process prints the message (with a "
+    '`[rank R]` prefix when there are several), and the run exits non-zero (see "When a process fails '
+    'during training" below). Checkpoints already written are kept.',
+    LIBRARY: "These concern Python code that uses cptune's modules directly, not `cptune` commands.",
+}
+
+SECTIONS = (
+    RECIPE_FILE,
+    RECIPE_KEYS,
+    CONTRADICTIONS,
+    MODEL,
+    DEEPSPEED,
+    DATA,
+    OUTPUT,
+    EVALUATE,
+    PACKAGES,
+    DURING_RUN,
+    LIBRARY,
+)
 
 CASES: tuple[Case, ...] = (
     # --- the recipe file ---
@@ -516,6 +747,23 @@ CASES: tuple[Case, ...] = (
         "Count list entries from 0; the recipe has as many as the message says.",
         args=("--datasets.3.path=x.jsonl",),
     ),
+    Case(
+        "override-inside-a-value",
+        RECIPE_KEYS,
+        "A command-line override of a key inside a plain value",
+        "sequence_len.x: sequence_len holds a value of type int, which has no keys",
+        "Only mappings and lists have keys: override the value itself (`--sequence_len=256`), or fix the "
+        "key path (`--datasets.0.path=...`).",
+        args=("--sequence_len.x=1",),
+    ),
+    Case(
+        "fsdp-key-twice",
+        RECIPE_KEYS,
+        "An fsdp_config key written with and without the fsdp_ prefix",
+        "'fsdp_offload_params' and 'offload_params' are the same key (with and without the fsdp_ prefix)",
+        "`fsdp_config` accepts Axolotl's older `fsdp_`-prefixed spellings; keep one spelling of each key.",
+        keys={"fsdp_version": 2, "fsdp_config": {"fsdp_offload_params": True, "offload_params": False}},
+    ),
     # --- contradictions ---
     Case(
         "bf16-and-fp16",
@@ -568,6 +816,186 @@ CASES: tuple[Case, ...] = (
         "Decide: continue the earlier run (`--resume`) or replace it (`--overwrite`).",
         args=("--resume", "--overwrite"),
     ),
+    Case(
+        "val-set-and-test-datasets",
+        CONTRADICTIONS,
+        "Both val_set_size and test_datasets",
+        "val_set_size: set either val_set_size or test_datasets, not both.",
+        "Evaluate on a held-out share of the training data (`val_set_size`) or on your own evaluation data "
+        "(`test_datasets`), not both.",
+        setup=lambda ws: {"val_set_size": 0.1, "test_datasets": [{"path": str(ws.data / "train.jsonl")}]},
+    ),
+    Case(
+        "val-set-not-whole",
+        CONTRADICTIONS,
+        "val_set_size of 1 or more that is not a whole number",
+        "val_set_size: 2.5 is 1 or more, so it counts rows and must be a whole number",
+        "A `val_set_size` below 1 is a share of the training samples, 1 or more is a count of them: write "
+        "`0.05` or `25`, not `2.5`.",
+        keys={"val_set_size": 2.5},
+    ),
+    Case(
+        "ring-attn-func-other-backend",
+        CONTRADICTIONS,
+        "ring_attn_func with another cp_backend",
+        "ring_attn_func: applies only to cp_backend: ring-flash-attn; remove it.",
+        "`ring_attn_func` chooses ring-flash-attn's algorithm; remove it, or use `cp_backend: ring-flash-attn`.",
+        keys={"cp_backend": "torch", "ring_attn_func": "varlen_llama3", "sample_packing": False},
+    ),
+    Case(
+        "zigzag-packing",
+        CONTRADICTIONS,
+        "ring_attn_func: batch_zigzag with sample_packing",
+        "ring_attn_func: batch_zigzag cannot keep packed samples apart (it has no document boundaries)",
+        "Use `ring_attn_func: varlen_llama3` (the default), which keeps packed samples apart, or "
+        "`sample_packing: false`.",
+        keys={"context_parallel_size": 2, "ring_attn_func": "batch_zigzag", "bf16": True},
+    ),
+    Case(
+        "zigzag-bidirectional",
+        CONTRADICTIONS,
+        "ring_attn_func: batch_zigzag with causal: false",
+        "ring_attn_func: batch_zigzag is causal only; use varlen_llama3 with causal: false.",
+        "Use `ring_attn_func: varlen_llama3` (the default) for bidirectional attention.",
+        keys={
+            "context_parallel_size": 2,
+            "ring_attn_func": "batch_zigzag",
+            "bf16": True,
+            "sample_packing": False,
+            "causal": False,
+        },
+    ),
+    Case(
+        "zigzag-without-bf16",
+        CONTRADICTIONS,
+        "ring_attn_func: batch_zigzag without bf16",
+        "ring_attn_func: batch_zigzag needs bf16: true. ring-flash-attn 0.1.8 computes wrong gradients",
+        "Set `bf16: true`, or use `ring_attn_func: varlen_llama3` (the default), which is exact in fp32.",
+        keys={"context_parallel_size": 2, "ring_attn_func": "batch_zigzag", "sample_packing": False},
+    ),
+    Case(
+        "torch-load-balance-bidirectional",
+        CONTRADICTIONS,
+        "cp_backend: torch with cp_load_balance and causal: false",
+        "cp_load_balance: torch's load balancing reorders tokens for causal attention only",
+        "Remove `cp_load_balance` (it is off by default with `causal: false`), or set it to false.",
+        keys={
+            "context_parallel_size": 2,
+            "cp_backend": "torch",
+            "sample_packing": False,
+            "causal": False,
+            "cp_load_balance": True,
+        },
+    ),
+    Case(
+        "torch-padding-bidirectional",
+        CONTRADICTIONS,
+        "cp_backend: torch with pad_to_sequence_len and causal: false",
+        "pad_to_sequence_len: with cp_backend: torch and causal: false every token would attend to the padding",
+        "torch's context-parallel attention takes no padding mask. Use `cp_backend: ring-flash-attn`, or "
+        "`pad_to_sequence_len: false`.",
+        keys={
+            "context_parallel_size": 2,
+            "cp_backend": "torch",
+            "sample_packing": False,
+            "causal": False,
+            "pad_to_sequence_len": True,
+        },
+    ),
+    Case(
+        "deepspeed-option-other-backend",
+        CONTRADICTIONS,
+        "A DeepSpeed option with another cp_backend",
+        "zero_stage: applies only to cp_backend: deepspeed; remove it.",
+        "`zero_stage`, `deepspeed` and `ulysses_attn_implementation` configure `cp_backend: deepspeed`; "
+        "remove them or change `cp_backend`.",
+        keys={"context_parallel_size": 2, "zero_stage": 2},
+    ),
+    Case(
+        "deepspeed-without-cp",
+        CONTRADICTIONS,
+        "zero_stage or deepspeed with context_parallel_size: 1",
+        "zero_stage: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP)",
+        "cptune uses DeepSpeed for Ulysses context parallelism only. Set `context_parallel_size`, or remove "
+        "the DeepSpeed keys.",
+        keys={"cp_backend": "deepspeed", "zero_stage": 2},
+    ),
+    Case(
+        "ulysses-core-bidirectional",
+        CONTRADICTIONS,
+        "Ulysses with sdpa or flash-attn core attention and causal: false",
+        "ulysses_attn_implementation: sdpa attends causally only here (DeepSpeed's Ulysses wrapper drops "
+        "attention masks)",
+        "Use `ulysses_attn_implementation: cptune` (the default) for bidirectional attention.",
+        keys={
+            **DEEPSPEED_CP,
+            "ulysses_attn_implementation": "sdpa",
+            "sample_packing": False,
+            "causal": False,
+        },
+    ),
+    Case(
+        "ulysses-sdpa-packing",
+        CONTRADICTIONS,
+        "Ulysses with sdpa core attention and sample_packing",
+        "sample_packing: ulysses_attn_implementation: sdpa cannot keep packed samples apart",
+        "Use `ulysses_attn_implementation: cptune` (the default), which keeps packed samples apart, or "
+        "`sample_packing: false`.",
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "sdpa"},
+    ),
+    Case(
+        "ulysses-flash-packing-batch",
+        CONTRADICTIONS,
+        "Ulysses with flash-attn core attention, sample_packing and micro_batch_size > 1",
+        "micro_batch_size: flash_attention_2 finds packed samples from position_ids only in batches of one row",
+        "Use `micro_batch_size: 1` with more `gradient_accumulation_steps`, or "
+        "`ulysses_attn_implementation: cptune`.",
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "flash_attention_2"},
+    ),
+    Case(
+        "lora-targets-empty",
+        CONTRADICTIONS,
+        "An empty lora_target_modules",
+        "lora_target_modules: is empty; list module names or set lora_target_linear: true.",
+        "List the module names to adapt (e.g. `[q_proj, v_proj]`), or remove the key to adapt every linear "
+        "layer.",
+        keys={"lora_target_modules": []},
+    ),
+    Case(
+        "fsdp-version-1",
+        CONTRADICTIONS,
+        "fsdp_version: 1",
+        "fsdp_version: FSDP1 is not supported (transformers deprecates it); use fsdp_version: 2",
+        "Set `fsdp_version: 2`; it shards the same model states, and `fsdp_config` takes the same keys.",
+        keys={"fsdp_version": 1},
+    ),
+    Case(
+        "fsdp-keys-without-version",
+        CONTRADICTIONS,
+        "FSDP keys without fsdp_version",
+        "dp_shard_size: applies only with fsdp_version: 2 (without FSDP every rank holds the whole model",
+        "`fsdp_config`, `dp_shard_size` and `dp_replicate_size` shape FSDP2 sharding. Set `fsdp_version: 2`, "
+        "or remove them.",
+        keys={"dp_shard_size": 2},
+    ),
+    Case(
+        "fsdp-with-deepspeed",
+        CONTRADICTIONS,
+        "fsdp_version with cp_backend: deepspeed",
+        "fsdp_version: cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP",
+        "Use `zero_stage: 3` to shard weights, gradients and optimizer state with DeepSpeed, or another "
+        "`cp_backend` with `fsdp_version: 2`.",
+        keys={**DEEPSPEED_CP, "fsdp_version": 2},
+    ),
+    Case(
+        "fsdp-full-state-dict",
+        CONTRADICTIONS,
+        "fsdp_config.state_dict_type: FULL_STATE_DICT",
+        "fsdp_config.state_dict_type: cptune always gathers the final model (or adapter) into a standard "
+        "Hugging Face folder",
+        "Remove `state_dict_type`: the final model is always saved whole, and checkpoints sharded.",
+        keys={"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
+    ),
     # --- model, tokenizer, processes ---
     Case(
         "model-path-unknown",
@@ -586,6 +1014,16 @@ CASES: tuple[Case, ...] = (
         "The folder has the model's configuration but not its weights (a partial copy or download). "
         "Copy the weight files into it, or point `base_model` at a complete folder or a hub id.",
         setup=_model_without_weights,
+    ),
+    Case(
+        "model-weights-truncated",
+        MODEL,
+        "base_model has a truncated weight file",
+        "model.safetensors' is damaged or incomplete (Error while deserializing header: incomplete metadata, "
+        "file not fully covered).",
+        "An interrupted copy or download leaves a weight file shorter than its header says. Copy or "
+        "download it again. cptune reads only the file's header here, not the weights.",
+        setup=_model_with_truncated_weights,
     ),
     Case(
         "tokenizer-path-unknown",
@@ -640,6 +1078,226 @@ CASES: tuple[Case, ...] = (
         "of heads (the message lists the sizes that do), or use cp_backend: ring-flash-attn.",
         keys={"context_parallel_size": 3, "cp_backend": "deepspeed"},
         args=("--nproc-per-node", "3"),
+    ),
+    Case(
+        "dp-replicate-not-dividing",
+        MODEL,
+        "dp_replicate_size × context_parallel_size does not divide the number of processes",
+        "dp_replicate_size=2 × context_parallel_size=2 = 4 does not divide the number of processes (6)",
+        "Launch a multiple of dp_replicate_size × context_parallel_size processes, or change "
+        "`dp_replicate_size`.",
+        keys={"fsdp_version": 2, "dp_replicate_size": 2, "context_parallel_size": 2},
+        args=("--nproc-per-node", "6"),
+    ),
+    Case(
+        "dp-replicate-without-shard",
+        MODEL,
+        "dp_replicate_size with context parallelism and nothing left to shard",
+        "dp_replicate_size=2 with context_parallel_size=2 leaves dp_shard_size at 1, which accelerate does "
+        "not support with context parallelism",
+        "Launch more processes (the message says how many), or remove `dp_replicate_size` to shard the model "
+        "states over every rank.",
+        keys={"fsdp_version": 2, "dp_replicate_size": 2, "context_parallel_size": 2},
+    ),
+    Case(
+        "dp-shard-not-matching",
+        MODEL,
+        "dp_shard_size does not match the number of processes",
+        "dp_shard_size=2 needs dp_replicate_size × dp_shard_size × context_parallel_size = 4 processes, but 2 "
+        "were asked for.",
+        "Launch the number of processes the message gives, or remove `dp_shard_size` (it then follows from "
+        "the number of processes).",
+        keys={"fsdp_version": 2, "dp_shard_size": 2, "context_parallel_size": 2},
+        args=("--nproc-per-node", "2"),
+    ),
+    Case(
+        "model-not-attention-interface",
+        MODEL,
+        "A model whose attention cannot be split",
+        "base_model: BloomForCausalLM does not route its attention through transformers' AttentionInterface, "
+        "so its attention cannot be split across context-parallel ranks.",
+        "Context parallelism replaces the model's attention function; models whose attention code does not "
+        "go through transformers' AttentionInterface (older architectures such as Bloom, GPT-J, MPT) cannot "
+        "use it. Use a model that does (Llama, Qwen2/3, Mistral, ...), or `context_parallel_size: 1`.",
+        keys={"context_parallel_size": 2},
+        setup=_bloom_model,
+    ),
+    Case(
+        "model-not-attention-interface-bidirectional",
+        MODEL,
+        "causal: false with a model whose attention cannot be replaced",
+        "base_model: BloomForCausalLM does not route its attention through transformers' AttentionInterface, "
+        "so cptune cannot give it bidirectional attention (causal: false).",
+        "Bidirectional attention comes from cptune's own attention function, also at "
+        "`context_parallel_size: 1`. Use a model that routes its attention through transformers' "
+        "AttentionInterface, or `causal: true`.",
+        keys={"causal": False},
+        setup=_bloom_model,
+    ),
+    Case(
+        "model-sliding-window",
+        MODEL,
+        "A sliding-window model with context parallelism or causal: false",
+        "base_model: has attention layers of type ['sliding_attention'], but cp_backend: ring-flash-attn "
+        "computes full (causal or bidirectional) attention over the whole row",
+        "cptune's attention never sees the window, so those layers would silently attend to too much. Use a "
+        "model with full attention only (for Mistral-style configs, `sliding_window: null` if the model was "
+        "trained so), or `context_parallel_size: 1` with `causal: true`. `causal: false` is refused for the "
+        "same reason at any context_parallel_size.",
+        keys={"context_parallel_size": 2},
+        setup=_sliding_window_model,
+    ),
+    Case(
+        "model-attention-dropout",
+        MODEL,
+        "A model config with attention dropout",
+        "base_model: its config sets attention_dropout: 0.1, but cp_backend: ring-flash-attn computes "
+        "attention without dropout (cptune's attention does not support attention dropout).",
+        "Set `attention_dropout` to 0 in the model folder's config.json (most fine-tunes use none), or use "
+        "`context_parallel_size: 1` with `causal: true`, where transformers' own attention applies it.",
+        keys={"context_parallel_size": 2},
+        setup=_dropout_model,
+    ),
+    Case(
+        "lora-target-missing",
+        MODEL,
+        "lora_target_modules names a module the model does not have",
+        "lora_target_modules: Target modules {'q_projj'} not found in the base model.",
+        "Use the model's module names (Llama-style models: q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj), or remove the key to adapt every linear layer. Checked on a weightless copy of "
+        "the model before anything is loaded.",
+        keys={"lora_target_modules": ["q_projj"]},
+    ),
+    Case(
+        "tokenizer-without-pad-or-eos",
+        MODEL,
+        "A tokenizer with neither a pad nor an eos token",
+        "has neither a pad nor an eos token; cptune needs one of them to pad batches.",
+        "Use a tokenizer that defines `pad_token` or `eos_token` (add it to its tokenizer_config.json), or "
+        "point `tokenizer_config` at one.",
+        setup=_tokenizer_without_pad_or_eos,
+    ),
+    # --- DeepSpeed ---
+    Case(
+        "ulysses-kv-heads",
+        DEEPSPEED,
+        "Key/value heads not divisible for DeepSpeed Ulysses",
+        "context_parallel_size: 3 neither divides nor is a multiple of the model's 4 key/value heads",
+        "Ulysses splits key/value heads across the ranks (or copies them when there are fewer): choose a "
+        "context_parallel_size the message lists, or `cp_backend: ring-flash-attn`.",
+        keys={"cp_backend": "deepspeed", "context_parallel_size": 3},
+        args=("--nproc-per-node", "3"),
+        setup=_twelve_heads_model,
+    ),
+    Case(
+        "ulysses-sliding-window",
+        DEEPSPEED,
+        "A sliding-window model with DeepSpeed Ulysses",
+        "base_model: has sliding-window attention layers, which ulysses_attn_implementation: cptune would "
+        "compute as full attention",
+        "DeepSpeed's Ulysses wrapper drops the mask. Use `ulysses_attn_implementation: flash_attention_2` on "
+        "GPUs (it applies the window), or a model with full attention only.",
+        keys=DEEPSPEED_CP,
+        setup=_sliding_window_model,
+    ),
+    Case(
+        "deepspeed-json-optimizer",
+        DEEPSPEED,
+        "A DeepSpeed JSON with an optimizer or scheduler section",
+        "has an 'optimizer' section; cptune takes the optimizer and learning-rate schedule from the recipe",
+        "Remove the section; set `optimizer`, `learning_rate`, `lr_scheduler` and `warmup_*` in the recipe.",
+        setup=lambda ws: _deepspeed_json(ws, '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}'),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-batch-size",
+        DEEPSPEED,
+        "A DeepSpeed JSON whose batch size contradicts the recipe",
+        'sets train_micro_batch_size_per_gpu: 4, but the recipe\'s micro_batch_size is 2. Set it to "auto" '
+        "(or remove it): cptune fills it from the recipe.",
+        'cptune fills the batch sizes, accumulation and clipping from the recipe: set them to `"auto"` in '
+        "the JSON or remove them.",
+        setup=lambda ws: _deepspeed_json(ws, '{"train_micro_batch_size_per_gpu": 4}'),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-train-batch-size",
+        DEEPSPEED,
+        "A DeepSpeed JSON that sets train_batch_size",
+        'sets train_batch_size; set it to "auto" (or remove it)',
+        "The global batch follows from `micro_batch_size`, `gradient_accumulation_steps` and the number of "
+        "processes; remove it from the JSON.",
+        setup=lambda ws: _deepspeed_json(ws, '{"train_batch_size": 16}'),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-zero-stage",
+        DEEPSPEED,
+        "zero_stage contradicts the DeepSpeed JSON",
+        "zero_stage: 2 contradicts zero_optimization.stage: 3 in deepspeed:",
+        "Set the ZeRO stage in one place: `zero_stage` in the recipe or `zero_optimization.stage` in the JSON.",
+        setup=lambda ws: _deepspeed_json(ws, '{"zero_optimization": {"stage": 3}}', zero_stage=2),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-reduce-scatter",
+        DEEPSPEED,
+        "ZeRO-3 with reduce_scatter: false",
+        "ZeRO-3 with reduce_scatter: false averages some gradient buckets over the data-parallel ranks and "
+        "others over all ranks",
+        "No loss scale makes that gradient exact; remove `reduce_scatter` (it defaults to true).",
+        setup=lambda ws: _deepspeed_json(ws, '{"zero_optimization": {"stage": 3, "reduce_scatter": false}}'),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-invalid",
+        DEEPSPEED,
+        "A DeepSpeed JSON that is not valid JSON",
+        "' is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+        "Fix the JSON at the line and column shown (JSON needs double quotes and no trailing commas).",
+        setup=lambda ws: _deepspeed_json(ws, "{'zero_optimization': {'stage': 2}}"),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-not-an-object",
+        DEEPSPEED,
+        "A DeepSpeed JSON that is not an object",
+        "must hold a JSON object (a DeepSpeed config).",
+        "A DeepSpeed config is one JSON object (`{...}`) at the top level.",
+        setup=lambda ws: _deepspeed_json(ws, '[{"zero_optimization": {"stage": 2}}]'),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-json-missing",
+        DEEPSPEED,
+        "The DeepSpeed JSON does not exist",
+        "deepspeed: cannot read the DeepSpeed config",
+        "Fix the path of `deepspeed` (relative paths are read from the folder you run cptune in).",
+        setup=lambda ws: {**DEEPSPEED_CP, "deepspeed": str(ws.root / "no-such-ds-config.json")},
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "deepspeed-resume",
+        DEEPSPEED,
+        "Resuming a cp_backend: deepspeed run",
+        "resume_from_checkpoint: resuming a cp_backend: deepspeed run is not supported yet",
+        "Start the run afresh (`--overwrite`, or another output_dir); the other cp_backends resume their own "
+        "runs.",
+        keys=DEEPSPEED_CP,
+        args=("--resume",),
+        setup=_interrupted_run_with_checkpoint,
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "ulysses-flash-attn-missing",
+        DEEPSPEED,
+        "Ulysses with flash_attention_2 where flash-attn is not installed",
+        "ulysses_attn_implementation: flash_attention_2 needs flash-attn on a CUDA GPU, which is not "
+        "available here.",
+        "Use `ulysses_attn_implementation: cptune` (the default, exact everywhere), or install flash-attn on "
+        "a CUDA machine (`pip install 'cptune[flash-attn]'`).",
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "flash_attention_2", "sample_packing": False},
+        skip_if=_with_flash_attn,
     ),
     # --- data ---
     Case(
@@ -697,7 +1355,8 @@ CASES: tuple[Case, ...] = (
         "data-column-missing",
         DATA,
         "A field name that no row has",
-        "no column 'answer'",
+        "no column 'answer' (it has 'instruction', 'input', 'output'). Set the field name keys of "
+        "datasets[0]",
         "Set the dataset's field keys (`field_output`, `field_messages`, `field`, ...) to the columns "
         "your data uses; the message lists them.",
         setup=lambda ws: _dataset(ws, str(ws.data / "train.jsonl"), field_output="answer"),
@@ -775,9 +1434,131 @@ CASES: tuple[Case, ...] = (
         "val-set-too-large",
         DATA,
         "val_set_size takes every training sample",
-        "val_set_size: 1000.0 asks for 1000 of the 600 training samples",
+        "val_set_size: 1000.0 asks for 1000 of the 600 training samples left after preprocessing",
         "Lower `val_set_size` (a share below 1, or a row count) or add data.",
         keys={"val_set_size": 1000},
+    ),
+    Case(
+        "data-mixed-formats",
+        DATA,
+        "A dataset folder that mixes file formats",
+        "the files mix formats (.csv, .jsonl). Put one format per dataset entry",
+        "One dataset entry reads one format. Split the folder into one entry per format, or pick the files "
+        "of one format with the entry's `data_files`.",
+        setup=_mixed_formats,
+    ),
+    Case(
+        "data-files-match-nothing",
+        DATA,
+        "data_files that match no file",
+        "datasets[0].data_files entry '*.parquet' matches no file in",
+        "`data_files` patterns are matched inside the dataset's folder (`path`); fix the pattern or the "
+        "folder.",
+        setup=lambda ws: _dataset(ws, str(ws.data), data_files="*.parquet"),
+    ),
+    Case(
+        "data-files-with-a-file",
+        DATA,
+        "data_files with a path that is a file",
+        "datasets[0].data_files selects files inside a folder; datasets[0].path is a file. Remove data_files.",
+        "Point `path` at the folder and `data_files` at files in it, or remove `data_files`.",
+        setup=lambda ws: _dataset(ws, str(ws.data / "train.jsonl"), data_files="train.jsonl"),
+    ),
+    Case(
+        "data-split-missing",
+        DATA,
+        "A saved dataset without the split asked for",
+        "the saved dataset has no split 'validation' (it has train). Set datasets[0].split to one of them.",
+        "The dataset was written with `save_to_disk`; set `split` to one of the splits the message lists.",
+        setup=_saved_dataset_without_split,
+    ),
+    Case(
+        "data-split-empty",
+        DATA,
+        "A data file with a header but no rows",
+        "split 'train' has no rows (the data holds none, or the split's slice selects none).",
+        "The file (here a CSV file with only its header line) holds no rows; point the dataset at data with "
+        "rows.",
+        setup=_csv_header_only,
+    ),
+    Case(
+        "tokenizer-without-eos",
+        DATA,
+        "alpaca or completion data with a tokenizer that has no eos token",
+        "The tokenizer has no eos token, which alpaca and completion rows end with.",
+        "Each sample ends with the eos token so the model learns to stop. Use a tokenizer that defines "
+        "`eos_token` (`tokenizer_config`), or add it to its tokenizer_config.json.",
+        setup=_tokenizer_without_eos,
+    ),
+    Case(
+        "pretokenized-not-a-list",
+        DATA,
+        "A pretokenized row whose token ids are not a list",
+        "row 0: field 'input_ids' is a str, not a list of token ids.",
+        "pretokenized rows hold lists of ints; fix the row, or skip such rows with `skip_invalid_rows: true`.",
+        setup=lambda ws: _pretokenized(ws, [{"input_ids": "5 6 7"}]),
+    ),
+    Case(
+        "pretokenized-not-an-int",
+        DATA,
+        "A pretokenized row with a token id that is not an int",
+        "row 0: field 'input_ids' holds a float at position 0, not an int.",
+        "Write token ids as integers (a JSON number with a fraction becomes a float for the whole column).",
+        setup=lambda ws: _pretokenized(ws, [{"input_ids": [5, 6.5, 7]}]),
+    ),
+    Case(
+        "pretokenized-out-of-vocabulary",
+        DATA,
+        "A pretokenized row with a token id outside the vocabulary",
+        "row 0: field 'input_ids' holds 99999 at position 2; token ids must be in 0..",
+        "The rows were tokenized with another tokenizer than the recipe's (`tokenizer_config`, by default "
+        "base_model's); tokenize them with the model's tokenizer.",
+        setup=lambda ws: _pretokenized(ws, [{"input_ids": [5, 6, 99999]}]),
+    ),
+    Case(
+        "pretokenized-labels-length",
+        DATA,
+        "A pretokenized row whose labels and token ids differ in length",
+        "row 0: field 'labels' has 2 entries but input_ids has 3",
+        "`labels` holds one entry per token (-100 for tokens not trained); fix the row or remove `labels`.",
+        setup=lambda ws: _pretokenized(ws, [{"input_ids": [5, 6, 7], "labels": [6, 7]}]),
+    ),
+    Case(
+        "chat-message-not-an-object",
+        DATA,
+        "A chat row whose messages are not objects",
+        "row 0: field 'messages' message 0 is a str, not an object",
+        'Each message is an object with a role and a content (`{"role": "user", "content": "Hi"}`).',
+        setup=lambda ws: _chat(ws, [{"messages": ["Hi", "Hello!"]}]),
+    ),
+    Case(
+        "chat-message-without-role",
+        DATA,
+        "A chat message without a role or content",
+        "row 0: field 'messages' message 0 has no text 'role'",
+        "Give every message a role and a text content, or set `message_field_role` / "
+        "`message_field_content` to the keys your data uses.",
+        setup=lambda ws: _chat(ws, [{"messages": [{"content": "Hi"}, HELLO[1]]}]),
+    ),
+    Case(
+        "chat-template-not-prefix-stable",
+        DATA,
+        "A chat template that renders earlier turns differently as a conversation grows",
+        "the chat template is not prefix-stable: messages[:1] does not render to a token prefix of messages[:2]",
+        "cptune finds the tokens of each trained turn by rendering the conversation up to it; a template "
+        "that changes earlier text when more messages follow (here: it starts with the message count) "
+        "hides them. Set `chat_template: chatml`, or use a template whose earlier turns render the same.",
+        setup=_chat_template_counting,
+    ),
+    Case(
+        "chat-template-not-prefix-stable-whole",
+        DATA,
+        "A chat template that renders long conversations differently",
+        "the chat template is not prefix-stable: messages[:2] does not render to a token prefix of the whole "
+        "conversation",
+        "The same problem, found against the whole conversation (here the template marks conversations of "
+        "more than two messages at the start). Set `chat_template: chatml`, or fix the template.",
+        setup=_chat_template_marking_long,
     ),
     # --- output folder and resume ---
     Case(
@@ -800,7 +1581,7 @@ CASES: tuple[Case, ...] = (
         "output-dir-not-writable",
         OUTPUT,
         "output_dir cannot be written",
-        "is not writable (its nearest existing parent",
+        "does not allow this user to write). Choose an output_dir you can write to",
         "Choose an output_dir you can write to, or change the folder's permissions. This is checked "
         "before any process starts, not when the first checkpoint is saved.",
         setup=_output_dir_read_only,
@@ -844,5 +1625,300 @@ CASES: tuple[Case, ...] = (
         "is not a complete cptune checkpoint",
         "Give a `checkpoint-N` folder that cptune finished writing, or `true` for the newest complete one.",
         setup=_resume_path_incomplete,
+    ),
+    # --- evaluate and merge-lora ---
+    Case(
+        "evaluate-without-eval-data",
+        EVALUATE,
+        "cptune evaluate with a recipe without evaluation data",
+        "evaluate: the recipe has no evaluation data; set val_set_size",
+        "Set `val_set_size` (a held-out share of the training data) or `test_datasets` in the recipe, or "
+        "with an override: `cptune evaluate recipe.yaml --val_set_size=0.05`.",
+        command="evaluate",
+    ),
+    Case(
+        "evaluate-checkpoint-not-a-folder",
+        EVALUATE,
+        "--checkpoint that is not a folder",
+        "is not a folder; give output_dir or a checkpoint-N folder of a run.",
+        "`--checkpoint` takes the folder a run saved its adapter or model in: output_dir, or one of its "
+        "`checkpoint-N` folders.",
+        keys={"val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/no-such-checkpoint"),
+    ),
+    Case(
+        "evaluate-checkpoint-incomplete",
+        EVALUATE,
+        "--checkpoint that is an incomplete checkpoint",
+        "is an incomplete checkpoint (no cptune_checkpoint_complete.json matching its files: its save was "
+        "interrupted).",
+        "Evaluate another checkpoint (or output_dir after the run finished).",
+        keys={"val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/out/checkpoint-4"),
+        setup=_incomplete_checkpoint,
+    ),
+    Case(
+        "evaluate-checkpoint-without-model",
+        EVALUATE,
+        "--checkpoint that holds neither an adapter nor a model",
+        "holds neither a LoRA adapter (adapter_config.json) nor a model (config.json).",
+        "Point `--checkpoint` at the folder a run saved its adapter or model in (output_dir after training, "
+        "or a `checkpoint-N` folder; the message names one when the folder holds checkpoints).",
+        keys={"val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/out"),
+    ),
+    Case(
+        "merge-full-fine-tune",
+        EVALUATE,
+        "cptune merge-lora for a full fine-tune",
+        "merge-lora: the recipe fine-tunes the whole model (no adapter: lora)",
+        "A full fine-tune saves a standalone model in output_dir already; load it directly.",
+        keys={"adapter": DELETE},
+        command="merge-lora",
+    ),
+    Case(
+        "merge-without-adapter",
+        EVALUATE,
+        "cptune merge-lora before training",
+        "holds no trained LoRA adapter (adapter_config.json) yet. Train first, or pass --checkpoint",
+        "Train first, or pass `--checkpoint` with the folder that holds the adapter.",
+        command="merge-lora",
+    ),
+    Case(
+        "merge-full-model",
+        EVALUATE,
+        "cptune merge-lora --checkpoint with a full model",
+        "holds a full model, not a LoRA adapter; there is nothing to merge.",
+        "That folder is already a standalone model; use it directly.",
+        command="merge-lora",
+        args=("--checkpoint", "{ws}/full-model"),
+        setup=_full_model_folder,
+    ),
+    Case(
+        "merge-out-is-file",
+        EVALUATE,
+        "cptune merge-lora --out that is a file",
+        "is a file; give the path of a folder for the merged model.",
+        "Give a folder path for `--out` (it is created, or replaced if it holds an earlier merge).",
+        command="merge-lora",
+        args=("--checkpoint", "{ws}/adapter", "--out", "{ws}/merged.txt"),
+        setup=_adapter_folder,
+    ),
+)
+
+
+# --- documented entries: errors the catalogue cannot meet before a run starts -----------------
+
+DOCUMENTED: tuple[Documented, ...] = (
+    # --- installed packages and devices ---
+    Documented(
+        "deepspeed-not-installed",
+        PACKAGES,
+        "cp_backend: deepspeed without DeepSpeed installed",
+        "cp_backend: deepspeed needs DeepSpeed, which cannot be imported here",
+        "Install it as the message says (`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20'`, or the "
+        "`cptune[deepspeed]` extra), or use another `cp_backend`. Checked before any process starts.",
+        raised_in="src/cptune/parallel/backends/deepspeed_ulysses.py",
+        why_not_in_catalogue="the catalogue runs where DeepSpeed is installed; the test shadows it with a "
+        "package that fails to import",
+        tested_by="tests/run/test_cli_errors.py::test_deepspeed_not_installed",
+    ),
+    Documented(
+        "ring-flash-attn-not-installed",
+        PACKAGES,
+        "cp_backend: ring-flash-attn without ring-flash-attn installed",
+        "cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be imported here",
+        "Install it as the message says (`pip install ring-flash-attn==0.1.8`; flash-attn itself is optional "
+        "on CPU), or use another `cp_backend`. Checked before any process starts.",
+        raised_in="src/cptune/parallel/backends/ring_flash_attn.py",
+        why_not_in_catalogue="the catalogue runs where ring-flash-attn is installed; the test shadows it with "
+        "a package that fails to import",
+        tested_by="tests/run/test_cli_errors.py::test_ring_flash_attn_not_importable",
+    ),
+    Documented(
+        "ring-flash-attn-fp32-on-gpu",
+        PACKAGES,
+        "cp_backend: ring-flash-attn in fp32 on a GPU with flash-attn",
+        "cp_backend: ring-flash-attn runs flash-attn's CUDA kernels, which support bf16 and fp16 only",
+        "Set `bf16: true` (or `fp16: true`). cptune's CPU kernels take fp32, so the same recipe dry-runs "
+        "on a laptop. Checked before any process starts.",
+        raised_in="src/cptune/parallel/backends/select.py",
+        why_not_in_catalogue="only on a machine with a CUDA GPU and flash-attn",
+        tested_by="tests/run/test_preflight.py::test_fp32_ring_flash_attn_on_a_gpu_is_refused_before_launching",
+    ),
+    Documented(
+        "patch-version-mismatch",
+        PACKAGES,
+        "Library versions that cptune's patches were not written for",
+        "cptune cannot patch the installed libraries (",
+        "Each problem line names the library, the versions the patch was written for and the installed one. "
+        "Install the versions cptune pins (`pip install -e .` in a fresh environment), or use a cptune "
+        "release made for your versions; `cptune validate` lists the problems without training. Raised when "
+        "training starts, in every process, before any step.",
+        raised_in="src/cptune/patches/core.py",
+        why_not_in_catalogue="it needs installed libraries of other versions",
+        tested_by="tests/patches/test_core.py::test_all_problems_reported_at_once_before_touching_anything",
+    ),
+    # --- during a run ---
+    Documented(
+        "torch-cp-padded-bidirectional-batch",
+        DURING_RUN,
+        "cp_backend: torch meets a padded or packed batch with causal: false",
+        "cp_backend: torch cannot mask padding or packed documents with causal: false",
+        "torch's context-parallel attention takes no mask, so with bidirectional attention every token would "
+        "see the padding. Rows of different lengths in one micro batch are padded: use "
+        "`micro_batch_size: 1` (with more `gradient_accumulation_steps`), or `cp_backend: ring-flash-attn`, "
+        "which masks padding and packed documents. Raised at the first such batch, in every rank.",
+        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
+        tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
+    ),
+    Documented(
+        "torch-cp-uneven-bidirectional-batch",
+        DURING_RUN,
+        "cp_backend: torch meets a row that does not split evenly with causal: false",
+        "cp_backend: torch cannot mask padding with causal: false, and this batch's",
+        "Without a mask, torch cannot pad a row to split it over the ranks. Use rows whose length is a "
+        "multiple of context_parallel_size, or `cp_backend: ring-flash-attn`. Raised at the first such "
+        "batch, in every rank.",
+        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
+        tested_by="tests/parallel/backends/test_torch_cp.py::test_bidirectional_needs_a_length_that_splits_without_padding",
+    ),
+    Documented(
+        "torch-cp-packed-batch",
+        DURING_RUN,
+        "cp_backend: torch meets a packed batch",
+        "cp_backend: torch cannot mask packed documents: its context-parallel attention is plain causal "
+        "attention over each row",
+        "`sample_packing: true` with `cp_backend: torch` is refused before the run (see above); this is the "
+        "same check on the batch itself, for recipes built without the recipe checks. Use "
+        "`cp_backend: ring-flash-attn`, or `sample_packing: false`.",
+        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
+        tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
+    ),
+    Documented(
+        "model-weights-unreadable",
+        DURING_RUN,
+        "The model's weights cannot be loaded",
+        "base_model: cannot load '",
+        "The checks before the run passed (safetensors files are checked there), but loading the weights "
+        "failed: a damaged `.bin` file, weights of another architecture or size, or a download that failed. "
+        "The message quotes the loader's reason. Copy or download the model again. Raised when each process "
+        "loads the model.",
+        raised_in="src/cptune/models/loading.py",
+        why_not_in_catalogue="weights are loaded only after the checks, in every process",
+        tested_by="tests/models/test_loading.py::test_a_damaged_weight_file_is_a_clear_error_when_loading",
+    ),
+    Documented(
+        "model-attention-implementation",
+        DURING_RUN,
+        "The model cannot use the attention implementation the recipe needs",
+        "cannot use the attention implementation",
+        "transformers refused to load the model with the attention function the recipe needs (sdpa for "
+        "causal training at context_parallel_size: 1, cptune's own otherwise). Use a model whose attention "
+        "goes through transformers' AttentionInterface (Llama, Qwen2/3, Mistral, ...). Raised when each "
+        "process loads the model.",
+        raised_in="src/cptune/models/loading.py",
+        why_not_in_catalogue="weights are loaded only after the checks, in every process",
+    ),
+    Documented(
+        "model-layers-bypass-attention",
+        DURING_RUN,
+        "Some attention layers bypass cptune's attention",
+        "attention layers through cptune's context-parallel attention; the others would attend only within "
+        "this rank's shard",
+        "The model's class says it routes attention through transformers' AttentionInterface, but some "
+        "layers did not (custom attention code). Use a model whose every layer does, or "
+        "`context_parallel_size: 1` with `causal: true`. Raised at the first step.",
+        raised_in="src/cptune/parallel/backends/attention.py",
+        why_not_in_catalogue="it is found by counting the layers of a real forward pass",
+        tested_by="tests/parallel/backends/test_attention.py::test_a_layer_that_bypasses_the_backend_is_an_error",
+    ),
+    Documented(
+        "model-without-layer-count",
+        DURING_RUN,
+        "A model config without num_hidden_layers",
+        "cannot tell how many attention layers this model has (no num_hidden_layers).",
+        "cptune counts the attention layers each step to prove that all of them went through its attention. "
+        "Use a model whose config has `num_hidden_layers` (every decoder model in transformers has it). "
+        "Raised at the first step.",
+        raised_in="src/cptune/parallel/backends/attention.py",
+        why_not_in_catalogue="it is found at the first step of a model cptune cannot inspect",
+    ),
+    # --- using cptune from Python ---
+    Documented(
+        "library-call-without-metadata",
+        LIBRARY,
+        "Calling a model set up for cptune's attention outside cptune's trainer",
+        "this model is set up for cptune's context-parallel attention, which needs per-batch metadata",
+        "A model loaded by cptune for context parallelism or `causal: false` takes its attention metadata "
+        "from cptune's trainer with every forward call; it cannot generate or run a plain forward pass. "
+        "Save the model (or merge the adapter with `cptune merge-lora`) and load it again with "
+        "`AutoModelForCausalLM.from_pretrained`.",
+        raised_in="src/cptune/parallel/backends/attention.py",
+        why_not_in_catalogue="only reachable from Python code that calls the model itself",
+        tested_by="tests/parallel/backends/test_attention.py::test_model_called_without_metadata_is_refused",
+    ),
+    Documented(
+        "library-ulysses-call-without-metadata",
+        LIBRARY,
+        "Calling a model set up for cptune's Ulysses attention outside cptune's trainer",
+        "this model is set up for cptune's Ulysses attention, which needs the batch's position_ids and "
+        "per-batch metadata",
+        "The same as above for `cp_backend: deepspeed`: save or merge the model and load it again.",
+        raised_in="src/cptune/parallel/backends/deepspeed_ulysses.py",
+        why_not_in_catalogue="only reachable from Python code that calls the model itself",
+        tested_by="tests/parallel/backends/test_deepspeed_ulysses.py::"
+        "test_document_attention_refuses_calls_without_metadata_or_with_a_mask",
+    ),
+    Documented(
+        "library-maybe-context-parallel",
+        LIBRARY,
+        "accelerator.maybe_context_parallel() in your own code",
+        "accelerator.maybe_context_parallel() was called, but cptune's",
+        "cptune's trainer shards every batch itself; accelerate's context-parallel context would shard it a "
+        "second time (or does not exist for ring-flash-attn). Remove the call.",
+        raised_in="src/cptune/patches/accelerate_patches.py",
+        why_not_in_catalogue="only reachable from Python code running inside a cptune run",
+        tested_by="tests/patches/test_real_patches.py::test_prepare_cp_for_ring_returns_args_and_adds_no_hooks",
+    ),
+    Documented(
+        "library-maybe-context-parallel-torch",
+        LIBRARY,
+        "accelerator.maybe_context_parallel() in your own code (cp_backend: torch)",
+        "accelerator.maybe_context_parallel() was called, but cptune's torch backend already shards every "
+        "batch",
+        "Remove the call: cptune's trainer switches torch's context-parallel attention on around each micro "
+        "batch.",
+        raised_in="src/cptune/patches/accelerate_patches.py",
+        why_not_in_catalogue="only reachable from Python code running inside a cptune run",
+        tested_by="tests/patches/test_real_patches.py::test_prepare_cp_for_torch_checks_instead_of_dropping_masks",
+    ),
+    Documented(
+        "library-torch-cp-without-patch",
+        LIBRARY,
+        "cp_backend: torch on CPU in your own training loop without cptune's patch",
+        "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers'",
+        "`cptune train` applies the patch; in your own loop, apply "
+        "`cptune.patches.torch_patches.torch_cp_cpu_sdpa_patch()` with a `PatchSet` around it.",
+        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        why_not_in_catalogue="only reachable from Python code that drives the backend itself",
+        tested_by="tests/parallel/backends/test_torch_cp.py::test_step_context_needs_the_cpu_patch_and_restores_torchs_globals",
+    ),
+    Documented(
+        "library-patch-revert-conflict",
+        LIBRARY,
+        "Reverting cptune's patches after other code patched the same function",
+        "cannot revert cptune's patches:",
+        "Other code replaced a function cptune had patched, so undoing cptune's patch would drop it; nothing "
+        "was reverted. Undo the other patch first (or do not apply it inside a cptune run), then revert.",
+        raised_in="src/cptune/patches/core.py",
+        why_not_in_catalogue="only reachable from Python code that patches the same functions as cptune",
+        tested_by="tests/patches/test_core.py::test_revert_over_foreign_patch_raises_and_touches_nothing",
     ),
 )

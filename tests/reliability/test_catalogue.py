@@ -97,11 +97,18 @@ def no_heavy_work(monkeypatch, fresh_logging):
         return refused
 
     monkeypatch.setattr("cptune.models.loading.load_model", refuse("model weights were loaded"))
+    # evaluate and merge-lora import load_model by name
+    monkeypatch.setattr("cptune.run.evaluate.load_model", refuse("model weights were loaded"))
+    monkeypatch.setattr("cptune.run.merge.load_model", refuse("model weights were loaded"))
     monkeypatch.setattr("cptune.run.train.train", refuse("training started"))
+    monkeypatch.setattr("cptune.run.evaluate.evaluate", refuse("evaluation started"))
     monkeypatch.setattr("cptune.run.launch.launch", refuse("processes were launched"))
 
 
 def prepare(case: Case, ws: Workspace) -> list[str]:
+    reason = case.skip_if() if case.skip_if is not None else None
+    if reason is not None:
+        pytest.skip(reason)
     case.write_recipe(ws)
     return case.argv(ws)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from tests.conftest import REPO
-from tests.reliability.catalogue import CASES
+from tests.reliability.catalogue import CASES, DOCUMENTED
 
 
 def load_generator():
@@ -23,7 +23,9 @@ def test_troubleshooting_page_is_up_to_date():
     assert page == generator.render(), "run: python scripts/gen_troubleshooting.py"
 
 
-def test_every_case_is_on_the_page():
+def test_every_case_and_documented_entry_is_on_the_page():
     page = (REPO / "docs" / "troubleshooting.md").read_text()
-    for case in CASES:
-        assert f"### {case.title}\n" in page and case.fragment in page, case.id
+    for entry in (*CASES, *DOCUMENTED):
+        assert f"### {entry.title}\n" in page and entry.fragment in page, entry.id
+    for entry in DOCUMENTED:
+        assert f"Raised in `{entry.raised_in}`" in page, entry.id

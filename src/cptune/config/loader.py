@@ -148,7 +148,16 @@ def set_by_path(data: dict[str, Any], dotted: str, value: Any) -> None:
             else:
                 node = node.setdefault(part, {})
         else:
-            raise RecipeError([RecipeProblem(dotted, f"cannot set a key inside a {type(node).__name__}")])
+            parent = ".".join(parts[:i])
+            raise RecipeError(
+                [
+                    RecipeProblem(
+                        dotted,
+                        f"{parent} holds a value of type {type(node).__name__}, which has no keys; override "
+                        f"{parent} itself (--{parent}=...) or fix the key path.",
+                    )
+                ]
+            )
 
 
 def validate_recipe(data: Mapping[str, Any], source: str | None = None) -> Recipe:

@@ -354,10 +354,17 @@ def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
     """Evaluation data.
 
     - `val_set_size` and `test_datasets` together are refused: set one.
+    - `val_set_size` of 1 or more counts rows and must be a whole number.
     - `eval_steps` needs evaluation data: `val_set_size` or `test_datasets`.
     """
     if r.val_set_size and r.test_datasets:
         yield "val_set_size", "set either val_set_size or test_datasets, not both."
+    if r.val_set_size >= 1 and r.val_set_size != int(r.val_set_size):
+        yield (
+            "val_set_size",
+            f"{r.val_set_size} is 1 or more, so it counts rows and must be a whole number; "
+            "use a whole number of rows, or a share below 1.",
+        )
     if r.eval_steps is not None and not (r.val_set_size or r.test_datasets):
         yield "eval_steps", "evaluation needs data: set val_set_size or test_datasets."
 

@@ -168,15 +168,8 @@ def _tokenize_all(
 
 def _validation_split(train: pa.Table, val_set_size: float, seed: int) -> tuple[pa.Table, pa.Table]:
     n = train.num_rows
-    if val_set_size >= 1:
-        if val_set_size != int(val_set_size):
-            raise DataError(
-                f"val_set_size: {val_set_size} is >= 1, so it counts rows and must be a whole number "
-                "(or use a fraction below 1)."
-            )
-        count = int(val_set_size)
-    else:
-        count = math.ceil(n * val_set_size)
+    # 1 or more counts rows (a whole number: the recipe's _evaluation rule refuses others); less is a share.
+    count = int(val_set_size) if val_set_size >= 1 else math.ceil(n * val_set_size)
     if not 0 < count < n:
         raise DataError(
             f"val_set_size: {val_set_size} asks for {count} of the {n} training samples left after "

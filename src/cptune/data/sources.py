@@ -279,22 +279,41 @@ def load_source(
             )
     except DataError:
         raise
+    except ValueError as error:
+        if _selects_no_rows(error):
+            raise _no_rows(source, config) from None
+        raise _cannot_load(source, config, error) from error
     except Exception as error:  # every loader failure becomes one user-facing message
-        what = (
-            f"a hub dataset id (no local file or folder {config.path!r} exists either)"
-            if source.kind == "hub"
-            else "local data"
-        )
-        raise DataError(
-            f"{source.label}: could not load it as {what}: {_describe(error)}. "
-            f"Check {source.key}.path, .split, .name and .data_files."
-        ) from error
+        raise _cannot_load(source, config, error) from error
     if not isinstance(loaded, datasets.Dataset):
         raise DataError(
             f"{source.label}: loading gave a {type(loaded).__name__}, not one split; set {source.key}.split."
         )
     if len(loaded) == 0:
-        raise DataError(
-            f"{source.label}: split {config.split!r} has no rows. Point {source.key}.path at data with rows."
-        )
+        raise _no_rows(source, config)
     return loaded
+
+
+def _selects_no_rows(error: ValueError) -> bool:
+    # datasets refuses to build a split that holds no rows (arrow_reader.py, ArrowReader.read): a CSV
+    # file with only its header, a JSON file holding [], a slice such as train[:0].
+    return "corresponds to no data" in str(error)
+
+
+def _no_rows(source: ResolvedSource, config: DatasetConfig) -> DataError:
+    return DataError(
+        f"{source.label}: split {config.split!r} has no rows (the data holds none, or the split's slice "
+        f"selects none). Point {source.key}.path at data with rows."
+    )
+
+
+def _cannot_load(source: ResolvedSource, config: DatasetConfig, error: BaseException) -> DataError:
+    what = (
+        f"a hub dataset id (no local file or folder {config.path!r} exists either)"
+        if source.kind == "hub"
+        else "local data"
+    )
+    return DataError(
+        f"{source.label}: could not load it as {what}: {_describe(error)}. "
+        f"Check {source.key}.path, .split, .name and .data_files."
+    )

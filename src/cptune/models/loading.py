@@ -49,15 +49,29 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 def check_local_weights(recipe: Recipe) -> None:
-    """Refuse a local ``base_model`` folder that holds no weight files (e.g. only config.json was copied).
+    """Refuse a local ``base_model`` folder without usable weight files.
 
-    Checked before launching, so the mistake does not surface in every rank after the data was prepared.
-    A hub id is left to the hub.
+    Refused: a folder that holds no weight files (e.g. only config.json was copied), and a
+    safetensors file whose header does not describe the file (truncated or damaged; reading the
+    header is cheap, the weights are not read). Checked before launching, so the mistake does not
+    surface in every rank after the data was prepared. A hub id is left to the hub.
     """
+    from safetensors import SafetensorError, safe_open
+
     folder = Path(recipe.base_model)
     if not folder.is_dir():
         return
-    if any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in folder.iterdir()):
+    weights = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    for path in (p for p in weights if p.suffix == ".safetensors"):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except SafetensorError as err:
+            raise CptuneError(
+                f"base_model: the weight file '{path}' is damaged or incomplete ({_first_line(err)}). "
+                "Copy or download it again (an interrupted copy or download leaves such a file)."
+            ) from None
+    if weights:
         return
     raise CptuneError(
         f"base_model: the folder '{folder}' holds no weight files (*.safetensors or *.bin), only "
@@ -79,6 +93,7 @@ def torch_dtype(recipe: Recipe) -> torch.dtype:
 
 def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None) -> Any:
     """The base model (or the full model saved at ``path``) in the recipe's dtype and attention."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = path or recipe.base_model
@@ -109,8 +124,13 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
                 "needs a model whose attention goes through transformers' AttentionInterface."
             ) from None
         raise CptuneError(f"base_model: cannot load '{source}' ({_first_line(err)}).") from None
-    except OSError as err:
-        raise CptuneError(f"base_model: cannot load '{source}' ({_first_line(err)}).") from None
+    except (OSError, RuntimeError, SafetensorError) as err:
+        # A damaged weight file (torch's zip reader raises RuntimeError, safetensors its own error)
+        # or weights that do not fit the config: the user's files, not a bug in cptune.
+        raise CptuneError(
+            f"base_model: cannot load '{source}' ({_first_line(err)}). Check that its weight files are "
+            "complete and belong to this config; copy or download them again."
+        ) from None
     # Packed documents are kept apart from position_ids only when no KV cache is
     # created (transformers 5.23 masking_utils); a training run never needs one.
     model.config.use_cache = False
@@ -142,6 +162,28 @@ def apply_lora(model: Any, recipe: Recipe) -> Any:
     if recipe.resolved_gradient_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def check_lora_targets(recipe: Recipe, config: Any) -> None:
+    """Refuse ``lora_target_modules`` that name no module of the model, before any weight is loaded.
+
+    The adapter is applied to a copy of the model on PyTorch's ``meta`` device (no memory, no
+    weights), so a misspelt module name fails before launching instead of in every rank after the
+    data was prepared and the weights loaded.
+
+    Raises:
+        CptuneError: peft finds no module of that name.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not (recipe.is_lora and recipe.lora_target_modules):
+        return  # every linear layer: nothing a user named can be missing
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    except ValueError:
+        return  # not a causal LM that transformers knows: load_model says so when it loads the model
+    apply_lora(model, recipe)
 
 
 def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:

@@ -67,7 +67,9 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
         return ModelSource("base")
     path = Path(checkpoint)
     if not path.is_dir():
-        raise CptuneError(f"--checkpoint: '{path}' is not a folder.")
+        raise CptuneError(
+            f"--checkpoint: '{path}' is not a folder; give output_dir or a checkpoint-N folder of a run."
+        )
     if checkpoint_step(path) is not None and not is_complete(path):
         raise CptuneError(
             f"--checkpoint: '{path}' is an incomplete checkpoint (no {COMPLETE_MARKER} matching its files: "

@@ -61,7 +61,7 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         )
     target = Path(out) if out is not None else Path(recipe.output_dir) / MERGED_DIR
     if target.exists() and not target.is_dir():
-        raise CptuneError(f"--out: '{target}' is a file; give a folder path.")
+        raise CptuneError(f"--out: '{target}' is a file; give the path of a folder for the merged model.")
     # The tokenizer the run saved beside the adapter (its pad token included), else the recipe's.
     has_tokenizer = any((source.path / name).is_file() for name in TOKENIZER_FILES)
     if has_tokenizer:

@@ -1,8 +1,9 @@
 """Checks that run before any process is started or any weight is loaded.
 
 A launch that cannot work fails here, in one process, with one message: the
-process layout, the model's attention and heads, the backend's dependencies, the
-output folder, the checkpoint to resume from, and the data (which is also
+process layout, the model's attention and heads, its weight files and LoRA
+targets, the backend's dependencies and precision, the output folder, the
+checkpoint to resume from, and the data (which is also
 prepared and cached here, so the ranks only load it). Nothing in output_dir
 is written or removed here.
 """
@@ -12,11 +13,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import yaml
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.select import check_model_config
+from cptune.parallel.backends.select import check_model_config, check_ring_precision
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
@@ -49,7 +51,10 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         ulysses.deepspeed_config(recipe)  # reads and checks the recipe's DeepSpeed JSON, if any
     elif dims.cp_enabled:
         from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
+        from cptune.parallel.kernels import flash_attn_available
 
+        if recipe.cp_backend == "ring-flash-attn":
+            check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
         load_ring_flash_attn()
     if prepare_data:
         from cptune.data.prepare import prepare_datasets
@@ -81,15 +86,19 @@ def model_config(recipe: Recipe) -> Any:
 
 
 def check_model(recipe: Recipe, dims: ParallelDims) -> None:
-    """Check the model's architecture against the CP backend, and that its weights are there, without loading them."""
+    """Check the model's architecture against the CP backend and the LoRA targets, without loading weights.
+
+    Also checks that a local base_model folder holds complete weight files.
+    """
     from transformers import AutoModelForCausalLM
 
-    from cptune.models.loading import check_local_weights
+    from cptune.models.loading import check_local_weights, check_lora_targets
 
     config = model_config(recipe)
     check_local_weights(recipe)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_model_config(recipe, dims, config, model_class)
+    check_lora_targets(recipe, config)
 
 
 def describe_plan(recipe: Recipe, *, world_size: int) -> str:

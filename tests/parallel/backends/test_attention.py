@@ -80,14 +80,14 @@ def test_bidirectional_local_attention_sees_the_future_within_a_document_only():
 
 def test_flash_attn_on_gpu_needs_half_precision():
     from cptune.config.loader import validate_recipe
-    from cptune.parallel.backends.select import _check_ring_precision
+    from cptune.parallel.backends.select import check_ring_precision
 
     fp32 = validate_recipe({"base_model": "m", "datasets": [{"path": "d"}], "context_parallel_size": 2})
     with pytest.raises(CptuneError, match="bf16 and fp16 only"):
-        _check_ring_precision(fp32, cuda=True, flash_attn=True)
-    _check_ring_precision(fp32, cuda=False, flash_attn=False)  # CPU kernels take fp32
+        check_ring_precision(fp32, cuda=True, flash_attn=True)
+    check_ring_precision(fp32, cuda=False, flash_attn=False)  # CPU kernels take fp32
     bf16 = fp32.model_copy(update={"bf16": True})
-    _check_ring_precision(bf16, cuda=True, flash_attn=True)
+    check_ring_precision(bf16, cuda=True, flash_attn=True)
 
 
 def test_sliding_window_models_are_refused_wherever_cptune_attention_runs():
@@ -117,3 +117,44 @@ def test_sliding_window_models_are_refused_wherever_cptune_attention_runs():
         check(config)  # cp=1 causal runs transformers' own attention, which applies the window
     for config in (LlamaConfig(**small), Qwen2Config(**small), MistralConfig(sliding_window=None, **small)):
         check(config, context_parallel_size=2)
+
+
+def test_cptune_attention_needs_the_attention_interface_and_no_dropout_wherever_it_runs():
+    """At cp > 1 and for causal: false at cp=1 cptune's attention replaces the model's: check before loading."""
+    from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from cptune.config.recipe import Recipe
+    from cptune.parallel.backends.select import check_model_config
+    from cptune.parallel.layout import ParallelDims
+
+    def check(config, model_class, **keys):
+        recipe = Recipe.model_validate({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
+        dims = ParallelDims(world_size=recipe.context_parallel_size, cp_size=recipe.context_parallel_size)
+        check_model_config(recipe, dims, config, model_class)
+
+    bloom = BloomConfig(hidden_size=32, n_layer=1, n_head=2)
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    dropout = LlamaConfig(attention_dropout=0.1, **small)
+    with pytest.raises(
+        CptuneError, match=r"so cptune cannot give it bidirectional attention \(causal: false\)"
+    ):
+        check(bloom, BloomForCausalLM, causal=False)
+    with pytest.raises(CptuneError, match="cannot be split across context-parallel ranks"):
+        check(bloom, BloomForCausalLM, context_parallel_size=2)
+    for keys in (
+        {"context_parallel_size": 2},
+        {"causal": False},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed"},  # its cptune core attention
+    ):
+        with pytest.raises(CptuneError, match=r"sets attention_dropout: 0\.1"):
+            check(dropout, LlamaForCausalLM, **keys)
+    # transformers' own attention runs (and applies dropout): nothing to refuse
+    check(bloom, BloomForCausalLM)
+    check(dropout, LlamaForCausalLM)
+    check(
+        dropout,
+        LlamaForCausalLM,
+        context_parallel_size=2,
+        cp_backend="deepspeed",
+        ulysses_attn_implementation="sdpa",
+    )

@@ -69,7 +69,10 @@ def cptune_attention_forward(
             "delimited by position_ids instead. This is a bug in cptune's batching: please report it."
         )
     if dropout:
-        raise CptuneError("attention dropout is not supported with context parallelism; set it to 0.")
+        raise CptuneError(
+            "base_model: cptune's attention does not support attention dropout (the model asked for "
+            f"{dropout}); set attention_dropout to 0 in the model's config.json."
+        )
     out = call.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
     call.layers_served += 1
     return out, None

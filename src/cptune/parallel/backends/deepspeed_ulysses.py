@@ -207,7 +207,10 @@ def _read_json(path: str) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except OSError as err:
-        raise CptuneError(f"deepspeed: cannot read '{path}' ({err.strerror or err}).") from None
+        raise CptuneError(
+            f"deepspeed: cannot read the DeepSpeed config '{path}' ({err.strerror or err}). Fix the path "
+            "(relative paths are read from the folder cptune runs in)."
+        ) from None
     except json.JSONDecodeError as err:
         raise CptuneError(f"deepspeed: '{path}' is not valid JSON ({err}).") from None
     if not isinstance(data, dict):
@@ -275,7 +278,10 @@ def document_attention_forward(
             "sequence it attends over. This is a bug in cptune's batching: please report it."
         )
     if dropout:
-        raise CptuneError("attention dropout is not supported with context parallelism; set it to 0.")
+        raise CptuneError(
+            "base_model: cptune's attention does not support attention dropout (the model asked for "
+            f"{dropout}); set attention_dropout to 0 in the model's config.json."
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     rows = []
     for b in range(q.shape[0]):

@@ -53,7 +53,13 @@ def _ring_flash_attn(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> B
     from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
     from cptune.parallel.kernels import flash_attn_available
 
-    _check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
+    cuda, flash_attn = torch.cuda.is_available(), flash_attn_available()
+    check_ring_precision(recipe, cuda=cuda, flash_attn=flash_attn)
+    if cuda and not flash_attn:
+        log.warning(
+            "flash-attn is not installed: ring-flash-attn will use cptune's pure-torch kernels on the GPU, "
+            "which are exact but slow and memory-hungry. Install it with: pip install 'cptune[flash-attn]'."
+        )
     kernels = load_ring_flash_attn()
 
     def build(accelerator: Any) -> CpBackend:
@@ -117,39 +123,68 @@ def _deepspeed(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> Backend
     return BackendPlan(ulysses.CORE_ATTENTION_NAMES[core], build)
 
 
-def _check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> None:
-    """flash-attn's CUDA kernels take half precision only; the CPU stand-ins take any float."""
+def check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> None:
+    """flash-attn's CUDA kernels take half precision only; the CPU stand-ins take any float.
+
+    Called before launching (preflight) and again where the backend is built.
+    """
     half = recipe.bf16 in (True, "auto") or recipe.fp16
     if cuda and flash_attn and not half:
         raise CptuneError(
             "cp_backend: ring-flash-attn runs flash-attn's CUDA kernels, which support bf16 and fp16 "
             "only; set bf16: true (or fp16: true)."
         )
-    if cuda and not flash_attn:
-        log.warning(
-            "flash-attn is not installed: ring-flash-attn will use cptune's pure-torch kernels on the GPU, "
-            "which are exact but slow and memory-hungry. Install it with: pip install 'cptune[flash-attn]'."
-        )
+
+
+def uses_cptune_attention(recipe: Recipe, dims: ParallelDims) -> bool:
+    """Whether cptune's own attention function computes the model's attention in this layout.
+
+    It does at cp > 1 (ring-flash-attn, torch, and deepspeed with its ``cptune`` core attention)
+    and for bidirectional attention at cp = 1 (:class:`LocalBackend`).
+    """
+    if not dims.cp_enabled:
+        return not recipe.causal
+    if recipe.cp_backend == "deepspeed":
+        return recipe.resolved_ulysses_attn_implementation == "cptune"
+    return True
 
 
 def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None) -> None:
     """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
     text = config.get_text_config()
-    if recipe.cp_backend != "deepspeed" and (dims.cp_enabled or not recipe.causal):
+    if not dims.cp_enabled and recipe.causal:
+        return  # transformers' own attention (sdpa) runs: nothing of cptune's to refuse
+    # What computes the attention, for the messages.
+    computed_by = (
+        f"cp_backend: {recipe.cp_backend}" if dims.cp_enabled else "cptune's bidirectional attention"
+    )
+    if not (dims.cp_enabled and recipe.cp_backend == "deepspeed"):
         # cptune's own attention function runs here (cp > 1, or bidirectional at cp=1); DeepSpeed's
-        # core attention has its own check below, as flash_attention_2 keeps windows there.
-        computed_by = (
-            f"cp_backend: {recipe.cp_backend}" if dims.cp_enabled else "cptune's bidirectional attention"
-        )
+        # core attention has its own check (check_heads), as flash_attention_2 keeps windows there.
         check_full_attention(text, computed_by)
-    if not dims.cp_enabled:
-        return
+    # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
+    fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
+        need = (
+            "its attention cannot be split across context-parallel ranks"
+            if dims.cp_enabled
+            else "cptune cannot give it bidirectional attention (causal: false)"
+        )
         raise CptuneError(
             f"base_model: {model_class.__name__} does not route its attention through transformers' "
-            "AttentionInterface, so its attention cannot be split across context-parallel ranks. "
-            "Use a model that does (e.g. Llama, Qwen2/3, Mistral), or context_parallel_size: 1."
+            f"AttentionInterface, so {need}. Use a model that does (e.g. Llama, Qwen2/3, Mistral), "
+            f"or {fallback}."
         )
+    dropout = getattr(text, "attention_dropout", 0.0) or 0.0
+    if dropout and uses_cptune_attention(recipe, dims):
+        # Checked here, not only in the attention function, where it would surface at the first step.
+        raise CptuneError(
+            f"base_model: its config sets attention_dropout: {dropout}, but {computed_by} computes "
+            "attention without dropout (cptune's attention does not support attention dropout). Set "
+            f"attention_dropout to 0 in the model's config.json, or use {fallback}."
+        )
+    if not dims.cp_enabled:
+        return
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if recipe.cp_backend == "ring-flash-attn" and recipe.resolved_ring_attn_func == "varlen_llama3":
         from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride

@@ -1,0 +1,32 @@
+"""Checks before launching that depend on the machine (a GPU, flash-attn) rather than the recipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from cptune.config.loader import load_recipe
+from cptune.errors import CptuneError
+from cptune.run import preflight as preflight_module
+
+
+def pretend_gpu_with_flash_attn(monkeypatch) -> None:
+    monkeypatch.setattr(preflight_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("cptune.parallel.kernels.flash_attn_available", lambda: True)
+
+
+def test_fp32_ring_flash_attn_on_a_gpu_is_refused_before_launching(write_recipe, tmp_path, monkeypatch):
+    """flash-attn's CUDA kernels take bf16/fp16 only: the refusal comes before data or processes."""
+    recipe = load_recipe(write_recipe(context_parallel_size=2))
+    pretend_gpu_with_flash_attn(monkeypatch)
+    with pytest.raises(CptuneError, match="which support bf16 and fp16 only; set bf16: true"):
+        preflight_module.preflight(recipe, world_size=2)
+    assert not (tmp_path / "prepared").exists()  # refused before the data was prepared
+
+
+def test_half_precision_ring_flash_attn_on_a_gpu_passes_the_check(write_recipe, monkeypatch):
+    recipe = load_recipe(write_recipe(context_parallel_size=2, bf16=True))
+    pretend_gpu_with_flash_attn(monkeypatch)
+    monkeypatch.setattr(
+        "cptune.parallel.backends.ring_flash_attn.load_ring_flash_attn", lambda: None
+    )  # not reached on a CPU machine with the real kernels; the check before it is what is tested
+    preflight_module.preflight(recipe, world_size=2, prepare_data=False)
