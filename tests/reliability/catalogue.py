@@ -327,6 +327,18 @@ def _incomplete_checkpoint(ws: Workspace) -> dict[str, Any]:
     return {}
 
 
+def _sharded_checkpoint(ws: Workspace) -> dict[str, Any]:
+    """A complete checkpoint of an FSDP2 run: each rank's shards, no loadable model files."""
+    from cptune.run.checkpoints import write_marker
+
+    shards = ws.out / "checkpoint-2" / "pytorch_model_fsdp_0"
+    shards.mkdir(parents=True)
+    for rank in range(2):
+        (shards / f"__{rank}_0.distcp").write_bytes(b"shard")
+    write_marker(ws.out / "checkpoint-2", 2)
+    return {}
+
+
 def _resume_path_incomplete(ws: Workspace) -> dict[str, Any]:
     _incomplete_checkpoint(ws)
     return {"resume_from_checkpoint": str(ws.out / "checkpoint-4")}
@@ -1669,6 +1681,20 @@ CASES: tuple[Case, ...] = (
         keys={"val_set_size": 0.1},
         command="evaluate",
         args=("--checkpoint", "{ws}/out"),
+    ),
+    Case(
+        "evaluate-sharded-checkpoint",
+        EVALUATE,
+        "--checkpoint that is a sharded checkpoint of an FSDP2 run",
+        "is a sharded checkpoint of an FSDP2 run (each process wrote its own part of the weights), for "
+        "resuming that run with `cptune train --resume`. Give the run's output_dir instead",
+        "Evaluate (or merge) the run's output_dir: when an FSDP2 run ends, its model or adapter is gathered "
+        "there into a standard Hugging Face folder. Its `checkpoint-N` folders hold each process's shards "
+        "and the optimizer state, for `cptune train --resume` with the same number of processes.",
+        keys={"val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/out/checkpoint-2"),
+        setup=_sharded_checkpoint,
     ),
     Case(
         "merge-full-fine-tune",
