@@ -31,6 +31,7 @@ MiB = float(1 << 20)
 # Quiet, offline, one thread per process: the same for every benchmark process.
 _WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
+    "PYTHONFAULTHANDLER": "1",  # a rank that dies of a signal prints its Python stack
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",

@@ -17,6 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
 
 
+def pytest_configure(config):
+    # Every process the tests start prints its Python stack if it dies of a signal (a crash inside
+    # torch or gloo otherwise leaves only an exit code).
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama and its tokenizer, trained on the quickstart texts, saved like a hub model."""
@@ -68,6 +74,40 @@ def run_cptune(*args: str, cwd: Path | None = None, env: dict[str, str] | None =
     )
 
 
+def succeeded(done: subprocess.CompletedProcess) -> None:
+    """Fail with the run's whole stderr (an assertion message would be cut to a few lines)."""
+    if done.returncode != 0:
+        pytest.fail(f"exit code {done.returncode}; stderr:\n{done.stderr[-20000:]}", pytrace=False)
+
+
 def logged_losses(output_dir: Path) -> list[float]:
     history = json.loads((output_dir / "train_log.json").read_text())
     return [entry["loss"] for entry in history if "loss" in entry]
+
+
+@pytest.fixture
+def cptune_in_process(capsys, monkeypatch):
+    """Run ``cptune ARGS`` through the console entry point in this process (no start-up cost).
+
+    Returns what :func:`run_cptune` returns: ``returncode``, ``stdout`` and ``stderr``.
+    """
+    import logging
+
+    from cptune.cli import main
+
+    handlers = list(logging.root.handlers)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        capsys.readouterr()
+        code: int | str | None = 0
+        try:
+            main(list(args))
+        except SystemExit as exited:
+            code = exited.code
+        finally:
+            logging.root.handlers[:] = handlers  # main() adds a handler bound to this test's stderr
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code or 0, captured.out, captured.err)
+
+    return run

@@ -174,16 +174,21 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
     Raises:
         CptuneError: peft finds no module of that name.
     """
-    from transformers import AutoModelForCausalLM
-
     if not (recipe.is_lora and recipe.lora_target_modules):
         return  # every linear layer: nothing a user named can be missing
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+        model = meta_model(recipe, config)
     except ValueError:
         return  # not a causal LM that transformers knows: load_model says so when it loads the model
     apply_lora(model, recipe)
+
+
+def meta_model(recipe: Recipe, config: Any) -> Any:
+    """The recipe's model built from ``config`` on PyTorch's ``meta`` device: every shape, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
 
 
 def trainable_parameter_count(model: torch.nn.Module) -> tuple[int, int]:

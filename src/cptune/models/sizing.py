@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.models.loading import apply_lora, torch_dtype
+from cptune.models.loading import apply_lora, meta_model, torch_dtype
 
 
 @dataclass(frozen=True)
@@ -28,10 +28,7 @@ class ParameterCounts:
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
     """Parameter counts of ``recipe``'s model (``config`` is its transformers config)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.trust_remote_code)
+    model = meta_model(recipe, config)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     largest_layer = max(
         (
