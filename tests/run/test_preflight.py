@@ -30,3 +30,19 @@ def test_half_precision_ring_flash_attn_on_a_gpu_passes_the_check(write_recipe, 
         "cptune.parallel.backends.ring_flash_attn.load_ring_flash_attn", lambda: None
     )  # not reached on a CPU machine with the real kernels; the check before it is what is tested
     preflight_module.preflight(recipe, world_size=2, prepare_data=False)
+
+
+def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, monkeypatch):
+    """A model transformers cannot build on the meta device gets no estimate, not a traceback."""
+    from cptune.parallel.layout import ParallelDims
+
+    def cannot_build(recipe, config):
+        raise ValueError("Unrecognized configuration class for this kind of AutoModel\nmore detail")
+
+    monkeypatch.setattr("cptune.models.sizing.count_parameters", cannot_build)
+    recipe = load_recipe(write_recipe(context_parallel_size=2))
+    lines = preflight_module.describe_state_memory(recipe, ParallelDims.from_recipe(recipe, 2), None)
+    assert lines == [
+        "Memory per rank for model states: no estimate "
+        "(Unrecognized configuration class for this kind of AutoModel)."
+    ]

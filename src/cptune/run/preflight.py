@@ -147,7 +147,13 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         zero_state_memory,
     )
 
-    counts = count_parameters(recipe, config)
+    try:
+        counts = count_parameters(recipe, config)
+    except (ValueError, TypeError, RuntimeError, CptuneError) as err:
+        # The estimate is a convenience: a model transformers cannot build without weights (on the
+        # meta device) still trains, and its real problems are reported where it loads.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return [f"Memory per rank for model states: no estimate ({first})."]
     common = {
         "total": counts.total,
         "trainable": counts.trainable,
