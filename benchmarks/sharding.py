@@ -143,9 +143,10 @@ def render(result: dict[str, Any], save_chart) -> str:
         )
     lines += [
         "",
-        "FSDP2 splits every tensor of the model states over the dp_shard × cp ranks (uneven tensors are "
-        "padded to equal shards, hence slightly over 1/4), so the states per rank shrink with the number of "
-        "ranks while context parallelism splits the activations; plain DDP keeps them whole on every rank. "
+        "FSDP2 splits every tensor of the model states over the dp_shard × cp ranks along its first dim (a "
+        "tensor whose first dim does not divide evenly is padded to equal shards; this model's all divide by "
+        "4), so the states per rank shrink with the number of ranks while context parallelism splits the "
+        "activations; plain DDP keeps them whole on every rank. "
         "While a layer runs, FSDP2 also holds that layer's gathered weights (not counted here; `cptune "
         "validate` prints that figure too). These byte counts do not depend on the machine: on GPUs they are "
         "the same fractions of a real model's 16 bytes per parameter.",
