@@ -1,17 +1,7 @@
 """The FSDP2 keys: Axolotl's spellings accepted, what cptune cannot do refused with the reason."""
 
-import pytest
-
 from cptune.config.loader import validate_recipe
-from cptune.errors import RecipeError
-
-MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
-
-
-def problems(data):
-    with pytest.raises(RecipeError) as info:
-        validate_recipe(data)
-    return {p.key: p.message for p in info.value.problems}
+from tests.config.test_loader import MINIMAL, problems
 
 
 def test_axolotl_fsdp2_block_is_accepted_with_and_without_the_fsdp_prefix():

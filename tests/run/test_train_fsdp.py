@@ -112,8 +112,6 @@ def full_runs(tmp_path_factory):
 def test_full_finetune_dp_shard2_cp2_equals_one_process(full_runs):
     from transformers import AutoModelForCausalLM
 
-    from tests.run.train_worker import fixed_input_ids
-
     sharded, ranks, reference = full_runs
     expected = logged_losses(reference)
     assert len(expected) == MAX_STEPS and len(set(expected)) > 1
@@ -128,12 +126,9 @@ def test_full_finetune_dp_shard2_cp2_equals_one_process(full_runs):
     untrained = load_file(REPO / "examples" / "tiny-llama" / "model.safetensors")
     assert max(weight_diffs(load_file(reference / "model.safetensors"), untrained).values()) > 1e-3
 
-    loaded = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = loaded(input_ids=fixed_input_ids_of(sharded, fixed_input_ids)).logits
-    trained = torch.load(sharded / "logits.pt")
-    print("logits, saved folder vs the sharded model:", float((logits - trained).abs().max()))
-    assert float((logits - trained).abs().max()) <= 1e-5
+    assert_gives_the_sharded_models_logits(
+        AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32), sharded
+    )
 
 
 @pytest.mark.distributed
@@ -194,8 +189,6 @@ def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(tmp_path, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.run.train_worker import fixed_input_ids
-
     keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
     recipe = write_recipe(tmp_path, tiny_model_dir, "sharded", **keys)
     ranks = run_ranks(WORKER, 4, tmp_path / "sharded", str(recipe))
@@ -214,12 +207,7 @@ def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(tmp_path, t
     assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k)
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    loaded = PeftModel.from_pretrained(base, sharded).eval()
-    with torch.no_grad():
-        logits = loaded(input_ids=fixed_input_ids_of(sharded, fixed_input_ids)).logits
-    trained = torch.load(sharded / "logits.pt")
-    print("logits, saved adapter vs the sharded model:", float((logits - trained).abs().max()))
-    assert float((logits - trained).abs().max()) <= 1e-5
+    assert_gives_the_sharded_models_logits(PeftModel.from_pretrained(base, sharded), sharded)
 
 
 @pytest.mark.distributed
@@ -257,7 +245,14 @@ def test_torch_backend_with_fsdp2_equals_one_process(tmp_path, tiny_model_dir):
     assert max(rel(a, b) for a, b in zip(got, expected, strict=True)) <= 1e-5, (got, expected)
 
 
-def fixed_input_ids_of(folder: Path, fixed_input_ids) -> torch.Tensor:
+def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Path) -> None:
+    """``loaded`` (the saved folder, in one plain process) gives the logits the sharded model computed."""
     from transformers import AutoTokenizer
 
-    return fixed_input_ids(AutoTokenizer.from_pretrained(folder))
+    from tests.run.train_worker import fixed_input_ids
+
+    with torch.no_grad():
+        logits = loaded.eval()(input_ids=fixed_input_ids(AutoTokenizer.from_pretrained(sharded))).logits
+    diff = float((logits - torch.load(sharded / "logits.pt")).abs().max())
+    print("logits, saved folder in one process vs the sharded model:", diff)
+    assert diff <= 1e-5
