@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
@@ -53,6 +53,7 @@ class CptuneTrainer(Trainer):
         self._gradient_divisor = gradient_divisor(self.cp_backend, self.accelerator.num_processes)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
+        self.add_callback(LogLastStep())
         # Set while a checkpoint is written: the Trainer then writes into cptune's staging folder.
         self._checkpoint_staging: Path | None = None
 
@@ -208,6 +209,25 @@ class CptuneTrainer(Trainer):
                     tokens_per_second / self.accelerator.num_processes, 1
                 )
         super().log(logs, start_time)
+
+
+class LogLastStep(TrainerCallback):
+    """Log the last optimizer step, so the run's ``train_loss`` is averaged over every rank.
+
+    The Trainer averages each logged loss over the processes, but at the end of
+    training it adds the loss of the steps since the last log as this rank alone
+    saw it (transformers 5.23, ``Trainer._finalize_training``). Under CP a rank
+    holds the loss of its own shard only, so ``train_loss`` came out different from
+    the cp=1 run whenever ``max_steps`` was not a multiple of ``logging_steps``.
+    Logging the last step leaves nothing unaveraged, as the Trainer already does
+    for evaluation and saving at the end.
+    """
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        # Runs after the Trainer's DefaultFlowCallback, which decides that training stops here.
+        if control.should_training_stop:
+            control.should_log = True
+        return control
 
 
 class Throughput:
