@@ -61,6 +61,12 @@ FAILURES = """\
   default of 1800 s applies (cptune warns when the recipe sets another value).
   Under torchrun (multi-node), torchrun stops the remaining workers once one
   fails.
+- **The run is stopped from outside.** Ctrl-C, or SIGTERM to the `cptune train`
+  process (`kill`, or a scheduler cancelling the job), is passed on to every
+  rank (SIGKILL to those still running 10 s later), and the run exits with
+  code 130 or 143 and `cptune: the launcher was sent SIGTERM; stopped every
+  rank: ...`; no rank is left running. Multi-node, the signal goes to torchrun,
+  which stops its workers.
 - **Checkpoints survive.** A checkpoint appears in `output_dir` only once every
   rank has finished writing it, so `cptune train --resume` continues from the
   newest complete one after any failure.

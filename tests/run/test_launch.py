@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -90,6 +91,96 @@ def test_launcher_stops_every_rank_and_says_how_each_ended(survivor, monkeypatch
     assert f"cptune: rank 1 exited with code 3; {expected}" in stderr, stderr
     assert all(p.returncode is not None for p in started)
     assert took < 10, took  # 0.3 s until rank 1 fails, then at most 2 s grace + 2 s after SIGTERM
+
+
+def _sigterm_when_started(started: list, count: int) -> threading.Thread:
+    """SIGTERM to this process (the launcher under test) once ``count`` stand-in processes run."""
+
+    def send() -> None:
+        deadline = time.monotonic() + 30
+        while len(started) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the stand-ins are running Python by now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _launch_with_harmless_sigterm(launch_module, plan: LaunchPlan, started: list, count: int) -> int:
+    """Launch, sending SIGTERM to this process meanwhile; a launcher that ignored it must not end pytest.
+
+    Without the launcher's own handler the signal reaches this no-op one instead, and the launch
+    returns only when the stand-ins end by themselves (code 0, and no "sent SIGTERM" line).
+    """
+    original = signal.getsignal(signal.SIGTERM)
+
+    def harmless(signum, frame):
+        pass
+
+    signal.signal(signal.SIGTERM, harmless)
+    try:
+        sender = _sigterm_when_started(started, count)
+        code = launch_module.launch(plan, ["train", "recipe.yaml"])
+        sender.join()
+        assert signal.getsignal(signal.SIGTERM) is harmless  # the launcher put back the handler it found
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    return code
+
+
+@pytest.mark.parametrize(
+    ("rank1", "expected"),
+    [
+        ("import time; time.sleep(20)", "rank 1 was sent SIGTERM (code -15)"),
+        (
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(20)",
+            "rank 1 was sent SIGKILL (code -9)",
+        ),
+    ],
+    ids=["stops-on-sigterm", "ignores-sigterm"],
+)
+def test_sigterm_to_the_launcher_stops_every_rank(rank1, expected, monkeypatch, capsys):
+    """`kill` or a scheduler's SIGTERM to the launcher leaves no rank running (none orphaned)."""
+    from cptune.run import launch as launch_module
+
+    real_popen = subprocess.Popen
+    started = []
+
+    def fake_popen(command, env):
+        code = rank1 if env["RANK"] == "1" else "import time; time.sleep(20)"
+        started.append(real_popen([sys.executable, "-c", code], env=env))
+        return started[-1]
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(launch_module, "GRACE_SECONDS", 2.0)
+    code = _launch_with_harmless_sigterm(launch_module, LaunchPlan(nproc_per_node=2), started, 2)
+    stderr = capsys.readouterr().err
+    assert code == 143
+    assert all(p.returncode is not None for p in started)
+    assert (
+        "cptune: the launcher was sent SIGTERM; stopped every rank: "
+        f"rank 0 was sent SIGTERM (code -15); {expected}." in stderr
+    ), stderr
+
+
+def test_sigterm_to_the_launcher_reaches_torchrun(monkeypatch):
+    """Multi-node: the launcher passes SIGTERM on to torchrun (which stops its own workers)."""
+    from cptune.run import launch as launch_module
+
+    real_popen = subprocess.Popen
+    started = []
+
+    def fake_popen(command):
+        assert command[1:3] == ["-m", "torch.distributed.run"]
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(20)"]))
+        return started[-1]
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", fake_popen)
+    plan = LaunchPlan(nproc_per_node=2, nnodes=2, rdzv_endpoint="head:29500", rdzv_backend="c10d")
+    code = _launch_with_harmless_sigterm(launch_module, plan, started, 1)
+    assert code == 143 and started[0].returncode == -signal.SIGTERM
 
 
 @pytest.mark.distributed

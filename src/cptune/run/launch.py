@@ -4,19 +4,23 @@ On one node cptune starts its own processes (one per rank, the torchrun
 environment variables set for each) so that it can stop them all as soon as one
 fails, and report which rank failed, instead of leaving the others waiting in a
 collective. Multi-node launches go through torchrun with the user's rendezvous
-arguments.
+arguments. Either way, a launcher that is told to stop (Ctrl-C, or SIGTERM from
+``kill`` or a scheduler) passes the signal on, so no rank is left running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # How long the other ranks get to exit on their own after one rank failed.
 GRACE_SECONDS = 10.0
@@ -74,27 +78,60 @@ def launch(plan: LaunchPlan, child_args: Sequence[str]) -> int:
     return _launch_local(plan, child_args)
 
 
+class _Terminated(Exception):
+    """The launcher was sent SIGTERM."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into :class:`_Terminated` while the ranks run (only the main thread can)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _launch_local(plan: LaunchPlan, child_args: Sequence[str]) -> int:
     port = plan.master_port or free_port()
     command = [sys.executable, "-m", "cptune", *child_args]
-    procs = [
-        subprocess.Popen(command, env=child_environment(plan, rank, port, dict(os.environ)))
-        for rank in range(plan.nproc_per_node)
-    ]
+    procs: list[subprocess.Popen] = []
     failed: tuple[int, int] | None = None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failures = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failures:
-                failed = failures[0]
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
+        with _sigterm_raises():
+            for rank in range(plan.nproc_per_node):
+                procs.append(
+                    subprocess.Popen(command, env=child_environment(plan, rank, port, dict(os.environ)))
+                )
+            while True:
+                codes = [p.poll() for p in procs]
+                failures = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if failures:
+                    failed = failures[0]
+                    break
+                if all(c == 0 for c in codes):
+                    return 0
+                time.sleep(0.2)
     except KeyboardInterrupt:
         _stop(procs, signal.SIGINT)
         return 130
+    except _Terminated:
+        signalled = _stop(procs, signal.SIGTERM)
+        ended = "; ".join(
+            f"rank {r} was sent {signalled[r]} (code {p.returncode})"
+            if r in signalled
+            else f"rank {r} had exited with code {p.returncode}{_signal_name(p.returncode or 0)}"
+            for r, p in enumerate(procs)
+        )
+        print(f"cptune: the launcher was sent SIGTERM; stopped every rank: {ended}.", file=sys.stderr)
+        return 128 + signal.SIGTERM
     rank, code = failed
     deadline = time.monotonic() + GRACE_SECONDS
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
@@ -167,4 +204,24 @@ def _launch_torchrun(plan: LaunchPlan, child_args: Sequence[str]) -> int:
     }
     command += [f"{flag}={value}" for flag, value in optional.items() if value is not None]
     command += ["-m", "cptune", *child_args]
-    return subprocess.call(command)
+    torchrun = subprocess.Popen(command)
+    try:
+        with _sigterm_raises():
+            return _exit_code(torchrun.wait())
+    except KeyboardInterrupt:
+        # A terminal's Ctrl-C reaches torchrun too, and torchrun stops its workers; a SIGINT sent to
+        # this process alone does not, so torchrun is told after the grace period.
+        try:
+            return _exit_code(torchrun.wait(timeout=GRACE_SECONDS))
+        except subprocess.TimeoutExpired:
+            torchrun.send_signal(signal.SIGTERM)
+            return _exit_code(torchrun.wait())
+    except _Terminated:
+        # torchrun stops its workers when it is sent SIGTERM.
+        torchrun.send_signal(signal.SIGTERM)
+        return _exit_code(torchrun.wait())
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's return code as a shell reports it (128 + N for a child ended by signal N)."""
+    return returncode if returncode >= 0 else 128 - returncode
