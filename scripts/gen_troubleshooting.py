@@ -56,9 +56,11 @@ FAILURES = """\
   (a few seconds in practice).
 - **A rank hangs** (alive, but never reaches the next collective). The other
   ranks fail when a collective has waited `ddp_timeout` seconds (default 1800);
-  set it lower in the recipe for quicker failure on small runs. On CPU,
-  transformers 5.23 does not pass `ddp_timeout` to the process group, so torch's
-  default of 1800 s applies (cptune warns when the recipe sets another value).
+  set it lower in the recipe for quicker failure on small runs. A rank that
+  timed out says `error: a collective (...) waited longer than ddp_timeout (N s)`,
+  and the launcher's last line names it and stops the hung rank. Tested on CPU
+  with `ddp_timeout: 10` and one of two ranks stuck: the run is over within
+  40 s.
   Under torchrun (multi-node), torchrun stops the remaining workers once one
   fails.
 - **The run is stopped from outside.** Ctrl-C, or SIGTERM to the `cptune train`

@@ -294,9 +294,15 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # click usage errors arrive here in non-standalone mode
         import click
 
+        from cptune.run.distributed import collective_timeout_message
+
         if isinstance(err, click.ClickException):
             err.show()
             sys.exit(err.exit_code)
+        timed_out = collective_timeout_message(err)
+        if timed_out is not None:
+            print(f"{_rank_prefix()}error: {timed_out}", file=sys.stderr)
+            sys.exit(1)
         raise
     if isinstance(code, int) and code:
         sys.exit(code)

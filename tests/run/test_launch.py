@@ -228,8 +228,9 @@ def test_killed_rank_stops_the_run_within_bound(write_recipe, tmp_path):
     assert not Path(f"/proc/{ranks[0]}").exists()
 
 
-# Started by Python in every process whose PYTHONPATH holds it: rank 1 raises at its third training step.
-RAISING_RANK = """
+# Started by Python in every process whose PYTHONPATH holds it: at its third training step rank 1
+# raises (CPTUNE_TEST_FAILURE=raise) or stops answering (=hang).
+FAILING_RANK_HOOK = """
 import os
 if os.environ.get("RANK") == "1":
     import time
@@ -244,6 +245,8 @@ if os.environ.get("RANK") == "1":
         calls.append(1)
         if len(calls) == 3:
             Path(os.environ["CPTUNE_TEST_FAILED_AT"]).write_text(repr(time.time()))
+            if os.environ["CPTUNE_TEST_FAILURE"] == "hang":
+                time.sleep(3600)
             raise RuntimeError("simulated failure on rank 1")
         return original(self, *args, **kwargs)
 
@@ -251,17 +254,20 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def run_with_raising_rank(command: list[str], recipe: Path, tmp_path: Path) -> tuple[int, str, float]:
-    """Run ``command`` (a launcher) with rank 1 raising mid-training; (exit code, stderr, seconds to exit)."""
+def run_with_raising_rank(
+    command: list[str], recipe: Path, tmp_path: Path, failure: str = "raise"
+) -> tuple[int, str, float]:
+    """Run ``command`` (a launcher) with rank 1 failing mid-training; (exit code, stderr, seconds to exit)."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(RAISING_RANK)
+    (hook / "sitecustomize.py").write_text(FAILING_RANK_HOOK)
     failed_at = tmp_path / "failed_at"
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
         "CPTUNE_TEST_FAILED_AT": str(failed_at),
+        "CPTUNE_TEST_FAILURE": failure,
     }
     done = subprocess.run(
         [*command, "train", str(recipe)], env=env, capture_output=True, text=True, timeout=300
@@ -281,3 +287,24 @@ def test_raising_rank_stops_the_run_within_bound(write_recipe, tmp_path):
     print(f"the run was over {took:.1f} s after rank 1 raised (bound {EXIT_BOUND_SECONDS} s)")
     assert took <= EXIT_BOUND_SECONDS, took
     assert not (tmp_path / "out" / "train_log.json").exists()
+
+
+@pytest.mark.distributed
+def test_hung_rank_stops_the_run_after_ddp_timeout_on_cpu(write_recipe, tmp_path):
+    """Rank 1 stops answering: rank 0's collective fails after ddp_timeout, naming it, and the run ends."""
+    recipe = write_recipe(max_steps=100000, context_parallel_size=2, ddp_timeout=10)
+    code, stderr, took = run_with_raising_rank(
+        [sys.executable, "-m", "cptune"], recipe, tmp_path, failure="hang"
+    )
+    print(f"the run was over {took:.1f} s after rank 1 hung (ddp_timeout 10 s, bound {EXIT_BOUND_SECONDS} s)")
+    assert code != 0
+    assert re.search(
+        r"\[rank 0\] error: a collective \(\w+\) waited longer than ddp_timeout \(10 s\)", stderr, re.M
+    ), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert (
+        "cptune: rank 0 exited with code 1; stopped the other ranks: "
+        "rank 1 did not exit on its own and was sent SIGTERM (code -15)." in stderr
+    ), stderr[-3000:]
+    # torch's default timeout (1800 s) would hold the run for half an hour.
+    assert took <= EXIT_BOUND_SECONDS, took

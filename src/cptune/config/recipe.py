@@ -218,8 +218,8 @@ class Recipe(_Frozen):
         1800,
         ge=1,
         description="Seconds a collective may wait for the other processes before the run fails "
-        "(a hung or lost process then stops the run instead of holding it forever). On CPU "
-        "transformers 5.23 does not pass it on: torch's default (1800) applies.",
+        "(a hung or lost process then stops the run instead of holding it forever), on GPUs "
+        "and on CPU alike.",
     )
 
     # --- sharding of model states (FSDP2) -------------------------------------

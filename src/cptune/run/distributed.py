@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -39,4 +41,41 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         world_size=world,
         local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
         local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
+    )
+
+
+def init_cpu_process_group(timeout_seconds: int) -> bool:
+    """Start a multi-process CPU run's gloo process group with the recipe's ``ddp_timeout``.
+
+    transformers 5.23 passes ``ddp_timeout`` to accelerate only for GPU and
+    DeepSpeed runs (``TrainingArguments._setup_devices``); on CPU accelerate would
+    start the group with torch's default of 1800 s, so a hung rank held the others
+    for half an hour. accelerate uses a group that already exists, and the groups
+    of its device mesh (the CP group among them) take their timeout from it.
+
+    Returns:
+        Whether this call started the group (False when one already existed).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
+    return True
+
+
+# gloo's words when a collective waited past the process group's timeout.
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (\w+) operation")
+
+
+def collective_timeout_message(err: BaseException) -> str | None:
+    """What to tell the user when ``err`` is a collective that outwaited ``ddp_timeout`` (else None)."""
+    found = _GLOO_TIMEOUT.search(str(err))
+    if found is None:
+        return None
+    seconds = int(found[1]) / 1000
+    return (
+        f"a collective ({found[2]}) waited longer than ddp_timeout ({seconds:g} s) for another process: "
+        "one rank is stuck or far slower than the others, and the launcher's last line says how each "
+        "rank ended. If a step can legitimately take that long, raise ddp_timeout in the recipe."
     )

@@ -25,14 +25,11 @@ from cptune.models.loading import apply_lora, load_model, load_tokenizer, traina
 from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
-from cptune.run.distributed import DistEnv, read_dist_env
+from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
 from cptune.run.fsdp import fsdp_training_arguments
 from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
 
 log = logging.getLogger("cptune.train")
-
-# torch's default collective timeout for gloo, and transformers' default ddp_timeout (seconds).
-DEFAULT_DDP_TIMEOUT = 1800
 
 
 @dataclass(frozen=True)
@@ -143,14 +140,6 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         warmup = recipe.warmup_ratio
     evaluate = recipe.eval_steps is not None
     on_cpu = not torch.cuda.is_available()
-    if on_cpu and env.world_size > 1 and deepspeed is None and recipe.ddp_timeout != DEFAULT_DDP_TIMEOUT:
-        log.warning(
-            "ddp_timeout: %d s is not applied on CPU: transformers 5.23 passes it to the process group only "
-            "for GPU and DeepSpeed runs (TrainingArguments._setup_devices), so a hung collective here waits "
-            "torch's default of %d s. A rank that dies or raises still stops the run at once.",
-            recipe.ddp_timeout,
-            DEFAULT_DDP_TIMEOUT,
-        )
     return TrainingArguments(
         output_dir=recipe.output_dir,
         per_device_train_batch_size=recipe.micro_batch_size,
@@ -203,6 +192,9 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
     from cptune.data.collator import PackedCollator
     from cptune.run.trainer import CptuneTrainer
 
+    uses_deepspeed = dims.cp_enabled and recipe.cp_backend == "deepspeed"  # as training_arguments decides
+    if env.world_size > 1 and not torch.cuda.is_available() and not uses_deepspeed:
+        init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator(
         pad_token_id=tokenizer.pad_token_id,
         sequence_len=recipe.sequence_len,
