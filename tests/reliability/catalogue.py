@@ -275,6 +275,36 @@ def _model_with_truncated_weights(ws: Workspace) -> dict[str, Any]:
     return {"base_model": str(folder)}
 
 
+def _model_not_causal_lm(ws: Workspace) -> dict[str, Any]:
+    from transformers import T5Config
+
+    folder = ws.root / "t5-model"
+    folder.mkdir()
+    T5Config(vocab_size=768, d_model=32, num_layers=1, num_heads=2, d_kv=16, d_ff=64).save_pretrained(folder)
+    return {"base_model": str(folder)}
+
+
+def _model_with_a_smaller_vocabulary(ws: Workspace) -> dict[str, Any]:
+    """A model that embeds 256 tokens next to the tiny tokenizer's 768; its data already prepared."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from cptune.config.recipe import Recipe
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.loading import load_tokenizer
+
+    folder = ws.root / "small-vocabulary-model"
+    config = AutoConfig.from_pretrained(ws.model_dir)
+    config.vocab_size = 256
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for tokenizer_file in ws.model_dir.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, folder / tokenizer_file.name)
+    keys = {**ws.keys, "base_model": str(folder)}
+    # As after `cptune preprocess`: the check reads the prepared rows, and no cache is written here.
+    recipe = Recipe.model_validate(keys)
+    prepare_datasets(recipe, load_tokenizer(recipe), log=lambda line: None)
+    return {"base_model": str(folder)}
+
+
 def _output_dir_is_file(ws: Workspace) -> dict[str, Any]:
     (ws.root / "taken").write_text("keep me")
     return {"output_dir": str(ws.root / "taken")}
@@ -1036,6 +1066,25 @@ CASES: tuple[Case, ...] = (
         "An interrupted copy or download leaves a weight file shorter than its header says. Copy or "
         "download it again. cptune reads only the file's header here, not the weights.",
         setup=_model_with_truncated_weights,
+    ),
+    Case(
+        "model-not-causal-lm",
+        MODEL,
+        "base_model is not a causal language model (e.g. T5, BERT-style encoders)",
+        "which transformers cannot load as a causal language model (AutoModelForCausalLM)",
+        "cptune fine-tunes decoder language models (Llama, Qwen, Mistral, ...), also for bidirectional "
+        "fine-tunes (`causal: false`). Checked from config.json before the data is prepared.",
+        setup=_model_not_causal_lm,
+    ),
+    Case(
+        "tokenizer-of-another-model",
+        MODEL,
+        "The data holds token ids the model has no embedding for",
+        "but the model embeds only 256 tokens (vocab_size), so the tokenizer from",
+        "The tokenizer (base_model's own files, or `tokenizer_config`) belongs to another model. Use the "
+        "model's own tokenizer. Checked on the prepared data before launching (and in every rank, "
+        "against the loaded embedding, under torchrun).",
+        setup=_model_with_a_smaller_vocabulary,
     ),
     Case(
         "tokenizer-path-unknown",

@@ -34,7 +34,14 @@ from cptune.data.sources import ResolvedSource, load_source, resolve_source
 from cptune.data.stats import DatasetStats, PrepStats, SplitStats
 from cptune.errors import DataError
 
-__all__ = ["PreparedData", "cached_stats", "load_prepared", "prepare_datasets", "resolve_sources"]
+__all__ = [
+    "PreparedData",
+    "cached_stats",
+    "highest_token_id",
+    "load_prepared",
+    "prepare_datasets",
+    "resolve_sources",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,18 @@ class PreparedData:
     eval: datasets.Dataset | None
     path: Path
     stats: PrepStats
+
+
+def highest_token_id(prepared: PreparedData) -> int | None:
+    """The highest token id in the prepared rows (train and eval); None when they hold no token."""
+    highest: int | None = None
+    for dataset in (prepared.train, prepared.eval):
+        if dataset is None or len(dataset) == 0:
+            continue
+        value = pc.max(pc.list_flatten(dataset.data.table.column("input_ids"))).as_py()
+        if value is not None:
+            highest = value if highest is None else max(highest, value)
+    return highest
 
 
 def resolve_sources(recipe: Recipe) -> list[tuple[str, DatasetConfig, ResolvedSource]]:

@@ -80,6 +80,43 @@ def check_local_weights(recipe: Recipe) -> None:
     )
 
 
+def check_causal_lm(recipe: Recipe, config: Any) -> None:
+    """Refuse a ``base_model`` that transformers cannot load as a causal language model.
+
+    Checked from config.json before launching: an encoder-decoder (T5) or vision model otherwise
+    fails in every rank, after the data was prepared.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return
+    if recipe.trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return  # the model's own code provides the class
+    raise CptuneError(
+        f"base_model: '{recipe.base_model}' is a {config.model_type} model ({type(config).__name__}), which "
+        "transformers cannot load as a causal language model (AutoModelForCausalLM). cptune fine-tunes "
+        "decoder language models, also for causal: false (e.g. Llama, Qwen2/3, Mistral); pick one of those."
+    )
+
+
+def check_token_ids(highest_id: int | None, embedded: int | None, recipe: Recipe) -> None:
+    """Refuse data with token ids that the model has no embedding for (a tokenizer of another model).
+
+    Args:
+        highest_id: The highest token id in the prepared data (None: no tokens).
+        embedded: Rows of the model's input embedding (config ``vocab_size``); None when unknown.
+    """
+    if highest_id is None or embedded is None or highest_id < embedded:
+        return
+    tokenizer = recipe.tokenizer_config or recipe.base_model
+    raise CptuneError(
+        f"base_model: the tokenized data holds token id {highest_id}, but the model embeds only "
+        f"{embedded} tokens (vocab_size), so the tokenizer from '{tokenizer}' does not belong to this "
+        "model. Use the model's own tokenizer (remove tokenizer_config, or point it at the tokenizer "
+        "the model was trained with)."
+    )
+
+
 def torch_dtype(recipe: Recipe) -> torch.dtype:
     """The training dtype: bf16, fp16 or fp32 as the recipe says (``bf16: auto`` → bf16 when supported)."""
     if recipe.bf16 is True:

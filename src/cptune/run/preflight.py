@@ -40,7 +40,7 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
     if training:
         check_resume(recipe)
         check_earlier_run(recipe)
-    check_model(recipe, dims)
+    config = check_model(recipe, dims)
     if dims.cp_enabled and recipe.cp_backend == "deepspeed":
         from cptune.parallel.backends import deepspeed_ulysses as ulysses
 
@@ -57,10 +57,13 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
             check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
         load_ring_flash_attn()
     if prepare_data:
-        from cptune.data.prepare import prepare_datasets
-        from cptune.models.loading import load_tokenizer
+        from cptune.data.prepare import highest_token_id, prepare_datasets
+        from cptune.models.loading import check_token_ids, load_tokenizer
 
-        prepare_datasets(recipe, load_tokenizer(recipe))
+        prepared = prepare_datasets(recipe, load_tokenizer(recipe))
+        check_token_ids(
+            highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
+        )
 
 
 def check_resume(recipe: Recipe) -> None:
@@ -85,20 +88,25 @@ def model_config(recipe: Recipe) -> Any:
         ) from None
 
 
-def check_model(recipe: Recipe, dims: ParallelDims) -> None:
+def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
     """Check the model's architecture against the CP backend and the LoRA targets, without loading weights.
 
     Also checks that a local base_model folder holds complete weight files.
+
+    Returns:
+        The model's config.
     """
     from transformers import AutoModelForCausalLM
 
-    from cptune.models.loading import check_local_weights, check_lora_targets
+    from cptune.models.loading import check_causal_lm, check_local_weights, check_lora_targets
 
     config = model_config(recipe)
+    check_causal_lm(recipe, config)
     check_local_weights(recipe)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_model_config(recipe, dims, config, model_class)
     check_lora_targets(recipe, config)
+    return config
 
 
 def describe_plan(recipe: Recipe, *, world_size: int) -> str:

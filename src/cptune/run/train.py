@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.models.loading import apply_lora, load_model, load_tokenizer, trainable_parameter_count
+from cptune.models.loading import (
+    apply_lora,
+    check_token_ids,
+    load_model,
+    load_tokenizer,
+    trainable_parameter_count,
+)
 from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
@@ -64,7 +70,7 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
 def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from transformers import set_seed
 
-    from cptune.data.prepare import prepare_datasets
+    from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.patches.registry import build_patch_set
 
     env = read_dist_env()
@@ -87,6 +93,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
     model = load_model(recipe, backend.attn_implementation)
     check_model_config(recipe, dims, model.config, type(model))
+    check_token_ids(highest_token_id(prepared), model.get_input_embeddings().num_embeddings, recipe)
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP
         # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
