@@ -46,3 +46,26 @@ def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, 
         "Memory per rank for model states: no estimate "
         "(Unrecognized configuration class for this kind of AutoModel)."
     ]
+
+
+@pytest.mark.parametrize(
+    ("cuda", "flash_attn", "kernels", "warned"),
+    [
+        (False, False, "cptune's pure-PyTorch stand-ins (flash-attn not installed)", False),
+        (True, False, "cptune's pure-PyTorch stand-ins (flash-attn not installed)", True),
+        (True, True, "flash-attn", False),
+    ],
+    ids=["cpu", "gpu-without-flash-attn", "gpu-with-flash-attn"],
+)
+def test_validate_names_the_ring_kernels_and_warns_of_stand_ins_on_a_gpu(
+    write_recipe, monkeypatch, cuda, flash_attn, kernels, warned
+):
+    """A GPU machine without flash-attn runs the stand-ins about 100x slower: validate says so."""
+    monkeypatch.setattr(preflight_module.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr("cptune.parallel.kernels.flash_attn_available", lambda: flash_attn)
+    plan = preflight_module.describe_plan(
+        load_recipe(write_recipe(context_parallel_size=2, bf16=True)), world_size=2
+    )
+    assert f"heads_k_stride=1, kernels: {kernels}\n" in plan, plan
+    warning = "  warning:    flash-attn is not installed: ring-flash-attn computes attention with cptune's"
+    assert (warning in plan) is warned, plan

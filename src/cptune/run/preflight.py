@@ -128,14 +128,25 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     ]
     if dims.cp_enabled:
         attention = "causal" if recipe.causal else "bidirectional"
+        slow: str | None = None
         if recipe.cp_backend == "torch":
             balance = "load-balanced" if recipe.resolved_cp_load_balance else "contiguous"
             detail = f"{recipe.resolved_cp_comm_strategy} ring, {balance}, {attention}"
         elif recipe.cp_backend == "deepspeed":
             detail = f"Ulysses all-to-all, core attention {recipe.resolved_ulysses_attn_implementation}, {attention}"
         else:
-            detail = f"{recipe.resolved_ring_attn_func}, {attention}, heads_k_stride={recipe.heads_k_stride}"
+            from cptune.parallel.backends.select import ring_kernels, slow_ring_kernels_warning
+            from cptune.parallel.kernels import flash_attn_available
+
+            flash_attn = flash_attn_available()
+            detail = (
+                f"{recipe.resolved_ring_attn_func}, {attention}, heads_k_stride={recipe.heads_k_stride}, "
+                f"kernels: {ring_kernels(flash_attn=flash_attn)}"
+            )
+            slow = slow_ring_kernels_warning(cuda=torch.cuda.is_available(), flash_attn=flash_attn)
         lines.append(f"  attention:  {recipe.cp_backend} / {detail}")
+        if slow is not None:
+            lines.append(f"  warning:    {slow}")
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
     lines += ["", *describe_state_memory(recipe, dims, model_config(recipe))]
