@@ -1,7 +1,11 @@
-"""The results page's section on the GPU script (static text: the script has not run on this machine)."""
+"""The results page's section on the GPU script (static text: the CPU suite does not run it).
+
+The measurements quoted here were taken once on a lent H100 (one GPU) and are
+reproduced by the commands given with them.
+"""
 
 GPU_SECTION = """\
-## GPU script (not run here)
+## GPU script (not run by this suite)
 
 `benchmarks/gpu/run_gpu.py` measures what the published long-context numbers measure, on one GPU node,
 for a Llama-3.1-8B LoRA recipe (`benchmarks/gpu/llama31_8b_lora.yaml`: LoRA r=16 on every linear
@@ -31,6 +35,36 @@ the CPU suite, and reports per backend (discovered from the recipe schema, as in
   loads the base weights in bf16, not 4-bit, so its weights take ~16 GB instead of ~5.5 GB per GPU).
 
 Results go to `OUT/gpu_results.json` and `OUT/gpu_results.md`. The runs are offline: `--base-model`
-must be a local folder or a model already in the Hugging Face cache. flash-attn must be installed,
-or the ring-flash-attn backends fall back to cptune's slow CPU-style kernels (cptune warns).
+must be a local folder or a model already in the Hugging Face cache (`python -m
+benchmarks.gpu.random_model DIR` saves a Llama-3.1-8B-shaped model with random weights: memory and
+speed depend on the shapes only). flash-attn must be installed, or the ring-flash-attn backends fall
+back to cptune's pure-PyTorch stand-in kernels (`cptune validate` warns; see below).
+
+### Measured on one H100 (cp=1 only)
+
+One session was lent a single H100 80GB (torch 2.11, CUDA 13, no flash-attn; transformers 5.23,
+accelerate 1.15, peft 0.21 carried as wheels). One GPU cannot run CP (NCCL takes one GPU per
+process), so only the cp=1 rows were measured, on the random-weight 8B model:
+`python -m benchmarks.gpu.run_gpu --base-model DIR --cp-sizes 1 --tokens-per-gpu 8192,16384 --steps 6
+--warmup 2`, then `--tokens-per-gpu 16384 --max-length --max-length-resolution 16384`.
+
+| run | tokens/GPU | tokens/s/GPU | model TFLOP/s/GPU | MFU | peak GiB |
+|---|---:|---:|---:|---:|---:|
+| cp=1, 8K | 8192 | 6,432 | 351 | 35.5% | 29.4 |
+| cp=1, 16K | 16384 | 5,866 | 358 | 36.2% | 43.2 |
+
+- **Longest sequence at cp=1:** 32,768 tokens trained; 49,152 ran out of memory in the backward,
+  allocating 23.48 GiB. That is exactly the fp32 gradient of the logits (49,152 x 128,256 x 4 B).
+  At long context the logits, not the layers, set the limit.
+- **The GPU recipes' memory estimate holds.** `examples/gpu/llama31-8b-lora-ring-flash-attn-128k.yaml`
+  estimates about 48 GB per GPU for 16,384 tokens per GPU (128K over 8), the logits 21 GB of it.
+  The cp=1 run at 16,384 tokens peaked at 43.2 GiB = 46.4 GB. A ring rank adds only its K/V
+  buffers (< 0.1 GB) to that.
+- **The stand-in kernels are no substitute for flash-attn on a GPU:**
+  `python -m benchmarks.gpu.stand_in_kernels --tokens 4096,16384` (causal, bf16, 32 query / 8 KV heads
+  of 128, forward and backward) measured them 57x (4K) and 113x (16K) slower than PyTorch's fused SDPA,
+  with 2.5x its peak memory (2.01 against 0.82 GiB at 16K). Outputs agree to 0.016, one bf16 step at
+  these magnitudes. Install flash-attn on GPUs.
+- Not measured: every cp > 1 row, ring-flash-attn with flash-attn, the torch and deepspeed backends,
+  and FSDP2 on GPUs.
 """
