@@ -46,20 +46,20 @@ One session was lent a single H100 80GB (torch 2.11, CUDA 13, no flash-attn; tra
 accelerate 1.15, peft 0.21 carried as wheels). One GPU cannot run CP (NCCL takes one GPU per
 process), so only the cp=1 rows were measured, on the random-weight 8B model:
 `python -m benchmarks.gpu.run_gpu --base-model DIR --cp-sizes 1 --tokens-per-gpu 8192,16384 --steps 6
---warmup 2`, then `--tokens-per-gpu 16384 --max-length --max-length-resolution 16384`.
+--warmup 2 --max-length --max-length-resolution 16384`.
 
 | run | tokens/GPU | tokens/s/GPU | model TFLOP/s/GPU | MFU | peak GiB |
 |---|---:|---:|---:|---:|---:|
-| cp=1, 8K | 8192 | 6,432 | 351 | 35.5% | 29.4 |
-| cp=1, 16K | 16384 | 5,866 | 358 | 36.2% | 43.2 |
+| cp=1, 8K | 8192 | 6,329 | 346 | 35.0% | 25.9 |
+| cp=1, 16K | 16384 | 5,819 | 355 | 35.9% | 35.9 |
 
-- **Longest sequence at cp=1:** 32,768 tokens trained; 49,152 ran out of memory in the backward,
-  allocating 23.48 GiB. That is exactly the fp32 gradient of the logits (49,152 x 128,256 x 4 B).
-  At long context the logits, not the layers, set the limit.
-- **The GPU recipes' memory estimate holds.** `examples/gpu/llama31-8b-lora-ring-flash-attn-128k.yaml`
-  estimates about 48 GB per GPU for 16,384 tokens per GPU (128K over 8), the logits 21 GB of it.
-  The cp=1 run at 16,384 tokens peaked at 43.2 GiB = 46.4 GB. A ring rank adds only its K/V
-  buffers (< 0.1 GB) to that.
+- **Longest sequence at cp=1: 49,152 tokens** train; 65,536 run out of memory.
+- **Chunked loss.** Before cptune computed the loss in chunks (`cptune.parallel.loss.LOSS_CHUNK_ELEMENTS`), the same runs peaked at 29.4 and 43.2 GiB, at 6,432 and 5,866 tokens/s/GPU.
+  - The longest sequence was 32,768 tokens: 49,152 failed allocating 23.48 GiB in the backward, exactly the fp32 gradient of the logits (49,152 x 128,256 x 4 B).
+  - The chunked loss frees 7.3 GiB at 16K tokens and trains 1.5x longer sequences. Speed is within the run-to-run noise (-0.8%).
+- **The GPU recipes' memory estimates hold.** `examples/gpu/llama31-8b-lora-ring-flash-attn-128k.yaml` estimates about 40 GB per GPU for 16,384 tokens per GPU (128K over 8).
+  - The cp=1 run at 16,384 tokens peaked at 35.9 GiB = 38.5 GB. A ring rank adds only its K/V buffers (< 0.1 GB).
+  - Before the chunked loss: estimated 48 GB, measured 46.4 GB.
 - **The stand-in kernels are no substitute for flash-attn on a GPU:**
   `python -m benchmarks.gpu.stand_in_kernels --tokens 4096,16384` (causal, bf16, 32 query / 8 KV heads
   of 128, forward and backward) measured them 57x (4K) and 113x (16K) slower than PyTorch's fused SDPA,

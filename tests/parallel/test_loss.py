@@ -42,3 +42,28 @@ def test_step_target_count_single_process_divides_by_cp():
     assert step_target_count(torch.tensor(10), cp_size=1).item() == 10
     with pytest.raises(RuntimeError, match="same batches"):
         step_target_count(torch.tensor(7), cp_size=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_the_whole_loss_with_the_same_gradients(dtype):
+    """Long logits are taken in chunks (fp32 part recomputed in the backward): same loss, same gradient."""
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(2, 37, 50)).to(dtype)
+    labels = torch.randint(0, 50, (2, 37))
+    labels[0, :5] = -100
+    labels[1, 30:] = -100
+
+    def loss_and_grad(chunk_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = logits.clone().requires_grad_()
+        loss = token_loss_sum(leaf, labels, chunk_elements=chunk_elements)
+        loss.backward()
+        return loss.detach(), leaf.grad
+
+    whole_loss, whole_grad = loss_and_grad(chunk_elements=10**9)
+    chunked_loss, chunked_grad = loss_and_grad(chunk_elements=7 * 50)  # chunks of 7 tokens, the last of 4
+    assert torch.allclose(chunked_loss, whole_loss, rtol=1e-6, atol=0)
+    assert torch.equal(chunked_grad, whole_grad)  # every token's gradient is computed alike
+    with torch.no_grad():
+        assert torch.allclose(
+            token_loss_sum(logits, labels, chunk_elements=7 * 50), whole_loss, rtol=1e-6, atol=0
+        )

@@ -22,24 +22,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from cptune.parallel.shard import IGNORE_INDEX
 
+# Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
+# logits are the largest tensors of a step: 16,384 tokens x Llama 3's 128,256 vocabulary is 8.4 GB
+# in fp32, and cross-entropy keeps an fp32 log-softmax of that size for the backward, then makes
+# an fp32 gradient of it. In chunks, each chunk's fp32 part is recomputed in the backward instead
+# of kept, so only the logits themselves and their gradient stay whole.
+LOSS_CHUNK_ELEMENTS = 1 << 26
 
-def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+
+def token_loss_sum(
+    logits: torch.Tensor, shift_labels: torch.Tensor, chunk_elements: int = LOSS_CHUNK_ELEMENTS
+) -> torch.Tensor:
     """Sum of next-token cross-entropy over target tokens, computed in fp32.
+
+    Logits larger than ``chunk_elements`` are taken in chunks of whole tokens (see
+    ``LOSS_CHUNK_ELEMENTS``). Each token's loss and gradient are the same either way; only
+    the order in which the fp32 sum adds the tokens' losses differs.
 
     Args:
         logits: (..., tokens, vocab) logits for this rank's tokens.
         shift_labels: (..., tokens) targets already shifted per document; -100 = none.
+        chunk_elements: Most logits per chunk.
     """
     vocab = logits.shape[-1]
-    return F.cross_entropy(
-        logits.reshape(-1, vocab).float(),
-        shift_labels.reshape(-1).to(logits.device),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    flat_logits = logits.reshape(-1, vocab)
+    flat_labels = shift_labels.reshape(-1).to(logits.device)
+    rows = max(1, chunk_elements // vocab)
+    if flat_logits.shape[0] <= rows:
+        return _cross_entropy_sum(flat_logits, flat_labels)
+    chunks = zip(flat_logits.split(rows), flat_labels.split(rows), strict=True)
+    if torch.is_grad_enabled() and flat_logits.requires_grad:
+        # Keeps each chunk's input (a view of the logits) and recomputes its fp32 part in the backward.
+        parts = [checkpoint(_cross_entropy_sum, x, y, use_reentrant=False) for x, y in chunks]
+    else:
+        parts = [_cross_entropy_sum(x, y) for x, y in chunks]
+    return torch.stack(parts).sum()
+
+
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_targets(shift_labels: torch.Tensor) -> torch.Tensor:
