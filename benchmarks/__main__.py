@@ -67,12 +67,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _preload() -> None:
-    """Import the heavy libraries once, in this thread, before benchmarks run in threads."""
+    """Import the heavy libraries once, in this thread, before benchmarks run in threads.
+
+    Also gives tqdm its class lock for good. datasets loads files through tqdm's
+    ``thread_map``, whose ``ensure_lock`` deletes the lock on exit when it created it.
+    Two benchmarks preparing data in threads at once then raced: one deleted the lock
+    the other was using ("'tqdm' object has no attribute '_lock'", seen in the smoke run).
+    A lock that exists beforehand is kept.
+    """
     import datasets  # noqa: F401
     import transformers  # noqa: F401
+    from tqdm.std import tqdm
 
     import cptune.data.prepare
     import cptune.models.loading  # noqa: F401
+
+    tqdm.get_lock()
 
 
 def write_page(results: dict[str, Any], out: Path, assets: Path) -> None:

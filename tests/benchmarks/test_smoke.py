@@ -45,3 +45,27 @@ def test_smoke_suite_runs_every_benchmark_and_writes_the_page(tmp_path):
         svg = (tmp_path / "benchmarks" / chart).read_text()
         assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
         assert f"](benchmarks/{chart})" in page
+
+
+def test_threads_preparing_data_keep_tqdms_lock():
+    """The smoke suite's threads load data through datasets' thread_map at once: tqdm's lock must stay.
+
+    In a fresh process (as the suite starts), ``ensure_lock`` deletes the class lock it created,
+    under another thread's feet; after ``_preload`` it finds the lock and puts it back instead.
+    """
+    script = (
+        "from tqdm.contrib.concurrent import ensure_lock\n"
+        "from datasets.utils.tqdm import tqdm\n"
+        "from benchmarks.__main__ import _preload\n"
+        "with ensure_lock(tqdm):\n"
+        "    pass\n"
+        "assert not hasattr(tqdm, '_lock'), 'a fresh process was expected to lose the lock'\n"
+        "_preload()\n"
+        "with ensure_lock(tqdm):\n"
+        "    pass\n"
+        "assert hasattr(tqdm, '_lock'), 'ensure_lock deleted the lock after _preload'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
