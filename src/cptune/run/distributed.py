@@ -44,24 +44,20 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     )
 
 
-def init_cpu_process_group(timeout_seconds: int) -> bool:
+def init_cpu_process_group(timeout_seconds: int) -> None:
     """Start a multi-process CPU run's gloo process group with the recipe's ``ddp_timeout``.
 
     transformers 5.23 passes ``ddp_timeout`` to accelerate only for GPU and
     DeepSpeed runs (``TrainingArguments._setup_devices``); on CPU accelerate would
     start the group with torch's default of 1800 s, so a hung rank held the others
     for half an hour. accelerate uses a group that already exists, and the groups
-    of its device mesh (the CP group among them) take their timeout from it.
-
-    Returns:
-        Whether this call started the group (False when one already existed).
+    of its device mesh (the CP group among them) take their timeout from it. A
+    group that exists already is left as it is.
     """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return False
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
-    return True
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_seconds))
 
 
 # gloo's words when a collective waited past the process group's timeout.

@@ -114,7 +114,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     from cptune.patches.registry import build_patch_set
 
     dims = ParallelDims.from_recipe(recipe, world_size)
-    check_model(recipe, dims)
+    config = check_model(recipe, dims)
     lines = ["Resolved recipe:"]
     dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
     lines += ["  " + line for line in dumped.splitlines()]
@@ -149,7 +149,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
             lines.append(f"  warning:    {slow}")
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
-    lines += ["", *describe_state_memory(recipe, dims, model_config(recipe))]
+    lines += ["", *describe_state_memory(recipe, dims, config)]
     plan = build_patch_set(recipe).plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]

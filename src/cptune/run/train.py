@@ -119,12 +119,17 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
 
 
+def runs_under_deepspeed(recipe: Recipe, dims: ParallelDims) -> bool:
+    """Whether DeepSpeed's engine (Ulysses) trains this layout; at cp=1 the deepspeed backend is plain DDP."""
+    return dims.cp_enabled and recipe.cp_backend == "deepspeed"
+
+
 def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     """The Trainer's arguments for this recipe and process layout."""
     from transformers import TrainingArguments
 
     parallelism = deepspeed = None
-    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
+    if runs_under_deepspeed(recipe, dims):
         from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config, ulysses_parallelism_config
 
         parallelism = ulysses_parallelism_config(recipe, dims.dp_size, dims.cp_size)
@@ -199,8 +204,7 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
     from cptune.data.collator import PackedCollator
     from cptune.run.trainer import CptuneTrainer
 
-    uses_deepspeed = dims.cp_enabled and recipe.cp_backend == "deepspeed"  # as training_arguments decides
-    if env.world_size > 1 and not torch.cuda.is_available() and not uses_deepspeed:
+    if env.world_size > 1 and not torch.cuda.is_available() and not runs_under_deepspeed(recipe, dims):
         init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator(
         pad_token_id=tokenizer.pad_token_id,
