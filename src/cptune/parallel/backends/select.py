@@ -99,7 +99,9 @@ def _deepspeed(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> Backend
     core = recipe.resolved_ulysses_attn_implementation
     ulysses.check_core_attention_available(core)
     if core == "cptune":
-        ulysses.register_document_attention()
+        from cptune.parallel.backends.document_attention import register_document_attention
+
+        register_document_attention()
     stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]
 
     def build(accelerator: Any) -> CpBackend:
