@@ -31,7 +31,8 @@ FP32_ATOL = 1e-5
 # errors for these inputs are 4.5e-3 (out) and 2.1e-2 (grads), about a third of the tolerance.
 BF16_ATOL = {"out": 2e-2, "grad": 6e-2}
 TIMEOUT_S = 120
-SRC = Path(__file__).resolve().parents[3] / "src"
+ROOT = Path(__file__).resolve().parents[3]
+SRC = ROOT / "src"
 
 
 # ---- the tests (pytest process) -------------------------------------------------------------
@@ -41,7 +42,7 @@ SRC = Path(__file__).resolve().parents[3] / "src"
 def results(tmp_path_factory) -> dict[str, dict[str, float]]:
     """Run the launcher once; return ``{case: {"out"|"dq"|"dk"|"dv": max abs error}}``."""
     out_dir = tmp_path_factory.mktemp("ring_cpu")
-    pythonpath = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(SRC), str(ROOT), os.environ.get("PYTHONPATH")]))
     completed = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(out_dir)],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath),
@@ -61,8 +62,10 @@ def results(tmp_path_factory) -> dict[str, dict[str, float]]:
 
 def cases(results: dict[str, dict[str, float]], prefix: str) -> dict[str, dict[str, float]]:
     selected = {name: errors for name, errors in results.items() if name.startswith(prefix)}
-    # Three CP layouts (world2 cp2, world4 cp4, world4 cp2xdp2); llama3 has 4 cases per layout.
-    assert len(selected) == (12 if prefix == "llama3" else 3), sorted(results)
+    # Three CP layouts (world2 cp2, world4 cp4, world4 cp2xdp2); llama3 has 4 cases per layout,
+    # 2 on torch's kernels.
+    expected = {"llama3": 12, "torch-flash llama3": 6}
+    assert len(selected) == expected.get(prefix, 3), sorted(results)
     return selected
 
 
@@ -74,6 +77,20 @@ def test_llama3_varlen_fp32_matches_single_process(results):
 
 def test_zigzag_ring_bf16_within_tolerance(results):
     for name, errors in cases(results, "zigzag-bf16").items():
+        assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
+        assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
+
+
+def test_ring_flash_attn_on_torch_flash_kernels_matches_single_process(results):
+    """ring-flash-attn's real code through the adapter onto torch's FlashAttention-2 ops.
+
+    The CUDA ops are replaced by a float64 op with their contract (flash_reference.py): this
+    checks the adapter inside the real ring code, llama3 (fp32, exact) and the zigzag ring,
+    whose backward takes the merged output and LSE (bf16, as ring-flash-attn 0.1.8 needs).
+    """
+    for name, errors in cases(results, "torch-flash llama3").items():
+        assert max(errors.values()) <= FP32_ATOL, f"{name}: {errors}"
+    for name, errors in cases(results, "torch-flash zigzag-bf16").items():
         assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
         assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
 
@@ -230,6 +247,17 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
                 results[name] = _llama3_case(ring, data, group, causal, stride)
             results[f"zigzag-bf16 {label}"] = _zigzag_case(ring, data, group, torch.bfloat16)
             results[f"zigzag-fp32 {label}"] = _zigzag_case(ring, data, group, torch.float32)
+        # The same ring code on the adapter onto torch's flash ops (the float64 op stands in for
+        # the CUDA-only ones; the dispatcher is told the tensors are ones torch's kernels take).
+        from cptune.parallel.kernels import torch_flash
+        from tests.parallel.kernels.flash_reference import REFERENCE_OPS
+
+        torch_flash.flash_ops, torch_flash.runs = (lambda: REFERENCE_OPS), (lambda q: True)
+        for label, group in groups.items():
+            for causal in (True, False):
+                name = f"torch-flash llama3 {label} causal={causal} heads_k_stride=2"
+                results[name] = _llama3_case(ring, data, group, causal, 2)
+            results[f"torch-flash zigzag-bf16 {label}"] = _zigzag_case(ring, data, group, torch.bfloat16)
         # Every rank compared the gathered tensors; report the worst over ranks.
         names, keys = sorted(results), ("out", "dq", "dk", "dv")
         worst = torch.tensor([[results[n][key] for key in keys] for n in names], dtype=torch.float64)
