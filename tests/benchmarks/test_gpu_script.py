@@ -102,3 +102,16 @@ def test_max_length_search_doubles_then_bisects():
     assert config.next_length(None, 65536, 8192) == 32768
     assert config.next_length(None, 8192, 8192) is None
     assert config.is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate")
+
+
+def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
+    """The GPU kernel checks' plumbing, with the float64 op standing in for torch's CUDA ones."""
+    from benchmarks.gpu import check_kernels
+    from benchmarks.gpu.reference_ops import substituted
+
+    with substituted():
+        rows = check_kernels.run_checks(device="cpu", size=1, head_dim=8, dtypes=("bfloat16",))
+    assert len(rows) == 9 and all(row["ok"] for row in rows), rows
+    assert {"out", "lse", "dq", "dk", "dv"} <= rows[0].keys()
+    # The rounding of bf16 inputs and outputs, and nothing near the pass mark.
+    assert all(1e-4 < row["dq"] < check_kernels.TOLERANCE["bfloat16"] / 2 for row in rows if "dq" in row)

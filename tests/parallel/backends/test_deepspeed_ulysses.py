@@ -198,8 +198,9 @@ def test_document_attention_on_gpu_kernels_is_one_varlen_call_equal_to_the_per_d
     Its CUDA op is replaced by the float64 reference with the same contract (the GPU check script
     runs the real one).
     """
+    from benchmarks.gpu.reference_ops import REFERENCE_OPS
+
     from cptune.parallel.kernels import torch_flash
-    from tests.parallel.kernels.flash_reference import REFERENCE_OPS
 
     torch.manual_seed(0)
     q = torch.randn(2, 4, 11, 8, dtype=torch.float64, requires_grad=True)

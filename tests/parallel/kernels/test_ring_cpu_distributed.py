@@ -84,7 +84,7 @@ def test_zigzag_ring_bf16_within_tolerance(results):
 def test_ring_flash_attn_on_torch_flash_kernels_matches_single_process(results):
     """ring-flash-attn's real code through the adapter onto torch's FlashAttention-2 ops.
 
-    The CUDA ops are replaced by a float64 op with their contract (flash_reference.py): this
+    The CUDA ops are replaced by a float64 op with their contract (benchmarks/gpu/reference_ops.py): this
     checks the adapter inside the real ring code, llama3 (fp32, exact) and the zigzag ring,
     whose backward takes the merged output and LSE (bf16, as ring-flash-attn 0.1.8 needs).
     """
@@ -249,8 +249,9 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
             results[f"zigzag-fp32 {label}"] = _zigzag_case(ring, data, group, torch.float32)
         # The same ring code on the adapter onto torch's flash ops (the float64 op stands in for
         # the CUDA-only ones; the dispatcher is told the tensors are ones torch's kernels take).
+        from benchmarks.gpu.reference_ops import REFERENCE_OPS
+
         from cptune.parallel.kernels import torch_flash
-        from tests.parallel.kernels.flash_reference import REFERENCE_OPS
 
         torch_flash.flash_ops, torch_flash.runs = (lambda: REFERENCE_OPS), (lambda q: True)
         for label, group in groups.items():

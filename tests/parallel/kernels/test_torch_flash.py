@@ -2,7 +2,7 @@
 
 torch's flash-attention ops have no CPU kernels, so the adapter's logic (layouts, LSE shapes
 and infinities, in-place gradient writes, masks, GQA, merged-LSE backward) runs here over a
-float64 op with the same contract (``flash_reference.REFERENCE_OPS``), and is compared with the
+float64 op with the same contract (``benchmarks/gpu/reference_ops.py``), and is compared with the
 plain float64 reference and with the CPU stand-ins. Its calls are also bound to the real ops'
 schemas of the installed torch on meta tensors. The same checks on the real CUDA ops are
 ``benchmarks/gpu/check_kernels.py`` (and tests/parallel/kernels/test_torch_flash_gpu.py).
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from benchmarks.gpu import reference
+from benchmarks.gpu.reference_ops import REFERENCE_OPS
 
 from cptune.parallel.kernels import dispatch, flash_attn_cpu, torch_flash
-from tests.parallel.kernels.flash_reference import REFERENCE_OPS
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 HEAD_DIM = 8

@@ -1,8 +1,9 @@
-"""A float64 stand-in for torch's flash-attention ops, with their contract, for CPU tests of the adapter.
+"""A float64 stand-in for torch's flash-attention ops, with their contract, for CPU runs of the adapter.
 
 ``aten::_flash_attention_forward`` / ``_flash_attention_backward`` have no CPU kernels, so the
-tests of :mod:`cptune.parallel.kernels.torch_flash` substitute :data:`REFERENCE_OPS` for
-:func:`~cptune.parallel.kernels.torch_flash.flash_ops`. What it copies from the CUDA ops (torch
+CPU tests of :mod:`cptune.parallel.kernels.torch_flash` and the CPU dry run of the GPU scripts
+substitute :data:`REFERENCE_OPS` for :func:`~cptune.parallel.kernels.torch_flash.flash_ops`
+(:func:`substituted`). What it copies from the CUDA ops (torch
 2.11-2.14, see the adapter's docstring): the argument lists, dense ``(b, s, h, d)`` / varlen
 ``(total, h, d)`` inputs, LSE ``(b, h, s)`` / ``(h, total_q)`` in fp32, ``+inf`` LSE and zero
 output for rows that see no key, bottom-right masks, GQA, a backward that uses the ``out`` and
@@ -13,11 +14,14 @@ any float dtype and computes in float64, so fp32 checks can be exact.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
-from benchmarks.gpu.reference import attention, visible_keys
 
+from benchmarks.gpu.reference import attention, visible_keys
+from cptune.parallel.kernels import torch_flash
 from cptune.parallel.kernels.torch_flash import FlashOps
 
 
@@ -50,7 +54,7 @@ def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is
     lse_shape = (
         (query.shape[1], query.shape[0]) if varlen else (query.shape[0], query.shape[2], query.shape[1])
     )
-    lse = torch.empty(lse_shape, dtype=torch.float32)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=query.device)
     for rows_q, rows_k in _sequences(query, key, cum_seq_q, cum_seq_k):
         seq_out, seq_lse = attention(
             query[rows_q][None], key[rows_k][None], value[rows_k][None],
@@ -63,8 +67,14 @@ def forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is
             lse[:, rows_q] = seq_lse
         else:
             lse[rows_q[0]] = seq_lse
-    rng_state = torch.zeros(2, dtype=torch.uint64)
-    return out, lse, rng_state, torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    return (
+        out,
+        lse,
+        rng_state,
+        torch.zeros((), dtype=torch.uint64, device=query.device),
+        torch.empty(0, dtype=query.dtype),
+    )
 
 
 def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -75,15 +85,17 @@ def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, 
     assert dropout_p == 0.0
     left, right = _window(is_causal, window_size_left, window_size_right)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (query, key, value)]
+    grads = [torch.zeros(t.shape, dtype=torch.float64, device=query.device) for t in (query, key, value)]
     group = query.shape[-2] // key.shape[-2]
     for rows_q, rows_k in _sequences(query, key, cum_seq_q, cum_seq_k):
         q, k, v, o, do = (t[rows].double() for t, rows in
                           ((query, rows_q), (key, rows_k), (value, rows_k), (out, rows_q), (grad_out, rows_q)))  # fmt: skip
-        lse = (logsumexp[:, rows_q] if cum_seq_q is not None else logsumexp[rows_q[0]]).double()  # (h, n_q)
+        lse = (logsumexp[:, rows_q] if cum_seq_q is not None else logsumexp[rows_q[0]]).double()
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        scores = scores.masked_fill(~visible_keys(q.shape[0], k.shape[0], left, right), float("-inf"))
+        scores = scores.masked_fill(
+            ~visible_keys(q.shape[0], k.shape[0], left, right, q.device), float("-inf")
+        )
         # Like the kernel: probabilities from the given LSE; a row with an infinite LSE has none.
         probs = torch.exp(scores - lse.masked_fill(~torch.isfinite(lse), float("inf"))[..., None])
         delta = (do * o).sum(-1).T  # (h, n_q), from the given output
@@ -99,4 +111,16 @@ def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, 
 
 
 REFERENCE_OPS = FlashOps(forward=forward, backward=backward)
-"""Substitute for ``torch_flash.flash_ops()`` in CPU tests."""
+"""Substitute for ``torch_flash.flash_ops()`` in CPU runs."""
+
+
+@contextlib.contextmanager
+def substituted() -> Iterator[None]:
+    """Run the adapter on CPU: the reference ops, and every tensor counted as one torch's kernels take."""
+    saved = torch_flash.flash_ops, torch_flash.runs, torch_flash.unavailable_reason
+    torch_flash.flash_ops, torch_flash.runs = (lambda: REFERENCE_OPS), (lambda q: True)
+    torch_flash.unavailable_reason = lambda: None
+    try:
+        yield
+    finally:
+        torch_flash.flash_ops, torch_flash.runs, torch_flash.unavailable_reason = saved
