@@ -115,3 +115,33 @@ def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
     assert {"out", "lse", "dq", "dk", "dv"} <= rows[0].keys()
     # The rounding of bf16 inputs and outputs, and nothing near the pass mark.
     assert all(1e-4 < row["dq"] < check_kernels.TOLERANCE["bfloat16"] / 2 for row in rows if "dq" in row)
+
+
+def test_multirank_verdicts_apply_the_stated_limits():
+    from benchmarks.gpu import multirank
+
+    result = {
+        "attention": {"llama3 causal": {"out": 1e-3, "dq": 3e-2}, "zigzag causal": {"out": 2e-3, "dq": 3e-3}},
+        "model tiny varlen_llama3": {
+            "ref_losses": [4.0],
+            "cp_losses": [4.0001],
+            "loss_rel": 2.5e-5,
+            "grad_rel": 0.02,
+        },
+        "model tiny batch_zigzag": {
+            "ref_losses": [4.0],
+            "cp_losses": [4.1],
+            "loss_rel": 0.025,
+            "grad_rel": 0.02,
+        },
+    }
+    assert multirank.verdicts(result) == {
+        "attention llama3 causal": False,  # dq 3e-2 > 2e-2
+        "attention zigzag causal": True,
+        "model tiny varlen_llama3": True,
+        "model tiny batch_zigzag": False,  # a loss 2.5% off
+    }
+    table = multirank.markdown(
+        {"cp": {"2": {**result, "ok": multirank.verdicts(result)}, "4": {"error": "rank exit codes [1, 0]"}}}
+    )
+    assert "| 2 | model tiny batch_zigzag |" in table and "| 4 | all | rank exit codes [1, 0] | no |" in table
