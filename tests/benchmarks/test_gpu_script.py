@@ -10,10 +10,12 @@ from benchmarks.gpu import config
 from benchmarks.gpu.flops import (
     LLAMA_31_8B,
     attention_flops_per_token,
+    full_model_flops_per_token,
     hardware_flops_per_token,
+    lora_model_flops_per_token,
     lora_parameters,
     mfu,
-    model_flops_per_token,
+    utilization,
 )
 
 from cptune.config.loader import validate_recipe
@@ -25,11 +27,11 @@ def test_llama_31_8b_has_8_billion_parameters():
 
 def test_flops_reproduce_the_torchtitan_figures_of_the_field_notes():
     # notes/field.md: 3,890 tokens/s/GPU at 32K -> ~288 TFLOP/s, attention 35% of the FLOPs.
-    per_token = model_flops_per_token(LLAMA_31_8B, 32768)
+    per_token = full_model_flops_per_token(LLAMA_31_8B, 32768)
     assert 3890 * per_token / 1e12 == pytest.approx(288, rel=0.01)
     assert attention_flops_per_token(LLAMA_31_8B, 32768) / per_token == pytest.approx(0.35, abs=0.01)
     # 548 tokens/s/GPU at 262,144 tokens -> ~139 TFLOP/s, attention 81%.
-    per_token = model_flops_per_token(LLAMA_31_8B, 262144)
+    per_token = full_model_flops_per_token(LLAMA_31_8B, 262144)
     assert 548 * per_token / 1e12 == pytest.approx(139, rel=0.01)
     assert attention_flops_per_token(LLAMA_31_8B, 262144) / per_token == pytest.approx(0.81, abs=0.01)
 
@@ -40,8 +42,27 @@ def test_causal_attention_is_half_of_bidirectional_and_lora_does_less_than_6p():
     assert attention_flops_per_token(LLAMA_31_8B, s) == full / 2 == 6 * 32 * 4096 * s
     lora = lora_parameters(LLAMA_31_8B, 16)
     assert 40e6 < lora < 43e6  # r=16 on all linear layers of Llama-3.1-8B: ~42M
-    assert hardware_flops_per_token(LLAMA_31_8B, s, lora) < model_flops_per_token(LLAMA_31_8B, s)
+    p = LLAMA_31_8B.parameters
+    attention = attention_flops_per_token(LLAMA_31_8B, s)
+    assert lora_model_flops_per_token(LLAMA_31_8B, s, lora) == 4 * p + 6 * lora + attention
+    # Checkpointing runs each layer's forward again: its weights (not the embeddings), LoRA, attention.
+    recomputed = 2 * LLAMA_31_8B.layer_parameters + 2 * lora + attention / 3
+    assert hardware_flops_per_token(LLAMA_31_8B, s, lora, recompute=True) == pytest.approx(
+        lora_model_flops_per_token(LLAMA_31_8B, s, lora) + recomputed
+    )
+    assert hardware_flops_per_token(LLAMA_31_8B, s, lora, recompute=False) == lora_model_flops_per_token(
+        LLAMA_31_8B, s, lora
+    )
+    assert LLAMA_31_8B.parameters - LLAMA_31_8B.layer_parameters == 2 * 128256 * 4096 + 4096
     assert mfu(1000.0, 989e9, 989e12) == pytest.approx(1.0)
+
+
+def test_the_published_cp1_measurement_is_26_6_percent_mfu_for_lora_not_35_9():
+    """The page quoted 35.9% at 16K tokens (5,819 tokens/s/GPU): 6P counted for a LoRA run."""
+    figures = utilization(LLAMA_31_8B, 16384, 5819, lora_parameters(LLAMA_31_8B, 16), recompute=True)
+    assert figures["mfu_6p"] == pytest.approx(0.359, abs=5e-4)
+    assert figures["mfu"] == pytest.approx(0.266, abs=5e-4)
+    assert figures["hfu"] == pytest.approx(0.374, abs=5e-4)
 
 
 def base_recipe(tmp_path: Path) -> dict:
@@ -83,6 +104,7 @@ def test_every_planned_run_builds_a_valid_recipe(tmp_path):
 
 def test_run_metrics_and_weak_scaling():
     one = config.run_metrics(LLAMA_31_8B, config.RunPlan(None, (), 1, 8192), 2.0, 40 << 30, 989e12, 16)
+    assert one["mfu"] < one["hfu"] and one["mfu"] < one["mfu_6p"]
     eight = config.run_metrics(LLAMA_31_8B, config.RunPlan("x", (), 8, 65536), 20.0, 60 << 30, 989e12, 16)
     assert one["tokens_per_second_per_gpu"] == 4096
     assert eight["tokens_per_second_per_gpu"] == pytest.approx(65536 / 20 / 8)
