@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,13 @@ def build(args: argparse.Namespace, device: str):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.gpu.multirank_cases import llama_31_8b_shaped, tiny_llama
+    from benchmarks.gpu.multirank_cases import construct, llama_31_8b_shaped, tiny_llama
 
     torch.manual_seed(0)
     if args.base_model:
         model = AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch.bfloat16).to(device)
     else:
-        with torch.device(device):
-            model = (tiny_llama(97) if args.dry_run else llama_31_8b_shaped(args.layers))().to(torch.bfloat16)
+        model = construct(tiny_llama(97) if args.dry_run else llama_31_8b_shaped(args.layers), device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
@@ -185,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
         args.lengths, args.steps, args.warmup = [64, 128], 1, 1
-    dist.init_process_group("gloo" if args.dry_run else "nccl", init_method=f"file://{args.out.parent.resolve()}/store",
-                            rank=0, world_size=1)  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    store = Path(tempfile.mkdtemp(prefix="cptune-paths-")) / "store"
+    dist.init_process_group(
+        "gloo" if args.dry_run else "nccl", init_method=f"file://{store}", rank=0, world_size=1
+    )
     try:
         model = build(args, device)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

@@ -91,6 +91,7 @@ def worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) ->
 
 def run(cp_size: int, work: Path, args: dict[str, Any]) -> dict[str, Any]:
     """Launch ``cp_size`` processes (spawned: CUDA must not be forked) and return rank 0's results."""
+    work = work.resolve()  # the file store's URL needs an absolute path
     work.mkdir(parents=True, exist_ok=True)
     store, out = work / f"store{cp_size}", work / f"cp{cp_size}.json"
     store.unlink(missing_ok=True)
@@ -100,12 +101,16 @@ def run(cp_size: int, work: Path, args: dict[str, Any]) -> dict[str, Any]:
     ]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(args["timeout"] * 4)
+    deadline = time.monotonic() + args["timeout"] * 4
+    # A rank that fails leaves the others waiting in a collective: stop them all at the first failure.
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        if any(p.exitcode not in (None, 0) for p in processes):
+            break
+        time.sleep(0.5)
     for process in processes:
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
     codes = [p.exitcode for p in processes]
     if any(codes):
         return {"error": f"rank exit codes {codes}"}
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(results))
     failed = [f"cp={cp} {name}" for cp, r in results["cp"].items() for name, ok in r["ok"].items() if not ok]
     failed += [f"cp={cp}: {r['error']}" for cp, r in results["cp"].items() if "error" in r]
-    total = sum(len(r["ok"]) for r in results["cp"].values())
+    total = sum(len(r["ok"]) or 1 for r in results["cp"].values())
     print(f"multirank parity: {total - len(failed)} passed, {len(failed)} failed", flush=True)
     return 1 if failed else 0
 

@@ -139,7 +139,7 @@ def model_case(build_model, kernels: Any, group: Any, *, func: str, seq_len: int
     register_attention()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     torch.manual_seed(1234)
-    base = build_model().to(device=device, dtype=torch.bfloat16)
+    base = construct(build_model, device)
     torch.manual_seed(7)
     reference_model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                       init_lora_weights=False))  # fmt: skip
@@ -181,6 +181,17 @@ def _step(model, backend, batch, targets, world) -> float:
         loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), targets, world)
         loss.backward()
     return loss.item()
+
+
+def construct(build_model, device: str) -> torch.nn.Module:
+    """The model built straight on ``device`` in bf16 (an 8B-shaped one in fp32 on the host is slow)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            return build_model().to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def llama_31_8b_shaped(layers: int, vocab: int | None = None):

@@ -167,3 +167,42 @@ def test_multirank_verdicts_apply_the_stated_limits():
         {"cp": {"2": {**result, "ok": multirank.verdicts(result)}, "4": {"error": "rank exit codes [1, 0]"}}}
     )
     assert "| 2 | model tiny batch_zigzag |" in table and "| 4 | all | rank exit codes [1, 0] | no |" in table
+
+
+def test_gpu_section_is_rendered_from_the_committed_json_with_mfu_two_ways():
+    from benchmarks.gpu.docs import gpu_section, load_gpu_results
+
+    section = gpu_section(load_gpu_results())
+    # tokens/s as measured; MFU counts 4P for the frozen base, HFU adds the recomputed forward, 6P for comparison.
+    assert "| sdpa | 16,384 | 5,819 | 1.000 | 26.6% | 37.4% | 35.9% | 35.9 |" in section
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert section.rstrip() in page, "docs/benchmarks.md is stale: python -m benchmarks --render-only"
+
+
+def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path):
+    import json
+
+    from benchmarks.gpu import docs, lease_report
+
+    files = {
+        "env.json": {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0+cu130", "cuda": "13.0",
+                     "transformers": "5.23.0", "accelerate": "1.15.0", "peft": "0.21.2", "date": "2026-12-01"},
+        "kernels.json": {"environment": {"kernels": "torch kernels"},
+                         "checks": [{"case": "dense causal", "dtype": "bfloat16", "ok": True, "out": 3e-3, "dq": 4e-3}],
+                         "timing": {"tokens": 16384, "adapter_ms": 14.0, "sdpa_flash_ms": 13.9, "ratio": 1.007}},
+        "paths.json": {"kernels": "cptune.parallel.kernels.torch_flash._flash_attn_varlen_forward",
+                       "settings": {"layers": 32},
+                       "lengths": {"8192": {"ring-flash-attn (torch kernels)": {"tokens_per_second_per_gpu": 6200.0, "peak_gib": 26.0},
+                                            "sdpa": {"tokens_per_second_per_gpu": 6329.0, "peak_gib": 25.9}},
+                                   "65536": {"sdpa": {"error": "out of memory"}}}},
+    }  # fmt: skip
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    run = lease_report.entry([tmp_path], "test")
+    assert run["machine"]["torch"] == "2.11.0+cu130" and run["kernels"].startswith(
+        "cptune.parallel.kernels.torch_flash"
+    )
+    text = docs.gpu_section({"runs": [run], "not_measured": []})
+    assert "| ring-flash-attn (torch kernels) | 8,192 | 6,200 | 0.980 |" in text
+    assert "| sdpa | 65536 | out of memory |" in text
+    assert "1 of 1 passed" in text and "1.007x" in text
