@@ -32,7 +32,6 @@ import contextlib
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +228,7 @@ def time_against_sdpa(tokens: int = 16384, repeats: int = 10) -> dict[str, float
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from benchmarks.gpu.stand_in_kernels import median_seconds
     from cptune.parallel.kernels import torch_flash
 
     q = torch.randn(tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
@@ -246,15 +246,7 @@ def time_against_sdpa(tokens: int = 16384, repeats: int = 10) -> dict[str, float
             F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).backward(grad)
 
     def median_ms(step):
-        step()
-        times = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - started) * 1e3)
-        return sorted(times)[len(times) // 2]
+        return median_seconds(step, repeats) * 1e3
 
     # Alternate the two, twice, so a drift of the card's clock hits both alike.
     adapter_runs, sdpa_runs = [], []
