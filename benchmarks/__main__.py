@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks import backends, balance, data_bench, memory, overhead, sharding
 from benchmarks.common import REPO, Progress, Settings, machine_info
-from benchmarks.gpu.docs import GPU_SECTION
+from benchmarks.gpu.docs import gpu_section, load_gpu_results
 from benchmarks.report import render_page, write_chart
 
 MODULES = {m.NAME: m for m in (memory, balance, overhead, data_bench, backends, sharding)}
@@ -87,7 +87,7 @@ def _preload() -> None:
 
 def write_page(results: dict[str, Any], out: Path, assets: Path) -> None:
     """``out/benchmarks.md`` and its charts (in ``assets``) from ``results``."""
-    page = render_page(results, MODULES, write_chart(assets, "benchmarks"), GPU_SECTION)
+    page = render_page(results, MODULES, write_chart(assets, "benchmarks"), gpu_section(load_gpu_results()))
     (out / "benchmarks.md").write_text(page)
 
 

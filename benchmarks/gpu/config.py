@@ -9,13 +9,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.gpu.flops import (
-    ModelShape,
-    hardware_flops_per_token,
-    lora_parameters,
-    mfu,
-    model_flops_per_token,
-)
+from benchmarks.gpu.flops import ModelShape, lora_parameters, utilization
 
 TEMPLATE = Path(__file__).with_name("llama31_8b_lora.yaml")
 OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
@@ -87,11 +81,16 @@ def is_oom(error_text: str) -> bool:
 
 
 def run_metrics(
-    shape: ModelShape, plan: RunPlan, step_seconds: float, peak_bytes: int, peak_flops: float, lora_rank: int
+    shape: ModelShape,
+    plan: RunPlan,
+    step_seconds: float,
+    peak_bytes: int,
+    peak_flops: float,
+    lora_rank: int,
+    recompute: bool = True,
 ) -> dict[str, Any]:
-    """tokens/s per GPU, MFU (6P + attention) and peak memory of one run (one sequence per step, dp=1)."""
+    """tokens/s per GPU, MFU and HFU (:mod:`benchmarks.gpu.flops`) and peak memory of one run (dp=1)."""
     tokens_per_gpu_second = plan.seq_len / step_seconds / plan.cp_size
-    flops = model_flops_per_token(shape, plan.seq_len)
     adapter = lora_parameters(shape, lora_rank)
     return {
         "run": plan.label,
@@ -101,12 +100,9 @@ def run_metrics(
         "tokens_per_gpu": plan.seq_len // plan.cp_size,
         "step_seconds": step_seconds,
         "tokens_per_second_per_gpu": tokens_per_gpu_second,
-        "model_tflops_per_gpu": tokens_per_gpu_second * flops / 1e12,
-        "mfu": mfu(tokens_per_gpu_second, flops, peak_flops),
-        "attention_share": 1 - 6.0 * shape.parameters / flops,
-        "hardware_tflops_per_gpu": tokens_per_gpu_second
-        * hardware_flops_per_token(shape, plan.seq_len, adapter)
-        / 1e12,
+        **utilization(
+            shape, plan.seq_len, tokens_per_gpu_second, adapter, recompute=recompute, peak_flops=peak_flops
+        ),
         "peak_gib": peak_bytes / (1 << 30),
         "lora_parameters": adapter,
     }
@@ -137,7 +133,8 @@ def next_length(fits: int | None, fails: int | None, resolution: int) -> int | N
 def markdown_table(rows: list[dict[str, Any]], lengths: dict[str, Any]) -> str:
     """The GPU results as the markdown the results page documents."""
     lines = [
-        "| run | tokens/GPU | tokens/s/GPU | model TFLOP/s/GPU | MFU | attention share | weak scaling | peak GiB |",
+        "| run | tokens/GPU | tokens/s/GPU | MFU (LoRA model FLOPs) | HFU (with recomputation) | attention share "
+        "| weak scaling | peak GiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -148,7 +145,7 @@ def markdown_table(rows: list[dict[str, Any]], lengths: dict[str, Any]) -> str:
         scaling = f"{r['weak_scaling_efficiency']:.2f}" if r.get("weak_scaling_efficiency") else ""
         lines.append(
             f"| {r['run']} | {r['tokens_per_gpu']} | {r['tokens_per_second_per_gpu']:,.0f} | "
-            f"{r['model_tflops_per_gpu']:.0f} | {r['mfu']:.1%} | {r['attention_share']:.0%} | {scaling} | "
+            f"{r['mfu']:.1%} | {r['hfu']:.1%} | {r['attention_share']:.0%} | {scaling} | "
             f"{r['peak_gib']:.1f} |"
         )
     if lengths:

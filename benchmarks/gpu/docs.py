@@ -1,11 +1,24 @@
-"""The results page's section on the GPU script (static text: the CPU suite does not run it).
+"""The results page's GPU section, rendered from ``docs/benchmarks/gpu_results.json``.
 
-The measurements quoted here were taken once on a lent H100 (one GPU) and are
-reproduced by the commands given with them.
+The CPU suite does not run the GPU scripts; their measurements are committed as JSON (one entry
+per lent machine session: machine, versions, commit, command, kernels, numbers) and rendered here,
+MFU and HFU recomputed from tokens/s by :mod:`benchmarks.gpu.flops`, so a change of the FLOP
+count changes every figure on the page at the next ``python -m benchmarks --render-only``.
 """
 
-GPU_SECTION = """\
-## GPU script (not run by this suite)
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu.flops import LLAMA_31_8B, lora_parameters, utilization
+
+GPU_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "gpu_results.json"
+
+INTRO = """\
+## GPU scripts (not run by this suite)
 
 `benchmarks/gpu/run_gpu.py` measures what the published long-context numbers measure, on one GPU node,
 for a Llama-3.1-8B LoRA recipe (`benchmarks/gpu/llama31_8b_lora.yaml`: LoRA r=16 on every linear
@@ -21,10 +34,16 @@ Every run goes through cptune's `train()` in `cp` processes (dp=1), timed by the
 the CPU suite, and reports per backend (discovered from the recipe schema, as in section 5) and cp size:
 
 - **tokens/s/GPU** = sequence length / step time / cp;
-- **MFU** = tokens/s/GPU x (6P + 6·L·h·S) / peak (989 TFLOP/s bf16 dense for H100/H200; `--peak-tflops`):
-  attention FLOPs counted, causal halved, recomputation not counted, 6P kept for LoRA as published
-  MFU figures do (`benchmarks/gpu/flops.py`; for Llama-3.1-8B at 32K it reproduces torchtitan's
-  ~288 TFLOP/s from 3,890 tokens/s/GPU);
+- **MFU**, model FLOPs utilization, counting what a LoRA step must compute: the frozen base weights'
+  forward and input gradient (`4P`), the adapter's forward and both gradients (`6·P_lora`) and
+  attention (`12·L·h·S` per token, halved for causal), over the GPU's dense bf16 peak (989 TFLOP/s for
+  H100/H200; `--peak-tflops`). Published MFU figures count `6P` (a full fine-tune's weight gradients
+  too); for LoRA that credits the GPU with work it never does, so the page gives that figure only as
+  "6P" for comparison (`benchmarks/gpu/flops.py`; for Llama-3.1-8B at 32K the 6P count reproduces
+  torchtitan's ~288 TFLOP/s from 3,890 tokens/s/GPU);
+- **HFU**, hardware FLOPs utilization: MFU's count plus what activation checkpointing recomputes
+  (every decoder layer's forward again: `2·P_layers + 2·P_lora` and the attention forward). Both follow
+  PaLM's counting (appendix B), as torchtitan and Megatron do;
 - **weak-scaling efficiency** = MFU at cp=N / MFU at cp=1 with the same tokens per GPU (ideal: 1.0);
   at 8K tokens per GPU this is the end-to-end counterpart of ring-flash-attn's kernel-level
   "zigzag ≈ 90% of ideal flash-attn" (8xH800, 8K tokens/GPU);
@@ -34,37 +53,122 @@ the CPU suite, and reports per backend (discovered from the recipe schema, as in
   129,024 tokens on 8xH100 without gradient checkpointing (`--no-gradient-checkpointing`; cptune
   loads the base weights in bf16, not 4-bit, so its weights take ~16 GB instead of ~5.5 GB per GPU).
 
-Results go to `OUT/gpu_results.json` and `OUT/gpu_results.md`. The runs are offline: `--base-model`
-must be a local folder or a model already in the Hugging Face cache (`python -m
-benchmarks.gpu.random_model DIR` saves a Llama-3.1-8B-shaped model with random weights: memory and
-speed depend on the shapes only). flash-attn must be installed, or the ring-flash-attn backends fall
-back to cptune's pure-PyTorch stand-in kernels (`cptune validate` warns; see below).
+The runs are offline: `--base-model` must be a local folder or a model already in the Hugging Face
+cache (`python -m benchmarks.gpu.random_model DIR` saves a Llama-3.1-8B-shaped model with random
+weights: memory and speed depend on the shapes only). Without flash-attn, ring-flash-attn runs on
+PyTorch's own FlashAttention-2 (bf16/fp16 on CUDA; `cptune validate` names the kernels).
 
-### Measured on one H100 (cp=1 only)
-
-One session was lent a single H100 80GB (torch 2.11, CUDA 13, no flash-attn; transformers 5.23,
-accelerate 1.15, peft 0.21 carried as wheels). One GPU cannot run CP (NCCL takes one GPU per
-process), so only the cp=1 rows were measured, on the random-weight 8B model:
-`python -m benchmarks.gpu.run_gpu --base-model DIR --cp-sizes 1 --tokens-per-gpu 8192,16384 --steps 6
---warmup 2 --max-length --max-length-resolution 16384`.
-
-| run | tokens/GPU | tokens/s/GPU | model TFLOP/s/GPU | MFU | peak GiB |
-|---|---:|---:|---:|---:|---:|
-| cp=1, 8K | 8192 | 6,329 | 346 | 35.0% | 25.9 |
-| cp=1, 16K | 16384 | 5,819 | 355 | 35.9% | 35.9 |
-
-- **Longest sequence at cp=1: 49,152 tokens** train; 65,536 run out of memory.
-- **Chunked loss.** Before cptune computed the loss in chunks (`cptune.parallel.loss.LOSS_CHUNK_ELEMENTS`), the same runs peaked at 29.4 and 43.2 GiB, at 6,432 and 5,866 tokens/s/GPU.
-  - The longest sequence was 32,768 tokens: 49,152 failed allocating 23.48 GiB in the backward, exactly the fp32 gradient of the logits (49,152 x 128,256 x 4 B).
-  - The chunked loss frees 7.3 GiB at 16K tokens and trains 1.5x longer sequences. Speed is within the run-to-run noise (-0.8%).
-- **The GPU recipes' memory estimates hold.** `examples/gpu/llama31-8b-lora-ring-flash-attn-128k.yaml` estimates about 40 GB per GPU for 16,384 tokens per GPU (128K over 8).
-  - The cp=1 run at 16,384 tokens peaked at 35.9 GiB = 38.5 GB. A ring rank adds only its K/V buffers (< 0.1 GB).
-  - Before the chunked loss: estimated 48 GB, measured 46.4 GB.
-- **The stand-in kernels are no substitute for flash-attn on a GPU:**
-  `python -m benchmarks.gpu.stand_in_kernels --tokens 4096,16384` (causal, bf16, 32 query / 8 KV heads
-  of 128, forward and backward) measured them 57x (4K) and 113x (16K) slower than PyTorch's fused SDPA,
-  with 2.5x its peak memory (2.01 against 0.82 GiB at 16K). Outputs agree to 0.016, one bf16 step at
-  these magnitudes. Install flash-attn on GPUs.
-- Not measured: every cp > 1 row, ring-flash-attn with flash-attn, the torch and deepspeed backends,
-  and FSDP2 on GPUs.
+On a single lent GPU, `bash benchmarks/gpu/lease.sh` runs, in one lease: the kernel checks
+(`benchmarks/gpu/check_kernels.py`: forward, LSE and gradients of PyTorch's FlashAttention-2 through
+cptune's adapter against float64), cp=2 and cp=4 of the real multi-rank code on the one GPU
+(`benchmarks/gpu/multirank.py`, ranks joined by gloo on host copies since NCCL takes one GPU per rank)
+and the attention paths side by side at cp=1 (`benchmarks/gpu/attention_paths.py`); its results are
+added below with `python -m benchmarks.gpu.lease_report`.
 """
+
+
+def load_gpu_results(path: Path = GPU_RESULTS) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {"runs": [], "not_measured": []}
+
+
+def gpu_section(results: dict[str, Any]) -> str:
+    """The whole GPU section: how to run the scripts, then every recorded session, then what is missing."""
+    lines = [INTRO.rstrip(), ""]
+    for run in results.get("runs", []):
+        lines += _run(run)
+    if results.get("not_measured"):
+        lines += ["### Not measured yet", ""]
+        lines += [f"- {item}" for item in results["not_measured"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _run(run: dict[str, Any]) -> list[str]:
+    machine = run["machine"]
+    versions = ", ".join(
+        f"{name} {machine[name]}"
+        for name in ("torch", "transformers", "accelerate", "peft")
+        if name in machine
+    )
+    lines = [
+        f"### Measured: {run['label']}",
+        "",
+        f"{machine['device']} x {machine.get('gpus', 1)}, CUDA {machine['cuda']}, {versions}; flash-attn: "
+        f"{machine.get('flash_attn', 'not installed')}. Code: commit {run['commit']}. {run['date']}.",
+        "",
+        f"`{run['command']}`" + (f" ({run['model']})" if run.get("model") else ""),
+        "",
+    ]
+    if run.get("kernels"):
+        lines += [f"Kernels behind ring-flash-attn: {run['kernels']}.", ""]
+    if run.get("throughput"):
+        lines += _throughput(
+            run["throughput"], run.get("gradient_checkpointing", True), run.get("shape_layers")
+        )
+    if run.get("kernel_checks"):
+        lines += _kernel_checks(run["kernel_checks"], run.get("kernel_timing"))
+    if run.get("multirank"):
+        lines += _multirank(run["multirank"])
+    lines += [f"- {note}" for note in run.get("notes", [])]
+    return [*lines, ""]
+
+
+def _throughput(rows: list[dict[str, Any]], recompute: bool, layers: int | None) -> list[str]:
+    shape = LLAMA_31_8B if layers is None else dataclasses.replace(LLAMA_31_8B, layers=layers)
+    adapter = lora_parameters(shape, 16)
+    sdpa = {
+        r["seq_len"]: r["tokens_per_second_per_gpu"] for r in rows if r["path"] == "sdpa" and "error" not in r
+    }
+    lines = [
+        "| path | tokens | tokens/s/GPU | vs SDPA | MFU (LoRA) | HFU | MFU as 6P | peak GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['path']} | {r['seq_len']} | {r['error']} | | | | | |")
+            continue
+        speed = r["tokens_per_second_per_gpu"]
+        u = utilization(shape, r["seq_len"], speed, adapter, recompute=recompute)
+        ratio = f"{speed / sdpa[r['seq_len']]:.3f}" if r["seq_len"] in sdpa else ""
+        lines.append(
+            f"| {r['path']} | {r['seq_len']:,} | {speed:,.0f} | {ratio} | {u['mfu']:.1%} | {u['hfu']:.1%} | "
+            f"{u['mfu_6p']:.1%} | {r['peak_gib']:.1f} |"
+        )
+    return [*lines, ""]
+
+
+def _kernel_checks(checks: list[dict[str, Any]], timing: dict[str, Any] | None) -> list[str]:
+    passed = sum(1 for c in checks if c["ok"])
+    worst = {dtype: max(max(c.get(k, 0.0) for k in ("out", "dq", "dk", "dv")) for c in checks if c["dtype"] == dtype)
+             for dtype in sorted({c["dtype"] for c in checks})}  # fmt: skip
+    text = ", ".join(f"worst relative error {value:.1e} in {dtype}" for dtype, value in worst.items())
+    lines = [
+        f"- **Kernel checks:** {passed} of {len(checks)} passed ({text}; `benchmarks/gpu/check_kernels.py`)."
+    ]
+    if timing:
+        lines.append(
+            f"- **Kernel speed:** forward+backward of one {timing['tokens']:,}-token causal sequence, "
+            f"{timing['adapter_ms']:.2f} ms through cptune's adapter against {timing['sdpa_flash_ms']:.2f} ms "
+            f"for fused SDPA (flash): {timing['ratio']:.3f}x."
+        )
+    return lines
+
+
+def _multirank(multirank: dict[str, Any]) -> list[str]:
+    lines = ["", "| cp on one GPU | case | result | within limits |", "|---:|---|---|---|"]
+    for cp, result in multirank["cp"].items():
+        if "error" in result:
+            lines.append(f"| {cp} | all | {result['error']} | no |")
+            continue
+        for name, errors in result.get("attention", {}).items():
+            worst = max(errors.values())
+            lines.append(
+                f"| {cp} | attention {name} | worst relative error {worst:.1e} | {result['ok'][f'attention {name}']} |"
+            )
+        for name, value in result.items():
+            if name.startswith("model "):
+                lines.append(
+                    f"| {cp} | {name} | loss rel. diff {value['loss_rel']:.1e} over {len(value['cp_losses'])} steps, "
+                    f"grad {value['grad_rel']:.1e} | {result['ok'][name]} |"
+                )
+    return [*lines, ""]

@@ -1,12 +1,24 @@
-"""Training FLOPs per token and MFU, counting attention (``notes/field.md`` section 4).
+"""Training FLOPs per token and utilization, counted two ways (``notes/field.md`` section 4).
 
-Per token, a training step (forward + backward) costs ``6·P`` for the weights and
-``12·L·h·S`` for attention over a sequence of ``S`` tokens (``h`` = query heads x
-head dim), halved for causal attention: ``6P + 6·L·h·S``. Recomputation
-(activation checkpointing) is not counted, as is customary, so MFU stays
-comparable across settings. ``6P`` is kept for LoRA too, as published MFU figures
-do; the hardware does less (no weight gradients of frozen weights), which
-:func:`hardware_flops_per_token` reports.
+Conventions (PaLM's appendix B, which torchtitan and Megatron follow): a matrix product of
+``m x k`` by ``k x n`` costs ``2mkn``; per token, a weight matrix of ``P`` elements costs ``2P``
+forward, ``2P`` for the input gradient and ``2P`` for its own gradient; attention over ``S``
+tokens costs ``4·L·h·S`` forward (``QK^T`` and ``PV``, ``h`` = query heads x head dim) and twice
+that backward, each halved for causal attention.
+
+* **Model FLOPs** (MFU): what the training step must compute, without recomputation. A full
+  fine-tune needs ``6P`` plus attention (:func:`full_model_flops_per_token`, the figure published
+  MFU numbers use). A LoRA run freezes the base: its weights need the forward and the input
+  gradient only, ``4P``, and the adapter ``6·P_lora``, plus the same attention
+  (:func:`lora_model_flops_per_token`). Counting ``6P`` for LoRA credits the GPU with weight
+  gradients it never computes (about a third more).
+* **Hardware FLOPs** (HFU): what the GPU actually executes, recomputation included. With
+  activation checkpointing every decoder layer's forward runs twice: one more ``2·P_layers``
+  (the layers' weights, not the embeddings or the output head), ``2·P_lora`` and the attention
+  forward (:func:`hardware_flops_per_token`).
+
+Utilization = achieved FLOP/s per GPU over the GPU's dense bf16 peak (989 TFLOP/s for H100
+SXM and H200, the usual denominator).
 """
 
 from __future__ import annotations
@@ -34,13 +46,17 @@ class ModelShape:
         return self.heads * self.head_dim
 
     @property
-    def parameters(self) -> int:
-        """Weights of a Llama-style model (embeddings and output head included, biases none)."""
+    def layer_parameters(self) -> int:
+        """Weights of the decoder layers (attention, MLP, norms): what checkpointing recomputes."""
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
-        per_layer = attention + mlp + 2 * self.hidden
+        return self.layers * (attention + mlp + 2 * self.hidden)
+
+    @property
+    def parameters(self) -> int:
+        """Weights of a Llama-style model (embeddings and output head included, biases none)."""
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * per_layer + embeddings + self.hidden
+        return self.layer_parameters + embeddings + self.hidden
 
 
 LLAMA_31_8B = ModelShape(
@@ -64,22 +80,56 @@ def attention_flops_per_token(shape: ModelShape, seq_len: int, causal: bool = Tr
     return full / 2 if causal else full
 
 
-def model_flops_per_token(shape: ModelShape, seq_len: int, causal: bool = True) -> float:
-    """``6P`` plus attention: the numerator of MFU."""
+def full_model_flops_per_token(shape: ModelShape, seq_len: int, causal: bool = True) -> float:
+    """``6P`` plus attention: the model FLOPs of a full fine-tune (published MFU figures use it)."""
     return 6.0 * shape.parameters + attention_flops_per_token(shape, seq_len, causal)
 
 
-def hardware_flops_per_token(
-    shape: ModelShape, seq_len: int, trainable_parameters: int, causal: bool = True
+def lora_model_flops_per_token(
+    shape: ModelShape, seq_len: int, lora_parameters: int, causal: bool = True
 ) -> float:
-    """What a LoRA step computes: forward ``2P``, input gradients ``2P``, weight gradients of the adapter only."""
-    weights = 4.0 * shape.parameters + 2.0 * trainable_parameters
+    """``4P + 6·P_lora`` plus attention: the model FLOPs of a LoRA run (frozen base)."""
+    weights = 4.0 * shape.parameters + 6.0 * lora_parameters
     return weights + attention_flops_per_token(shape, seq_len, causal)
 
 
+def hardware_flops_per_token(
+    shape: ModelShape, seq_len: int, lora_parameters: int, *, recompute: bool, causal: bool = True
+) -> float:
+    """LoRA model FLOPs plus, with activation checkpointing, the second forward of every layer."""
+    flops = lora_model_flops_per_token(shape, seq_len, lora_parameters, causal)
+    if recompute:
+        attention_forward = attention_flops_per_token(shape, seq_len, causal) / 3
+        flops += 2.0 * shape.layer_parameters + 2.0 * lora_parameters + attention_forward
+    return flops
+
+
 def mfu(tokens_per_second_per_gpu: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilization: achieved model FLOP/s per GPU over the GPU's peak."""
+    """Utilization: achieved FLOP/s per GPU (by the given count) over the GPU's peak."""
     return tokens_per_second_per_gpu * flops_per_token / peak_flops
+
+
+def utilization(
+    shape: ModelShape,
+    seq_len: int,
+    tokens_per_second_per_gpu: float,
+    lora_parameters: int,
+    *,
+    recompute: bool,
+    peak_flops: float = H100_BF16_DENSE_FLOPS,
+) -> dict[str, float]:
+    """The two figures every GPU result reports (and the 6P one, for comparison with published MFU)."""
+    lora = lora_model_flops_per_token(shape, seq_len, lora_parameters)
+    hardware = hardware_flops_per_token(shape, seq_len, lora_parameters, recompute=recompute)
+    full = full_model_flops_per_token(shape, seq_len)
+    return {
+        "model_tflops_per_gpu": tokens_per_second_per_gpu * lora / 1e12,
+        "mfu": mfu(tokens_per_second_per_gpu, lora, peak_flops),
+        "hardware_tflops_per_gpu": tokens_per_second_per_gpu * hardware / 1e12,
+        "hfu": mfu(tokens_per_second_per_gpu, hardware, peak_flops),
+        "mfu_6p": mfu(tokens_per_second_per_gpu, full, peak_flops),
+        "attention_share": attention_flops_per_token(shape, seq_len) / lora,
+    }
 
 
 def lora_parameters(shape: ModelShape, rank: int) -> int:

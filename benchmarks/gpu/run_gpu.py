@@ -107,7 +107,15 @@ class Runner:
         step = max(median([s["seconds"] for s in r["steps"][warmup:]]) for r in reports)
         peak = max(s.get("cuda_peak_bytes", 0) for r in reports for s in r["steps"][warmup:])
         lora_rank = int(self.template.get("lora_r", 16))
-        return config.run_metrics(LLAMA_31_8B, plan, step, peak, self.args.peak_tflops * 1e12, lora_rank)
+        return config.run_metrics(
+            LLAMA_31_8B,
+            plan,
+            step,
+            peak,
+            self.args.peak_tflops * 1e12,
+            lora_rank,
+            recompute=not self.args.no_gradient_checkpointing,
+        )
 
     def longest(self, variant: str | None, keys: tuple, cp: int, start: int) -> dict[str, int | None]:
         fits = fails = None

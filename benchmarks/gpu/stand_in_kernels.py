@@ -21,7 +21,8 @@ from collections.abc import Callable
 from benchmarks.gpu.flops import LLAMA_31_8B
 
 
-def _median_seconds(step: Callable[[], object], repeats: int = 5) -> float:
+def median_seconds(step: Callable[[], object], repeats: int = 5) -> float:
+    """Median CUDA-synchronised seconds of ``step`` over ``repeats`` runs after one warm-up."""
     import torch
 
     step()
@@ -81,7 +82,7 @@ def compare(tokens: int) -> dict[str, float]:
         out.backward(grad)
         return out
 
-    stand_in_seconds, sdpa_seconds = _median_seconds(stand_in_step), _median_seconds(sdpa_step)
+    stand_in_seconds, sdpa_seconds = median_seconds(stand_in_step), median_seconds(sdpa_step)
     difference = (stand_in_step().float() - sdpa_step()[0].transpose(0, 1).float()).abs().max().item()
     return {
         "tokens": tokens,

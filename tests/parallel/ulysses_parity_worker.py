@@ -36,8 +36,8 @@ from cptune.parallel.backends.deepspeed_ulysses import (
     UlyssesCollator,
     gloo_fixed_length,
     gradient_divisor,
-    register_document_attention,
 )
+from cptune.parallel.backends.document_attention import register_document_attention
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch

@@ -52,7 +52,7 @@ def test_deepspeed_on_cpu_gets_the_real_world_size(monkeypatch):
 def test_accelerate_accepts_cptune_core_attention_only_while_patched():
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
-    from cptune.parallel.backends.deepspeed_ulysses import DOCUMENT_ATTENTION_NAME
+    from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
 
     with pytest.raises(ValueError, match="Invalid sp_attn_implementation"):
         DeepSpeedSequenceParallelConfig(sp_attn_implementation=DOCUMENT_ATTENTION_NAME)

@@ -1946,7 +1946,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "this model is set up for cptune's Ulysses attention, which needs the batch's position_ids and "
         "per-batch metadata",
         "The same as above for `cp_backend: deepspeed`: save or merge the model and load it again.",
-        raised_in="src/cptune/parallel/backends/deepspeed_ulysses.py",
+        raised_in="src/cptune/parallel/backends/document_attention.py",
         why_not_in_catalogue="only reachable from Python code that calls the model itself",
         tested_by="tests/parallel/backends/test_deepspeed_ulysses.py::"
         "test_document_attention_refuses_calls_without_metadata_or_with_a_mask",

@@ -36,7 +36,7 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "a bug in cptune",
     ),
     (
-        "src/cptune/parallel/backends/deepspeed_ulysses.py",
+        "src/cptune/parallel/backends/document_attention.py",
         "This is a bug in cptune's batching: please report it.",
         "a bug in cptune",
     ),
@@ -69,7 +69,7 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "check_model_config refuses the config before launching (model-attention-dropout)",
     ),
     (
-        "src/cptune/parallel/backends/deepspeed_ulysses.py",
+        "src/cptune/parallel/backends/document_attention.py",
         "cptune's attention does not support attention dropout",
         "check_model_config refuses the config before launching (model-attention-dropout)",
     ),

@@ -48,24 +48,35 @@ def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, 
     ]
 
 
+STAND_INS = "cptune's pure-PyTorch stand-ins"
+TORCH_FLASH = "PyTorch's FlashAttention-2 (aten._flash_attention_forward/backward; flash-attn not installed)"
+
+
 @pytest.mark.parametrize(
-    ("cuda", "flash_attn", "kernels", "warned"),
+    ("cuda", "flash_attn", "torch_flash_missing", "bf16", "kernels", "warned"),
     [
-        (False, False, "cptune's pure-PyTorch stand-ins (flash-attn not installed)", False),
-        (True, False, "cptune's pure-PyTorch stand-ins (flash-attn not installed)", True),
-        (True, True, "flash-attn", False),
+        (False, False, None, True, f"{STAND_INS} (flash-attn not installed)", False),
+        (True, False, None, True, TORCH_FLASH, False),
+        (True, False, None, False, f"{STAND_INS} (fp32, and PyTorch's FlashAttention-2 takes bf16/fp16 only)", True),
+        (True, False, "torch 2.11 was built without FlashAttention", True,
+         f"{STAND_INS} (PyTorch's FlashAttention-2 cannot run here: torch 2.11 was built without FlashAttention)",
+         True),
+        (True, True, None, True, "flash-attn", False),
     ],
-    ids=["cpu", "gpu-without-flash-attn", "gpu-with-flash-attn"],
-)
+    ids=["cpu", "gpu-torch-flash", "gpu-fp32", "gpu-torch-without-flash", "gpu-with-flash-attn"],
+)  # fmt: skip
 def test_validate_names_the_ring_kernels_and_warns_of_stand_ins_on_a_gpu(
-    write_recipe, monkeypatch, cuda, flash_attn, kernels, warned
+    write_recipe, monkeypatch, cuda, flash_attn, torch_flash_missing, bf16, kernels, warned
 ):
-    """A GPU machine without flash-attn runs the stand-ins about 100x slower: validate says so."""
+    """On a GPU without flash-attn torch's own FlashAttention-2 runs; the ~100x slower stand-ins get a warning."""
+    from cptune.parallel.kernels import torch_flash
+
     monkeypatch.setattr(preflight_module.torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr("cptune.parallel.kernels.flash_attn_available", lambda: flash_attn)
+    monkeypatch.setattr(torch_flash, "unavailable_reason", lambda: torch_flash_missing)
     plan = preflight_module.describe_plan(
-        load_recipe(write_recipe(context_parallel_size=2, bf16=True)), world_size=2
+        load_recipe(write_recipe(context_parallel_size=2, bf16=bf16)), world_size=2
     )
     assert f"heads_k_stride=1, kernels: {kernels}\n" in plan, plan
-    warning = "  warning:    flash-attn is not installed: ring-flash-attn computes attention with cptune's"
+    warning = "  warning:    ring-flash-attn computes attention with cptune's pure-PyTorch stand-in kernels"
     assert (warning in plan) is warned, plan

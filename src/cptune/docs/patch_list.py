@@ -76,7 +76,10 @@ def import_patches() -> list[tuple[Patch, str]]:
         (patch, "around `import ring_flash_attn`") for patch in ring_flash_attn_import_patch_set().patches
     ]
     found += [
-        (patch, "around `import ring_flash_attn`, only when flash-attn is not installed (CPU)")
+        (
+            patch,
+            "around `import ring_flash_attn`, only when flash-attn is not installed (CPU, and GPUs without flash-attn)",
+        )
         for patch in flash_attn_shim_patches()
     ]
     return found

@@ -127,7 +127,7 @@ def sp_attn_allows_cptune_patch() -> Patch:
     def replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
         @functools.wraps(original)
         def __post_init__(self: Any) -> None:
-            from cptune.parallel.backends.deepspeed_ulysses import DOCUMENT_ATTENTION_NAME
+            from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
 
             name = self.sp_attn_implementation
             if name != DOCUMENT_ATTENTION_NAME:

@@ -135,15 +135,17 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
         elif recipe.cp_backend == "deepspeed":
             detail = f"Ulysses all-to-all, core attention {recipe.resolved_ulysses_attn_implementation}, {attention}"
         else:
-            from cptune.parallel.backends.select import ring_kernels, slow_ring_kernels_warning
+            from cptune.parallel.backends.select import describe_ring_kernels
             from cptune.parallel.kernels import flash_attn_available
 
-            flash_attn = flash_attn_available()
+            choice = describe_ring_kernels(
+                recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available()
+            )
             detail = (
                 f"{recipe.resolved_ring_attn_func}, {attention}, heads_k_stride={recipe.heads_k_stride}, "
-                f"kernels: {ring_kernels(flash_attn=flash_attn)}"
+                f"kernels: {choice.name}"
             )
-            slow = slow_ring_kernels_warning(cuda=torch.cuda.is_available(), flash_attn=flash_attn)
+            slow = choice.slow_warning
         lines.append(f"  attention:  {recipe.cp_backend} / {detail}")
         if slow is not None:
             lines.append(f"  warning:    {slow}")

@@ -18,11 +18,10 @@ from cptune.parallel.backends.deepspeed_ulysses import (
     check_heads,
     check_resume_supported,
     deepspeed_config,
-    dense_attend,
-    document_attention_forward,
     gradient_divisor,
     labels_for_plain_shift,
 )
+from cptune.parallel.backends.document_attention import dense_attend, document_attention_forward
 from cptune.parallel.backends.local import document_mask
 from cptune.parallel.shard import TokenBatch
 
@@ -188,3 +187,41 @@ def test_resuming_is_refused_with_the_reason():
     check_resume_supported(SimpleNamespace(resume_from_checkpoint=None))
     with pytest.raises(CptuneError, match="UlyssesSPDataLoaderAdapter"):
         check_resume_supported(SimpleNamespace(resume_from_checkpoint=True))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_attention_on_gpu_kernels_is_one_varlen_call_equal_to_the_per_document_loop(
+    causal, monkeypatch
+):
+    """Where PyTorch's FlashAttention-2 runs, every document of every row goes through one varlen call.
+
+    Its CUDA op is replaced by the float64 reference with the same contract (the GPU check script
+    runs the real one).
+    """
+    from benchmarks.gpu.reference_ops import REFERENCE_OPS
+
+    from cptune.parallel.kernels import torch_flash
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 11, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 11, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 11, 8, dtype=torch.float64, requires_grad=True)
+    kwargs = {ATTENTION_KWARG: AttentionCall(attend=dense_attend(causal)), "position_ids": PACKED_POSITIONS}
+    loop, _ = document_attention_forward(None, q, k, v, None, scaling=0.3, **kwargs)
+    calls = []
+    monkeypatch.setattr(torch_flash, "runs", lambda q: True)
+    monkeypatch.setattr(
+        torch_flash,
+        "flash_ops",
+        lambda: torch_flash.FlashOps(lambda *a, **kw: calls.append(a[3]) or REFERENCE_OPS.forward(*a, **kw),
+                                     REFERENCE_OPS.backward),
+    )  # fmt: skip
+    kwargs[ATTENTION_KWARG] = AttentionCall(attend=dense_attend(causal))
+    varlen, _ = document_attention_forward(None, q, k, v, None, scaling=0.3, **kwargs)
+
+    assert [c.tolist() for c in calls] == [[0, 4, 7, 9, 11, 17, 22]]  # both rows' documents, end to end
+    torch.testing.assert_close(varlen, loop)
+    grads = torch.autograd.grad(varlen.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(loop.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)  # the ops keep the LSE in fp32

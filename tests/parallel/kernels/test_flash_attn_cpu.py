@@ -360,18 +360,22 @@ def test_transformers_still_reports_flash_attn_absent_while_the_shim_is_installe
             check.cache_clear()
 
 
-def test_ring_flash_attn_imports_the_cpu_kernels_and_keeps_them_after_the_shim_is_gone(ring_flash_attn):
+def test_ring_flash_attn_imports_the_dispatching_kernels_and_keeps_them_after_the_shim_is_gone(
+    ring_flash_attn,
+):
     from ring_flash_attn import llama3_flash_attn_varlen, utils, zigzag_ring_flash_attn
+
+    from cptune.parallel.kernels import dispatch
 
     # ring-flash-attn binds the kernels at import time, so the shim can go right after it.
     sys.modules.pop("flash_attn")
     sys.modules.pop("flash_attn.flash_attn_interface")
-    assert llama3_flash_attn_varlen._flash_attn_varlen_forward is _flash_attn_varlen_forward
-    assert llama3_flash_attn_varlen._flash_attn_varlen_backward is _flash_attn_varlen_backward
-    assert zigzag_ring_flash_attn._flash_attn_forward is _flash_attn_forward
-    assert zigzag_ring_flash_attn._flash_attn_backward is _flash_attn_backward
+    assert llama3_flash_attn_varlen._flash_attn_varlen_forward is dispatch._flash_attn_varlen_forward
+    assert llama3_flash_attn_varlen._flash_attn_varlen_backward is dispatch._flash_attn_varlen_backward
+    assert zigzag_ring_flash_attn._flash_attn_forward is dispatch._flash_attn_forward
+    assert zigzag_ring_flash_attn._flash_attn_backward is dispatch._flash_attn_backward
     # ring-flash-attn builds its keyword arguments from these defaults (utils.py get_default_args).
-    defaults = utils.get_default_args(_flash_attn_varlen_backward)
+    defaults = utils.get_default_args(dispatch._flash_attn_varlen_backward)
     assert defaults["softcap"] == 0.0 and defaults["zero_tensors"] is False and "window_size_left" in defaults
 
 
@@ -408,7 +412,9 @@ def test_shim_patches_install_and_remove_the_modules():
     assert patch_set.plan().ok
     with patch_set.applied():
         interface = importlib.import_module("flash_attn.flash_attn_interface")
-        assert interface._flash_attn_varlen_backward is _flash_attn_varlen_backward
+        assert interface._flash_attn_varlen_backward.__signature__ == inspect.signature(
+            _flash_attn_varlen_backward
+        )
         assert sys.modules["flash_attn"].flash_attn_interface is interface
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module("flash_attn.bert_padding")  # nothing else pretends to exist

@@ -31,7 +31,8 @@ FP32_ATOL = 1e-5
 # errors for these inputs are 4.5e-3 (out) and 2.1e-2 (grads), about a third of the tolerance.
 BF16_ATOL = {"out": 2e-2, "grad": 6e-2}
 TIMEOUT_S = 120
-SRC = Path(__file__).resolve().parents[3] / "src"
+ROOT = Path(__file__).resolve().parents[3]
+SRC = ROOT / "src"
 
 
 # ---- the tests (pytest process) -------------------------------------------------------------
@@ -41,7 +42,7 @@ SRC = Path(__file__).resolve().parents[3] / "src"
 def results(tmp_path_factory) -> dict[str, dict[str, float]]:
     """Run the launcher once; return ``{case: {"out"|"dq"|"dk"|"dv": max abs error}}``."""
     out_dir = tmp_path_factory.mktemp("ring_cpu")
-    pythonpath = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(SRC), str(ROOT), os.environ.get("PYTHONPATH")]))
     completed = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(out_dir)],
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath),
@@ -61,8 +62,10 @@ def results(tmp_path_factory) -> dict[str, dict[str, float]]:
 
 def cases(results: dict[str, dict[str, float]], prefix: str) -> dict[str, dict[str, float]]:
     selected = {name: errors for name, errors in results.items() if name.startswith(prefix)}
-    # Three CP layouts (world2 cp2, world4 cp4, world4 cp2xdp2); llama3 has 4 cases per layout.
-    assert len(selected) == (12 if prefix == "llama3" else 3), sorted(results)
+    # Three CP layouts (world2 cp2, world4 cp4, world4 cp2xdp2); llama3 has 4 cases per layout,
+    # 2 on torch's kernels.
+    expected = {"llama3": 12, "torch-flash llama3": 6}
+    assert len(selected) == expected.get(prefix, 3), sorted(results)
     return selected
 
 
@@ -76,6 +79,80 @@ def test_zigzag_ring_bf16_within_tolerance(results):
     for name, errors in cases(results, "zigzag-bf16").items():
         assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
         assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
+
+
+def test_ring_flash_attn_on_torch_flash_kernels_matches_single_process(results):
+    """ring-flash-attn's real code through the adapter onto torch's FlashAttention-2 ops.
+
+    The CUDA ops are replaced by a float64 op with their contract (benchmarks/gpu/reference_ops.py): this
+    checks the adapter inside the real ring code, llama3 (fp32, exact) and the zigzag ring,
+    whose backward takes the merged output and LSE (bf16, as ring-flash-attn 0.1.8 needs).
+    """
+    for name, errors in cases(results, "torch-flash llama3").items():
+        assert max(errors.values()) <= FP32_ATOL, f"{name}: {errors}"
+    for name, errors in cases(results, "torch-flash zigzag-bf16").items():
+        assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
+        assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
+
+
+def test_ring_code_over_the_staged_gloo_group_of_the_one_gpu_harness(results):
+    """benchmarks/gpu/staged_gloo.py (several ranks on one GPU) carries the ring code and the collectives.
+
+    Here its host copies are copies of CPU tensors: the same staging and copying back as on a GPU.
+    """
+    staged = {name: errors for name, errors in results.items() if name.startswith("staged-gloo")}
+    assert len(staged) == 3 * 3, sorted(results)  # llama3, zigzag and the collectives on each layout
+    for name, errors in staged.items():
+        limit = BF16_ATOL["grad"] if "zigzag" in name else FP32_ATOL
+        assert max(errors.values()) <= limit, f"{name}: {errors}"
+    for name in (n for n in staged if "collectives" in n):
+        assert staged[name] == dict.fromkeys(
+            ("all_gather", "reduce_scatter", "all_to_all", "all_reduce"), 0.0
+        )
+
+
+def _collectives_case(plain, staged):
+    """The staged group's results against plain gloo's, bit for bit."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(plain), dist.get_world_size(plain)
+    x = torch.arange(6 * world, dtype=torch.float32) * (rank + 1)
+    results = {}
+    for name, run in {
+        "all_gather": lambda g: _gather(x, g, world),
+        "reduce_scatter": lambda g: _reduce_scatter(x, g),
+        "all_to_all": lambda g: _all_to_all(x, g),
+        "all_reduce": lambda g: _all_reduce(x, g),
+    }.items():
+        results[name] = (run(plain) - run(staged)).abs().max().item()
+    return results
+
+
+def _reduce_scatter(x, group):
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty(x.shape[0] // dist.get_world_size(group))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _all_to_all(x, group):
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _all_reduce(x, group):
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def test_zigzag_ring_fp32_gradients_are_still_wrong_upstream(results):
@@ -230,14 +307,42 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
                 results[name] = _llama3_case(ring, data, group, causal, stride)
             results[f"zigzag-bf16 {label}"] = _zigzag_case(ring, data, group, torch.bfloat16)
             results[f"zigzag-fp32 {label}"] = _zigzag_case(ring, data, group, torch.float32)
+        # The same ring code on the adapter onto torch's flash ops (the float64 op stands in for
+        # the CUDA-only ones; the dispatcher is told the tensors are ones torch's kernels take).
+        from benchmarks.gpu.reference_ops import REFERENCE_OPS
+
+        from cptune.parallel.kernels import torch_flash
+
+        torch_flash.flash_ops, torch_flash.runs = (lambda: REFERENCE_OPS), (lambda q: True)
+        # ... and over the one-GPU harness's process group (every rank creates every group).
+        from benchmarks.gpu import staged_gloo
+
+        staged_gloo.register()
+        staged_groups = {"world": dist.new_group(backend=staged_gloo.BACKEND)}
+        if world_size == 4:
+            staged_pairs = [
+                dist.new_group([0, 1], backend=staged_gloo.BACKEND),
+                dist.new_group([2, 3], backend=staged_gloo.BACKEND),
+            ]
+            staged_groups["pairs"] = staged_pairs[rank // 2]
+        for label, group in groups.items():
+            staged = staged_groups["pairs" if "cp2xdp2" in label else "world"]
+            results[f"staged-gloo llama3 {label}"] = _llama3_case(ring, data, staged, True, 2)
+            results[f"staged-gloo zigzag-bf16 {label}"] = _zigzag_case(ring, data, staged, torch.bfloat16)
+            results[f"staged-gloo collectives {label}"] = _collectives_case(group, staged)
+        for label, group in groups.items():
+            for causal in (True, False):
+                name = f"torch-flash llama3 {label} causal={causal} heads_k_stride=2"
+                results[name] = _llama3_case(ring, data, group, causal, 2)
+            results[f"torch-flash zigzag-bf16 {label}"] = _zigzag_case(ring, data, group, torch.bfloat16)
         # Every rank compared the gathered tensors; report the worst over ranks.
-        names, keys = sorted(results), ("out", "dq", "dk", "dv")
-        worst = torch.tensor([[results[n][key] for key in keys] for n in names], dtype=torch.float64)
+        items = sorted((name, key) for name, errors in results.items() for key in errors)
+        worst = torch.tensor([results[name][key] for name, key in items], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if rank == 0:
-            table = {
-                n: dict(zip(keys, row, strict=True)) for n, row in zip(names, worst.tolist(), strict=True)
-            }
+            table: dict[str, dict[str, float]] = {}
+            for (name, key), value in zip(items, worst.tolist(), strict=True):
+                table.setdefault(name, {})[key] = value
             Path(result_path).write_text(json.dumps(table, indent=1))
     finally:
         dist.destroy_process_group()

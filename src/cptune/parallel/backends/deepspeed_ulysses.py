@@ -34,23 +34,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AttentionInterface
 
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
-    sdpa_tokens_first,
     windowed_layer_types,
 )
 from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.document_attention import (
+    DOCUMENT_ATTENTION_NAME,
+    DocumentAttention,
+)
 from cptune.parallel.shard import TokenBatch, pad_tokens
-from cptune.tokens import IGNORE_INDEX, document_starts
+from cptune.tokens import IGNORE_INDEX
 
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20' (or the cptune[deepspeed] extra)"
 
-DOCUMENT_ATTENTION_NAME = "cptune_documents"
-"""transformers attention name of cptune's document-aware core attention (recipe value ``cptune``)."""
 
 CORE_ATTENTION_NAMES: Mapping[str, str] = {
     "cptune": DOCUMENT_ATTENTION_NAME,
@@ -229,78 +229,6 @@ def gradient_divisor(zero_stage: int, world_size: int, cp_size: int) -> int:
     return world_size if zero_stage == 3 else world_size // cp_size
 
 
-# --- attention --------------------------------------------------------------------------
-
-
-def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
-    """``(start, end)`` of each document of one row, from its positions (see ``tokens.document_starts``)."""
-    begins = torch.nonzero(document_starts(position_ids), as_tuple=False).flatten().tolist()
-    return list(zip(begins, [*begins[1:], position_ids.shape[-1]], strict=True))
-
-
-def dense_attend(causal: bool) -> Callable[..., torch.Tensor]:
-    """Exact attention of one document, (1, tokens, heads, head_dim) in and out."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-        return sdpa_tokens_first(q, k, v, scale, is_causal=causal)
-
-    return attend
-
-
-def document_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention within each document of the whole sequence; inputs (batch, heads, tokens, head_dim).
-
-    Under Ulysses this runs after the all-to-all, where DeepSpeed's wrapper has
-    replaced ``position_ids`` in the call's keywords by those of the whole
-    sequence (ulysses_sp.py:294-296); in evaluation it runs on whole rows. Either
-    way the documents come from the call itself (invariant 6). Each document is
-    attended on its own, so memory grows with the longest document, not the row.
-    """
-    call = kwargs.get(ATTENTION_KWARG)
-    position_ids = kwargs.get("position_ids")
-    if not isinstance(call, AttentionCall) or position_ids is None:
-        raise CptuneError(
-            "this model is set up for cptune's Ulysses attention, which needs the batch's position_ids and "
-            "per-batch metadata; call it through cptune's trainer (generation is not supported on such a model)."
-        )
-    if attention_mask is not None or position_ids.shape[-1] != query.shape[2]:
-        raise CptuneError(
-            "cptune's Ulysses attention received an attention mask, or position_ids that do not cover the "
-            "sequence it attends over. This is a bug in cptune's batching: please report it."
-        )
-    if dropout:
-        raise CptuneError(
-            "base_model: cptune's attention does not support attention dropout (the model asked for "
-            f"{dropout}); set attention_dropout to 0 in the model's config.json."
-        )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    rows = []
-    for b in range(q.shape[0]):
-        positions = position_ids[b if position_ids.shape[0] > 1 else 0]
-        pieces = [
-            call.attend(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scaling)
-            for s, e in document_spans(positions)
-        ]
-        rows.append(torch.cat(pieces, dim=1))
-    call.layers_served += 1
-    return torch.cat(rows, dim=0), None
-
-
-def register_document_attention() -> str:
-    """Register cptune's document-aware core attention (idempotent) and return its name."""
-    AttentionInterface.register(DOCUMENT_ATTENTION_NAME, document_attention_forward)
-    return DOCUMENT_ATTENTION_NAME
-
-
 # --- batches ----------------------------------------------------------------------------
 
 
@@ -385,7 +313,7 @@ class DeepSpeedUlyssesBackend:
         kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
         call = None
         if self.core_attention == "cptune":
-            call = AttentionCall(attend=dense_attend(self.causal))
+            call = AttentionCall(attend=DocumentAttention(self.causal))
             kwargs[ATTENTION_KWARG] = call
         return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=call)
 

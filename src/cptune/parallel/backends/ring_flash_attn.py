@@ -7,9 +7,10 @@ and bidirectional attention are all exact, and it is exact in fp32.
 causal work but knows no document boundaries (unpacked causal rows only) and is
 only correct in bf16 with ring-flash-attn 0.1.8 (the recipe validation enforces both).
 
-Without flash-attn (CPU), cptune's pure-torch kernels stand in for flash-attn's
-private functions while ring-flash-attn is imported, so the real ring-flash-attn
-code runs on CPU with gloo.
+Without flash-attn, cptune's kernels stand in for flash-attn's private functions
+while ring-flash-attn is imported (cptune.parallel.kernels): PyTorch's own
+FlashAttention-2 on CUDA in bf16/fp16, pure-PyTorch kernels elsewhere, so the real
+ring-flash-attn code runs on GPUs without flash-attn and on CPU with gloo.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, 
 from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
-INSTALL_HINT = "pip install ring-flash-attn==0.1.8 (and flash-attn>=2.8 on CUDA GPUs)"
+INSTALL_HINT = "pip install ring-flash-attn==0.1.8 (flash-attn>=2.8 is optional on CUDA GPUs)"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,15 @@ import torch
 from torch import Tensor
 
 from cptune.parallel.kernels.blockwise import attend_backward, attend_forward
+from cptune.parallel.kernels.contract import (
+    check_qkv,
+    reject_unsupported,
+    resolve_scale,
+    resolve_window,
+    write_gradients,
+)
+
+KERNELS = "cptune's CPU stand-in for flash-attn"
 
 
 def _flash_attn_forward(
@@ -70,10 +79,10 @@ def _flash_attn_forward(
         NotImplementedError: For an unsupported feature (dropout, softcap, ALiBi, ...).
         ValueError: For inconsistent shapes, dtypes or offsets (also in the other kernels).
     """
-    _reject_unsupported(dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
-    _check_qkv(q, k, v, dims=4)
-    left, right = _window(causal, window_size_left, window_size_right)
-    out, lse = attend_forward(q, k, v, _scale(softmax_scale, q), left, right)
+    reject_unsupported(KERNELS, dropout_p, softcap, alibi_slopes, return_softmax=return_softmax)
+    check_qkv(q, k, v, dims=4)
+    left, right = resolve_window(causal, window_size_left, window_size_right)
+    out, lse = attend_forward(q, k, v, resolve_scale(softmax_scale, q), left, right)
     return out.to(q.dtype), lse, *_unused_outputs(q)
 
 
@@ -114,7 +123,8 @@ def _flash_attn_varlen_forward(
     Returns:
         ``(out, softmax_lse, S_dmask, rng_state)`` with fp32 ``softmax_lse`` ``(nheads, total_q)``.
     """
-    _reject_unsupported(
+    reject_unsupported(
+        KERNELS,
         dropout_p,
         softcap,
         alibi_slopes,
@@ -123,9 +133,9 @@ def _flash_attn_varlen_forward(
         leftpad_k=leftpad_k,
         seqused_k=seqused_k,
     )
-    _check_qkv(q, k, v, dims=3)
-    scale = _scale(softmax_scale, q)
-    left, right = _window(causal, window_size_left, window_size_right)
+    check_qkv(q, k, v, dims=3)
+    scale = resolve_scale(softmax_scale, q)
+    left, right = resolve_window(causal, window_size_left, window_size_right)
     out = torch.zeros_like(q)
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for rows_q, rows_k in _segments(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q, k):
@@ -174,15 +184,13 @@ def _flash_attn_backward(
     Returns:
         ``softmax_d``: fp32 ``(batch, nheads, seqlen_q)``, the row sums of ``dout * out``.
     """
-    _reject_unsupported(dropout_p, softcap, alibi_slopes)
-    _check_qkv(q, k, v, dims=4, dout=dout, out=out)
-    left, right = _window(causal, window_size_left, window_size_right)
+    reject_unsupported(KERNELS, dropout_p, softcap, alibi_slopes)
+    check_qkv(q, k, v, dims=4, dout=dout, out=out)
+    left, right = resolve_window(causal, window_size_left, window_size_right)
     *grads, softmax_d = attend_backward(
-        dout, q, k, v, out, softmax_lse, _scale(softmax_scale, q), left, right
+        dout, q, k, v, out, softmax_lse, resolve_scale(softmax_scale, q), left, right
     )
-    for target, grad in zip((dq, dk, dv), grads, strict=True):
-        if target is not None:
-            target.copy_(grad)
+    write_gradients((dq, dk, dv), tuple(grads))
     return softmax_d
 
 
@@ -224,10 +232,10 @@ def _flash_attn_varlen_backward(
     Returns:
         ``softmax_d``: fp32 ``(nheads, total_q)``, the row sums of ``dout * out``.
     """
-    _reject_unsupported(dropout_p, softcap, alibi_slopes)
-    _check_qkv(q, k, v, dims=3, dout=dout, out=out)
-    scale = _scale(softmax_scale, q)
-    left, right = _window(causal, window_size_left, window_size_right)
+    reject_unsupported(KERNELS, dropout_p, softcap, alibi_slopes)
+    check_qkv(q, k, v, dims=3, dout=dout, out=out)
+    scale = resolve_scale(softmax_scale, q)
+    left, right = resolve_window(causal, window_size_left, window_size_right)
     for target in (dq, dk, dv):
         if zero_tensors and target is not None:
             target.zero_()
@@ -288,57 +296,6 @@ def _segments(
             itertools.pairwise(offsets["q"]), itertools.pairwise(offsets["k"]), strict=True
         )
     ]
-
-
-def _reject_unsupported(
-    dropout_p: float, softcap: float | None, alibi_slopes: Tensor | None, **options: object
-) -> None:
-    """Raise ``NotImplementedError`` naming every requested feature these kernels lack."""
-    requested = {"dropout_p": dropout_p, "softcap": softcap, "alibi_slopes": alibi_slopes, **options}
-    missing = [
-        name if isinstance(value, Tensor) else f"{name}={value!r}"
-        for name, value in requested.items()
-        if isinstance(value, Tensor) or value
-    ]
-    if missing:
-        raise NotImplementedError(
-            f"cptune's CPU stand-in for flash-attn does not support {', '.join(missing)}: "
-            "set attention dropout to 0, drop softcapping / ALiBi / paged KV, or run with "
-            "flash-attn 2.8 on a CUDA machine."
-        )
-
-
-def _check_qkv(q: Tensor, k: Tensor, v: Tensor, dims: int, **like_q: Tensor) -> None:
-    """Check the layouts flash-attn expects (``like_q``: tensors shaped like ``q``).
-
-    A misuse then fails in the CPU dry run, not later on the GPU.
-    """
-    layout = "(batch, seqlen, nheads, headdim)" if dims == 4 else "(total, nheads, headdim)"
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.dim() != dims:
-            raise ValueError(f"{name} must be {layout}; got shape {tuple(tensor.shape)}.")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}.")
-    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}.")
-    if q.shape[-1] != k.shape[-1] or (dims == 4 and q.shape[0] != k.shape[0]):
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch size and head dim.")
-    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"nheads ({q.shape[-2]}) must be a multiple of nheads_k ({k.shape[-2]}).")
-    for name, tensor in like_q.items():
-        if tensor.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)}; got {tuple(tensor.shape)}.")
-
-
-def _window(causal: bool, left: int | None, right: int | None) -> tuple[int, int]:
-    """Normalize window bounds to ``-1`` (unbounded) or ``>= 0``; causal means ``right = 0``."""
-    left = -1 if left is None or left < 0 else int(left)
-    right = -1 if right is None or right < 0 else int(right)
-    return left, 0 if causal else right
-
-
-def _scale(softmax_scale: float | None, q: Tensor) -> float:
-    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
 def _unused_outputs(q: Tensor) -> tuple[Tensor, Tensor]:

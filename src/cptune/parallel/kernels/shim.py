@@ -1,4 +1,4 @@
-"""Let ring-flash-attn import cptune's CPU kernels when flash-attn is not installed.
+"""Let ring-flash-attn import cptune's kernels when flash-attn is not installed.
 
 ring-flash-attn 0.1.8 needs exactly four names from flash-attn, all imported at module
 level with ``from flash_attn.flash_attn_interface import ...`` (ring_flash_attn.py:3,
@@ -33,7 +33,7 @@ KERNEL_NAMES = (
     "_flash_attn_varlen_forward",
     "_flash_attn_varlen_backward",
 )
-"""Everything ring-flash-attn 0.1.8 imports from flash-attn."""
+"""Everything ring-flash-attn 0.1.8 imports from flash-attn (the functions of :mod:`.dispatch`)."""
 
 SHIM_MARKER = "__cptune_shim__"
 """Attribute set on the shim modules, so they are never mistaken for a real flash-attn."""
@@ -44,7 +44,7 @@ def flash_attn_available() -> bool:
 
     Asks the import machinery without importing anything: a flash-attn that is installed but
     broken (e.g. built for another torch) should fail loudly when ring-flash-attn imports it,
-    not be replaced silently by the slow CPU kernels.
+    not be replaced silently by cptune's kernels.
     """
     loaded = sys.modules.get(PACKAGE)
     if loaded is not None and not getattr(loaded, SHIM_MARKER, False):
@@ -65,15 +65,16 @@ def shim_modules() -> dict[str, ModuleType]:
 
     Returns:
         The ``sys.modules`` entries to install while ``ring_flash_attn`` is imported. The
-        interface module exposes the four kernels of
-        :mod:`cptune.parallel.kernels.flash_attn_cpu`; the package exposes only the interface
-        (not flash-attn's public ``flash_attn_func`` family, which ring-flash-attn never uses).
+        interface module exposes the four kernels of :mod:`cptune.parallel.kernels.dispatch`
+        (PyTorch's FlashAttention-2 on CUDA in bf16/fp16, the pure-PyTorch stand-ins otherwise);
+        the package exposes only the interface (not flash-attn's public ``flash_attn_func``
+        family, which ring-flash-attn never uses).
     """
-    from cptune.parallel.kernels import flash_attn_cpu
+    from cptune.parallel.kernels import dispatch
 
     interface = _module(INTERFACE, is_package=False)
     for name in KERNEL_NAMES:
-        setattr(interface, name, getattr(flash_attn_cpu, name))
+        setattr(interface, name, getattr(dispatch, name))
     package = _module(PACKAGE, is_package=True)
     # The import system binds a submodule as an attribute of its parent; do the same.
     package.flash_attn_interface = interface
@@ -94,8 +95,9 @@ def flash_attn_shim_patches() -> list[Patch]:
         "ring-flash-attn imports flash-attn's private kernels, and flash-attn is not installed.\n"
         "ring_flash_attn/{ring,zigzag_ring,stripe,ring_flash_attn_varlen,zigzag_ring_flash_attn_varlen,"
         "llama3_flash_attn_varlen}.py import _flash_attn_[varlen_]forward/backward from "
-        "flash_attn.flash_attn_interface at module level; cptune's pure-torch kernels "
-        "(cptune.parallel.kernels.flash_attn_cpu) stand in for them, only during that import."
+        "flash_attn.flash_attn_interface at module level; cptune's kernels "
+        "(cptune.parallel.kernels.dispatch: PyTorch's own FlashAttention-2 on CUDA, pure-PyTorch "
+        "stand-ins elsewhere) stand in for them, only during that import."
     )
     return [
         Patch(
@@ -112,7 +114,7 @@ def flash_attn_shim_patches() -> list[Patch]:
 
 
 def _module(name: str, *, is_package: bool) -> ModuleType:
-    module = ModuleType(name, f"cptune's CPU stand-in for {name} (see cptune.parallel.kernels.shim).")
+    module = ModuleType(name, f"cptune's stand-in for {name} (see cptune.parallel.kernels.shim).")
     # A spec keeps importlib.util.find_spec (used by transformers) from raising on the entry.
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=is_package)
     module.__package__ = PACKAGE

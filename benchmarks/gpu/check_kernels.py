@@ -1,0 +1,318 @@
+"""The adapter onto PyTorch's FlashAttention-2 on a real GPU: forward, LSE and gradients.
+
+Usage (on a CUDA machine; the lease script runs it first)::
+
+    python -m benchmarks.gpu.check_kernels --out OUT/kernels.json [--time]
+    python -m benchmarks.gpu.check_kernels --dry-run     # CPU: the float64 op stands in for torch's
+
+Every case draws fresh random inputs, runs flash-attn 2.8's private kernels as cptune provides
+them without flash-attn (:mod:`cptune.parallel.kernels.torch_flash`, i.e. the real
+``aten._flash_attention_forward/backward``) in bf16 and fp16, and compares the output, the
+log-sum-exp and dq/dk/dv with attention computed in float64 from the same rounded inputs
+(:mod:`benchmarks.gpu.reference`), by ``||x - ref|| / ||ref||``. The pure-PyTorch stand-ins run
+the same inputs: their error is the floor a half-precision kernel is measured against. Gradients
+start as NaN, so an element the kernels never write fails. Cases: dense causal and bidirectional;
+bottom-right causal with fewer queries than keys (ring-flash-attn's llama3 layout) and with more
+(rows that see no key: LSE -inf, output and dq 0); packed documents (varlen) with grouped-query
+heads, causal, bidirectional and a sliding window; one key block's backward given the merged
+output and LSE of all blocks (the zigzag ring); the differentiable
+:func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention).
+``--time`` adds the varlen kernels' forward+backward time against PyTorch's fused SDPA (flash
+backend) on one 16K-token causal sequence with Llama-3.1-8B's attention shape.
+
+Pass: relative error at most ``TOLERANCE[dtype]`` (METHOD.md: bf16 operands land between 1e-3 and
+1e-2) or at most 1.5x the stand-ins' error; LSE (fp32) within 1e-3; the same infinities as the
+reference. Exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu import reference
+
+TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}
+LSE_TOLERANCE = 1e-3
+GRADS = ("dq", "dk", "dv")
+
+
+def _mask(causal: bool, window: tuple[int, int] = (-1, -1)) -> dict[str, Any]:
+    return {"dropout_p": 0.0, "softmax_scale": None, "causal": causal,
+            "window_size_left": window[0], "window_size_right": window[1]}  # fmt: skip
+
+
+def _dense(kernels, q, k, v, dout, mask, out_lse=None) -> dict[str, Any]:
+    """out, lse, dq, dk, dv of the dense kernels; ``out_lse`` replaces the forward's in the backward."""
+    import torch
+
+    out, lse, _, _ = kernels._flash_attn_forward(
+        q, k, v, softcap=0.0, alibi_slopes=None, return_softmax=False, **mask
+    )
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernels._flash_attn_backward(dout, q, k, v, *(out_lse or (out, lse)), *grads, softcap=0.0,
+                                 alibi_slopes=None, deterministic=False, **mask)  # fmt: skip
+    return dict(zip(("out", "lse", *GRADS), (out, lse, *grads), strict=True))
+
+
+def _varlen(kernels, q, k, v, dout, cu_q, cu_k, mask) -> dict[str, Any]:
+    import torch
+
+    seq = (cu_q, cu_k, int((cu_q[1:] - cu_q[:-1]).max()), int((cu_k[1:] - cu_k[:-1]).max()))
+    out, lse, _, _ = kernels._flash_attn_varlen_forward(q, k, v, *seq, **mask)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    kernels._flash_attn_varlen_backward(dout, q, k, v, out, lse, *grads, *seq, softcap=0.0, alibi_slopes=None,
+                                        deterministic=False, **mask)  # fmt: skip
+    return dict(zip(("out", "lse", *GRADS), (out, lse, *grads), strict=True))
+
+
+def _reference(forward, q, k, v, dout) -> dict[str, Any]:
+    """float64 out, lse and autograd gradients of ``forward`` at the (already rounded) inputs."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out, lse = forward(*leaves)
+    out.backward(dout.double())
+    return dict(
+        zip(("out", "lse", *GRADS), (out.detach(), lse.detach(), *(x.grad for x in leaves)), strict=True)
+    )
+
+
+def _compare(case: str, dtype: str, got: dict, stand_in: dict, expected: dict) -> dict[str, Any]:
+    """Relative errors of every tensor ``expected`` holds, with the stand-ins' and pass/fail."""
+    row: dict[str, Any] = {"case": case, "dtype": dtype, "ok": True}
+    for label, ref in expected.items():
+        error = reference.relative_error(got[label], ref)
+        floor = reference.relative_error(stand_in[label], ref)
+        limit = LSE_TOLERANCE if label == "lse" else max(TOLERANCE[dtype], 1.5 * floor)
+        row[label], row[f"{label}_stand_in"] = error, floor
+        row["ok"] &= error <= limit
+    return row
+
+
+def run_checks(
+    *,
+    device: str = "cuda",
+    size: int = 8,
+    head_dim: int = 128,
+    dtypes: tuple[str, ...] = ("bfloat16", "float16"),
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Every case in each of ``dtypes``; sequence lengths scale with ``size`` (8: about 2K tokens a case)."""
+    import torch
+
+    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+    from cptune.parallel.kernels.varlen import varlen_attention
+
+    reason = torch_flash.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"PyTorch's FlashAttention-2 cannot run here: {reason}")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+
+    def randn(*shape, dtype):
+        return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+    def n(length):  # lengths below are for size 8
+        return max(1, length * size // 8)
+
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        dense_cases = {
+            "dense causal": (n(512), n(512), 16, 4, True),
+            "dense bidirectional": (n(384), n(384), 8, 8, False),
+            "dense causal, fewer queries than keys (llama3 layout)": (n(256), n(640), 16, 4, True),
+            "dense causal, more queries than keys (rows without keys)": (n(640), n(256), 8, 2, True),
+        }
+        for case, (sq, sk, h, hk, causal) in dense_cases.items():
+            q, dout = randn(2, sq, h, head_dim, dtype=dtype), randn(2, sq, h, head_dim, dtype=dtype)
+            k, v = randn(2, sk, hk, head_dim, dtype=dtype), randn(2, sk, hk, head_dim, dtype=dtype)
+            expected = _reference(
+                lambda a, b, c, causal=causal: reference.attention(a, b, c, causal=causal), q, k, v, dout
+            )
+            got = _dense(torch_flash, q, k, v, dout, _mask(causal))
+            rows.append(
+                _compare(case, name, got, _dense(flash_attn_cpu, q, k, v, dout, _mask(causal)), expected)
+            )
+            if sq > sk:  # the first sq - sk queries see no key
+                blind = slice(0, sq - sk)
+                rows[-1]["ok"] &= bool((got["out"][:, blind] == 0).all() and (got["dq"][:, blind] == 0).all())
+                rows[-1]["ok"] &= bool((got["lse"][:, :, blind] == float("-inf")).all())
+        # Packed documents: a document of 5 tokens, one longer than the rest, keys > queries in one.
+        bounds_q = [0, *_cumsum([n(37), n(700), 5, n(290), n(512)])]
+        bounds_k = [0, *_cumsum([n(37), n(900), 5, n(290), n(512)])]
+        cu_q, cu_k = (torch.tensor(b, dtype=torch.int32, device=device) for b in (bounds_q, bounds_k))
+        varlen_cases = {
+            "varlen causal, GQA 32/8": (32, 8, True, (-1, -1)),
+            "varlen bidirectional, GQA 16/4": (16, 4, False, (-1, -1)),
+            "varlen causal, sliding window 128": (8, 8, True, (128, -1)),
+        }
+        for case, (h, hk, causal, window) in varlen_cases.items():
+            q, dout = (
+                randn(bounds_q[-1], h, head_dim, dtype=dtype),
+                randn(bounds_q[-1], h, head_dim, dtype=dtype),
+            )
+            k, v = (
+                randn(bounds_k[-1], hk, head_dim, dtype=dtype),
+                randn(bounds_k[-1], hk, head_dim, dtype=dtype),
+            )
+            mask = {"causal": causal, "window": window}
+            expected = _reference(
+                lambda a, b, c, mask=mask, bq=bounds_q, bk=bounds_k: reference.varlen_attention(a, b, c, bq, bk, **mask),
+                q, k, v, dout,
+            )  # fmt: skip
+            got = _varlen(torch_flash, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
+            stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
+            rows.append(_compare(case, name, got, stand_in, expected))
+        rows.append(_merged_lse_case(randn, dtype, name, n, head_dim))
+        rows.append(_autograd_case(varlen_attention, randn, dtype, name, bounds_q, device, head_dim))
+    return rows
+
+
+def _cumsum(lengths: list[int]) -> list[int]:
+    total, out = 0, []
+    for length in lengths:
+        total += length
+        out.append(total)
+    return out
+
+
+def _merged_lse_case(randn, dtype, name, n, head_dim) -> dict[str, Any]:
+    """The zigzag ring's backward: one key block's dk, dv given the merged out and LSE of all blocks."""
+    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+
+    q, dout = randn(1, n(256), 16, head_dim, dtype=dtype), randn(1, n(256), 16, head_dim, dtype=dtype)
+    k, v = randn(1, n(768), 4, head_dim, dtype=dtype), randn(1, n(768), 4, head_dim, dtype=dtype)
+    block = slice(0, n(512))
+    full = _reference(lambda a, b, c: reference.attention(a, b, c, causal=False), q, k, v, dout)
+    results = []
+    for kernels in (torch_flash, flash_attn_cpu):
+        merged = _dense(kernels, q, k, v, dout, _mask(False))  # what the ring's forward merges to
+        part = _dense(
+            kernels, q, k[:, block], v[:, block], dout, _mask(False), (merged["out"], merged["lse"])
+        )
+        results.append({"dk": part["dk"], "dv": part["dv"]})
+    expected = {"dk": full["dk"][:, block], "dv": full["dv"][:, block]}
+    return _compare("merged-LSE backward of one key block", name, results[0], results[1], expected)
+
+
+def _autograd_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:
+    """cptune.parallel.kernels.varlen.varlen_attention, as DeepSpeed's document attention calls it."""
+    import torch
+
+    from cptune.parallel.kernels import flash_attn_cpu
+
+    total = bounds[-1]
+    q, dout = randn(total, 16, head_dim, dtype=dtype), randn(total, 16, head_dim, dtype=dtype)
+    k, v = randn(total, 4, head_dim, dtype=dtype), randn(total, 4, head_dim, dtype=dtype)
+    expected = _reference(lambda a, b, c: reference.varlen_attention(a, b, c, bounds, bounds, causal=True),
+                          q, k, v, dout)  # fmt: skip
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = varlen_attention(
+        *leaves, cu, max(b - a for a, b in itertools.pairwise(bounds)), scale=None, causal=True
+    )
+    out.backward(dout)
+    got = {"out": out.detach(), **dict(zip(GRADS, (x.grad for x in leaves), strict=True))}
+    stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu, cu, _mask(True))
+    expected.pop("lse")
+    return _compare("varlen_attention autograd (document attention)", name, got, stand_in, expected)
+
+
+def time_against_sdpa(tokens: int = 16384, repeats: int = 10) -> dict[str, float]:
+    """Median forward+backward ms: the varlen adapter against fused SDPA (flash) on one causal sequence."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from benchmarks.gpu.stand_in_kernels import median_seconds
+    from cptune.parallel.kernels import torch_flash
+
+    q = torch.randn(tokens, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    qs, ks, vs = (t.transpose(0, 1)[None].detach().requires_grad_() for t in (q, k, v))
+    grad = dout.transpose(0, 1)[None]
+
+    def adapter():
+        _varlen(torch_flash, q, k, v, dout, cu, cu, _mask(True))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).backward(grad)
+
+    def median_ms(step):
+        return median_seconds(step, repeats) * 1e3
+
+    # Alternate the two, twice, so a drift of the card's clock hits both alike.
+    adapter_runs, sdpa_runs = [], []
+    for _ in range(2):
+        adapter_runs.append(median_ms(adapter))
+        sdpa_runs.append(median_ms(sdpa))
+    adapter_ms, sdpa_ms = min(adapter_runs), min(sdpa_runs)
+    return {"tokens": tokens, "adapter_ms": adapter_ms, "sdpa_flash_ms": sdpa_ms, "ratio": adapter_ms / sdpa_ms,
+            "adapter_runs_ms": adapter_runs, "sdpa_runs_ms": sdpa_runs}  # fmt: skip
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    from cptune.parallel.kernels import torch_flash
+
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)",
+        "kernels": torch_flash.KERNELS,
+        "unavailable_reason": torch_flash.unavailable_reason(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.check_kernels", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--time", action="store_true", help="also time the kernels against fused SDPA")
+    parser.add_argument(
+        "--size", type=int, default=8, help="sequence lengths scale with this (8: ~2K tokens)"
+    )
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU, tiny sizes, the float64 op with the contract of torch's in its place")  # fmt: skip
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {"environment": environment()}
+    context = contextlib.nullcontext()
+    if args.dry_run:
+        from benchmarks.gpu.reference_ops import substituted
+
+        context = substituted()
+    with context:
+        results["checks"] = run_checks(
+            device="cpu" if args.dry_run else "cuda", size=1 if args.dry_run else args.size
+        )
+    if args.time and not args.dry_run:
+        results["timing"] = time_against_sdpa()
+    print("| case | dtype | out | lse | dq | dk | dv | stand-ins' worst | ok |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in results["checks"]:
+        floor = max(r.get(f"{x}_stand_in", 0.0) for x in ("out", *GRADS))
+        errors = " | ".join(f"{r[x]:.1e}" if x in r else "" for x in ("out", "lse", *GRADS))
+        print(f"| {r['case']} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |")
+    if "timing" in results:
+        t = results["timing"]
+        print(f"timing, {t['tokens']} tokens fwd+bwd: adapter {t['adapter_ms']:.2f} ms, SDPA flash "
+              f"{t['sdpa_flash_ms']:.2f} ms, ratio {t['ratio']:.3f}")  # fmt: skip
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1))
+    failed = [f"{r['case']} ({r['dtype']})" for r in results["checks"] if not r["ok"]]
+    print(f"kernel checks: {len(results['checks']) - len(failed)} passed, {len(failed)} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Turn a GPU lease's output files into one entry of ``docs/benchmarks/gpu_results.json``.
+
+Usage (here, after the lease; the directories are where the device tool put each call's files)::
+
+    python -m benchmarks.gpu.lease_report DIR [DIR ...]                       # print the entry
+    python -m benchmarks.gpu.lease_report DIR [DIR ...] --add docs/benchmarks/gpu_results.json
+    python -m benchmarks --render-only                                       # re-render the page
+
+Reads whatever of ``env.json``, ``kernels.json``, ``multirank.json`` and ``paths.json`` the
+directories hold (``benchmarks/gpu/lease.sh`` writes them) and records the machine, the versions,
+the commit, the kernels behind ring-flash-attn and the numbers, as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _read(directories: list[Path], name: str) -> dict[str, Any] | None:
+    found = [d / name for d in directories if (d / name).exists()]
+    return json.loads(found[-1].read_text()) if found else None
+
+
+def commit() -> str:
+    """This checkout's commit (what the lease copied), marked when the tree had uncommitted changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
+    env = _read(directories, "env.json") or {}
+    kernels, multirank, paths = (
+        _read(directories, n) for n in ("kernels.json", "multirank.json", "paths.json")
+    )
+    device = env.get("device", "unknown GPU")
+    run: dict[str, Any] = {
+        "label": label or f"one {device}: kernels, cp=2/4 on one GPU, attention paths at cp=1",
+        "date": env.get("date", ""),
+        "machine": {
+            "device": device,
+            "gpus": env.get("gpus", 1),
+            "torch": env.get("torch"),
+            "cuda": env.get("cuda"),
+            "transformers": env.get("transformers"),
+            "accelerate": env.get("accelerate"),
+            "peft": env.get("peft"),
+            "flash_attn": env.get("flash_attn") or "not installed",
+        },
+        "commit": commit(),
+        "command": "bash benchmarks/gpu/lease.sh (benchmarks/gpu/LEASE.md)",
+        "kernels": (paths or {}).get("kernels") or ((kernels or {}).get("environment") or {}).get("kernels"),
+        "notes": [],
+    }
+    if kernels:
+        run["kernel_checks"] = kernels["checks"]
+        run["kernel_timing"] = kernels.get("timing")
+    if multirank:
+        run["multirank"] = multirank
+    if paths:
+        settings = paths.get("settings", {})
+        run["model"] = (
+            f"Llama-3.1-8B-shaped ({settings.get('layers', 32)} layers), random bf16 weights built in memory, "
+            "LoRA r=16 on every linear layer, gradient checkpointing, one causal document per step"
+        )
+        run["shape_layers"] = settings.get("layers")
+        run["throughput"] = [
+            {"path": path, "seq_len": int(length), **row}
+            for length, rows in paths["lengths"].items()
+            for path, row in rows.items()
+        ]
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.lease_report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("directories", type=Path, nargs="+")
+    parser.add_argument("--label", help="the section title on the page")
+    parser.add_argument("--add", type=Path, help="append the entry to this gpu_results.json")
+    args = parser.parse_args(argv)
+    run = entry(args.directories, args.label)
+    print(json.dumps(run, indent=1))
+    if args.add:
+        results = json.loads(args.add.read_text())
+        results["runs"].append(run)
+        args.add.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"added to {args.add}; update its not_measured list, then: python -m benchmarks --render-only")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
