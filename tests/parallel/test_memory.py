@@ -51,8 +51,14 @@ def test_optimizer_state_elements():
     assert optimizer_state_elements("adamw_torch_fused", shapes) == 2 * 40
     assert optimizer_state_elements("adafactor", shapes) == (4 + 8) + 8
     assert optimizer_state_elements("sgd", shapes) == 0
+    # Low-bit moments, counted as the fp32 elements of the same bytes: 8-bit is a quarter, 4-bit an eighth.
+    assert optimizer_state_elements("adamw_bnb_8bit", shapes) == 2 * 40 // 4
+    assert optimizer_state_elements("paged_adamw_32bit", shapes) == 2 * 40
+    assert optimizer_state_elements("adamw_torch_4bit", shapes) == 2 * 40 // 8
+    assert optimizer_state_elements("lion_32bit", shapes) == 40
+    assert optimizer_state_elements("paged_ademamix_8bit", shapes) == 3 * 40 // 4
     with pytest.raises(ValueError):
-        optimizer_state_elements("lion", shapes)
+        optimizer_state_elements("galore_adamw", shapes)
 
 
 def test_format_bytes():

@@ -39,7 +39,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         default=0,
     )
     if recipe.is_lora:
-        model = apply_lora(model, recipe)
+        model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParameterCounts(
         total=sum(p.numel() for p in model.parameters()),

@@ -45,13 +45,24 @@ def optimizer_state_elements(optimizer: str, trainable_shapes: Sequence[tuple[in
     state; Adafactor keeps one row and one column vector per matrix (factored
     second moment) and one vector per other parameter.
     """
-    if optimizer.startswith("adamw"):
-        return 2 * sum(_numel(shape) for shape in trainable_shapes)
+    numel = sum(_numel(shape) for shape in trainable_shapes)
     if optimizer == "adafactor":
         return sum(shape[-2] + shape[-1] if len(shape) >= 2 else _numel(shape) for shape in trainable_shapes)
     if optimizer == "sgd":
         return 0
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    # Low-bit optimizers keep their moments in 8 or 4 bits: counted here as the fp32 elements of the
+    # same size (block-wise quantization constants, under 1% more, are left out).
+    moments = {"ademamix": 3, "lion": 1, "adagrad": 1, "rmsprop": 1}
+    count = next((n for family, n in moments.items() if family in optimizer), 2)
+    if "8bit" in optimizer:
+        return -(-count * numel // 4)
+    if "4bit" in optimizer:
+        return -(-count * numel // 8)
+    if optimizer.startswith(("adamw", "paged_adamw", "ademamix", "paged_ademamix", "lion", "paged_lion")) or (
+        optimizer in ("adagrad", "rmsprop", "rmsprop_bnb", "stable_adamw")
+    ):
+        return count * numel
+    raise ValueError(f"no memory estimate for optimizer {optimizer!r}")
 
 
 def fsdp_state_memory(
