@@ -102,6 +102,7 @@ def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_pat
         assert "is not what picks the attention in cptune" in done.stdout
     if data.get("adapter") == "qlora":
         assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
+        assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so
 
 
 def test_instruct_recipe_trains_the_assistant_turns_with_llama3s_format(

@@ -61,6 +61,15 @@ def test_optimizer_state_elements():
         optimizer_state_elements("galore_adamw", shapes)
 
 
+def test_quantized_bytes_per_weight():
+    from cptune.parallel.memory import quantized_bytes_per_weight
+
+    # NF4 with double quantization: 4 bits + 8-bit scales per 64 weights + fp32 scales per 256 blocks.
+    assert quantized_bytes_per_weight(4) == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+    assert quantized_bytes_per_weight(4, double_quant=False) == 0.5 + 4 / 64
+    assert quantized_bytes_per_weight(8) == 1.0
+
+
 def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"

@@ -112,6 +112,18 @@ def zero_state_memory(
     )
 
 
+def quantized_bytes_per_weight(bits: int, double_quant: bool = True) -> float:
+    """Bytes per weight of a bitsandbytes-quantized linear layer, its quantization constants included.
+
+    4-bit (NF4/FP4): half a byte, plus one fp32 scale per block of 64 weights (1/16 byte), which
+    double quantization stores in 8 bits with fp32 scales per 256 blocks (about 1/63 byte). 8-bit
+    (LLM.int8()): one byte (its per-row scales are left out).
+    """
+    if bits == 8:
+        return 1.0
+    return 0.5 + ((1 + 4 / 256) / 64 if double_quant else 4 / 64)
+
+
 def format_bytes(count: float) -> str:
     """``1536`` → ``1.5 KiB``; binary units, three significant figures."""
     value = float(count)

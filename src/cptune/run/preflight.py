@@ -10,7 +10,9 @@ is written or removed here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -216,6 +218,7 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         format_bytes,
         fsdp_state_memory,
         optimizer_state_elements,
+        quantized_bytes_per_weight,
         zero_state_memory,
     )
 
@@ -233,6 +236,16 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         "dtype_bytes": counts.dtype_bytes,
     }
     plain = fsdp_state_memory(**common, shard_ranks=1)
+    saved = 0
+    if counts.quantized:
+        # The quantized weights take a fraction of the training dtype's bytes (only plain DDP and
+        # DeepSpeed hold a quantized base; cptune refuses one with FSDP2).
+        options = recipe.bnb_config_kwargs
+        per_weight = quantized_bytes_per_weight(
+            4 if recipe.load_in_4bit else 8, options.bnb_4bit_use_double_quant if options else True
+        )
+        saved = counts.quantized * counts.dtype_bytes - math.ceil(counts.quantized * per_weight)
+        plain = _less_weights(plain, saved)
     rows = []
     if dims.sharded:
         rows.append(
@@ -248,12 +261,17 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         rows.append(
             (
                 f"ZeRO-{stage} over {dims.world_size} ranks",
-                zero_state_memory(**common, stage=stage, ranks=dims.world_size),
+                _less_weights(
+                    zero_state_memory(**common, stage=stage, ranks=dims.world_size),
+                    saved // (dims.world_size if stage >= 3 else 1),
+                ),
             )
         )
     rows.append(("every rank whole (plain DDP)", plain))
     width = max(len(name) for name, _ in rows)
     trained = "LoRA adapter" if recipe.is_lora else "all"
+    if counts.quantized:
+        trained += f"; {counts.quantized:,} base weights in {4 if recipe.load_in_4bit else 8} bits"
     lines = [
         f"Memory per rank for model states (estimate from the config: {counts.total:,} parameters, "
         f"{counts.trainable:,} trained ({trained}), {recipe.optimizer}; activations not included):",
@@ -269,6 +287,10 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
             "(two decoder layers in flight)."
         )
     return lines
+
+
+def _less_weights(memory: Any, saved: int) -> Any:
+    return dataclasses.replace(memory, weights=memory.weights - saved)
 
 
 def _data_status(recipe: Recipe) -> str:
