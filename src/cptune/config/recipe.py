@@ -14,16 +14,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cptune.config.compat import (
-    COMPAT_RULES,
     AdapterKeys,
     AxolotlKeys,
     ChatTemplateName,
     OptimizerKeys,
+    OptimizerName,
     QuantizationKeys,
     TokenKeys,
     TrackingKeys,
     TrainOnEos,
 )
+from cptune.config.compat_rules import COMPAT_RULES
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
@@ -31,51 +32,6 @@ RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
 UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
 CpCommStrategy = Literal["allgather", "alltoall"]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
-# The Trainer's optimizer names (transformers 5.23 OptimizerNames, tests/config checks they agree);
-# cptune refuses at launch only those that cannot run here (cptune.run.optimizers).
-OptimizerName = Literal[
-    "adamw_torch",
-    "adamw_torch_fused",
-    "adamw_torch_xla",
-    "adamw_torch_npu_fused",
-    "adafactor",
-    "adamw_anyprecision",
-    "adamw_torch_4bit",
-    "adamw_torch_8bit",
-    "ademamix",
-    "sgd",
-    "adagrad",
-    "adamw_bnb_8bit",
-    "adamw_8bit",
-    "ademamix_8bit",
-    "lion_8bit",
-    "lion_32bit",
-    "paged_adamw_32bit",
-    "paged_adamw_8bit",
-    "paged_ademamix_32bit",
-    "paged_ademamix_8bit",
-    "paged_lion_32bit",
-    "paged_lion_8bit",
-    "rmsprop",
-    "rmsprop_bnb",
-    "rmsprop_bnb_8bit",
-    "rmsprop_bnb_32bit",
-    "galore_adamw",
-    "galore_adamw_8bit",
-    "galore_adafactor",
-    "galore_adamw_layerwise",
-    "galore_adamw_8bit_layerwise",
-    "galore_adafactor_layerwise",
-    "lomo",
-    "adalomo",
-    "grokadamw",
-    "schedule_free_radam",
-    "schedule_free_adamw",
-    "schedule_free_sgd",
-    "apollo_adamw",
-    "apollo_adamw_layerwise",
-    "stable_adamw",
-]
 
 # Backends whose implementation has not landed yet. Validation refuses them
 # rather than falling back to another backend without a word.
@@ -380,41 +336,6 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
         return self.adapter in ("lora", "qlora")
 
     @property
-    def is_quantized(self) -> bool:
-        return self.load_in_4bit or self.load_in_8bit
-
-    @property
-    def resolved_report_to(self) -> tuple[str, ...]:
-        """The Trainer's loggers: report_to plus what the Axolotl switches (use_tensorboard, W&B) turn on."""
-        loggers = [r for r in self.report_to if r != "none"]
-        for name, on in (("tensorboard", self.use_tensorboard), ("wandb", self.wandb_enabled)):
-            if on and name not in loggers:
-                loggers.append(name)
-        return tuple(loggers)
-
-    @property
-    def has_eval_data(self) -> bool:
-        return bool(self.val_set_size or self.test_datasets)
-
-    @property
-    def resolved_eval_steps(self) -> float | None:
-        """eval_steps, or Axolotl's evals_per_epoch as a share of the run's steps (the Trainer's float steps)."""
-        if self.eval_steps is not None:
-            return self.eval_steps
-        if self.evals_per_epoch and self.has_eval_data:
-            return _share_of_run(self.evals_per_epoch, self.num_epochs)
-        return None
-
-    @property
-    def resolved_save_steps(self) -> float | None:
-        """save_steps, or Axolotl's saves_per_epoch as a share of the run's steps."""
-        if self.save_steps is not None:
-            return self.save_steps
-        if self.saves_per_epoch:
-            return _share_of_run(self.saves_per_epoch, self.num_epochs)
-        return None
-
-    @property
     def is_fsdp(self) -> bool:
         """FSDP2 sharding of the model states is asked for (it takes effect with more than one process)."""
         return self.fsdp_version == 2
@@ -460,12 +381,6 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer_config or self.base_model
-
-
-def _share_of_run(per_epoch: int, epochs: float) -> float | None:
-    """Every 1/(per_epoch × epochs) of the run, as Axolotl: None when that is the whole run or more."""
-    share = 1 / (per_epoch * epochs)
-    return share if share < 1 else None
 
 
 # A rule reads a recipe (possibly only partly valid) and yields (key, message).

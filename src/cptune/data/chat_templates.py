@@ -15,6 +15,7 @@ system turn, so a system message is put before the first user message, separated
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from cptune.errors import DataError
 
@@ -149,7 +150,7 @@ def template_text(name: str, jinja: str | None = None) -> str:
     return jinja
 
 
-def missing_marker_tokens(name: str, tokenizer: object) -> list[str]:
+def missing_marker_tokens(name: str, tokenizer: Any) -> list[str]:
     """The markers of template ``name`` that the tokenizer does not have as one token each."""
-    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    vocab = tokenizer.get_vocab()
     return [marker for marker in MARKERS.get(name, ()) if marker not in vocab]

@@ -152,7 +152,7 @@ def missing_packages(recipe: Recipe) -> list[CptuneError]:
 
 def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, patches, data."""
-    from cptune.config.compat import axolotl_notes
+    from cptune.config.compat_rules import axolotl_notes
     from cptune.patches.registry import build_patch_set
     from cptune.run.optimizers import optimizer_notes
 

@@ -70,7 +70,7 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
 def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from transformers import set_seed
 
-    from cptune.config.compat import axolotl_notes
+    from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.tokens import fit_embeddings
     from cptune.patches.registry import build_patch_set
