@@ -41,6 +41,10 @@ _UPSTREAM_NOISE = (
 def _setup_logging(rank: int = 0) -> None:
     for pattern in _UPSTREAM_NOISE:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    # bitsandbytes 0.50 warns at import, on CPUs with AVX512-BF16, that it cannot fetch a CPU inference
+    # kernel from the hub; cptune turns that kernel off (cptune.models.quantization), so the advice to
+    # install it is noise.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("cptune").setLevel(level)
