@@ -55,9 +55,10 @@ what to do, and notes keys that it accepts with a meaning of its own.
   misspelt key still fails with a "did you mean".
 - **An Axolotl key cptune has no counterpart for** is refused as such, with a reason, not as a typo.
 - **QLoRA** (`adapter: qlora`, `load_in_4bit`, `bnb_config_kwargs`) and LoRA on an 8-bit base
-  (`load_in_8bit`) run through bitsandbytes (`pip install 'cptune[quantization]'`), with every
-  `cp_backend`, and equal the cp=1 run on CPU (tests/axolotl). `cptune merge-lora` merges a QLoRA
-  adapter into the dequantized base, so the merged model computes what the trained one did.
+  (`load_in_8bit`) run through bitsandbytes (`pip install 'cptune[quantization]'`, which has CPU
+  kernels too), with every `cp_backend`; a cp=2 QLoRA run equals the cp=1 run on CPU (parity tests:
+  ring-flash-attn, and DeepSpeed Ulysses under ZeRO-3). `cptune merge-lora` merges a QLoRA adapter
+  into the dequantized 4-bit base, so the merged model computes what the trained one did.
 - **Optimizers** are the Trainer's by name: `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`,
   `adamw_torch_8bit` (torchao), `lion_8bit`, ...
 - **Weights & Biases**: `wandb_project` (or `use_wandb`) turns it on through the Trainer's
