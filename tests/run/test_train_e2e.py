@@ -1,6 +1,6 @@
 """`cptune train` end to end, as a user runs it: cp=2 and dp=2×cp=2 equal cp=1 through the Trainer.
 
-A cp=2 run's adapter loading in plain peft is checked with an Axolotl recipe (tests/axolotl/test_axolotl_training.py).
+A cp=2 run's adapter loading in plain peft is checked with Axolotl's recipes (tests/axolotl/test_axolotl_training.py).
 """
 
 from __future__ import annotations
