@@ -9,13 +9,16 @@
 #
 #   --deepspeed  also install the deepspeed extra (cp_backend: deepspeed), as the
 #                test suite does (scripts/test.sh); the quickstart does without it.
+#
+# The quantization (bitsandbytes: QLoRA, 8-bit optimizers) and wandb extras are always
+# installed: the tests of Axolotl's QLoRA recipes and of W&B offline logging need them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="test"
+extras="test,quantization,wandb"
 for arg in "$@"; do
   case "$arg" in
-    --deepspeed) extras="test,deepspeed" ;;
+    --deepspeed) extras="test,quantization,wandb,deepspeed" ;;
     *) echo "cptune setup: unknown option $arg (known: --deepspeed)" >&2; exit 2 ;;
   esac
 done

@@ -41,6 +41,10 @@ _UPSTREAM_NOISE = (
 def _setup_logging(rank: int = 0) -> None:
     for pattern in _UPSTREAM_NOISE:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
+    # bitsandbytes 0.50 warns at import, on CPUs with AVX512-BF16, that it cannot fetch a CPU inference
+    # kernel from the hub; cptune turns that kernel off (cptune.models.quantization), so the advice to
+    # install it is noise.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("cptune").setLevel(level)
@@ -80,7 +84,12 @@ def _nproc_per_node(nproc_per_node: int | None, nnodes: int, recipe) -> int:
     ):
         if value is not None and value < 1:
             raise LaunchError(f"{option}: got {value}, but a run needs at least 1 {what}; give 1 or more.")
-    return recipe.default_process_count if nproc_per_node is None else nproc_per_node
+    if nproc_per_node is not None:
+        return nproc_per_node
+    from cptune.run.launch import default_nproc_per_node, visible_gpu_count
+
+    # One process per visible GPU on a GPU node (dp = GPUs / cp); the recipe's layout on CPU.
+    return default_nproc_per_node(recipe, visible_gpu_count())
 
 
 def _with_flags(loaded, recipe: Path, *, resume: bool, overwrite: bool):
@@ -105,7 +114,7 @@ def train(
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
-            help="Processes to start on this node (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
+            help="Processes to start on this node (default: one per visible GPU on a GPU node; without GPUs the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
         ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Number of nodes (multi-node runs go through torchrun).")] = 1,
@@ -192,7 +201,7 @@ def validate(
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
-            help="Processes per node the run will use (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
+            help="Processes per node the run will use (default: one per visible GPU on a GPU node; without GPUs the recipe's dp_replicate_size × dp_shard_size × context_parallel_size)."
         ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the run will use.")] = 1,
@@ -223,7 +232,7 @@ def evaluate(
     nproc_per_node: Annotated[
         int | None,
         typer.Option(
-            help="Processes to start (default: the recipe's dp_replicate_size × dp_shard_size × context_parallel_size); one node only."
+            help="Processes to start (default: one per visible GPU on a GPU node; without GPUs the recipe's dp_replicate_size × dp_shard_size × context_parallel_size); one node only."
         ),
     ] = None,
 ) -> None:

@@ -34,21 +34,24 @@ def test_typo_gets_a_suggestion_with_its_key_path():
 
 
 def test_unsupported_axolotl_key_says_so():
-    found = problems({**MINIMAL, "load_in_4bit": True, "sequence_parallel_degree": 2})
-    assert found["load_in_4bit"].startswith("is an Axolotl key that cptune does not support")
+    found = problems({**MINIMAL, "gptq": True, "sequence_parallel_degree": 2, "tiled_mlp_num_shards": 4})
+    assert found["gptq"].startswith("is an Axolotl key that cptune does not support")
     assert "context_parallel_size" in found["sequence_parallel_degree"]
+    # Any other key of Axolotl's schema is refused as such, not guessed at as a typo.
+    assert found["tiled_mlp_num_shards"] == (
+        "is an Axolotl key that cptune does not support: it has no counterpart in cptune; remove it "
+        "(an empty value or false is accepted as not set)."
+    )
 
 
 def test_keys_of_axolotls_example_recipes_get_advice():
     """Keys that Axolotl's shipped LoRA recipes set name cptune's equivalent, not just "unknown key"."""
-    found = problems(
-        {**MINIMAL, "revision_of_model": "main", "use_tensorboard": True, "tf32": False, "batch_size": 8}
-    )
+    found = problems({**MINIMAL, "revision_of_model": "main", "batch_size": 8, "use_mlflow": True})
     assert all(m.startswith("is an Axolotl key that cptune does not support") for m in found.values())
     assert "model_revision" in found["revision_of_model"]
-    assert "report_to: tensorboard" in found["use_tensorboard"]
     assert "micro_batch_size" in found["batch_size"]
-    assert set(found) == {"revision_of_model", "use_tensorboard", "tf32", "batch_size"}
+    assert "heavy dependency" in found["use_mlflow"]
+    assert set(found) == {"revision_of_model", "batch_size", "use_mlflow"}
 
 
 def test_wrong_type_names_the_value():
@@ -106,8 +109,15 @@ def test_deepspeed_keys_need_the_deepspeed_backend_with_cp():
     found = problems(
         {**MINIMAL, "zero_stage": 2, "ulysses_attn_implementation": "sdpa", "deepspeed": "ds.json"}
     )
-    for key in ("zero_stage", "ulysses_attn_implementation", "deepspeed"):
-        assert found[key] == "applies only to cp_backend: deepspeed; remove it."
+    assert found["ulysses_attn_implementation"] == "applies only to cp_backend: deepspeed; remove it."
+    for key in ("zero_stage", "deepspeed"):
+        assert "DeepSpeed runs only as cp_backend: deepspeed" in found[key]
+        assert "fsdp_version: 2" in found[key]
+    # With ring-flash-attn CP (Axolotl's `deepspeed: zero3.json` next to context_parallel_size): refused,
+    # with the reason (accelerate hands every DeepSpeed rank a batch of its own) and both alternatives.
+    found = problems({**MINIMAL, "context_parallel_size": 2, "deepspeed": "zero3.json"})
+    assert "a batch of its own" in found["deepspeed"]
+    assert "cp_backend: deepspeed" in found["deepspeed"] and "fsdp_version: 2" in found["deepspeed"]
     found = problems({**MINIMAL, "cp_backend": "deepspeed", "zero_stage": 2})
     assert "context_parallel_size > 1" in found["zero_stage"]
     recipe = validate_recipe(

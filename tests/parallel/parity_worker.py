@@ -96,6 +96,10 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     model.to(dtype)
     model.set_attn_implementation(attn_implementation)
+    if case.get("qlora"):
+        from quantized import quantized_4bit  # tests/parallel/quantized.py, beside this script
+
+        model = quantized_4bit(model, attn_implementation)
     if case["lora"]:
         from peft import LoraConfig, get_peft_model
 

@@ -51,8 +51,23 @@ def test_optimizer_state_elements():
     assert optimizer_state_elements("adamw_torch_fused", shapes) == 2 * 40
     assert optimizer_state_elements("adafactor", shapes) == (4 + 8) + 8
     assert optimizer_state_elements("sgd", shapes) == 0
+    # Low-bit moments, counted as the fp32 elements of the same bytes: 8-bit is a quarter, 4-bit an eighth.
+    assert optimizer_state_elements("adamw_bnb_8bit", shapes) == 2 * 40 // 4
+    assert optimizer_state_elements("paged_adamw_32bit", shapes) == 2 * 40
+    assert optimizer_state_elements("adamw_torch_4bit", shapes) == 2 * 40 // 8
+    assert optimizer_state_elements("lion_32bit", shapes) == 40
+    assert optimizer_state_elements("paged_ademamix_8bit", shapes) == 3 * 40 // 4
     with pytest.raises(ValueError):
-        optimizer_state_elements("lion", shapes)
+        optimizer_state_elements("galore_adamw", shapes)
+
+
+def test_quantized_bytes_per_weight():
+    from cptune.parallel.memory import quantized_bytes_per_weight
+
+    # NF4 with double quantization: 4 bits + 8-bit scales per 64 weights + fp32 scales per 256 blocks.
+    assert quantized_bytes_per_weight(4) == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+    assert quantized_bytes_per_weight(4, double_quant=False) == 0.5 + 4 / 64
+    assert quantized_bytes_per_weight(8) == 1.0
 
 
 def test_format_bytes():

@@ -44,6 +44,8 @@ CP2_CASES = [
     case("odd-length-23-unpacked", packed=False, seq_len=23),
     case("heads-k-stride-2", heads_k_stride=2, kv_heads=2),
     case("one-shard-without-targets", empty_shard=True),
+    # QLoRA: the base's linear layers in 4-bit NF4 (bitsandbytes), LoRA on top (issue 20).
+    case("qlora-packed-causal", qlora=True),
 ]
 CP4_CASES = [
     case("packed-causal-lora", seq_len=30),

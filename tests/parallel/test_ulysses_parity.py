@@ -44,6 +44,8 @@ CP2_CASES = [
     case("zero1-mbs2-ga2-packed-lora", stage=1, mbs=2, ga=2),
     case("zero2-ga2-packed-full", stage=2, lora=False, ga=2),
     case("zero3-ga2-packed-lora", stage=3, ga=2),
+    # QLoRA (4-bit NF4 base, bitsandbytes) under ZeRO-3 (issue 20).
+    case("qlora-zero3-ga2-packed", stage=3, ga=2, qlora=True),
 ]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.

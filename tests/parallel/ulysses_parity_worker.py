@@ -80,6 +80,10 @@ def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     model = build_tiny_model(tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2)), seed=1234)
     model.set_attn_implementation(attn_implementation)
+    if case.get("qlora"):
+        from quantized import quantized_4bit  # tests/parallel/quantized.py, beside this script
+
+        model = quantized_4bit(model, attn_implementation)
     if case["lora"]:
         from peft import LoraConfig, get_peft_model
 

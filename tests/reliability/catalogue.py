@@ -242,7 +242,7 @@ def _chat_messages_not_a_list(ws: Workspace) -> dict[str, Any]:
 
 
 def _chat_unknown_role(ws: Workspace) -> dict[str, Any]:
-    bad = {"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    bad = {"messages": [{"role": "narrator", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     return _chat(ws, [bad])
 
 
@@ -542,6 +542,30 @@ def _full_model_folder(ws: Workspace) -> None:
     shutil.copy(ws.model_dir / "config.json", folder / "config.json")
 
 
+def _chat_mapping_extra_key(ws: Workspace) -> dict[str, Any]:
+    keys = _chat(ws, [{"messages": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}])
+    keys["datasets"][0]["message_property_mappings"] = {"role": "from", "content": "value", "name": "speaker"}
+    return keys
+
+
+def _chat_jinja_file_missing(ws: Workspace) -> dict[str, Any]:
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    return _chat(ws, [good], chat_template_jinja=str(ws.root / "templates" / "chat.jinja"))
+
+
+def _lora_model_dir_missing(ws: Workspace) -> dict[str, Any]:
+    return {"lora_model_dir": str(ws.root / "no-adapter")}
+
+
+def _with_package(module: str) -> Callable[[], str | None]:
+    def skip() -> str | None:
+        import importlib.util
+
+        return f"{module} is installed here" if importlib.util.find_spec(module) is not None else None
+
+    return skip
+
+
 # --- the cases ------------------------------------------------------------------------------
 
 RECIPE_FILE = "The recipe file"
@@ -671,9 +695,19 @@ CASES: tuple[Case, ...] = (
         "key-axolotl-unsupported",
         RECIPE_KEYS,
         "An Axolotl key cptune does not support",
-        "load_in_4bit: is an Axolotl key that cptune does not support",
-        "The message says what cptune offers instead; remove the key.",
-        keys={"load_in_4bit": True},
+        "torch_compile: is an Axolotl key that cptune does not support",
+        "The message says what cptune offers instead; remove the key. An empty value (`torch_compile:`) or "
+        "`false` is accepted as not set, as in Axolotl's example recipes.",
+        keys={"torch_compile": True},
+    ),
+    Case(
+        "key-axolotl-no-counterpart",
+        RECIPE_KEYS,
+        "An Axolotl key with no counterpart in cptune",
+        "tiled_mlp_num_shards: is an Axolotl key that cptune does not support: it has no counterpart in cptune",
+        "Remove the key: cptune knows every key of Axolotl's schema and refuses those it has no counterpart "
+        "for, so a refusal here is not a typo.",
+        keys={"tiled_mlp_num_shards": 4},
     ),
     Case(
         "dataset-key-misspelt",
@@ -948,10 +982,10 @@ CASES: tuple[Case, ...] = (
         "deepspeed-option-other-backend",
         CONTRADICTIONS,
         "A DeepSpeed option with another cp_backend",
-        "zero_stage: applies only to cp_backend: deepspeed; remove it.",
-        "`zero_stage`, `deepspeed` and `ulysses_attn_implementation` configure `cp_backend: deepspeed`; "
-        "remove them or change `cp_backend`.",
-        keys={"context_parallel_size": 2, "zero_stage": 2},
+        "ulysses_attn_implementation: applies only to cp_backend: deepspeed; remove it.",
+        "`ulysses_attn_implementation` configures `cp_backend: deepspeed`; remove it or change `cp_backend`. "
+        "(`zero_stage` and `deepspeed` with another backend: see the next entries.)",
+        keys={"context_parallel_size": 2, "ulysses_attn_implementation": "sdpa"},
     ),
     Case(
         "deepspeed-without-cp",
@@ -961,6 +995,15 @@ CASES: tuple[Case, ...] = (
         "cptune uses DeepSpeed for Ulysses context parallelism only. Set `context_parallel_size`, or remove "
         "the DeepSpeed keys.",
         keys={"cp_backend": "deepspeed", "zero_stage": 2},
+    ),
+    Case(
+        "deepspeed-zero-without-cp",
+        CONTRADICTIONS,
+        "deepspeed (a ZeRO config) in a recipe without context parallelism",
+        "deepspeed: DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1",
+        "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed for Ulysses context parallelism only. "
+        "To shard model states without CP use `fsdp_version: 2`; otherwise remove `deepspeed`.",
+        keys={"deepspeed": "zero2.json"},
     ),
     Case(
         "ulysses-core-bidirectional",
@@ -1469,9 +1512,10 @@ CASES: tuple[Case, ...] = (
         "chat-unknown-role",
         DATA,
         "A chat row with a role the chat template does not know",
-        "row 0: the chat template rejected the messages (Unknown role human",
-        "The tokenizer's chat template refused the row; its own message follows. Map the roles to the "
-        "template's (e.g. `human` to `user`), or skip such rows with `skip_invalid_rows: true`.",
+        "row 0: the chat template rejected the messages (Unknown role narrator",
+        "The tokenizer's chat template refused the row; its own message follows. Map the data's roles to the "
+        "template's with the dataset's `roles` (e.g. `{user: [narrator]}`; `human` and `gpt` are mapped to "
+        "`user` and `assistant` by default, as in Axolotl), or skip such rows with `skip_invalid_rows: true`.",
         setup=_chat_unknown_role,
     ),
     Case(
@@ -1782,6 +1826,219 @@ CASES: tuple[Case, ...] = (
         args=("--checkpoint", "{ws}/adapter", "--out", "{ws}/merged.txt"),
         setup=_adapter_folder,
     ),
+    # --- keys of Axolotl recipes (issue 20) ---
+    Case(
+        "qlora-without-4bit",
+        CONTRADICTIONS,
+        "adapter: qlora without load_in_4bit",
+        "adapter: qlora trains a LoRA adapter on a 4-bit base: set load_in_4bit: true",
+        "Add `load_in_4bit: true` (QLoRA), or use `adapter: lora` on the full-precision base.",
+        keys={"adapter": "qlora"},
+    ),
+    Case(
+        "4bit-without-qlora",
+        CONTRADICTIONS,
+        "load_in_4bit without adapter: qlora",
+        "load_in_4bit: a 4-bit base model is trained through a LoRA adapter: set adapter: qlora",
+        "Set `adapter: qlora`, or remove `load_in_4bit` to train on the full-precision base.",
+        keys={"load_in_4bit": True},
+    ),
+    Case(
+        "8bit-without-lora",
+        CONTRADICTIONS,
+        "load_in_8bit with a full fine-tune",
+        "load_in_8bit: an 8-bit base model is trained through adapter: lora",
+        "8-bit weights are frozen: set `adapter: lora`, or remove `load_in_8bit`.",
+        keys={"load_in_8bit": True, "adapter": DELETE},
+    ),
+    Case(
+        "bnb-kwargs-without-quantization",
+        CONTRADICTIONS,
+        "bnb_config_kwargs without a quantized base",
+        "bnb_config_kwargs: applies only with load_in_4bit or load_in_8bit; remove it.",
+        "Set `load_in_4bit: true` with `adapter: qlora` (or `load_in_8bit`), or remove `bnb_config_kwargs`.",
+        keys={"bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
+    ),
+    Case(
+        "quantized-with-fsdp2",
+        CONTRADICTIONS,
+        "A quantized base with fsdp_version: 2",
+        "fsdp_version: cptune does not shard bitsandbytes-quantized weights with FSDP2",
+        "Remove `fsdp_version`: a QLoRA run keeps the 4-bit base whole on every rank (a quarter of bf16's "
+        "memory) and trains with plain data parallelism and any `cp_backend`.",
+        keys={"adapter": "qlora", "load_in_4bit": True, "fsdp_version": 2},
+    ),
+    Case(
+        "jinja-without-template",
+        CONTRADICTIONS,
+        "chat_template: jinja without chat_template_jinja",
+        "chat_template: jinja needs the template in chat_template_jinja",
+        "Give the template's text (or the path of a .jinja file) in `chat_template_jinja`.",
+        keys={"chat_template": "jinja"},
+    ),
+    Case(
+        "jinja-with-named-template",
+        CONTRADICTIONS,
+        "chat_template_jinja next to a named chat_template",
+        "chat_template_jinja: chat_template: llama3 names another template",
+        "Keep one: `chat_template: jinja` with `chat_template_jinja`, or the named template alone.",
+        keys={"chat_template": "llama3", "chat_template_jinja": "{{ messages }}"},
+    ),
+    Case(
+        "lora-extras-without-lora",
+        CONTRADICTIONS,
+        "lora_modules_to_save or lora_model_dir in a full fine-tune",
+        "lora_modules_to_save: applies only with adapter: lora or qlora; remove it.",
+        "A full fine-tune trains every module already; remove the key, or set `adapter: lora`.",
+        keys={"adapter": DELETE, "lora_modules_to_save": ["lm_head"]},
+    ),
+    Case(
+        "per-epoch-and-steps",
+        CONTRADICTIONS,
+        "evals_per_epoch next to eval_steps (or saves_per_epoch next to save_steps)",
+        "evals_per_epoch: and eval_steps both set how often (Axolotl's count per epoch, cptune's steps); set one",
+        "Keep one of them: Axolotl's per-epoch count, or cptune's steps.",
+        keys={"evals_per_epoch": 4, "eval_steps": 10, "val_set_size": 0.1},
+    ),
+    Case(
+        "bfloat16-disagrees-with-bf16",
+        CONTRADICTIONS,
+        "bfloat16 (or float16) that disagrees with bf16 (fp16)",
+        "bfloat16: is True but bf16 is False; they are the same setting, set bf16 only.",
+        "`bfloat16` and `float16` are Axolotl's other spellings of `bf16` and `fp16`: set `bf16` (or `fp16`) "
+        "alone.",
+        keys={"bfloat16": True},
+    ),
+    Case(
+        "deepspeed-with-ring-cp",
+        CONTRADICTIONS,
+        "deepspeed (ZeRO) with ring-flash-attn or torch context parallelism",
+        "deepspeed: DeepSpeed's engine cannot run cp_backend: ring-flash-attn: under DeepSpeed, accelerate gives "
+        "every rank a batch of its own",
+        "Axolotl runs ring attention under ZeRO; cptune cannot (the ranks of a CP group must see the same "
+        "batch). Set `cp_backend: deepspeed` (Ulysses, with ZeRO from `deepspeed` or `zero_stage`), or keep "
+        "ring-flash-attn and shard model states with `fsdp_version: 2`.",
+        keys={"context_parallel_size": 2, "deepspeed": "zero3.json"},
+    ),
+    Case(
+        "attn-implementation-unsupported",
+        RECIPE_KEYS,
+        "attn_implementation cptune does not run (eager, flex_attention, ...)",
+        "attn_implementation: cptune does not run 'eager' attention; it picks the attention from cp_backend",
+        "cptune picks the attention from `cp_backend`; `flash_attention_2`, `flash_attention_3` and `sdpa` are "
+        "accepted (validate notes what runs), other values are refused. Remove the key.",
+        keys={"attn_implementation": "eager"},
+    ),
+    Case(
+        "reentrant-checkpointing",
+        RECIPE_KEYS,
+        "gradient_checkpointing_kwargs other than use_reentrant: false",
+        "cptune checkpoints with use_reentrant: false only",
+        "Write `use_reentrant: false` (what cptune does anyway) or remove `gradient_checkpointing_kwargs`.",
+        keys={"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    ),
+    Case(
+        "gradient-checkpointing-offload",
+        RECIPE_KEYS,
+        "gradient_checkpointing: offload",
+        "gradient_checkpointing: offload (Axolotl's activation offloading to CPU memory) is not supported",
+        "Use `gradient_checkpointing: true`; spread long sequences over more processes with "
+        "`context_parallel_size` instead of offloading activations.",
+        keys={"gradient_checkpointing": "offload"},
+    ),
+    Case(
+        "model-type-not-causal",
+        RECIPE_KEYS,
+        "model_type that is not a causal LM class",
+        "model_type: 'AutoModel' is not a causal language model class",
+        "Use `model_type: AutoModelForCausalLM` (or the model's `...ForCausalLM` class), or remove it.",
+        keys={"model_type": "AutoModel"},
+    ),
+    Case(
+        "chat-template-not-built-in",
+        RECIPE_KEYS,
+        "A chat_template name cptune does not render itself",
+        "chat_template: 'qwen3' is not a chat template cptune renders itself",
+        "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (Qwen3's does), "
+        "one of the built-in names, or your own template in `chat_template_jinja`.",
+        keys={"chat_template": "qwen3"},
+    ),
+    Case(
+        "axolotl-plugin",
+        RECIPE_KEYS,
+        "Axolotl plugins",
+        "plugins[0]: 'axolotl.integrations.liger.LigerPlugin': Liger kernels are not available in cptune",
+        "Remove the plugin (and its keys); each plugin gets its own line saying why.",
+        keys={"plugins": ["axolotl.integrations.liger.LigerPlugin"]},
+    ),
+    Case(
+        "message-mappings-extra-key",
+        RECIPE_KEYS,
+        "message_property_mappings beyond role and content",
+        "maps name; cptune's chat rows have a role and a content only",
+        "Map `role` and `content` only (e.g. `{role: from, content: value}`).",
+        setup=_chat_mapping_extra_key,
+    ),
+    Case(
+        "model-type-mismatch",
+        MODEL,
+        "model_type names another model's class",
+        "model_type: MistralForCausalLM is not the class of",
+        "Set `model_type: AutoModelForCausalLM` or remove it: cptune loads the class the model's config names.",
+        keys={"model_type": "MistralForCausalLM"},
+    ),
+    Case(
+        "lora-model-dir-missing",
+        MODEL,
+        "lora_model_dir without an adapter",
+        "does not exist. Point it at the folder of a trained LoRA adapter",
+        "Point `lora_model_dir` at a folder with `adapter_config.json` (a run's output_dir or checkpoint), or "
+        "remove it (Axolotl's recipes often leave it empty, which means no adapter).",
+        setup=_lora_model_dir_missing,
+    ),
+    Case(
+        "modules-to-save-unknown",
+        MODEL,
+        "lora_modules_to_save naming no module",
+        "lora_modules_to_save: the model has no module named 'embed'",
+        "Use the modules' last names, e.g. `[embed_tokens, lm_head]` for Llama-style models.",
+        keys={"lora_modules_to_save": ["embed"]},
+    ),
+    Case(
+        "new-tokens-untrained",
+        MODEL,
+        "New tokens in a LoRA run without training their embeddings",
+        "tokens: adds 1 token(s) the tokenizer did not have (<tool>); their embeddings start untrained",
+        "Add `lora_modules_to_save: [embed_tokens, lm_head]` (the message names the model's modules) so the "
+        "new rows are trained and saved with the adapter. A new pad token alone needs nothing.",
+        keys={"tokens": ["<tool>"]},
+    ),
+    Case(
+        "chat-template-jinja-file-missing",
+        DATA,
+        "chat_template_jinja naming a file that cannot be read",
+        "chat_template_jinja: cannot read the template file",
+        "Give the path of a readable `.jinja` file, or the template's text itself.",
+        setup=_chat_jinja_file_missing,
+    ),
+    Case(
+        "optimizer-needs-other-hardware",
+        PACKAGES,
+        "An optimizer for other hardware (adamw_torch_xla, adamw_torch_npu_fused)",
+        "optimizer: adamw_torch_xla runs on TPUs (torch_xla) only; use adamw_torch (or adamw_torch_fused) here.",
+        "Use `adamw_torch` or `adamw_torch_fused` (or an 8-bit one from bitsandbytes).",
+        keys={"optimizer": "adamw_torch_xla"},
+    ),
+    Case(
+        "optimizer-package-missing",
+        PACKAGES,
+        "An optimizer whose package is not installed",
+        "optimizer: schedule_free_adamw needs the schedulefree package, which is not installed",
+        "Install the package the message names, or use another optimizer (`adamw_torch`, `adamw_bnb_8bit`, ...). "
+        "Checked before any process starts.",
+        keys={"optimizer": "schedule_free_adamw"},
+        skip_if=_with_package("schedulefree"),
+    ),
 )
 
 
@@ -1995,5 +2252,38 @@ DOCUMENTED: tuple[Documented, ...] = (
         raised_in="src/cptune/patches/core.py",
         why_not_in_catalogue="only reachable from Python code that patches the same functions as cptune",
         tested_by="tests/patches/test_core.py::test_revert_over_foreign_patch_raises_and_touches_nothing",
+    ),
+    Documented(
+        "bitsandbytes-not-installed",
+        PACKAGES,
+        "load_in_4bit or load_in_8bit without bitsandbytes",
+        "quantizing the base model needs bitsandbytes, which is not installed",
+        "Install it: `pip install 'cptune[quantization]'` (bitsandbytes 0.50 has CPU kernels too, so a QLoRA "
+        "recipe dry-runs on a laptop). Checked before any process starts.",
+        raised_in="src/cptune/models/quantization.py",
+        why_not_in_catalogue="the catalogue runs where bitsandbytes is installed; the test hides it",
+        tested_by="tests/models/test_quantization.py::test_missing_bitsandbytes_is_refused_before_launching",
+    ),
+    Documented(
+        "wandb-not-installed",
+        PACKAGES,
+        "W&B keys without the wandb package",
+        "logging to Weights & Biases needs the wandb package, which is not installed",
+        "Install it (`pip install 'cptune[wandb]'`), or remove `wandb_project` / `use_wandb`. Checked before "
+        "any process starts.",
+        raised_in="src/cptune/run/tracking.py",
+        why_not_in_catalogue="the catalogue runs where wandb is installed; the test hides it",
+        tested_by="tests/run/test_tracking.py::test_wandb_missing_is_refused",
+    ),
+    Documented(
+        "gpus-not-divisible-by-cp",
+        MODEL,
+        "A GPU count that is not a multiple of the CP group",
+        "cannot be split into groups of context_parallel_size × dp_replicate_size",
+        "Without `--nproc-per-node`, `cptune train` starts one process per visible GPU. Pass "
+        "`--nproc-per-node` (a multiple of the group), or choose GPUs with `CUDA_VISIBLE_DEVICES`.",
+        raised_in="src/cptune/run/launch.py",
+        why_not_in_catalogue="only on a machine with GPUs; the test fakes the GPU count",
+        tested_by="tests/run/test_launch.py::test_default_processes_one_per_gpu",
     ),
 )

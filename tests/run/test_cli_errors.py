@@ -50,13 +50,13 @@ def test_deepspeed_not_installed(write_recipe, tmp_path):
 
 def test_validate_reports_every_problem_at_once(write_recipe, cptune_in_process):
     done = cptune_in_process(
-        "validate", str(write_recipe(sequnce_len=64, load_in_4bit=True, micro_batch_size="x")), "--lora_r=0"
+        "validate", str(write_recipe(sequnce_len=64, gptq=True, micro_batch_size="x")), "--lora_r=0"
     )
     assert_clean_failure(
         done,
         "has 4 problems",
         "sequnce_len: is not a known key. Did you mean 'sequence_len'?",
-        "load_in_4bit: is an Axolotl key that cptune does not support",
+        "gptq: is an Axolotl key that cptune does not support",
         "micro_batch_size: Input should be a valid integer",
         "lora_r: Input should be greater than or equal to 1",
     )

@@ -308,3 +308,27 @@ def test_hung_rank_stops_the_run_after_ddp_timeout_on_cpu(write_recipe, tmp_path
     ), stderr[-3000:]
     # torch's default timeout (1800 s) would hold the run for half an hour.
     assert took <= EXIT_BOUND_SECONDS, took
+
+
+def test_default_processes_one_per_gpu():
+    """On a GPU node `cptune train` starts a process per visible GPU (dp = GPUs / cp); on CPU the recipe's layout."""
+    from cptune.config.loader import validate_recipe
+    from cptune.errors import LaunchError
+    from cptune.run.launch import default_nproc_per_node
+
+    def recipe(**keys):
+        return validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
+
+    cp4 = recipe(context_parallel_size=4)
+    assert default_nproc_per_node(cp4, gpu_count=0) == 4  # CPU: unchanged
+    assert default_nproc_per_node(cp4, gpu_count=8) == 8  # 2 data-parallel groups of 4
+    assert default_nproc_per_node(recipe(), gpu_count=8) == 8
+    hsdp = recipe(context_parallel_size=2, fsdp_version=2, dp_replicate_size=2)
+    assert default_nproc_per_node(hsdp, gpu_count=8) == 8
+    fixed = recipe(context_parallel_size=2, fsdp_version=2, dp_shard_size=2)
+    assert default_nproc_per_node(fixed, gpu_count=8) == 4  # the layout the recipe fixes
+    with pytest.raises(LaunchError) as error:
+        default_nproc_per_node(recipe(context_parallel_size=3), gpu_count=8)
+    assert str(error.value).startswith(
+        "8 GPU(s) are visible, which cannot be split into groups of context_parallel_size × dp_replicate_size = 3"
+    )

@@ -14,3 +14,27 @@ def test_ddp_timeout_reaches_the_trainer(write_recipe):
     assert args.ddp_timeout == 60
     default = load_recipe(write_recipe("default.yaml"))
     assert training_arguments(default, ParallelDims(world_size=1, cp_size=1), DistEnv()).ddp_timeout == 1800
+
+
+def test_axolotl_keys_reach_the_trainer(write_recipe):
+    recipe = load_recipe(
+        write_recipe(
+            optimizer="adamw_bnb_8bit",
+            optim_args={"block_size": 128},
+            tf32=True,
+            val_set_size=0.1,
+            evals_per_epoch=4,
+            saves_per_epoch=2,
+            wandb_project="p",
+            wandb_name="run-1",
+            use_tensorboard=True,
+            max_grad_norm=None,  # empty: the default, 1.0
+        )
+    )
+    args = training_arguments(recipe, ParallelDims(world_size=1, cp_size=1), DistEnv())
+    assert (args.optim, args.optim_args) == ("adamw_bnb_8bit", "block_size=128")
+    assert args.tf32 is None  # TF32 exists on NVIDIA GPUs only; the Trainer refuses tf32: true elsewhere
+    assert (args.eval_strategy, args.eval_steps) == ("steps", 0.25)
+    assert (args.save_strategy, args.save_steps) == ("steps", 0.5)
+    assert sorted(args.report_to) == ["tensorboard", "wandb"] and args.run_name == "run-1"
+    assert args.max_grad_norm == 1.0

@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from cptune.config.axolotl_keys import (
+    NO_COUNTERPART,
     UNSUPPORTED_DATASET_KEYS,
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
 )
+from cptune.config.axolotl_schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
+from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES, BnbConfig, SpecialTokens
 from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe, combination_problems
 from cptune.errors import RecipeError, RecipeProblem
 
@@ -161,21 +164,81 @@ def set_by_path(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def validate_recipe(data: Mapping[str, Any], source: str | None = None) -> Recipe:
-    """Validate a recipe mapping, reporting field and combination problems together."""
+    """Validate a recipe mapping, reporting field and combination problems together.
+
+    Empty (null) values of keys cptune or Axolotl defines mean "not set" (Axolotl's example recipes
+    carry them as placeholders), as does ``false`` for an Axolotl switch cptune has no key for.
+    """
+    data, early = _without_unset(data)
     try:
-        recipe = Recipe.model_validate(dict(data))
+        recipe = Recipe.model_validate(data)
     except ValidationError as err:
         errors = _without_echoes(err.errors())
-        problems = [_problem_from_error(e) for e in errors]
-        broken = {_top_key(e["loc"]) for e in errors}
+        problems = early + [_problem_from_error(e) for e in errors]
+        broken = {_top_key(e["loc"]) for e in errors} | {p.key for p in early}
         partial = _partial_recipe(data, broken)
         if partial is not None:
             problems += [RecipeProblem(k, m) for k, m in combination_problems(partial) if k not in broken]
         raise RecipeError(_unique(problems), source=source) from None
-    problems = [RecipeProblem(k, m) for k, m in combination_problems(recipe)]
+    problems = early + [RecipeProblem(k, m) for k, m in combination_problems(recipe)]
     if problems:
         raise RecipeError(problems, source=source)
     return recipe
+
+
+# Sections whose keys may be left empty, and the keys each knows (beyond its model's fields).
+_UNSET_SECTIONS: dict[str, tuple[type[BaseModel], frozenset[str]]] = {
+    "fsdp_config": (FsdpConfig, frozenset(UNSUPPORTED_FSDP_KEYS)),
+    "special_tokens": (SpecialTokens, frozenset()),
+    "bnb_config_kwargs": (BnbConfig, frozenset()),
+}
+
+
+def _without_unset(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[RecipeProblem]]:
+    """The recipe without the keys it leaves unset, and problems found on the way.
+
+    Dropped: a null value of a key that cptune or Axolotl defines (anywhere a recipe, dataset or
+    section key is known), and ``false`` for an Axolotl switch that cptune has no key for. An
+    unknown key stays, so that it fails with a "did you mean".
+    """
+    known = set(Recipe.model_fields) | AXOLOTL_RECIPE_KEYS | set(UNSUPPORTED_RECIPE_KEYS)
+    out: dict[str, Any] = {}
+    early: list[RecipeProblem] = []
+    for key, value in data.items():
+        if value is None and key in known:
+            continue
+        if value is False and key in AXOLOTL_SWITCHES and key not in Recipe.model_fields:
+            continue
+        if key == "gradient_checkpointing" and value == "offload":
+            early.append(
+                RecipeProblem(
+                    key,
+                    "offload (Axolotl's activation offloading to CPU memory) is not supported; use "
+                    "gradient_checkpointing: true.",
+                )
+            )
+            continue
+        if key in ("datasets", "test_datasets") and isinstance(value, list):
+            value = [_dataset_without_unset(entry) for entry in value]
+        elif key in _UNSET_SECTIONS and isinstance(value, dict):
+            model, extra = _UNSET_SECTIONS[key]
+            names = set(model.model_fields) | extra
+            value = {
+                k: v
+                for k, v in value.items()
+                if not (
+                    v is None and (k in names or (isinstance(k, str) and k.removeprefix("fsdp_") in names))
+                )
+            }
+        out[key] = value
+    return out, early
+
+
+def _dataset_without_unset(entry: Any) -> Any:
+    if not isinstance(entry, dict):
+        return entry
+    known = set(DatasetConfig.model_fields) | AXOLOTL_DATASET_KEYS | set(UNSUPPORTED_DATASET_KEYS)
+    return {k: v for k, v in entry.items() if not (v is None and k in known)}
 
 
 def key_path(loc: Iterable[Any]) -> str:
@@ -227,6 +290,8 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
     # Lists in the recipe are tuples in the frozen Recipe; the user wrote (or should write) a list.
     text = text.replace("Tuple should", "List should").replace("a valid tuple", "a valid list")
     message = f"{text}; got {_short(got)}."
+    if path == "chat_template" and kind == "literal_error" and isinstance(got, str):
+        return RecipeProblem(path, _chat_template_message(got))
     if kind == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
         close = difflib.get_close_matches(got, choices, n=1, cutoff=0.6)
@@ -238,6 +303,15 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
 _UNION_TAGS = {"str", "int", "float", "bool", "tuple", "list", "dict", "none", "literal"}
 
 
+def _chat_template_message(name: str) -> str:
+    built_in = ", ".join(BUILT_IN_CHAT_TEMPLATES)
+    return (
+        f"'{name}' is not a chat template cptune renders itself (built in: {built_in}). Use chat_template: "
+        "tokenizer_default when the model's tokenizer ships its template, or give the template in "
+        "chat_template_jinja."
+    )
+
+
 # Sections of the recipe that are models of their own: their fields and the Axolotl keys they refuse.
 _SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
     "datasets": (DatasetConfig, UNSUPPORTED_DATASET_KEYS),
@@ -246,13 +320,22 @@ _SECTIONS: dict[str, tuple[type[BaseModel], dict[str, str]]] = {
 }
 
 
+# Axolotl keys without a cptune field, by section (the recipe's top level under "").
+_AXOLOTL_KEYS = {
+    "": AXOLOTL_RECIPE_KEYS,
+    "datasets": AXOLOTL_DATASET_KEYS,
+    "test_datasets": AXOLOTL_DATASET_KEYS,
+}
+
+
 def _unknown_key_message(loc: tuple[Any, ...]) -> str:
     key = str(loc[-1])
-    model, unsupported = (
-        _SECTIONS[loc[0]] if len(loc) >= 2 and loc[0] in _SECTIONS else (Recipe, UNSUPPORTED_RECIPE_KEYS)
-    )
+    section = str(loc[0]) if len(loc) >= 2 and loc[0] in _SECTIONS else ""
+    model, unsupported = _SECTIONS[section] if section else (Recipe, UNSUPPORTED_RECIPE_KEYS)
     if key in unsupported:
         return f"is an Axolotl key that cptune does not support: {unsupported[key]}"
+    if key in _AXOLOTL_KEYS.get(section, frozenset()) and len(loc) <= 3:
+        return f"is an Axolotl key that cptune does not support: {NO_COUNTERPART}"
     close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"is not a known key.{hint}"
@@ -272,13 +355,21 @@ def _partial_recipe(data: Mapping[str, Any], broken: set[str]) -> Recipe | None:
     values: dict[str, Any] = {}
     for name, info in Recipe.model_fields.items():
         if name in data and name not in broken:
-            values[name] = data[name]
+            values[name] = _typed(info.annotation, data[name])
         elif not info.is_required():
             values[name] = info.get_default(call_default_factory=True)
     try:
         return Recipe.model_construct(**values)
     except Exception:  # best effort: never let this hide the real errors
         return None
+
+
+def _typed(annotation: Any, value: Any) -> Any:
+    """``value`` as its field's type (nested sections become their models), so rules can read it."""
+    try:
+        return TypeAdapter(annotation).validate_python(value)
+    except ValidationError:
+        return value
 
 
 def _unique(problems: list[RecipeProblem]) -> list[RecipeProblem]:

@@ -13,6 +13,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cptune.config.compat import (
+    AdapterKeys,
+    AxolotlKeys,
+    ChatTemplateName,
+    OptimizerKeys,
+    OptimizerName,
+    QuantizationKeys,
+    TokenKeys,
+    TrackingKeys,
+    TrainOnEos,
+)
+from cptune.config.compat_rules import COMPAT_RULES
+
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
 RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
@@ -50,6 +63,21 @@ class DatasetConfig(_Frozen):
         ("assistant",),
         description="chat_template: roles whose messages are trained (unless train_on_inputs).",
     )
+    message_property_mappings: dict[str, str] | None = Field(
+        None,
+        description="chat_template: Axolotl's way to name a message's keys, e.g. {role: from, content: value} "
+        "(the same as message_field_role and message_field_content).",
+    )
+    roles: dict[str, tuple[str, ...]] | None = Field(
+        None,
+        description="chat_template: the role names of the data for each template role, e.g. {user: [human], "
+        "assistant: [gpt]}; default: human -> user, gpt -> assistant (as Axolotl).",
+    )
+    train_on_eos: TrainOnEos = Field(
+        "turn",
+        description="chat_template: which end-of-turn tokens are trained: `turn` (those of trained turns), "
+        "`last` (the last trained turn's), `all` (every turn's), `none`.",
+    )
     # completion
     field: str = Field("text", description="completion: column of the text; every token is trained.")
     # pretokenized
@@ -58,6 +86,25 @@ class DatasetConfig(_Frozen):
         "labels",
         description="pretokenized: column of the labels (-100: not trained); absent: train every token.",
     )
+
+    @field_validator("message_property_mappings")
+    @classmethod
+    def _role_and_content_only(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        other = sorted(set(value or {}) - {"role", "content"})
+        if other:
+            raise ValueError(
+                f"maps {', '.join(other)}; cptune's chat rows have a role and a content only (map those two, "
+                "or set message_field_role and message_field_content)"
+            )
+        return value
+
+    @property
+    def resolved_message_fields(self) -> tuple[str, str]:
+        """The keys of a message's role and text (message_property_mappings wins over message_field_*)."""
+        mappings = self.message_property_mappings or {}
+        return mappings.get("role", self.message_field_role), mappings.get(
+            "content", self.message_field_content
+        )
 
 
 class FsdpConfig(_Frozen):
@@ -113,7 +160,7 @@ class FsdpConfig(_Frozen):
         return tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else value
 
 
-class Recipe(_Frozen):
+class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKeys, AxolotlKeys, _Frozen):
     """A validated training recipe (reference: ``docs/reference/recipe.md``, generated from this class)."""
 
     # --- model -----------------------------------------------------------
@@ -138,12 +185,17 @@ class Recipe(_Frozen):
         "drop", description="What to do with samples longer than sequence_len."
     )
     skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of stopping.")
-    chat_template: Literal["tokenizer_default", "chatml"] | None = Field(
-        None, description="Chat template for chat_template datasets; default: the tokenizer's."
+    chat_template: ChatTemplateName | None = Field(
+        None,
+        description="Chat template for chat_template datasets, by name (cptune's own rendering of each family's "
+        "format; `jinja`: chat_template_jinja); default: the tokenizer's.",
     )
 
     # --- adapter -----------------------------------------------------------
-    adapter: Literal["lora"] | None = Field(None, description="`lora`, or unset for a full fine-tune.")
+    adapter: Literal["lora", "qlora"] | None = Field(
+        None,
+        description="`lora`, `qlora` (LoRA on a 4-bit base, with load_in_4bit), or unset for a full fine-tune.",
+    )
     lora_r: int = Field(8, ge=1, description="LoRA rank.")
     lora_alpha: int = Field(
         16, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r)."
@@ -166,8 +218,10 @@ class Recipe(_Frozen):
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adafactor", "sgd"] = Field(
-        "adamw_torch", description="The Trainer's optimizer."
+    optimizer: OptimizerName = Field(
+        "adamw_torch",
+        description="The Trainer's optimizer by its name (8-bit and paged ones need bitsandbytes, *_torch_4bit/8bit "
+        "torchao); cptune refuses before launching one that cannot run here, saying why.",
     )
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
         "cosine", description="Learning-rate schedule after warmup."
@@ -175,7 +229,7 @@ class Recipe(_Frozen):
     warmup_steps: int | None = Field(None, ge=0, description="Warmup length in optimizer steps.")
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warmup length as a share of all steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float | None = Field(1.0, ge=0, description="Gradient clipping; 0 or null disables.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables.")
     seed: int = Field(42, description="Seed of the LoRA init, data order and validation split.")
     bf16: bool | Literal["auto"] = Field(
         False, description="Train in bfloat16 (`auto`: when the GPU has it)."
@@ -210,7 +264,7 @@ class Recipe(_Frozen):
     eval_steps: int | None = Field(
         None, ge=1, description="Evaluate every this many steps and at the end (needs evaluation data)."
     )
-    report_to: tuple[Literal["tensorboard", "none"], ...] = Field(
+    report_to: tuple[Literal["tensorboard", "wandb", "none"], ...] = Field(
         ("none",), description="Loggers besides train_log.json; one name or a list."
     )
     dataloader_num_workers: int = Field(0, ge=0, description="Data-loader worker processes per rank.")
@@ -278,7 +332,8 @@ class Recipe(_Frozen):
 
     @property
     def is_lora(self) -> bool:
-        return self.adapter == "lora"
+        """A LoRA adapter is trained (on a full-precision base, or on a quantized one: qlora, load_in_8bit)."""
+        return self.adapter in ("lora", "qlora")
 
     @property
     def is_fsdp(self) -> bool:
@@ -479,16 +534,20 @@ def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
 
     Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong.
 
-    - `ulysses_attn_implementation`, `zero_stage` and `deepspeed` apply only to `cp_backend: deepspeed`.
+    - `ulysses_attn_implementation`, `zero_stage` and `deepspeed` apply only to `cp_backend: deepspeed`
+      (ring-flash-attn and torch CP cannot run under DeepSpeed's engine: accelerate gives each rank of a
+      DeepSpeed run a batch of its own, so a CP group would split different sequences).
     - `zero_stage` and `deepspeed` need `context_parallel_size > 1` (a cp=1 run trains with plain DDP).
     - With `context_parallel_size > 1` and a core attention other than `cptune`: `causal: false` is
       refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
       with `flash_attention_2/3` needs `micro_batch_size: 1`.
     """
     if r.cp_backend != "deepspeed":
-        for key in ("ulysses_attn_implementation", "zero_stage", "deepspeed"):
+        if r.ulysses_attn_implementation is not None:
+            yield "ulysses_attn_implementation", "applies only to cp_backend: deepspeed; remove it."
+        for key in ("zero_stage", "deepspeed"):
             if getattr(r, key) is not None:
-                yield key, "applies only to cp_backend: deepspeed; remove it."
+                yield key, _deepspeed_needs_ulysses(r)
         return
     if r.context_parallel_size == 1:
         for key in ("zero_stage", "deepspeed"):
@@ -522,6 +581,22 @@ def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
             "(transformers' _is_packed_sequence); with more rows they would attend to each other. Use "
             "micro_batch_size: 1 with more gradient_accumulation_steps, or ulysses_attn_implementation: cptune.",
         )
+
+
+def _deepspeed_needs_ulysses(r: Recipe) -> str:
+    if r.context_parallel_size == 1:
+        return (
+            "DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1 (a cp=1 run trains with "
+            "plain DDP); to shard model states without CP use fsdp_version: 2, or remove it."
+        )
+    # accelerate 1.15 (data_loader.py, prepare_data_loader): under DeepSpeed only a tp mesh axis makes ranks
+    # share batches, so the ranks of a CP group would each get a batch of their own.
+    return (
+        f"DeepSpeed's engine cannot run cp_backend: {r.cp_backend}: under DeepSpeed, accelerate gives every rank "
+        "a batch of its own (its data loader ignores the context-parallel axis), so the ranks of a CP group "
+        "would split different sequences. Set cp_backend: deepspeed (Ulysses, which runs under DeepSpeed's ZeRO "
+        f"stages), or shard model states with fsdp_version: 2 and keep cp_backend: {r.cp_backend}."
+    )
 
 
 def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
@@ -573,6 +648,7 @@ RULES: tuple[Rule, ...] = (
     _deepspeed,
     _fsdp,
     _adapter,
+    *COMPAT_RULES,
 )
 
 

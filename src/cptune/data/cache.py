@@ -32,6 +32,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig, Recipe
+from cptune.data.chat_templates import template_text
 from cptune.data.sources import ResolvedSource
 
 __all__ = [
@@ -62,6 +63,8 @@ _RECIPE_KEYS = (
     "val_set_size",
     "seed",
     "chat_template",
+    "chat_template_jinja",
+    "min_sample_len",
 )
 
 
@@ -138,6 +141,10 @@ def compute_fingerprint(
         "version": DATA_FORMAT_VERSION,
         "recipe": {name: getattr(recipe, name) for name in _RECIPE_KEYS},
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        # A template given as a file is part of the data by its text, not its path.
+        "chat_template_jinja": template_text("jinja", recipe.chat_template_jinja)
+        if recipe.chat_template_jinja is not None
+        else None,
         "sources": [[key, _source_identity(config, source)] for key, config, source in sources],
     }
     return _sha256_json(parts)

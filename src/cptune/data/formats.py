@@ -9,6 +9,7 @@ naming dataset, row and field, or counts and skips the row.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig
+from cptune.data.chat_templates import CHATML, missing_marker_tokens, template_text
 from cptune.data.labels import IGNORE_INDEX
 from cptune.errors import DataError
 
@@ -28,20 +30,21 @@ __all__ = [
     "resolve_chat_template",
 ]
 
-# ChatML, written for cptune: "<|im_start|>{role}\n{content}<|im_end|>\n" per turn,
-# preceded by the tokenizer's bos token when it has one (Llama-style models
-# expect it; Qwen-style tokenizers have none and render nothing).
-CHATML_TEMPLATE = (
-    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
-)
+CHATML_TEMPLATE = CHATML
 """The built-in template used when the recipe sets ``chat_template: chatml``."""
+
+# Axolotl's default mapping of the role names found in data to the template's roles.
+DEFAULT_ROLES: dict[str, tuple[str, ...]] = {
+    "user": ("human", "user"),
+    "assistant": ("gpt", "assistant"),
+    "system": ("system",),
+    "tool": ("tool",),
+}
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+logger = logging.getLogger(__name__)
 
 _SKIP_HINT = "Fix the row, or set skip_invalid_rows: true to skip such rows (they are counted and reported)."
 
@@ -191,27 +194,46 @@ def _pretokenized(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> 
 
 
 def resolve_chat_template(
-    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, label: str
+    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, label: str, jinja: str | None = None
 ) -> str | None:
     """The template to render chats with: ``None`` means the tokenizer's own.
 
     Args:
         tokenizer: The model's tokenizer.
-        chat_template: The recipe's ``chat_template`` (None, ``tokenizer_default`` or ``chatml``).
+        chat_template: The recipe's ``chat_template``: None or ``tokenizer_default`` (the tokenizer's),
+            a built-in name (:mod:`cptune.data.chat_templates`), or ``jinja``.
         label: Names the dataset in messages.
+        jinja: The recipe's ``chat_template_jinja`` (used when chat_template is ``jinja`` or unset).
 
     Raises:
         DataError: If the tokenizer's template is asked for and it has none.
     """
-    if chat_template == "chatml":
-        return CHATML_TEMPLATE
+    if jinja is not None and chat_template in (None, "jinja"):
+        return template_text("jinja", jinja)
+    if chat_template not in (None, "tokenizer_default"):
+        missing = missing_marker_tokens(chat_template, tokenizer)
+        if missing:
+            logger.warning(
+                "%s: chat_template %s writes %s, which the tokenizer does not have as tokens; they are "
+                "tokenized as text (add them with tokens: or special_tokens: to make them single tokens).",
+                label,
+                chat_template,
+                ", ".join(missing),
+            )
+        return template_text(chat_template)
     if not tokenizer.chat_template:
         raise DataError(
             f"{label} has type chat_template, but the tokenizer has no chat template. Set "
-            "chat_template: chatml in the recipe to use cptune's built-in ChatML template, or use a "
-            "tokenizer that ships a template (tokenizer_config)."
+            "chat_template: chatml (or another built-in name such as llama3) in the recipe to use one of "
+            "cptune's templates, or use a tokenizer that ships a template (tokenizer_config)."
         )
     return None
+
+
+def _role_names(config: DatasetConfig) -> dict[str, str]:
+    """Data role name -> template role (Axolotl's ``roles``; by default human -> user, gpt -> assistant)."""
+    roles = config.roles if config.roles is not None else DEFAULT_ROLES
+    return {source: target for target, sources in roles.items() for source in sources}
 
 
 def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, str]]:
@@ -219,7 +241,8 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     value = row.get(name)
     if value is None:
         raise _field_problem(name, "is missing")
-    role_key, content_key = config.message_field_role, config.message_field_content
+    role_key, content_key = config.resolved_message_fields
+    role_names = _role_names(config)
     if isinstance(value, Mapping) and isinstance(value.get(role_key), list):
         # datasets' legacy Sequence-of-struct feature decodes to a dict of lists.
         value = [dict(zip(value, turn, strict=False)) for turn in zip(*value.values(), strict=False)]
@@ -234,24 +257,31 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
             raise _field_problem(name, f"message {turn} has no text {role_key!r}")
         if not isinstance(content, str):
             raise _field_problem(name, f"message {turn} has no text {content_key!r}")
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role_names.get(role, role), "content": content})
     return messages
 
 
-def _end_of_turn(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> int:
-    # Train a turn's content and its end-of-turn token, not the whitespace a
-    # template writes after it ("<|im_end|>\n"): generation stops at the token.
+def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """Where a turn's end-of-turn token is in its tokens: (start, end); (len, len) when it has none.
+
+    The end-of-turn token is the turn's last special token when only whitespace follows it
+    ("<|im_end|>\n"): generation stops at the token, so the whitespace is never trained.
+    """
     last_special = max((i for i, t in enumerate(span) if t in special_ids), default=None)
     if last_special is None or tokenizer.decode(span[last_special + 1 :]).strip():
-        return len(span)
-    return last_special + 1
+        return len(span), len(span)
+    return last_special, last_special + 1
 
 
 def _chat(
     config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_inputs: bool, template: str | None
 ) -> Formatter:
-    special_ids = set(tokenizer.all_special_ids)
+    # Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...).
+    special_ids = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
     trained_roles = set(config.roles_to_train)
+    eos_policy = config.train_on_eos
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         try:
@@ -275,6 +305,24 @@ def _chat(
             skippable=False,
         )
 
+    def turn_range(messages: list[dict[str, str]], full: list[int], turn: int) -> tuple[int, int, int]:
+        """(first token, end-of-turn token, end) of message ``turn`` in ``full``."""
+        # The turn's tokens are what rendering it adds to the conversation before it
+        # (plus the assistant header, which is the prompt).
+        header = messages[turn]["role"] == "assistant"
+        before = render(messages[:turn], add_generation_prompt=header) if turn or header else []
+        through = render(messages[: turn + 1], add_generation_prompt=False)
+        if through[: len(before)] != before:
+            raise not_prefix_stable(
+                turn, f"messages[:{turn}] does not render to a token prefix of messages[:{turn + 1}]"
+            )
+        if full[: len(through)] != through:
+            raise not_prefix_stable(
+                turn, f"messages[:{turn + 1}] does not render to a token prefix of the whole conversation"
+            )
+        eot_start, eot_end = _end_token(through[len(before) :], special_ids, tokenizer)
+        return len(before), len(before) + eot_start, len(before) + eot_end
+
     def format_row(row: Mapping[str, Any]) -> Sample:
         messages = _messages(row, config)
         turns = [i for i, m in enumerate(messages) if m["role"] in trained_roles]
@@ -286,23 +334,16 @@ def _chat(
         labels = list(full) if train_on_inputs else [IGNORE_INDEX] * len(full)
         if train_on_inputs:
             return Sample(full, labels)
-        for turn in turns:
-            # The turn's tokens are what rendering it adds to the conversation
-            # before it (plus the assistant header, which is the prompt).
-            header = messages[turn]["role"] == "assistant"
-            before = render(messages[:turn], add_generation_prompt=header) if turn or header else []
-            through = render(messages[: turn + 1], add_generation_prompt=False)
-            if through[: len(before)] != before:
-                raise not_prefix_stable(
-                    turn, f"messages[:{turn}] does not render to a token prefix of messages[:{turn + 1}]"
-                )
-            if full[: len(through)] != through:
-                raise not_prefix_stable(
-                    turn, f"messages[:{turn + 1}] does not render to a token prefix of the whole conversation"
-                )
-            span = through[len(before) :]
-            end = len(before) + _end_of_turn(span, special_ids, tokenizer)
-            labels[len(before) : end] = full[len(before) : end]
+        for turn in range(len(messages)) if eos_policy == "all" else turns:
+            start, eot_start, end = turn_range(messages, full, turn)
+            if turn in turns:
+                labels[start:eot_start] = full[start:eot_start]
+            if (
+                eos_policy == "all"
+                or (eos_policy == "turn" and turn in turns)
+                or (eos_policy == "last" and turn == turns[-1])
+            ):
+                labels[eot_start:end] = full[eot_start:end]
         return Sample(full, labels)
 
     return format_row
@@ -326,6 +367,7 @@ def build_formatter(
     train_on_inputs: bool,
     chat_template: str | None,
     label: str,
+    chat_template_jinja: str | None = None,
 ) -> Formatter:
     """A function that turns one row of this dataset into a :class:`Sample`.
 
@@ -335,6 +377,7 @@ def build_formatter(
         train_on_inputs: Train on prompt tokens too (alpaca, chat_template).
         chat_template: The recipe's ``chat_template``.
         label: Names the dataset in messages.
+        chat_template_jinja: The recipe's ``chat_template_jinja``.
 
     Returns:
         The formatter; it raises :class:`RowProblem` for a row it cannot use.
@@ -349,6 +392,6 @@ def build_formatter(
     if config.type == "pretokenized":
         return _pretokenized(config, tokenizer)
     if config.type == "chat_template":
-        template = resolve_chat_template(tokenizer, chat_template, label)
+        template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
         return _chat(config, tokenizer, train_on_inputs, template)
     raise ValueError(f"unknown dataset type {config.type!r}")

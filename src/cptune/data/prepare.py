@@ -165,6 +165,7 @@ def _tokenize_all(
             train_on_inputs=recipe.train_on_inputs,
             chat_template=recipe.chat_template,
             label=source.label,
+            chat_template_jinja=recipe.chat_template_jinja,
         )
         table, stats = tokenize_dataset(
             rows,
@@ -177,6 +178,7 @@ def _tokenize_all(
             skip_invalid_rows=recipe.skip_invalid_rows,
             scratch_dir=scratch,
             num_proc=recipe.dataset_processes,
+            min_sample_len=recipe.min_sample_len,
         )
         tables[key].append(table)
         all_stats.append(stats)

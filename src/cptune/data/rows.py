@@ -40,6 +40,7 @@ _KEPT = "kept"
 _TRUNCATED = "truncated"
 _TOO_LONG = "too long"
 _NO_TRAINED = "no trained tokens"
+_TOO_SHORT = "too short"
 _INVALID = "invalid: "
 
 
@@ -80,6 +81,7 @@ def tokenize_dataset(
     skip_invalid_rows: bool,
     scratch_dir: str | os.PathLike[str],
     num_proc: int | None = None,
+    min_sample_len: int | None = None,
 ) -> tuple[pa.Table, DatasetStats]:
     """Turn the rows of one dataset into samples of at most ``sequence_len`` tokens.
 
@@ -94,6 +96,7 @@ def tokenize_dataset(
         skip_invalid_rows: Skip and count malformed rows instead of raising.
         scratch_dir: Folder for the intermediate arrow file (deleted with it).
         num_proc: Worker processes; None or 1 for the current process.
+        min_sample_len: Drop samples shorter than this many tokens (Axolotl's key); None keeps all.
 
     Returns:
         An in-memory table with ``input_ids``, ``labels`` and ``position_ids``
@@ -129,6 +132,9 @@ def tokenize_dataset(
                     emit([], [], _TOO_LONG)
                     continue
                 input_ids, labels, status = input_ids[:sequence_len], labels[:sequence_len], _TRUNCATED
+            if min_sample_len is not None and len(input_ids) < min_sample_len:
+                emit([], [], _TOO_SHORT)
+                continue
             if trained_token_count(labels) == 0:
                 emit([], [], _NO_TRAINED)
                 continue
@@ -163,6 +169,7 @@ def tokenize_dataset(
         dropped_too_long=counts[_TOO_LONG],
         truncated=counts[_TRUNCATED],
         dropped_no_trained_tokens=counts[_NO_TRAINED],
+        dropped_too_short=counts[_TOO_SHORT],
         tokens=tokens,
         trained_tokens=trained,
     )
@@ -178,6 +185,7 @@ def _describe_losses(stats: DatasetStats) -> str:
     parts = [
         f"{stats.dropped_too_long} longer than sequence_len",
         f"{stats.dropped_no_trained_tokens} without trained tokens",
+        *([f"{stats.dropped_too_short} shorter than min_sample_len"] if stats.dropped_too_short else []),
         *(f"{n} skipped: {reason}" for reason, n in stats.skipped.items()),
     ]
     return ", ".join(parts)

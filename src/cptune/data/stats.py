@@ -25,6 +25,7 @@ class DatasetStats:
         dropped_too_long: Samples longer than ``sequence_len`` dropped.
         truncated: Samples longer than ``sequence_len`` cut to it (and kept).
         dropped_no_trained_tokens: Samples without a single target token.
+        dropped_too_short: Samples shorter than ``min_sample_len`` dropped.
         tokens: Tokens in the kept samples.
         trained_tokens: Target tokens in the kept samples: positions after the
             first whose label is not -100 (the first token of a sample is never
@@ -38,6 +39,7 @@ class DatasetStats:
     dropped_too_long: int = 0
     truncated: int = 0
     dropped_no_trained_tokens: int = 0
+    dropped_too_short: int = 0
     tokens: int = 0
     trained_tokens: int = 0
 
@@ -122,6 +124,7 @@ class PrepStats:
                     ("too long (dropped)", d.dropped_too_long),
                     ("truncated", d.truncated),
                     ("without trained tokens (dropped)", d.dropped_no_trained_tokens),
+                    ("shorter than min_sample_len (dropped)", d.dropped_too_short),
                 )
                 if count
             ]

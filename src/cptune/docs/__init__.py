@@ -1,4 +1,4 @@
-"""Generated documentation: the recipe reference and the list of patches.
+"""Generated documentation: the recipe reference, the list of patches, and the Axolotl migration table.
 
 Both pages are rendered from the code itself (the pydantic :class:`~cptune.config.recipe.Recipe`
 with its cross-key rules and the Axolotl keys cptune refuses; the :class:`~cptune.patches.core.Patch`
@@ -9,6 +9,7 @@ committed page differs from what the code renders.
 
 from __future__ import annotations
 
+from cptune.docs.axolotl_migration import render_axolotl_migration
 from cptune.docs.patch_list import render_patch_list
 from cptune.docs.recipe_reference import render_recipe_reference
 
@@ -21,7 +22,14 @@ def generated_pages() -> dict[str, str]:
     return {
         "docs/reference/recipe.md": render_recipe_reference(),
         "docs/reference/patches.md": render_patch_list(),
+        "docs/migrating-from-axolotl.md": render_axolotl_migration(),
     }
 
 
-__all__ = ["REGENERATE_COMMAND", "generated_pages", "render_patch_list", "render_recipe_reference"]
+__all__ = [
+    "REGENERATE_COMMAND",
+    "generated_pages",
+    "render_axolotl_migration",
+    "render_patch_list",
+    "render_recipe_reference",
+]

@@ -76,12 +76,18 @@ def render_recipe_reference() -> str:
 def recipe_sections() -> list[tuple[str, list[str]]]:
     """(section, field names) in source order, from the ``# --- name ---`` comments of :class:`Recipe`.
 
-    A field that no comment precedes lands in a section called "general"; every field appears once.
+    The recipe's own fields come first, then those of its mixins (:mod:`cptune.config.compat`), each
+    in the order of its source. A field that no comment precedes lands in a section called
+    "general"; every field appears once.
     """
     sections: list[tuple[str, list[str]]] = []
     current = "general"
     seen: set[str] = set()
-    for line in inspect.getsource(Recipe).splitlines():
+    classes = [
+        c for c in Recipe.__mro__ if c is Recipe or (issubclass(c, BaseModel) and "compat" in c.__module__)
+    ]
+    lines = [line for c in classes for line in inspect.getsource(c).splitlines()]
+    for line in lines:
         header = _SECTION.match(line)
         if header:
             current = header["name"].strip()

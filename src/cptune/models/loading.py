@@ -20,8 +20,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def load_tokenizer(recipe: Recipe) -> Any:
-    """The recipe's tokenizer, with a pad token (the eos token when it has none)."""
+    """The recipe's tokenizer with its special_tokens and tokens, and a pad token (eos when it has none)."""
+    return load_tokenizer_with_additions(recipe)[0]
+
+
+def load_tokenizer_with_additions(recipe: Recipe) -> tuple[Any, list[str]]:
+    """:func:`load_tokenizer`, and the tokens the recipe added to it (new ids, in order)."""
     from transformers import AutoTokenizer
+
+    from cptune.models.tokens import add_recipe_tokens
 
     key = "tokenizer_config" if recipe.tokenizer_config else "base_model"
     try:
@@ -33,6 +40,7 @@ def load_tokenizer(recipe: Recipe) -> Any:
             f"{key}: cannot load a tokenizer from '{recipe.tokenizer_path}' ({_first_line(err)}). "
             "Give a local folder that holds the tokenizer files, or a hub id that is reachable from here."
         ) from None
+    added = add_recipe_tokens(tokenizer, recipe)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise CptuneError(
@@ -41,7 +49,7 @@ def load_tokenizer(recipe: Recipe) -> Any:
             )
         tokenizer.pad_token = tokenizer.eos_token
         log.info("the tokenizer has no pad token; using its eos token %r for padding", tokenizer.eos_token)
-    return tokenizer
+    return tokenizer, added
 
 
 # What a model's weights are saved as (one file, shards, or their index all end so).
@@ -99,6 +107,24 @@ def check_causal_lm(recipe: Recipe, config: Any) -> None:
     )
 
 
+def check_model_type(recipe: Recipe, config: Any) -> None:
+    """Refuse a ``model_type`` (Axolotl's model class key) that is not the model's causal LM class."""
+    if recipe.model_type in (None, "AutoModelForCausalLM"):
+        return
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    names = {getattr(model_class, "__name__", None), *(getattr(config, "architectures", None) or ())}
+    if recipe.model_type in names:
+        return
+    actual = getattr(model_class, "__name__", None) or "no causal LM class"
+    raise CptuneError(
+        f"model_type: {recipe.model_type} is not the class of '{recipe.base_model}' (a {config.model_type} "
+        f"model, loaded as {actual}). cptune loads the class the model's config names; set model_type: "
+        "AutoModelForCausalLM or remove it."
+    )
+
+
 def check_token_ids(highest_id: int | None, embedded: int | None, recipe: Recipe) -> None:
     """Refuse data with token ids that the model has no embedding for (a tokenizer of another model).
 
@@ -128,10 +154,18 @@ def torch_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float32
 
 
-def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None) -> Any:
-    """The base model (or the full model saved at ``path``) in the recipe's dtype and attention."""
+def load_model(
+    recipe: Recipe, attn_implementation: str, path: str | None = None, *, local_rank: int = 0
+) -> Any:
+    """The base model (or the full model saved at ``path``) in the recipe's dtype and attention.
+
+    A base model is quantized as the recipe says (load_in_4bit, load_in_8bit); ``local_rank`` picks
+    the GPU a quantized copy goes to.
+    """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from cptune.models.quantization import device_map, quantization_config
 
     source = path or recipe.base_model
     revision = None if path else recipe.model_revision
@@ -144,6 +178,12 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
             f"base_model: cannot load a model config from '{source}' ({_first_line(err)}). "
             "Give a local folder with config.json and weights, or a hub id that is reachable from here."
         ) from None
+    quantized = {}
+    if path is None and recipe.is_quantized:
+        quantized = {
+            "quantization_config": quantization_config(recipe, torch_dtype(recipe)),
+            "device_map": device_map(recipe, local_rank),
+        }
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -152,6 +192,7 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
             attn_implementation=attn_implementation,
             trust_remote_code=recipe.trust_remote_code,
             revision=revision,
+            **quantized,
         )
     except ValueError as err:
         if "attn_implementation" in str(err):
@@ -168,6 +209,10 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
             f"base_model: cannot load '{source}' ({_first_line(err)}). Check that its weight files are "
             "complete and belong to this config; copy or download them again."
         ) from None
+    if quantized:
+        from cptune.models.quantization import keep_cpu_layers_differentiable
+
+        keep_cpu_layers_differentiable(model)
     # Packed documents are kept apart from position_ids only when no KV cache is
     # created (transformers 5.23 masking_utils); a training run never needs one.
     model.config.use_cache = False
@@ -176,29 +221,61 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
     return model
 
 
-def apply_lora(model: Any, recipe: Recipe) -> Any:
-    """Wrap ``model`` in a LoRA adapter as the recipe describes."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(recipe: Recipe) -> Any:
+    """The adapter's peft config: the one saved in ``lora_model_dir``, or one built from the recipe."""
+    from peft import LoraConfig
 
+    if recipe.lora_model_dir is not None:
+        return LoraConfig.from_pretrained(recipe.lora_model_dir)
     if recipe.lora_target_modules:
         targets: Any = list(recipe.lora_target_modules)
     else:
         # lora_target_linear, or nothing said: every linear layer except the output head.
         targets = "all-linear"
-    config = LoraConfig(
+    return LoraConfig(
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout,
         target_modules=targets,
+        modules_to_save=list(recipe.lora_modules_to_save) if recipe.lora_modules_to_save else None,
         task_type="CAUSAL_LM",
     )
+
+
+def apply_lora(model: Any, recipe: Recipe, *, load_weights: bool = True) -> Any:
+    """Wrap ``model`` in a LoRA adapter as the recipe describes.
+
+    Args:
+        model: The base model.
+        recipe: The recipe.
+        load_weights: Load the trained weights of ``lora_model_dir`` when the recipe names one (a
+            meta-device model for checks and sizing gets its shapes only).
+    """
+    from peft import PeftModel, get_peft_model
+
     try:
-        model = get_peft_model(model, config)
+        if recipe.lora_model_dir is not None and load_weights:
+            model = PeftModel.from_pretrained(model, recipe.lora_model_dir, is_trainable=True)
+        else:
+            model = get_peft_model(model, lora_config(recipe))
     except ValueError as err:
         raise CptuneError(f"lora_target_modules: {_first_line(err)}") from None
     if recipe.resolved_gradient_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def check_lora_model_dir(recipe: Recipe) -> None:
+    """Refuse a ``lora_model_dir`` that holds no adapter."""
+    if recipe.lora_model_dir is None:
+        return
+    folder = Path(recipe.lora_model_dir)
+    if not (folder / "adapter_config.json").is_file():
+        found = "does not exist" if not folder.exists() else "holds no adapter_config.json"
+        raise CptuneError(
+            f"lora_model_dir: '{folder}' {found}. Point it at the folder of a trained LoRA adapter (a run's "
+            "output_dir or a checkpoint-N folder), or remove it to start a fresh adapter."
+        )
 
 
 def check_lora_targets(recipe: Recipe, config: Any) -> None:
@@ -209,15 +286,22 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
     data was prepared and the weights loaded.
 
     Raises:
-        CptuneError: peft finds no module of that name.
+        CptuneError: peft finds no module of that name, or a lora_modules_to_save name matches none.
     """
-    if not (recipe.is_lora and recipe.lora_target_modules):
+    if not (recipe.is_lora and (recipe.lora_target_modules or recipe.lora_modules_to_save)):
         return  # every linear layer: nothing a user named can be missing
     try:
         model = meta_model(recipe, config)
     except ValueError:
         return  # not a causal LM that transformers knows: load_model says so when it loads the model
-    apply_lora(model, recipe)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in recipe.lora_modules_to_save or () if m not in names]
+    if missing:
+        raise CptuneError(
+            f"lora_modules_to_save: the model has no module named {', '.join(repr(m) for m in missing)}. Name "
+            "modules by their last name, e.g. embed_tokens and lm_head for the embeddings of Llama-style models."
+        )
+    apply_lora(model, recipe, load_weights=False)
 
 
 def meta_model(recipe: Recipe, config: Any) -> Any:

@@ -24,6 +24,8 @@ class ParameterCounts:
     #: parameters of the largest decoder layer (FSDP2 gathers one layer at a time)
     largest_layer: int
     dtype_bytes: int
+    #: frozen linear weights that bitsandbytes quantizes (load_in_4bit/8bit; 0 otherwise)
+    quantized: int = 0
 
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
@@ -38,8 +40,21 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         ),
         default=0,
     )
+    quantized = 0
+    if recipe.is_quantized:
+        # What transformers hands to bitsandbytes: every linear layer but the output head and the
+        # modules the recipe keeps (bnb_config_kwargs.llm_int8_skip_modules).
+        skip = (
+            set(recipe.bnb_config_kwargs.llm_int8_skip_modules or ()) if recipe.bnb_config_kwargs else set()
+        )
+        head = model.get_output_embeddings()
+        quantized = sum(
+            m.weight.numel()
+            for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in skip
+        )
     if recipe.is_lora:
-        model = apply_lora(model, recipe)
+        model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParameterCounts(
         total=sum(p.numel() for p in model.parameters()),
@@ -47,4 +62,5 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         trainable_shapes=tuple(tuple(p.shape) for p in trainable),
         largest_layer=largest_layer,
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
+        quantized=quantized,
     )

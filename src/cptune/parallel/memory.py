@@ -45,13 +45,24 @@ def optimizer_state_elements(optimizer: str, trainable_shapes: Sequence[tuple[in
     state; Adafactor keeps one row and one column vector per matrix (factored
     second moment) and one vector per other parameter.
     """
-    if optimizer.startswith("adamw"):
-        return 2 * sum(_numel(shape) for shape in trainable_shapes)
+    numel = sum(_numel(shape) for shape in trainable_shapes)
     if optimizer == "adafactor":
         return sum(shape[-2] + shape[-1] if len(shape) >= 2 else _numel(shape) for shape in trainable_shapes)
     if optimizer == "sgd":
         return 0
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    # Low-bit optimizers keep their moments in 8 or 4 bits: counted here as the fp32 elements of the
+    # same size (block-wise quantization constants, under 1% more, are left out).
+    moments = {"ademamix": 3, "lion": 1, "adagrad": 1, "rmsprop": 1}
+    count = next((n for family, n in moments.items() if family in optimizer), 2)
+    if "8bit" in optimizer:
+        return -(-count * numel // 4)
+    if "4bit" in optimizer:
+        return -(-count * numel // 8)
+    if optimizer.startswith(("adamw", "paged_adamw", "ademamix", "paged_ademamix", "lion", "paged_lion")) or (
+        optimizer in ("adagrad", "rmsprop", "rmsprop_bnb", "stable_adamw")
+    ):
+        return count * numel
+    raise ValueError(f"no memory estimate for optimizer {optimizer!r}")
 
 
 def fsdp_state_memory(
@@ -99,6 +110,18 @@ def zero_state_memory(
         gradients=_ceil_div(trainable * dtype_bytes, ranks if stage >= 2 else 1),
         optimizer=_ceil_div(optimizer, ranks if stage >= 1 else 1),
     )
+
+
+def quantized_bytes_per_weight(bits: int, double_quant: bool = True) -> float:
+    """Bytes per weight of a bitsandbytes-quantized linear layer, its quantization constants included.
+
+    4-bit (NF4/FP4): half a byte, plus one fp32 scale per block of 64 weights (1/16 byte), which
+    double quantization stores in 8 bits with fp32 scales per 256 blocks (about 1/63 byte). 8-bit
+    (LLM.int8()): one byte (its per-row scales are left out).
+    """
+    if bits == 8:
+        return 1.0
+    return 0.5 + ((1 + 4 / 256) / 64 if double_quant else 4 / 64)
 
 
 def format_bytes(count: float) -> str:

@@ -94,11 +94,25 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
 
 
 def load_source_model(
-    recipe: Recipe, source: ModelSource, attn_implementation: str, dims: ParallelDims
+    recipe: Recipe,
+    source: ModelSource,
+    attn_implementation: str,
+    dims: ParallelDims,
+    tokenizer: Any,
+    local_rank: int = 0,
 ) -> Any:
     """The model to evaluate, checked against the CP backend before an adapter wraps it."""
-    model = load_model(recipe, attn_implementation, path=str(source.path) if source.kind == "full" else None)
+    from cptune.models.tokens import fit_embeddings
+
+    model = load_model(
+        recipe,
+        attn_implementation,
+        path=str(source.path) if source.kind == "full" else None,
+        local_rank=local_rank,
+    )
     check_model_config(recipe, dims, model.config, type(model))
+    if source.kind != "full":
+        fit_embeddings(model, tokenizer, recipe.seed)  # the recipe's new tokens, as training grew them
     if source.kind == "adapter":
         from peft import PeftModel
 
@@ -129,7 +143,7 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
     if prepared.eval is None:  # cannot happen after check_eval_data, unless the cache was edited
         raise CptuneError(f"evaluate: the prepared data in {prepared.path} has no evaluation split.")
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
-    model = load_source_model(recipe, source, backend.attn_implementation, dims)
+    model = load_source_model(recipe, source, backend.attn_implementation, dims, tokenizer, env.local_rank)
     if env.rank == 0:
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
     with build_patch_set(recipe).applied(recipe):

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cptune.errors import LaunchError
+
 # How long the other ranks get to exit on their own after one rank failed.
 GRACE_SECONDS = 10.0
 
@@ -46,6 +48,40 @@ class LaunchPlan:
     @property
     def multi_node(self) -> bool:
         return self.nnodes > 1
+
+
+def default_nproc_per_node(recipe: Any, gpu_count: int) -> int:
+    """Processes to start on a node when ``--nproc-per-node`` is not given.
+
+    On a GPU node: one per visible GPU, as ``axolotl train`` and ``accelerate launch`` do, so that the
+    GPUs beyond the context-parallel group train data-parallel (dp = GPUs / cp); a recipe that fixes
+    its layout with ``dp_shard_size`` gets exactly that layout. Without GPUs: the recipe's layout
+    (``dp_replicate_size × dp_shard_size × context_parallel_size``, 1 × 1 × cp by default).
+
+    Args:
+        recipe: The validated recipe.
+        gpu_count: GPUs this node shows (``torch.cuda.device_count()``, after ``CUDA_VISIBLE_DEVICES``).
+
+    Raises:
+        LaunchError: the visible GPUs cannot be split into whole CP groups.
+    """
+    if gpu_count <= 0 or recipe.dp_shard_size is not None:
+        return recipe.default_process_count
+    group = recipe.context_parallel_size * recipe.resolved_dp_replicate_size
+    if gpu_count % group:
+        raise LaunchError(
+            f"{gpu_count} GPU(s) are visible, which cannot be split into groups of context_parallel_size × "
+            f"dp_replicate_size = {group}: cptune starts one process per GPU. Give --nproc-per-node (a multiple "
+            f"of {group}), or choose the GPUs with CUDA_VISIBLE_DEVICES."
+        )
+    return gpu_count
+
+
+def visible_gpu_count() -> int:
+    """CUDA GPUs this process may use (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def free_port() -> int:

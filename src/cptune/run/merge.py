@@ -17,6 +17,8 @@ from pathlib import Path
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
+from cptune.models.quantization import dequantize_in_place
+from cptune.models.tokens import fit_embeddings
 from cptune.run.checkpoints import latest_complete_checkpoint
 from cptune.run.evaluate import ADAPTER_CONFIG, model_source
 
@@ -72,6 +74,12 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         tokenizer = load_tokenizer(recipe)
     # The default attention implementation: the saved model must not name cptune's CP attention.
     base = load_model(recipe, "sdpa")
+    if recipe.is_quantized:
+        # The adapter was trained on the quantized weights: merge it into those, dequantized, so the
+        # merged model computes what the trained one did (not into the original weights).
+        base = dequantize_in_place(base)
+        log.info("dequantized the %s base model to %s before merging", _bits(recipe), base.dtype)
+    fit_embeddings(base, tokenizer, recipe.seed)  # new tokens: the adapter saved the grown embeddings
     # Training turned the KV cache off (see load_model); a standalone model should generate with one.
     base.config.use_cache = True
     merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
@@ -82,6 +90,9 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
             "with the model class's own (causal) attention unless you choose another when you load it."
         )
 
+    # A dequantized model must not claim the quantization it no longer has.
+    if getattr(merged.config, "quantization_config", None) is not None:
+        del merged.config.quantization_config
     staging = target.with_name(f".{target.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     merged.save_pretrained(staging)
@@ -93,3 +104,7 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
     staging.rename(target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+def _bits(recipe: Recipe) -> str:
+    return "4-bit" if recipe.load_in_4bit else "8-bit"

@@ -10,7 +10,9 @@ is written or removed here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         training: Also check what only training needs (the checkpoint to resume from).
     """
     dims = ParallelDims.from_recipe(recipe, world_size)
+    for problem in missing_packages(recipe):
+        raise problem
     check_output_dir(recipe, writable=training)
     if training:
         check_resume(recipe)
@@ -91,34 +95,81 @@ def model_config(recipe: Recipe) -> Any:
 def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
     """Check the model's architecture against the CP backend and the LoRA targets, without loading weights.
 
-    Also checks that a local base_model folder holds complete weight files.
+    Also checks that a local base_model folder holds complete weight files, that model_type names
+    the model's class, that lora_model_dir holds an adapter, and that new tokens get trained.
 
     Returns:
         The model's config.
     """
     from transformers import AutoModelForCausalLM
 
-    from cptune.models.loading import check_causal_lm, check_local_weights, check_lora_targets
+    from cptune.models.loading import (
+        check_causal_lm,
+        check_local_weights,
+        check_lora_model_dir,
+        check_lora_targets,
+        check_model_type,
+    )
 
     config = model_config(recipe)
     check_causal_lm(recipe, config)
+    check_model_type(recipe, config)
     check_local_weights(recipe)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_model_config(recipe, dims, config, model_class)
+    check_lora_model_dir(recipe)
     check_lora_targets(recipe, config)
+    check_new_tokens(recipe, config)
     return config
+
+
+def check_new_tokens(recipe: Recipe, config: Any) -> None:
+    """Refuse new tokens whose embeddings a LoRA run would leave untrained (see :mod:`cptune.models.tokens`)."""
+    if not (recipe.is_lora and (recipe.tokens or recipe.special_tokens)):
+        return
+    from cptune.models.loading import load_tokenizer_with_additions, meta_model
+    from cptune.models.tokens import check_new_token_training
+
+    tokenizer, added = load_tokenizer_with_additions(recipe)
+    if added:
+        check_new_token_training(recipe, tokenizer, added, meta_model(recipe, config))
+
+
+def missing_packages(recipe: Recipe) -> list[CptuneError]:
+    """What the recipe needs that is not installed here: bitsandbytes, the optimizer's package, wandb."""
+    from cptune.models.quantization import check_bitsandbytes
+    from cptune.run.optimizers import check_optimizer
+    from cptune.run.tracking import check_trackers
+
+    problems = []
+    for check in (check_bitsandbytes, check_optimizer, check_trackers):
+        try:
+            check(recipe)
+        except CptuneError as err:
+            problems.append(err)
+    return problems
 
 
 def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, patches, data."""
+    from cptune.config.compat_rules import axolotl_notes
     from cptune.patches.registry import build_patch_set
+    from cptune.run.optimizers import optimizer_notes
 
     dims = ParallelDims.from_recipe(recipe, world_size)
     config = check_model(recipe, dims)
     lines = ["Resolved recipe:"]
-    dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
+    values = recipe.model_dump(mode="json")
+    # The recipe's own keys first, then those its Axolotl mixins add (pydantic lists those first).
+    own = [name for name in Recipe.__annotations__ if name in values]
+    values = {name: values[name] for name in [*own, *(n for n in values if n not in own)]}
+    dumped = yaml.safe_dump(values, sort_keys=False).rstrip()
     lines += ["  " + line for line in dumped.splitlines()]
     training = f"LoRA r={recipe.lora_r}" if recipe.is_lora else "full fine-tune"
+    if recipe.is_quantized:
+        training += f" on a {'4-bit NF4' if recipe.load_in_4bit else '8-bit'} base (bitsandbytes)"
+    if recipe.lora_model_dir is not None:
+        training += f", starting from the adapter in {recipe.lora_model_dir}"
     lines += [
         "",
         "Plan:",
@@ -152,6 +203,10 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
     lines += ["", *describe_state_memory(recipe, dims, config)]
+    notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
+    notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
+    if notes:
+        lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     plan = build_patch_set(recipe).plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
@@ -165,6 +220,7 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         format_bytes,
         fsdp_state_memory,
         optimizer_state_elements,
+        quantized_bytes_per_weight,
         zero_state_memory,
     )
 
@@ -182,6 +238,16 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         "dtype_bytes": counts.dtype_bytes,
     }
     plain = fsdp_state_memory(**common, shard_ranks=1)
+    saved = 0
+    if counts.quantized:
+        # The quantized weights take a fraction of the training dtype's bytes (only plain DDP and
+        # DeepSpeed hold a quantized base; cptune refuses one with FSDP2).
+        options = recipe.bnb_config_kwargs
+        per_weight = quantized_bytes_per_weight(
+            4 if recipe.load_in_4bit else 8, options.bnb_4bit_use_double_quant if options else True
+        )
+        saved = counts.quantized * counts.dtype_bytes - math.ceil(counts.quantized * per_weight)
+        plain = _less_weights(plain, saved)
     rows = []
     if dims.sharded:
         rows.append(
@@ -197,12 +263,17 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         rows.append(
             (
                 f"ZeRO-{stage} over {dims.world_size} ranks",
-                zero_state_memory(**common, stage=stage, ranks=dims.world_size),
+                _less_weights(
+                    zero_state_memory(**common, stage=stage, ranks=dims.world_size),
+                    saved // (dims.world_size if stage >= 3 else 1),
+                ),
             )
         )
     rows.append(("every rank whole (plain DDP)", plain))
     width = max(len(name) for name, _ in rows)
     trained = "LoRA adapter" if recipe.is_lora else "all"
+    if counts.quantized:
+        trained += f"; {counts.quantized:,} base weights in {4 if recipe.load_in_4bit else 8} bits"
     lines = [
         f"Memory per rank for model states (estimate from the config: {counts.total:,} parameters, "
         f"{counts.trainable:,} trained ({trained}), {recipe.optimizer}; activations not included):",
@@ -218,6 +289,10 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
             "(two decoder layers in flight)."
         )
     return lines
+
+
+def _less_weights(memory: Any, saved: int) -> Any:
+    return dataclasses.replace(memory, weights=memory.weights - saved)
 
 
 def _data_status(recipe: Recipe) -> str:

@@ -70,12 +70,20 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
 def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from transformers import set_seed
 
+    from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
+    from cptune.models.tokens import fit_embeddings
     from cptune.patches.registry import build_patch_set
+    from cptune.run.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
     dims = ParallelDims.from_recipe(recipe, env.world_size)
     started = time.perf_counter()
+    # W&B reads its settings from the environment; _restored_environment puts it back afterwards.
+    os.environ.update(tracker_environment(recipe, os.environ))
+    if env.rank == 0:
+        for note in axolotl_notes(recipe):
+            log.info("note: %s", note)
     # The launcher's preflight checked this too; under an external launcher (torchrun) it is the
     # first check, and it runs before anything is loaded or written.
     check_output_dir(recipe)
@@ -91,8 +99,9 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     if recipe.is_fsdp and not dims.sharded:
         log.info("fsdp_version: 2 with one process: there is nothing to shard; training without FSDP")
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
-    model = load_model(recipe, backend.attn_implementation)
+    model = load_model(recipe, backend.attn_implementation, local_rank=env.local_rank)
     check_model_config(recipe, dims, model.config, type(model))
+    fit_embeddings(model, tokenizer, recipe.seed)
     check_token_ids(highest_token_id(prepared), model.get_input_embeddings().num_embeddings, recipe)
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP
@@ -107,7 +116,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
         log.info("resuming from %s", resume)
     with build_patch_set(recipe).applied(recipe):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
-        for callback in callbacks:
+        for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)
         # The Trainer restores the weights, optimizer, scheduler, RNG states and data position.
         trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
@@ -150,7 +159,7 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         warmup = recipe.warmup_steps
     elif recipe.warmup_ratio is not None:
         warmup = recipe.warmup_ratio
-    evaluate = recipe.eval_steps is not None
+    eval_steps, save_steps = recipe.resolved_eval_steps, recipe.resolved_save_steps
     on_cpu = not torch.cuda.is_available()
     return TrainingArguments(
         output_dir=recipe.output_dir,
@@ -161,22 +170,27 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
         max_steps=recipe.max_steps or -1,
         learning_rate=recipe.learning_rate,
         optim=recipe.optimizer,
+        optim_args=recipe.resolved_optim_args,
+        optim_target_modules=list(recipe.optim_target_modules) if recipe.optim_target_modules else None,
         lr_scheduler_type=recipe.lr_scheduler,
         warmup_steps=warmup,
         weight_decay=recipe.weight_decay,
-        max_grad_norm=recipe.max_grad_norm or 0.0,
+        max_grad_norm=recipe.max_grad_norm,
         seed=recipe.seed,
         data_seed=recipe.seed,
         bf16=recipe.bf16 is True or (recipe.bf16 == "auto" and torch.cuda.is_available()),
         fp16=recipe.fp16,
+        # TF32 exists on NVIDIA GPUs only (the Trainer refuses tf32: true elsewhere).
+        tf32=recipe.tf32 if torch.cuda.is_available() else None,
         logging_steps=recipe.logging_steps,
         logging_first_step=True,
-        save_strategy="steps" if recipe.save_steps else "no",
-        save_steps=recipe.save_steps or 500,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
         save_total_limit=recipe.save_total_limit,
-        eval_strategy="steps" if evaluate else "no",
-        eval_steps=recipe.eval_steps,
-        report_to=[r for r in recipe.report_to if r != "none"] or "none",
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        report_to=list(recipe.resolved_report_to) or "none",
+        run_name=recipe.wandb_name,
         remove_unused_columns=False,
         # Under CP each rank holds logits for its shard only; evaluation reports the loss.
         prediction_loss_only=True,

@@ -1,0 +1,156 @@
+"""Chat templates by name: cptune's own Jinja renderings of each model family's documented chat format.
+
+A recipe's ``chat_template`` names one of these (Axolotl's names), ``tokenizer_default`` for the
+tokenizer's own template, or ``jinja`` for ``chat_template_jinja``. Every template here is
+prefix-stable (the rendering of the first messages of a conversation is a prefix of the rendering
+of the whole), which is how cptune finds the tokens of each turn to train. The tokenizer's bos and
+eos tokens are written where the format has them, so the same template serves any tokenizer of the
+family; the family's other marker tokens are written as text and are single tokens only where the
+tokenizer has them (:func:`missing_marker_tokens` says which are not).
+
+Where a family's own template differs, it says so below: Mistral's and Gemma's formats have no
+system turn, so a system message is put before the first user message, separated by a blank line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cptune.errors import DataError
+
+_SYSTEM_INTO_FIRST_USER = (
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
+    "{%- set turns = messages[1:] if system is not none else messages -%}"
+)
+
+
+def _user_text() -> str:
+    # The content of a user turn, with the system message before the first one.
+    return "((system + '\\n\\n') if system is not none and loop.first else '') + message['content']"
+
+
+CHATML = (
+    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per turn, after the bos token if there is one."""
+
+QWEN_25 = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+"""Qwen2.5: ChatML without a bos token, with Qwen's default system message when the data has none."""
+
+LLAMA3 = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + (message['content'] | trim) "
+    "+ '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif -%}"
+)
+"""Llama 3: ``<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>`` per turn after bos."""
+
+
+def _mistral(open_: str, close: str, reply: str) -> str:
+    # One [INST] block per user turn; the assistant's reply follows it and ends with eos.
+    return (
+        "{{- bos_token -}}" + _SYSTEM_INTO_FIRST_USER + "{%- for message in turns -%}"
+        "{%- if message['role'] == 'user' -%}"
+        "{{ '" + open_ + "' + " + _user_text() + " + '" + close + "' }}"
+        "{%- elif message['role'] == 'assistant' -%}"
+        "{{ '" + reply + "' + message['content'] + eos_token }}"
+        "{%- else -%}{{ raise_exception('Mistral chats have user and assistant turns only (and a first "
+        "system message); got ' + message['role']) }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+    )
+
+
+MISTRAL_V1 = _mistral(" [INST] ", " [/INST]", " ")
+"""Mistral v1 (Mistral-7B v0.1/v0.2): `` [INST] {user} [/INST] {assistant}</s>`` after bos."""
+
+MISTRAL_V2V3 = _mistral("[INST] ", "[/INST]", " ")
+"""Mistral v2/v3 (SentencePiece): ``[INST] {user}[/INST] {assistant}</s>`` after bos."""
+
+MISTRAL_V3_TEKKEN = _mistral("[INST]", "[/INST]", "")
+"""Mistral v3 with the Tekken tokenizer (Nemo): ``[INST]{user}[/INST]{assistant}</s>`` after bos."""
+
+GEMMA = (
+    "{{- bos_token -}}" + _SYSTEM_INTO_FIRST_USER + "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- set text = " + _user_text() + " if message['role'] == 'user' else message['content'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (text | trim) + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
+)
+"""Gemma: ``<start_of_turn>{user|model}\\n{content}<end_of_turn>\\n`` per turn after bos."""
+
+PHI_3 = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif -%}"
+)
+"""Phi-3: ``<|{role}|>\\n{content}<|end|>\\n`` per turn after bos."""
+
+TEMPLATES: dict[str, str] = {
+    "chatml": CHATML,
+    "qwen_25": QWEN_25,
+    "llama3": LLAMA3,
+    "mistral_v1": MISTRAL_V1,
+    "mistral_v2v3": MISTRAL_V2V3,
+    "mistral_v3_tekken": MISTRAL_V3_TEKKEN,
+    "gemma": GEMMA,
+    "phi_3": PHI_3,
+}
+"""Template text by Axolotl's name (``chat_template: llama3``)."""
+
+MARKERS: dict[str, tuple[str, ...]] = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "qwen_25": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "mistral_v1": ("[INST]", "[/INST]"),
+    "mistral_v2v3": ("[INST]", "[/INST]"),
+    "mistral_v3_tekken": ("[INST]", "[/INST]"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "phi_3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+}
+"""The marker tokens each format writes besides bos and eos."""
+
+
+def template_text(name: str, jinja: str | None = None) -> str:
+    """The template of ``chat_template: name`` (``jinja``: the text, or the file, given in chat_template_jinja).
+
+    Raises:
+        DataError: chat_template_jinja names a .jinja file that cannot be read.
+    """
+    if name != "jinja":
+        return TEMPLATES[name]
+    assert jinja is not None  # the recipe's rules require it
+    if "{" not in jinja and jinja.strip().endswith(".jinja"):
+        path = Path(jinja.strip()).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise DataError(
+                f"chat_template_jinja: cannot read the template file '{path}' ({err.strerror}). Give the path of "
+                "a readable .jinja file, or the template's text."
+            ) from None
+    return jinja
+
+
+def missing_marker_tokens(name: str, tokenizer: Any) -> list[str]:
+    """The markers of template ``name`` that the tokenizer does not have as one token each."""
+    vocab = tokenizer.get_vocab()
+    return [marker for marker in MARKERS.get(name, ()) if marker not in vocab]

@@ -1,0 +1,106 @@
+"""Tokens a recipe adds to the tokenizer (``special_tokens``, ``tokens``), and the embeddings they need.
+
+A token the tokenizer lacks gets a new id past its vocabulary; the model's input and output
+embeddings grow to hold it (:func:`fit_embeddings`). A new token starts with an untrained embedding,
+so a LoRA run must also train the embeddings (``lora_modules_to_save``) unless the only new token is
+the pad token, which is never a target and only ever attends to itself (padding is a document of
+its own in cptune's batches).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+
+log = logging.getLogger("cptune.models")
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def add_recipe_tokens(tokenizer: Any, recipe: Recipe) -> list[str]:
+    """Set the recipe's special tokens and add its new tokens to ``tokenizer``; returns the tokens it added.
+
+    The returned tokens are those the tokenizer did not have before, in id order.
+    """
+    before = len(tokenizer)
+    special = recipe.special_tokens
+    if special is not None:
+        values = {
+            key: getattr(special, key) for key in SPECIAL_TOKEN_KEYS if getattr(special, key) is not None
+        }
+        if values:
+            tokenizer.add_special_tokens(values)
+        if special.additional_special_tokens:
+            tokenizer.add_tokens(list(special.additional_special_tokens), special_tokens=True)
+    if recipe.tokens:
+        tokenizer.add_tokens(list(recipe.tokens))
+    return [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
+
+
+def untrained_new_tokens(tokenizer: Any, added: list[str]) -> list[str]:
+    """The added tokens whose embeddings must be trained: all but the pad token."""
+    return [token for token in added if token != tokenizer.pad_token]
+
+
+def embedding_module_names(model: torch.nn.Module) -> list[str]:
+    """The short names (``embed_tokens``, ``lm_head``) of the model's input and output embeddings."""
+    wanted = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = []
+    for name, module in model.named_modules():
+        if any(module is w for w in wanted if w is not None):
+            short = name.rsplit(".", 1)[-1]
+            if short not in names:
+                names.append(short)
+    return names
+
+
+def check_new_token_training(
+    recipe: Recipe, tokenizer: Any, added: list[str], model: torch.nn.Module
+) -> None:
+    """Refuse a LoRA run whose new tokens would keep untrained embeddings.
+
+    Args:
+        recipe: The recipe.
+        tokenizer: The tokenizer after :func:`add_recipe_tokens`.
+        added: What :func:`add_recipe_tokens` returned.
+        model: The model (a meta-device copy is enough): names the embedding modules.
+
+    Raises:
+        CptuneError: LoRA, new tokens other than pad, and lora_modules_to_save misses an embedding.
+    """
+    if not recipe.is_lora:
+        return
+    new = untrained_new_tokens(tokenizer, added)
+    names = embedding_module_names(model)
+    missing = [n for n in names if n not in (recipe.lora_modules_to_save or ())]
+    if not new or not missing:
+        return
+    shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+    key = "tokens" if recipe.tokens else "special_tokens"
+    wanted = list(dict.fromkeys([*(recipe.lora_modules_to_save or ()), *names]))
+    raise CptuneError(
+        f"{key}: adds {len(new)} token(s) the tokenizer did not have ({shown}); their embeddings start "
+        "untrained, and a LoRA run trains only the adapter. Add lora_modules_to_save: "
+        f"[{', '.join(wanted)}] to train the embeddings too (they are saved with the adapter), or use "
+        "tokens the tokenizer already has."
+    )
+
+
+def fit_embeddings(model: Any, tokenizer: Any, seed: int) -> None:
+    """Grow the model's embeddings to hold every token of ``tokenizer`` (no-op when they already do).
+
+    New rows start at the mean of the old ones plus noise (transformers' ``mean_resizing``), drawn
+    with ``seed`` so every rank (and a later merge) gets the same rows.
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) <= rows:
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(len(tokenizer))
+    log.info("embeddings grown from %d to %d rows for the recipe's new tokens", rows, len(tokenizer))

@@ -1,0 +1,132 @@
+"""Axolotl's own example recipes through `cptune validate`, with only base_model and dataset paths changed.
+
+The recipes are byte-for-byte copies (``recipes/ORIGIN.md``). Each either validates and gets a plan, or
+is refused for exactly the keys listed here, each with its reason (``docs/migrating-from-axolotl.md``
+shows every message). Two of them train at cp=2 in ``test_axolotl_training.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import pytest
+import yaml
+
+from cptune.config.loader import validate_recipe
+from cptune.errors import RecipeError
+from tests.axolotl.recipes import RECIPES, RECIPES_DIR, localised
+
+# Refused keys, by recipe; every other recipe validates.
+EXPECTED_REFUSALS: dict[str, set[str]] = {
+    # The ALST recipes' tiled MLP, activation offloading and Cut Cross Entropy have no counterpart yet (a
+    # fused loss is planned, issue 19); the DeepSpeed one also runs ring attention under ZeRO, which
+    # cannot work (each DeepSpeed rank gets a batch of its own): cp_backend: deepspeed or FSDP2 instead.
+    "alst--llama3-8b-deepspeed-alst.yaml": {"tiled_mlp", "activation_offloading", "plugins[0]", "deepspeed"},
+    "alst--llama3-8b-fsdp2-alst.yaml": {"tiled_mlp", "activation_offloading", "plugins[0]"},
+    # Tensor parallelism, Cut Cross Entropy, and FULL_STATE_DICT (cptune always gathers the final model).
+    "distributed-parallel--qwen3-8b-fsdp-tp-cp.yaml": {
+        "tensor_parallel_size",
+        "plugins[0]",
+        "fsdp_config.state_dict_type",
+    },
+    # FSDP1 and its settings.
+    "qwen2--qlora-fsdp.yaml": {
+        "fsdp",
+        "fsdp_config.limit_all_gathers",
+        "fsdp_config.sync_module_states",
+        "fsdp_config.use_orig_params",
+        "fsdp_config.cpu_ram_efficient_loading",
+        "fsdp_config.sharding_strategy",
+    },
+    # Activation offloading, Qwen3's own chat template, Axolotl's LoRA kernels and Cut Cross Entropy.
+    "qwen3--32b-qlora.yaml": {
+        "gradient_checkpointing",
+        "chat_template",
+        "lora_mlp_kernel",
+        "lora_qkv_kernel",
+        "lora_o_kernel",
+        "plugins[0]",
+    },
+    "qwen3--8b-lora-fused-attn.yaml": {"fused_attn_kernel"},
+}
+ACCEPTED = [r for r in RECIPES if r.name not in EXPECTED_REFUSALS]
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def test_copies_are_axolotls_files_unchanged():
+    listed = dict(
+        re.findall(
+            r"\| `([^`]+)` \| `examples/[^`]+` \| `([0-9a-f]{40})` \|",
+            (RECIPES_DIR / "ORIGIN.md").read_text(),
+        )
+    )
+    assert set(listed) == {r.name for r in RECIPES}
+    for recipe in RECIPES:
+        assert git_blob_id(recipe.read_bytes()) == listed[recipe.name], recipe.name
+
+
+def test_the_set_covers_what_the_issue_names():
+    """Dense Llama / Mistral / Qwen recipes: LoRA, QLoRA, full fine-tune, instruct, ALST and CP."""
+    data = {r.name: yaml.safe_load(r.read_text()) for r in RECIPES}
+    assert {d.get("adapter") for d in data.values()} == {"lora", "qlora", None}
+    assert any(d.get("chat_template") == "llama3" for d in data.values())
+    assert sum(bool(d.get("context_parallel_size")) for d in data.values()) >= 3
+    families = {name.split("--")[0].split("-")[0] for name in data}
+    assert {"llama", "mistral", "qwen2", "qwen3", "alst"} <= families
+    assert len(ACCEPTED) >= 10
+
+
+@pytest.mark.parametrize("path", sorted(EXPECTED_REFUSALS), ids=str)
+def test_refused_recipes_name_exactly_the_keys_cptune_cannot_take(path, tiny_models):
+    with pytest.raises(RecipeError) as error:
+        validate_recipe(localised(RECIPES_DIR / path, tiny_models))
+    assert {p.key for p in error.value.problems} == EXPECTED_REFUSALS[path]
+    assert all(len(p.message) > 30 for p in error.value.problems)  # a reason, not just a name
+
+
+@pytest.mark.parametrize("path", ACCEPTED, ids=lambda p: p.name)
+def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_path, cptune_in_process):
+    data = localised(path, tiny_models)
+    data["output_dir"] = str(tmp_path / "out")  # Axolotl's ./outputs/... would land in the working folder
+    recipe = tmp_path / path.name
+    recipe.write_text(yaml.safe_dump(data))
+    done = cptune_in_process("validate", str(recipe))
+    assert done.returncode == 0, done.stderr
+    assert "Plan:" in done.stdout and "Notes:" in done.stdout
+    if "attn_implementation" in data or "flash_attention" in data:
+        assert "is not what picks the attention in cptune" in done.stdout
+    if data.get("adapter") == "qlora":
+        assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
+        assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so
+
+
+def test_instruct_recipe_trains_the_assistant_turns_with_llama3s_format(
+    tiny_model_dir, tmp_path, cptune_in_process
+):
+    """llama-3/instruct-lora-8b: chat_template: llama3 on role/content messages, tokenized for training."""
+    data = localised(RECIPES_DIR / "llama-3--instruct-lora-8b.yml", tiny_model_dir)
+    data.update(dataset_prepared_path=str(tmp_path / "prepared"), output_dir=str(tmp_path / "out"))
+    recipe = tmp_path / "instruct.yml"
+    recipe.write_text(yaml.safe_dump(data))
+    done = cptune_in_process("preprocess", str(recipe))
+    assert done.returncode == 0, done.stderr
+    import datasets
+    from transformers import AutoTokenizer
+
+    (folder,) = [p for p in (tmp_path / "prepared").iterdir() if p.is_dir()]
+    rows = datasets.load_from_disk(str(folder / "train"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"pad_token": "<|end_of_text|>"})  # the recipe's special_tokens
+    text = tokenizer.decode(rows[0]["input_ids"])
+    assert text.startswith("<s><|start_header_id|>user<|end_header_id|>\n\n")
+    trained = tokenizer.decode(
+        [t for t, label in zip(rows[0]["input_ids"], rows[0]["labels"], strict=True) if label != -100]
+    )
+    assert trained.endswith("<|eot_id|>") and "<|start_header_id|>" not in trained
+    stats = json.loads((folder / "stats.json").read_text())
+    assert stats["train"]["trained_tokens"] > 0 and stats["eval"] is not None  # val_set_size: 0.05

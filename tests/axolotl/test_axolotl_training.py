@@ -1,0 +1,170 @@
+"""Two of Axolotl's example recipes train at cp=2 on the tiny model, in one launch of two processes.
+
+- ``llama-3/qlora-1b.yml`` (QLoRA: 4-bit NF4 base, adamw_bnb_8bit): its adapter loads in plain peft
+  on the quantized base, and ``cptune merge-lora`` merges it into the dequantized base so the merged
+  model computes what the trained one does. (cp=2 equals cp=1 for QLoRA, gradients included:
+  tests/parallel/test_parity.py and test_ulysses_parity.py.)
+- ``llama-3/lora-1b.yml`` (LoRA, adamw_8bit) with W&B in offline mode: the run folder W&B writes
+  holds the losses the run logged, with no network, and the adapter loads in plain peft.
+
+Both run through ``cptune.run.train.train`` one after the other in the same two gloo processes
+(``train_worker.py``): process start-up dominates such short runs. Overrides keep them short
+(steps, sequence length); everything else is Axolotl's recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+
+from tests.axolotl.recipes import RECIPES_DIR, localised
+from tests.conftest import logged_losses
+from tests.dist_utils import run_ranks
+
+pytest.importorskip("bitsandbytes", reason="the quantization extra is not installed")
+pytest.importorskip("wandb", reason="the wandb extra is not installed")
+
+WORKER = Path(__file__).with_name("train_worker.py")
+QLORA, LORA = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml"
+SHORT = {"max_steps": 3, "sequence_len": 256, "context_parallel_size": 2}
+WANDB = {"wandb_project": "cptune-axolotl", "wandb_name": "lora-1b-cp2", "wandb_mode": "offline"}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Output folders of the two recipes, trained at cp=2 in one launch."""
+    root = tmp_path_factory.mktemp("axolotl-cp2")
+    paths, outputs = [], {}
+    for name, extra in ((QLORA, {}), (LORA, WANDB)):
+        data = localised(RECIPES_DIR / name, tiny_model_dir)
+        outputs[name] = root / name.split("--")[1].split(".")[0]
+        data.update(
+            SHORT, **extra, output_dir=str(outputs[name]), dataset_prepared_path=str(root / "prepared")
+        )
+        paths.append(root / name)
+        paths[-1].write_text(yaml.safe_dump(data))
+    home = root / "wandb-home"
+    # No network: W&B offline, and any request would go to a closed port.
+    env = {
+        "WANDB_CONFIG_DIR": str(home),
+        "WANDB_CACHE_DIR": str(home),
+        "WANDB_DATA_DIR": str(home),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "OMP_NUM_THREADS": "1",
+    }
+    with mock.patch.dict(os.environ, env):
+        ranks = run_ranks(WORKER, 2, root / "ranks", *map(str, paths))
+    assert ranks[0] == ranks[1]  # every rank logs the same (global) losses
+    for name in (QLORA, LORA):
+        (losses,) = [v for k, v in ranks[0].items() if k.endswith(name)]
+        assert losses == logged_losses(outputs[name]) and len(losses) == 3 and len(set(losses)) == 3
+    return outputs
+
+
+def load_in_peft(adapter: Path, base_dir: Path, **quantization) -> torch.nn.Module:
+    """The adapter on its base model with plain transformers + peft, as a user would load it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, **quantization)
+    base.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)))  # the recipe's new pad token
+    return PeftModel.from_pretrained(base, adapter)
+
+
+def prompt_ids(adapter: Path) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(adapter)(
+        "### Instruction:\nName a colour.\n\n### Response:\n", return_tensors="pt"
+    ).input_ids
+
+
+@pytest.mark.distributed
+def test_qlora_recipe_adapter_loads_in_peft_and_merges_into_the_dequantized_base(
+    trained, tiny_model_dir, tmp_path, cptune_in_process
+):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    adapter = trained[QLORA]
+    history = json.loads((adapter / "train_log.json").read_text())
+    assert (
+        len([e for e in history if "eval_loss" in e]) == 3
+    )  # evals_per_epoch: 4 of a 3-step run: every step
+    recipe = adapter.parent / QLORA
+    merged = tmp_path / "merged"
+    done = cptune_in_process("merge-lora", str(recipe), "--checkpoint", str(adapter), "--out", str(merged))
+    assert done.returncode == 0, done.stderr
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    standalone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+
+    quantized = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32,
+    )
+    model = load_in_peft(adapter, tiny_model_dir, quantization_config=quantized)
+    model.train()  # bitsandbytes' exact path (its CPU inference kernel computes in bf16) ...
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()  # ... without the recipe's LoRA dropout
+    ids = prompt_ids(adapter)
+    with torch.no_grad():
+        expected, got = model(input_ids=ids).logits, standalone(input_ids=ids).logits
+    # Measured: 2.9e-6 (fp32). Merged into the original, unquantized weights it was 0.05 off.
+    assert (got - expected).abs().max() <= 1e-4
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)
+
+
+@pytest.mark.distributed
+def test_lora_recipe_logs_to_wandb_offline_and_its_adapter_loads_in_peft(trained, tiny_model_dir):
+    from wandb.proto import wandb_internal_pb2
+
+    out = trained[LORA]
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(wandb_records(run_file, wandb_internal_pb2.Record))
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in records
+        if record.WhichOneof("record_type") == "history"
+    ]
+    assert [h["train/loss"] for h in history if "train/loss" in h] == logged_losses(out)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("cptune-axolotl", "lora-1b-cp2")
+
+    model = load_in_peft(out, tiny_model_dir)
+    with torch.no_grad():
+        logits = model(input_ids=prompt_ids(out)).logits
+    assert torch.isfinite(logits).all()
+    # The trained adapter is not the zero initialisation.
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)
+
+
+def wandb_records(path: Path, record_type):
+    """The protobuf records of a W&B run file (wandb's log format: 32 KiB blocks of framed chunks)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = record_type()
+            record.ParseFromString(parts)
+            parts = b""
+            yield record

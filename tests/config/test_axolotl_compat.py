@@ -1,0 +1,203 @@
+"""Keys of Axolotl recipes: empty placeholders, QLoRA, trackers, tokens, and keys cptune maps or refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from cptune.config.compat_rules import axolotl_notes
+from cptune.config.loader import validate_recipe
+from cptune.errors import RecipeError
+
+MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
+
+
+def problems(data):
+    with pytest.raises(RecipeError) as info:
+        validate_recipe(data)
+    return {p.key: p.message for p in info.value.problems}
+
+
+def test_empty_values_of_known_keys_mean_not_set():
+    """Axolotl's examples leave keys empty as placeholders (`lora_model_dir:`, `wandb_project:` ...)."""
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "dataset_prepared_path": None,  # cptune's own key: its default
+            "max_grad_norm": None,
+            "wandb_project": None,  # a key cptune maps
+            "lora_model_dir": None,
+            "special_tokens": None,
+            "fp16": None,
+            "hub_model_id": None,  # an Axolotl key cptune refuses when set
+            "gpu_memory_limit": None,
+            "torch_compile_backend": None,  # any key of Axolotl's schema
+            "datasets": [{"path": "d.jsonl", "type": None, "field": None, "shards": None}],
+            "fsdp_version": 2,
+            "fsdp_config": {
+                "fsdp_offload_params": None,
+                "sync_module_states": None,
+                "reshard_after_forward": None,
+            },
+            "bnb_config_kwargs": None,
+        }
+    )
+    assert recipe.dataset_prepared_path == "prepared" and recipe.max_grad_norm == 1.0
+    assert recipe.wandb_project is None and not recipe.wandb_enabled and recipe.fp16 is False
+    assert recipe.datasets[0].type == "alpaca" and recipe.resolved_fsdp_config.reshard_after_forward
+
+
+def test_empty_typo_still_fails_with_a_suggestion():
+    found = problems({**MINIMAL, "wandb_projetc": None, "datasets": [{"path": "d", "feild": None}]})
+    assert found["wandb_projetc"] == "is not a known key. Did you mean 'wandb_project'?"
+    assert found["datasets[0].feild"] == "is not a known key. Did you mean 'field'?"
+
+
+def test_false_switches_cptune_lacks_are_accepted_and_true_ones_refused():
+    assert validate_recipe(
+        {**MINIMAL, "group_by_length": False, "flash_attn_rms_norm": False, "strict": False}
+    )
+    found = problems({**MINIMAL, "group_by_length": True, "tiled_mlp": True})
+    assert "length grouping is not supported" in found["group_by_length"]
+    assert "it has no counterpart in cptune" in found["tiled_mlp"]
+
+
+def test_qlora_and_8bit_keys():
+    qlora = validate_recipe(
+        {
+            **MINIMAL,
+            "adapter": "qlora",
+            "load_in_4bit": True,
+            "load_in_8bit": False,
+            "bnb_config_kwargs": {"bnb_4bit_use_double_quant": False, "llm_int8_skip_modules": "lm_head"},
+        }
+    )
+    assert qlora.is_lora and qlora.is_quantized
+    assert qlora.bnb_config_kwargs.llm_int8_skip_modules == ("lm_head",)
+    assert validate_recipe({**MINIMAL, "adapter": "lora", "load_in_8bit": True}).is_quantized
+    found = problems({**MINIMAL, "adapter": "qlora", "load_in_8bit": True})
+    assert "set load_in_4bit: true" in found["adapter"]
+    assert "use load_in_4bit with qlora" in found["load_in_8bit"]
+
+
+def test_wandb_and_tensorboard_switches_resolve_to_the_trainers_loggers():
+    recipe = validate_recipe({**MINIMAL, "wandb_project": "p", "wandb_watch": False, "use_tensorboard": True})
+    assert recipe.resolved_report_to == ("tensorboard", "wandb")
+    assert recipe.wandb_watch == "false"  # W&B reads the text
+    assert validate_recipe(MINIMAL).resolved_report_to == ()
+
+
+@pytest.mark.parametrize(
+    ("keys", "eval_steps", "save_steps"),
+    [
+        ({"evals_per_epoch": 4, "saves_per_epoch": 1, "val_set_size": 0.1}, 0.25, None),
+        ({"evals_per_epoch": 2, "saves_per_epoch": 2, "num_epochs": 2, "val_set_size": 0.1}, 0.25, 0.25),
+        ({"evals_per_epoch": 4}, None, None),  # no evaluation data: no evaluation (Axolotl does the same)
+        ({"eval_steps": 7, "save_steps": 3, "val_set_size": 0.1}, 7, 3),
+    ],
+)
+def test_per_epoch_counts_become_shares_of_the_run(keys, eval_steps, save_steps):
+    recipe = validate_recipe({**MINIMAL, **keys})
+    assert (recipe.resolved_eval_steps, recipe.resolved_save_steps) == (eval_steps, save_steps)
+
+
+def test_optimizers_pass_through_by_the_trainers_names():
+    for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "adamw_torch_8bit", "lion_32bit"):
+        assert validate_recipe({**MINIMAL, "optimizer": name}).optimizer == name
+    assert "Input should be" in problems({**MINIMAL, "optimizer": "muon"})["optimizer"]
+
+
+def test_optimizer_names_are_the_trainers():
+    from typing import get_args
+
+    from transformers.training_args import OptimizerNames
+
+    from cptune.config.recipe import OptimizerName
+
+    assert set(get_args(OptimizerName)) == {n.value for n in OptimizerNames}
+
+
+def test_chat_template_names_and_jinja():
+    assert validate_recipe({**MINIMAL, "chat_template": "llama3"}).chat_template == "llama3"
+    assert validate_recipe({**MINIMAL, "chat_template_jinja": "{{ messages }}"}).chat_template is None
+    found = problems({**MINIMAL, "chat_template": "qwen3"})
+    assert found["chat_template"].startswith("'qwen3' is not a chat template cptune renders itself")
+    assert "chat_template_jinja" in found["chat_template"]
+
+
+def test_message_property_mappings_name_the_message_keys():
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "datasets": [
+                {
+                    "path": "d",
+                    "type": "chat_template",
+                    "field_messages": "conversations",
+                    "message_property_mappings": {"role": "from", "content": "value"},
+                }
+            ],
+        }
+    )
+    assert recipe.datasets[0].resolved_message_fields == ("from", "value")
+
+
+def test_deepspeed_at_cp1_points_at_fsdp2():
+    found = problems({**MINIMAL, "deepspeed": "zero2.json"})
+    assert "to shard model states without CP use fsdp_version: 2" in found["deepspeed"]
+
+
+def test_each_plugin_is_refused_on_its_own_line():
+    found = problems(
+        {
+            **MINIMAL,
+            "plugins": [
+                "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
+                "axolotl.integrations.liger.LigerPlugin",
+                "my.Plugin",
+            ],
+            "liger_rope": True,
+            "liger_fused_linear_cross_entropy": True,
+        }
+    )
+    assert "Cut Cross Entropy" in found["plugins[0]"]
+    assert "Liger kernels" in found["plugins[1]"]
+    assert found["plugins[2]"] == "'my.Plugin': cptune runs no Axolotl plugins; remove it."
+    assert (
+        "Liger kernels" in found["liger_rope"]
+        and "fused linear cross-entropy" in found["liger_fused_linear_cross_entropy"]
+    )
+
+
+def test_refusals_of_nested_sections_are_reported_with_other_key_errors():
+    """A field error elsewhere used to hide the rules that read fsdp_config (rules saw its raw dict)."""
+    found = problems(
+        {**MINIMAL, "typo_key": 1, "fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}}
+    )
+    assert set(found) == {"typo_key", "fsdp_config.state_dict_type"}
+
+
+def test_mapped_keys_get_notes_where_cptune_means_something_else():
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "attn_implementation": "flash_attention_2",
+            "tokenizer_type": "LlamaTokenizer",
+            "tf32": True,
+            "sample_packing": True,
+            "eval_sample_packing": False,
+            "evals_per_epoch": 4,
+            "strict": False,
+            "model_type": "AutoModelForCausalLM",
+            "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        }
+    )
+    notes = "\n".join(axolotl_notes(recipe))
+    for fragment in (
+        "attn_implementation: flash_attention_2 is not what picks the attention",
+        "tokenizer_type: LlamaTokenizer is not used",
+        "tf32: true applies on NVIDIA GPUs only",
+        "eval_sample_packing: false is not used",
+        "evals_per_epoch is not used: the recipe has no evaluation data",
+    ):
+        assert fragment in notes
+    assert axolotl_notes(validate_recipe(MINIMAL)) == []
