@@ -533,6 +533,7 @@ def _adapter_folder(ws: Workspace) -> None:
     folder = ws.root / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # only its presence is checked before --out
     (ws.root / "merged.txt").write_text("a file where the merged model would go")
 
 
@@ -540,6 +541,7 @@ def _full_model_folder(ws: Workspace) -> None:
     folder = ws.root / "full-model"
     folder.mkdir()
     shutil.copy(ws.model_dir / "config.json", folder / "config.json")
+    shutil.copy(ws.model_dir / "model.safetensors", folder / "model.safetensors")
 
 
 # --- the cases ------------------------------------------------------------------------------
