@@ -328,7 +328,7 @@ def inference(
             help="Print the log-likelihood of this completion after each prompt instead of generating."
         ),
     ] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Most tokens to generate per prompt.")] = 128,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate per prompt.")] = 128,
     do_sample: Annotated[
         bool, typer.Option("--do-sample", help="Sample instead of greedy decoding.")
     ] = False,

@@ -117,19 +117,16 @@ class Prompter:
         text and the eos or end-of-turn token after it); for completion data, the completion's
         own tokens after the prompt's (encoded apart, no eos).
         """
-        prompt = self.prompt_ids(row)
         if self.kind == "completion":
+            prompt = self.prompt_ids(row)
             completion_ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
             return ScoredText(
                 prompt + completion_ids, list(range(len(prompt), len(prompt) + len(completion_ids)))
             )
         input_ids, labels = self._format(self._with_answer(row, completion))
+        # The tokens before the answer are the prompt: the formatter refuses a chat template that
+        # renders the conversation before a turn differently once the turn follows.
         start = _last_trained_span_start(labels)
-        if input_ids[:start] != prompt:
-            raise DataError(
-                "the chat template renders the conversation differently once the answer "
-                "follows it, so the answer's tokens cannot be told apart. Use chat_template: chatml."
-            )
         return ScoredText(input_ids, [i for i in range(start, len(input_ids)) if labels[i] != IGNORE_INDEX])
 
     def stop_token_ids(self) -> list[int]:

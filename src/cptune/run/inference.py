@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,8 +99,8 @@ def check_options(options: GenerationOptions) -> None:
             f"{', '.join(given)}: sampling options apply only with --do-sample; without it generation is "
             "greedy and ignores them. Add --do-sample, or leave them out."
         )
-    if options.max_new_tokens < 1:
-        raise CptuneError(f"--max-new-tokens: got {options.max_new_tokens}; give 1 or more.")
+    if options.max_new_tokens < 1:  # the CLI refuses it as a bad option value
+        raise ValueError(f"max_new_tokens must be 1 or more, got {options.max_new_tokens}")
 
 
 def weights_source(recipe: Recipe, checkpoint: str | Path | None, base: bool) -> ModelSource:
@@ -149,11 +150,15 @@ def _file_items(prompter: Prompter, path: Path) -> Iterator[PromptItem]:
             yield PromptItem(origin, line, prompter.row(line))
             continue
         try:
-            row = json.loads(line)
+            row: Any = json.loads(line)
+            found = f"a JSON {type(row).__name__}"
         except ValueError as err:
-            raise CptuneError(f"{origin}: not valid JSON ({err}).") from None
+            row, found = None, f"not valid JSON ({err})"
         if not isinstance(row, dict):
-            raise CptuneError(f"{origin}: a JSON object (a row of the data without its answer) is expected.")
+            raise CptuneError(
+                f"{origin}: each line of a .jsonl file of prompts must be a JSON object, a row of the data "
+                f'without its answer (e.g. {{"instruction": ...}}); this line is {found}.'
+            )
         messages = row.get(config.field_messages)
         if prompter.kind == "chat_template" and isinstance(messages, list) and messages:
             last = messages[-1]
@@ -326,6 +331,9 @@ class InferenceSession:
         self.recipe = recipe
         self.source = weights_source(recipe, checkpoint, base)
         self.tokenizer = load_tokenizer(recipe)
+        # Prompts are checked against the model's context here (prepare_prompt), with a clear error;
+        # the tokenizer's own warning about its model_max_length would only add noise before it.
+        self.tokenizer.model_max_length = sys.maxsize
         self.prompter = prompter_for(recipe, self.tokenizer)
         self.context = context_length(recipe, self.source)
         self._model: Any = None
