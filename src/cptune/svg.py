@@ -23,6 +23,34 @@ def _nice_top(value: float) -> float:
     return 10 * step
 
 
+def _frame(
+    title: str,
+    y_label: str,
+    width: int,
+    height: int,
+    left: int,
+    top: int,
+    plot_w: float,
+    plot_h: float,
+    top_value: float,
+) -> list[str]:
+    """The opening of a chart: the svg element, background, title, y label and 5 grid lines with values."""
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
+        f'<text x="12" y="{top + plot_h / 2}" transform="rotate(-90 12 {top + plot_h / 2})" '
+        f'text-anchor="middle">{escape(y_label)}</text>',
+    ]
+    for tick in range(5):
+        value = top_value * tick / 4
+        y = top + plot_h - plot_h * tick / 4
+        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#dddddd"/>')
+        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>')
+    return parts
+
+
 def bar_chart(
     title: str,
     categories: Sequence[str],
@@ -38,19 +66,7 @@ def bar_chart(
     top_value = _nice_top(max((v for values in series.values() for v in values), default=1.0))
     group_w = plot_w / max(1, len(categories))
     bar_w = group_w * 0.8 / max(1, len(series))
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="11">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
-        f'<text x="12" y="{top + plot_h / 2}" transform="rotate(-90 12 {top + plot_h / 2})" '
-        f'text-anchor="middle">{escape(y_label)}</text>',
-    ]
-    for tick in range(5):
-        value = top_value * tick / 4
-        y = top + plot_h - plot_h * tick / 4
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#dddddd"/>')
-        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>')
+    parts = _frame(title, y_label, width, height, left, top, plot_w, plot_h, top_value)
     for g, category in enumerate(categories):
         x0 = left + g * group_w + group_w * 0.1
         for s, values in enumerate(series.values()):
@@ -110,19 +126,7 @@ def histogram(
     plot_w, plot_h = width - left - right, height - top - bottom
     top_value = _nice_top(max(counts, default=1))
     bar_w = plot_w / max(1, len(counts))
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="11">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{escape(title)}</text>',
-        f'<text x="12" y="{top + plot_h / 2}" transform="rotate(-90 12 {top + plot_h / 2})" '
-        'text-anchor="middle">count</text>',
-    ]
-    for tick in range(5):
-        value = top_value * tick / 4
-        y = top + plot_h - plot_h * tick / 4
-        parts.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + plot_w}" y2="{y:.1f}" stroke="#dddddd"/>')
-        parts.append(f'<text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">{value:g}</text>')
+    parts = _frame(title, "count", width, height, left, top, plot_w, plot_h, top_value)
     for i, (label, count) in enumerate(zip(labels, counts, strict=True)):
         h = plot_h * count / top_value
         x = left + i * bar_w

@@ -19,27 +19,9 @@ from cptune.errors import DataError
 LABEL = "datasets[0] (data/train.jsonl)"
 
 
-def run(
-    tokenizer: PreTrainedTokenizerFast,
-    rows: list[dict[str, Any]],
-    tmp_path: Path,
-    *,
-    sequence_len: int = 256,
-    strategy: str = "drop",
-    skip: bool = False,
-    num_proc: int | None = None,
-    **config: Any,
-):
-    table, stats, _ = run_with_documents(
-        tokenizer,
-        rows,
-        tmp_path,
-        sequence_len=sequence_len,
-        strategy=strategy,
-        skip=skip,
-        num_proc=num_proc,
-        **config,
-    )
+def run(tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, Any]], tmp_path: Path, **options: Any):
+    """The kept samples and their counts (see :func:`run_with_documents` for the options)."""
+    table, stats, _ = run_with_documents(tokenizer, rows, tmp_path, **options)
     return table, stats
 
 

@@ -9,12 +9,18 @@ including the assistant header (``add_generation_prompt``), and a completion
 prompt is the text after bos, all exactly as in training. Scoring a completion
 formats the row with that completion as the answer and sums the log-likelihood
 of the tokens training would have trained.
+
+Prompts come from ``--prompt``, a file (one per line, or JSON-lines rows of the
+data's format without the answer) or standard input (:func:`prompt_items`);
+:func:`prepare_prompt` turns one into token ids checked against the model's context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -22,9 +28,9 @@ from transformers import PreTrainedTokenizerBase
 from cptune.config.recipe import DatasetConfig
 from cptune.data.formats import Formatter, RowProblem, build_formatter
 from cptune.data.labels import IGNORE_INDEX
-from cptune.errors import DataError
+from cptune.errors import CptuneError, DataError
 
-__all__ = ["Prompter", "ScoredText"]
+__all__ = ["Prepared", "PromptItem", "Prompter", "ScoredText", "prepare_prompt", "prompt_items"]
 
 _PLACEHOLDER = "x"
 
@@ -147,3 +153,110 @@ def _last_trained_span_start(labels: list[int]) -> int:
     while start > 0 and labels[start - 1] != IGNORE_INDEX:
         start -= 1
     return start
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt: where it came from (for messages), the text to show, its row in the data's format."""
+
+    origin: str
+    shown: str
+    row: dict[str, Any]
+
+
+def _file_items(prompter: Prompter, path: Path) -> Iterator[PromptItem]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    jsonl = path.suffix in (".jsonl", ".json")
+    config = prompter.config
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        origin = f"--prompts {path}, line {number}"
+        if not jsonl:
+            yield PromptItem(origin, line, prompter.row(line))
+            continue
+        try:
+            row: Any = json.loads(line)
+            found = f"a JSON {type(row).__name__}"
+        except ValueError as err:
+            row, found = None, f"not valid JSON ({err})"
+        if not isinstance(row, dict):
+            raise CptuneError(
+                f"{origin}: each line of a .jsonl file of prompts must be a JSON object, a row of the data "
+                f'without its answer (e.g. {{"instruction": ...}}); this line is {found}.'
+            )
+        messages = row.get(config.field_messages)
+        if prompter.kind == "chat_template" and isinstance(messages, list) and messages:
+            last = messages[-1]
+            if isinstance(last, dict) and last.get(config.message_field_role) in config.roles_to_train:
+                # A trained message last is the reference answer: the prompt is what precedes it.
+                row = {**row, config.field_messages: messages[:-1]}
+        yield PromptItem(origin, line, row)
+
+
+def prompt_items(
+    prompter: Prompter, prompt: str | None, prompts: str | Path | None, stdin: Iterable[str] = ()
+) -> Iterator[PromptItem]:
+    """The prompts: ``--prompt``, each prompt of ``--prompts``, or else each line of ``stdin``.
+
+    ``--prompts`` is a JSON-lines file of rows in the dataset's format without the answer when
+    its name ends in ``.jsonl`` or ``.json``, and otherwise a text file of one prompt per line.
+    """
+    if prompt is not None and prompts is not None:
+        raise CptuneError("--prompt and --prompts: give one of them (a prompt, or a file of prompts).")
+    if prompt is not None:
+        yield PromptItem("--prompt", prompt, prompter.row(prompt))
+        return
+    if prompts is not None:
+        path = Path(prompts)
+        if not path.is_file():
+            raise CptuneError(
+                f"--prompts: '{path}' is not a file; give a text file of prompts, one per line (or a .jsonl "
+                "file of rows in the data's format)."
+            )
+        found = False
+        for item in _file_items(prompter, path):
+            found = True
+            yield item
+        if not found:
+            raise CptuneError(f"--prompts: '{path}' holds no prompt.")
+        return
+    for line in stdin:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield PromptItem("the prompt", line, prompter.row(line))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prompt turned into token ids (plus the completion and what to score, with ``--score``)."""
+
+    item: PromptItem
+    input_ids: list[int]
+    scored: list[int] | None = None
+
+
+def prepare_prompt(
+    item: PromptItem, prompter: Prompter, completion: str | None, context: int | None
+) -> Prepared:
+    """Token ids of a prompt (and completion), checked against the model's context."""
+    try:
+        if completion is None:
+            prepared = Prepared(item, prompter.prompt_ids(item.row))
+        else:
+            scored = prompter.with_completion(item.row, completion)
+            prepared = Prepared(item, scored.input_ids, scored.scored)
+    except DataError as err:
+        raise CptuneError(f"{item.origin}: {err}") from None
+    if completion is not None and not prepared.scored:
+        raise CptuneError("--score: the completion has no token to score; give a non-empty completion.")
+    if context is not None:
+        tokens = len(prepared.input_ids)
+        # A prompt needs room for at least one new token; a scored text only has to fit.
+        if tokens + (completion is None) > context:
+            what = "the prompt" if completion is None else "the prompt with the completion"
+            raise CptuneError(
+                f"{item.origin}: {what} is {tokens} tokens, but the model's context is {context} tokens "
+                "(max_position_embeddings in its config.json). Shorten it."
+            )
+    return prepared

@@ -15,10 +15,9 @@ checked before the weights are loaded.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,8 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.data.prompts import Prompter
-from cptune.errors import CptuneError, DataError
+from cptune.data.prompts import Prompter, PromptItem, prepare_prompt, prompt_items
+from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.run.evaluate import ADAPTER_CONFIG, MODEL_CONFIG, ModelSource, model_source
 
@@ -37,14 +36,11 @@ __all__ = [
     "Generated",
     "GenerationOptions",
     "InferenceSession",
-    "PromptItem",
     "Score",
     "check_options",
     "context_length",
     "generate",
     "load_inference_model",
-    "prepare_prompt",
-    "prompt_items",
     "prompter_for",
     "run_inference",
     "score",
@@ -129,78 +125,6 @@ def prompter_for(recipe: Recipe, tokenizer: Any) -> Prompter:
     return Prompter(recipe.datasets[0], tokenizer, recipe.chat_template)
 
 
-@dataclass(frozen=True)
-class PromptItem:
-    """One prompt: where it came from (for messages), the text to show, its row in the data's format."""
-
-    origin: str
-    shown: str
-    row: dict[str, Any]
-
-
-def _file_items(prompter: Prompter, path: Path) -> Iterator[PromptItem]:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    jsonl = path.suffix in (".jsonl", ".json")
-    config = prompter.config
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        origin = f"--prompts {path}, line {number}"
-        if not jsonl:
-            yield PromptItem(origin, line, prompter.row(line))
-            continue
-        try:
-            row: Any = json.loads(line)
-            found = f"a JSON {type(row).__name__}"
-        except ValueError as err:
-            row, found = None, f"not valid JSON ({err})"
-        if not isinstance(row, dict):
-            raise CptuneError(
-                f"{origin}: each line of a .jsonl file of prompts must be a JSON object, a row of the data "
-                f'without its answer (e.g. {{"instruction": ...}}); this line is {found}.'
-            )
-        messages = row.get(config.field_messages)
-        if prompter.kind == "chat_template" and isinstance(messages, list) and messages:
-            last = messages[-1]
-            if isinstance(last, dict) and last.get(config.message_field_role) in config.roles_to_train:
-                # A trained message last is the reference answer: the prompt is what precedes it.
-                row = {**row, config.field_messages: messages[:-1]}
-        yield PromptItem(origin, line, row)
-
-
-def prompt_items(
-    prompter: Prompter, prompt: str | None, prompts: str | Path | None, stdin: Iterable[str] = ()
-) -> Iterator[PromptItem]:
-    """The prompts: ``--prompt``, each prompt of ``--prompts``, or else each line of ``stdin``.
-
-    ``--prompts`` is a JSON-lines file of rows in the dataset's format without the answer when
-    its name ends in ``.jsonl`` or ``.json``, and otherwise a text file of one prompt per line.
-    """
-    if prompt is not None and prompts is not None:
-        raise CptuneError("--prompt and --prompts: give one of them (a prompt, or a file of prompts).")
-    if prompt is not None:
-        yield PromptItem("--prompt", prompt, prompter.row(prompt))
-        return
-    if prompts is not None:
-        path = Path(prompts)
-        if not path.is_file():
-            raise CptuneError(
-                f"--prompts: '{path}' is not a file; give a text file of prompts, one per line (or a .jsonl "
-                "file of rows in the data's format)."
-            )
-        found = False
-        for item in _file_items(prompter, path):
-            found = True
-            yield item
-        if not found:
-            raise CptuneError(f"--prompts: '{path}' holds no prompt.")
-        return
-    for line in stdin:
-        line = line.rstrip("\n")
-        if line.strip():
-            yield PromptItem("the prompt", line, prompter.row(line))
-
-
 def context_length(recipe: Recipe, source: ModelSource) -> int | None:
     """The model's context (``max_position_embeddings``), read from its config alone."""
     from transformers import AutoConfig
@@ -208,41 +132,6 @@ def context_length(recipe: Recipe, source: ModelSource) -> int | None:
     path = str(source.path) if source.kind == "full" else recipe.base_model
     config = AutoConfig.from_pretrained(path, trust_remote_code=recipe.trust_remote_code)
     return getattr(config.get_text_config(), "max_position_embeddings", None)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A prompt turned into token ids (plus the completion and what to score, with ``--score``)."""
-
-    item: PromptItem
-    input_ids: list[int]
-    scored: list[int] | None = None
-
-
-def prepare_prompt(
-    item: PromptItem, prompter: Prompter, completion: str | None, context: int | None
-) -> Prepared:
-    """Token ids of a prompt (and completion), checked against the model's context."""
-    try:
-        if completion is None:
-            prepared = Prepared(item, prompter.prompt_ids(item.row))
-        else:
-            scored = prompter.with_completion(item.row, completion)
-            prepared = Prepared(item, scored.input_ids, scored.scored)
-    except DataError as err:
-        raise CptuneError(f"{item.origin}: {err}") from None
-    if completion is not None and not prepared.scored:
-        raise CptuneError("--score: the completion has no token to score; give a non-empty completion.")
-    if context is not None:
-        tokens = len(prepared.input_ids)
-        # A prompt needs room for at least one new token; a scored text only has to fit.
-        if tokens + (completion is None) > context:
-            what = "the prompt" if completion is None else "the prompt with the completion"
-            raise CptuneError(
-                f"{item.origin}: {what} is {tokens} tokens, but the model's context is {context} tokens "
-                "(max_position_embeddings in its config.json). Shorten it."
-            )
-    return prepared
 
 
 def load_inference_model(recipe: Recipe, source: ModelSource) -> Any:

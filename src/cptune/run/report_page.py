@@ -58,7 +58,7 @@ def render_page(report: dict[str, Any], text: str) -> str:
         cp = attention["cp"]
         charts.append(
             bar_chart(
-                f"Attention work per rank at context_parallel_size {cp}, least balanced row of each split",
+                f"Attention work per rank at context_parallel_size {cp}, in the least balanced training row of each",
                 [f"rank {r}" for r in range(cp)],
                 {
                     f"contiguous (row {attention['contiguous']['worst_row_index']})": attention["contiguous"][
