@@ -305,11 +305,12 @@ def _split_lines(name: str, section: dict[str, Any], recipe: Recipe) -> list[str
         "(max/mean over the ranks, 1.00 = balanced; a step waits for the slowest rank):"
     )
     used = attention["used"]
+    labels = {split: f"{split}{' (this recipe)' if split == used else ''}:" for split in SPLITS}
+    width = max(len(label) for label in labels.values())
     for split in SPLITS:
         figures = attention[split]
-        mark = " (this recipe)" if split == used else ""
         lines.append(
-            f"    {split + mark + ':':<24} whole {name} split {figures['epoch']:.2f}, mean row "
+            f"    {labels[split]:<{width}} all {name} rows {figures['epoch']:.2f}, mean row "
             f"{figures['mean_row']:.2f}, worst row {figures['worst_row']:.2f} (row {figures['worst_row_index']})"
         )
     if used == "heads":
