@@ -354,7 +354,8 @@ def format_report(report: dict[str, Any], recipe: Recipe) -> str:
         "",
         f"Optimizer steps: {steps['rows_per_step']} rows per step (micro_batch_size {steps['micro_batch_size']} "
         f"× gradient_accumulation_steps {steps['gradient_accumulation_steps']} × {steps['data_parallel']} "
-        f"data-parallel group{'s' * (steps['data_parallel'] != 1)} of {steps['processes']} processes), "
+        f"data-parallel group{'s' * (steps['data_parallel'] != 1)}; {steps['processes']} "
+        f"process{'es' * (steps['processes'] != 1)} in all), "
         f"{_n(steps['steps_per_epoch'])} steps per epoch, {_n(steps['steps'])} steps in all",
         f"  target tokens per step: mean {target['mean']:,.1f} over an epoch; the lightest possible step "
         f"{_n(target['lightest'])}, the heaviest {_n(target['heaviest'])} (training shuffles the rows)",
