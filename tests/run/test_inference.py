@@ -172,3 +172,13 @@ def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
         for seed in (1, 1, 2)
     ]
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+@pytest.mark.distributed
+def test_a_merged_full_model_answers_like_the_adapter_on_its_base(quickstart, tmp_path, one_thread):
+    from cptune.run.merge import merge_lora
+
+    merged = merge_lora(quickstart, out=tmp_path / "merged")
+    tuned = _generate(InferenceSession(quickstart), tmp_path)
+    full = _generate(InferenceSession(quickstart, checkpoint=merged), tmp_path)
+    assert [g.output_ids for g in full] == [g.output_ids for g in tuned]
