@@ -16,11 +16,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from benchmarks.common import Settings, spawn_ranks
-from benchmarks.svg import bar_chart
 from benchmarks.synthetic import LENGTH_MIXES
+from cptune.parallel.balance import causal_work_per_rank, imbalance
+from cptune.svg import bar_chart
 
 NAME = "balance"
 TITLE = "2. Load balance"
@@ -32,30 +31,17 @@ COUNTED_CP_SIZES = (2, 4, 8)
 PACKED_ROWS = 40
 
 
-def rank_indices(length: int, cp_size: int, layout: str) -> list[torch.Tensor]:
-    """Global token indices of every rank, from cptune's own sharding functions."""
-    from cptune.parallel.shard import split_contiguous, zigzag_indices
-
-    if layout == "contiguous":
-        return [split_contiguous(torch.arange(length), cp_size, r) for r in range(cp_size)]
-    if layout == "zigzag":
-        return [zigzag_indices(length, cp_size, r) for r in range(cp_size)]
-    raise ValueError(f"unknown layout {layout!r}")
-
-
 def causal_pairs(length: int, cp_size: int, layout: str, documents: Sequence[int] | None = None) -> list[int]:
-    """(query, key) pairs each rank computes for one causal row of packed ``documents``."""
+    """(query, key) pairs each rank computes for one causal row of packed ``documents``.
+
+    The arithmetic is cptune's own (:mod:`cptune.parallel.balance`, which ``cptune preprocess --report``
+    uses too); its token sets are checked against :mod:`cptune.parallel.shard` in the tests.
+    """
     documents = list(documents or [length])
     if sum(documents) != length:
         raise ValueError(f"documents add up to {sum(documents)}, not {length}")
-    position = torch.cat([torch.arange(n) for n in documents])
-    return [int((position[idx] + 1).sum()) for idx in rank_indices(length, cp_size, layout)]
-
-
-def imbalance(values: Sequence[float]) -> float:
-    """max / mean over the ranks."""
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean else float("nan")
+    position = [p for n in documents for p in range(n)]
+    return causal_work_per_rank(position, cp_size, layout)
 
 
 def packed_rows(sequence_len: int, lengths: Sequence[int], multiple: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.budget_search import affine_fit
 from benchmarks.common import MiB, Settings, spawn_ranks
-from benchmarks.svg import bar_chart
+from cptune.svg import bar_chart
 
 NAME = "memory"
 TITLE = "1. Memory scaling"

@@ -80,6 +80,25 @@ def succeeded(done: subprocess.CompletedProcess) -> None:
         pytest.fail(f"exit code {done.returncode}; stderr:\n{done.stderr[-20000:]}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The quickstart as a user runs it (``cptune train examples/quickstart.yaml``, cp=2), once per session.
+
+    Returns the finished process and its output_dir (the adapter); the test of the quickstart and
+    the tests of ``cptune inference`` share this one run.
+    """
+    root = tmp_path_factory.mktemp("quickstart")
+    out = root / "out"
+    done = run_cptune(
+        "train",
+        "examples/quickstart.yaml",
+        f"--output_dir={out}",
+        f"--dataset_prepared_path={root / 'prepared'}",
+        cwd=REPO,
+    )
+    return done, out
+
+
 def logged_losses(output_dir: Path) -> list[float]:
     history = json.loads((output_dir / "train_log.json").read_text())
     return [entry["loss"] for entry in history if "loss" in entry]

@@ -155,8 +155,9 @@ def test_cpu_example_trains_two_steps(path: Path, tmp_path):
 
 
 @pytest.mark.distributed
-def test_quickstart_halves_its_loss_with_cp2(tmp_path):
-    _, out = _train(EXAMPLES_DIR / "quickstart.yaml", tmp_path)
+def test_quickstart_halves_its_loss_with_cp2(quickstart_run):
+    done, out = quickstart_run  # shared with tests/run/test_inference.py, which tries the adapter
+    assert done.returncode == 0, done.stderr[-3000:]
     losses = logged_losses(out)
     assert losses[-1] <= 0.5 * losses[0], losses
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 16

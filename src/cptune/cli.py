@@ -1,4 +1,4 @@
-"""The ``cptune`` command line: train, preprocess, validate, evaluate, merge-lora.
+"""The ``cptune`` command line: train, preprocess, validate, evaluate, merge-lora, inference.
 
 Errors a user can cause (:class:`~cptune.errors.CptuneError`) are printed as one
 message without a traceback, and the command exits non-zero.
@@ -182,16 +182,42 @@ def train(
         raise typer.Exit(code)
 
 
-@app.command(context_settings=_EXTRA, help=f"Tokenize, pack and cache the data. {OVERRIDES_HELP}")
-def preprocess(ctx: typer.Context, recipe: RecipeArg) -> None:
-    from cptune.data.prepare import prepare_datasets
-    from cptune.models.loading import load_tokenizer
+@app.command(
+    context_settings=_EXTRA,
+    help="Tokenize, pack and cache the data (from the cache when it is there), then print what it holds: "
+    f"the counts, rows with the trained tokens marked (--debug), or a data report (--report). {OVERRIDES_HELP}",
+)
+def preprocess(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Print training rows decoded, with the trained tokens marked.")
+    ] = False,
+    rows: Annotated[
+        int | None,
+        typer.Option("--rows", min=1, help="Rows to print with --debug (default 3; implies --debug)."),
+    ] = None,
+    report: Annotated[
+        bool,
+        typer.Option(
+            "--report",
+            help="Print the data report (lengths against sequence_len, packing, attention balance at the "
+            "recipe's context_parallel_size, tokens per step) and write it as report.txt and report.html "
+            "into the cache folder.",
+        ),
+    ] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of text (the counts, rows and/or report).")
+    ] = False,
+) -> None:
+    from cptune.run.preprocess_view import run_preprocess
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    prepared = prepare_datasets(loaded, load_tokenizer(loaded))
-    typer.echo(prepared.stats.format())
-    typer.echo(f"cache: {prepared.path}")
+    debug = debug or rows is not None
+    typer.echo(
+        run_preprocess(loaded, debug_rows=(rows or 3) if debug else 0, report=report, as_json=json_output)
+    )
 
 
 @app.command(context_settings=_EXTRA, help=f"Check the recipe and print the plan. {OVERRIDES_HELP}")
@@ -285,6 +311,66 @@ def merge_lora(
     loaded = _load(recipe, ctx)
     target = run_merge(loaded, checkpoint, out)
     typer.echo(f"cptune: merged model saved to {target}")
+
+
+@app.command(
+    context_settings=_EXTRA,
+    help="Generate from the trained model (the base model with output_dir's adapter by default) with "
+    "prompts in the training format of the recipe's first dataset; greedy unless --do-sample. Without "
+    f"--prompt or --prompts, each line of standard input is a prompt. {OVERRIDES_HELP}",
+)
+def inference(
+    ctx: typer.Context,
+    recipe: RecipeArg,
+    checkpoint: CheckpointOption = None,
+    base: Annotated[bool, typer.Option("--base", help="Use the base model alone (to compare).")] = False,
+    prompt: Annotated[
+        str | None, typer.Option(help="The prompt: an instruction, a user message or text.")
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help="A file of prompts: one per line, or a .jsonl file of rows in the data's format."),
+    ] = None,
+    score: Annotated[
+        str | None,
+        typer.Option(
+            help="Print the log-likelihood of this completion after each prompt instead of generating."
+        ),
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate per prompt.")] = 128,
+    do_sample: Annotated[
+        bool, typer.Option("--do-sample", help="Sample instead of greedy decoding.")
+    ] = False,
+    temperature: Annotated[
+        float | None, typer.Option(help="Sampling temperature (with --do-sample).")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling share (with --do-sample).")] = None,
+    top_k: Annotated[
+        int | None, typer.Option(help="Sample among the k likeliest tokens (with --do-sample).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option(help="Random seed for sampling (default: the recipe's seed).")
+    ] = None,
+) -> None:
+    from cptune.run.inference import GenerationOptions, run_inference
+
+    _setup_logging()
+    loaded = _load(recipe, ctx)
+    options = GenerationOptions(max_new_tokens, do_sample, temperature, top_p, top_k)
+    if prompt is None and prompts is None and sys.stdin.isatty():
+        print("Type a prompt and press Enter (Ctrl-D to end).", file=sys.stderr)
+    run_inference(
+        loaded,
+        checkpoint=checkpoint,
+        base=base,
+        prompt=prompt,
+        prompts=prompts,
+        completion=score,
+        options=options,
+        stdin=sys.stdin,
+        echo=typer.echo,
+        seed=loaded.seed if seed is None else seed,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,8 +7,9 @@ from benchmarks.balance import causal_pairs, imbalance, packed_rows
 from benchmarks.budget_search import affine_fit, bracket, next_probe
 from benchmarks.data_bench import next_fit, packing_table, padded_to_longest
 from benchmarks.memtrace import replay
-from benchmarks.svg import bar_chart
 from benchmarks.synthetic import LENGTH_MIXES
+
+from cptune.svg import bar_chart
 
 
 def search(

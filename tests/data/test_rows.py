@@ -19,7 +19,13 @@ from cptune.errors import DataError
 LABEL = "datasets[0] (data/train.jsonl)"
 
 
-def run(
+def run(tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, Any]], tmp_path: Path, **options: Any):
+    """The kept samples and their counts (see :func:`run_with_documents` for the options)."""
+    table, stats, _ = run_with_documents(tokenizer, rows, tmp_path, **options)
+    return table, stats
+
+
+def run_with_documents(
     tokenizer: PreTrainedTokenizerFast,
     rows: list[dict[str, Any]],
     tmp_path: Path,
@@ -147,3 +153,19 @@ def test_samples_without_trained_tokens_are_dropped(
 def test_a_dataset_left_empty_is_an_error(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"no sample is left of its 1 rows \(1 longer than sequence_len"):
         run(tokenizer, [{"input_ids": [1, 2, 3]}], tmp_path, sequence_len=2, type="pretokenized")
+
+
+@pytest.mark.parametrize("strategy", ["drop", "truncate"])
+def test_documents_table_keeps_every_formatted_length_and_what_the_policy_did(
+    strategy: str, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    rows, lengths = lengths_rows(tokenizer)
+    rows.insert(2, {"input_ids": [5, 10**6]})  # skipped as invalid (not in the vocabulary): no length
+    # First, so that the labels column exists (from_list takes the columns of the first row).
+    rows.insert(0, {"input_ids": [5, 6, 7], "labels": [-100, -100, -100]})
+    _, _, documents = run_with_documents(
+        tokenizer, rows, tmp_path, sequence_len=9, strategy=strategy, skip=True, type="pretokenized"
+    )
+    over = "too long" if strategy == "drop" else "truncated"
+    assert documents.column("formatted_length").to_pylist() == [3, *lengths]
+    assert documents.column("status").to_pylist() == ["no trained tokens", "kept", over, "kept", over, "kept"]

@@ -533,6 +533,7 @@ def _adapter_folder(ws: Workspace) -> None:
     folder = ws.root / "adapter"
     folder.mkdir()
     (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # only its presence is checked before --out
     (ws.root / "merged.txt").write_text("a file where the merged model would go")
 
 
@@ -540,6 +541,31 @@ def _full_model_folder(ws: Workspace) -> None:
     folder = ws.root / "full-model"
     folder.mkdir()
     shutil.copy(ws.model_dir / "config.json", folder / "config.json")
+    shutil.copy(ws.model_dir / "model.safetensors", folder / "model.safetensors")
+
+
+def _adapter_without_weights(ws: Workspace) -> None:
+    folder = ws.root / "adapter-no-weights"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+
+
+def _model_folder_without_weights(ws: Workspace) -> None:
+    folder = ws.root / "model-no-weights"
+    folder.mkdir()
+    shutil.copy(ws.model_dir / "config.json", folder / "config.json")
+
+
+def _prompt_files(ws: Workspace) -> None:
+    (ws.data / "prompts.txt").write_text("Say hello.\n")
+    (ws.data / "empty.txt").write_text("\n\n")
+    (ws.data / "prompts.jsonl").write_text('{"instruction": "Say hello."}\n["Say hello."]\n')
+    # The tiny model's context is 8192 tokens (max_position_embeddings).
+    (ws.data / "long.txt").write_text(" ".join(["hello"] * 9000) + "\n")
+
+
+def _completion_data(ws: Workspace) -> dict[str, Any]:
+    return {"datasets": [{"path": str(ws.data / "train.jsonl"), "type": "completion"}]}
 
 
 def _chat_mapping_extra_key(ws: Workspace) -> dict[str, Any]:
@@ -576,6 +602,7 @@ DATA = "Data"
 DEEPSPEED = "DeepSpeed (cp_backend: deepspeed)"
 OUTPUT = "The output folder and resuming"
 EVALUATE = "cptune evaluate and merge-lora"
+INFERENCE = "cptune inference"
 PACKAGES = "Installed packages and devices"
 DURING_RUN = "During a run"
 LIBRARY = "Using cptune from Python"
@@ -597,6 +624,7 @@ SECTIONS = (
     DATA,
     OUTPUT,
     EVALUATE,
+    INFERENCE,
     PACKAGES,
     DURING_RUN,
     LIBRARY,
@@ -2038,6 +2066,126 @@ CASES: tuple[Case, ...] = (
         "Checked before any process starts.",
         keys={"optimizer": "schedule_free_adamw"},
         skip_if=_with_package("schedulefree"),
+    ),
+    Case(
+        "checkpoint-adapter-without-weights",
+        EVALUATE,
+        "--checkpoint that holds an adapter's config but no weights",
+        "holds adapter_config.json but no weights (adapter_model.safetensors or adapter_model.bin); the save did "
+        "not finish",
+        "The folder has the adapter's config without its weights: a save that did not finish, or a copy that "
+        "left the weight file behind. Use the run's output_dir after training, or a complete `checkpoint-N`. "
+        "`cptune evaluate`, `merge-lora` and `inference` all check this before loading anything.",
+        command="inference",
+        args=("--checkpoint", "{ws}/adapter-no-weights", "--prompt", "Say hello."),
+        setup=_adapter_without_weights,
+    ),
+    Case(
+        "checkpoint-model-without-weights",
+        EVALUATE,
+        "--checkpoint that holds a model's config but no weights",
+        "holds config.json but no weights (*.safetensors or *.bin); the save did not finish or the weight files "
+        "were not copied",
+        "Copy the model's weight files into the folder too, or point `--checkpoint` at a complete folder.",
+        keys={"val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/model-no-weights"),
+        setup=_model_folder_without_weights,
+    ),
+    # --- cptune inference ---
+    Case(
+        "inference-before-training",
+        INFERENCE,
+        "cptune inference before training",
+        "holds no trained adapter or model yet. Train first (cptune train), pass --checkpoint",
+        "Train first, point `--checkpoint` at a folder with an adapter or model, or add `--base` to try "
+        "the base model alone (to compare with the fine-tuned one later).",
+        command="inference",
+        args=("--prompt", "Say hello."),
+    ),
+    Case(
+        "inference-base-and-checkpoint",
+        INFERENCE,
+        "--base together with --checkpoint",
+        "--base and --checkpoint: give one of them",
+        "`--base` tries the base model alone; `--checkpoint` a trained adapter or model. Give one.",
+        command="inference",
+        args=("--base", "--checkpoint", "{ws}/out", "--prompt", "Say hello."),
+    ),
+    Case(
+        "inference-prompt-and-prompts",
+        INFERENCE,
+        "--prompt together with --prompts",
+        "--prompt and --prompts: give one of them",
+        "Give one prompt with `--prompt`, or a file of prompts with `--prompts` (without either, each line "
+        "typed on standard input is a prompt).",
+        command="inference",
+        args=("--base", "--prompt", "Say hello.", "--prompts", "{ws}/data/prompts.txt"),
+        setup=_prompt_files,
+    ),
+    Case(
+        "inference-sampling-without-do-sample",
+        INFERENCE,
+        "--temperature, --top-p or --top-k without --do-sample",
+        "--temperature: sampling options apply only with --do-sample",
+        "Generation is greedy by default, which would ignore the sampling options (as transformers' "
+        "`generate` does). Add `--do-sample` to sample, or leave them out.",
+        command="inference",
+        args=("--base", "--prompt", "Say hello.", "--temperature", "0.7"),
+    ),
+    Case(
+        "inference-prompts-missing",
+        INFERENCE,
+        "--prompts names a file that does not exist",
+        "is not a file; give a text file of prompts, one per line",
+        "Check the path (relative paths are read from the current folder). A `.jsonl` file holds rows in the "
+        "format of the recipe's first dataset, without the answer.",
+        command="inference",
+        args=("--base", "--prompts", "{ws}/data/no-such-prompts.txt"),
+    ),
+    Case(
+        "inference-prompts-empty",
+        INFERENCE,
+        "--prompts names a file without a prompt",
+        "' holds no prompt.",
+        "Write one prompt per line (empty lines are skipped).",
+        command="inference",
+        args=("--base", "--prompts", "{ws}/data/empty.txt"),
+        setup=_prompt_files,
+    ),
+    Case(
+        "inference-prompts-jsonl-line",
+        INFERENCE,
+        "A line of a .jsonl prompts file is not a row",
+        "line 2: each line of a .jsonl file of prompts must be a JSON object",
+        "Write each prompt as a row of the data without its answer, e.g. "
+        '`{"instruction": "...", "input": "..."}` for alpaca data or `{"messages": [...]}` ending with the '
+        "user's message for chat data; or use a plain text file with one prompt per line.",
+        command="inference",
+        args=("--base", "--prompts", "{ws}/data/prompts.jsonl"),
+        setup=_prompt_files,
+    ),
+    Case(
+        "inference-prompt-too-long",
+        INFERENCE,
+        "A prompt longer than the model's context",
+        "line 1: the prompt is 27029 tokens, but the model's context is 8192 tokens",
+        "The prompt (in the training format) must leave room for at least one new token within the model's "
+        "`max_position_embeddings`; with `--score`, the prompt and the completion must fit. Shorten it.",
+        command="inference",
+        args=("--base", "--prompts", "{ws}/data/long.txt"),
+        setup=_prompt_files,
+    ),
+    Case(
+        "inference-score-empty",
+        INFERENCE,
+        "--score with an empty completion",
+        "--score: the completion has no token to score",
+        'Give the completion whose log-likelihood you want, e.g. `--score "loud"`. (For alpaca and chat '
+        "data an empty answer is refused like an empty answer in the data.)",
+        command="inference",
+        args=("--base", "--prompt", "Say hello.", "--score", ""),
+        setup=_completion_data,
     ),
 )
 

@@ -46,8 +46,11 @@ __all__ = [
     "tokenizer_fingerprint",
 ]
 
-DATA_FORMAT_VERSION = 1
-"""Bump when cptune changes how rows are tokenized, packed or stored: old caches then stop matching."""
+DATA_FORMAT_VERSION = 2
+"""Bump when cptune changes how rows are tokenized, packed or stored: old caches then stop matching.
+
+2: the cache holds ``documents.arrow`` (every row's length before the length policy).
+"""
 
 COMPLETE_MARKER = "COMPLETE"
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cptune.config.recipe import Recipe
 from cptune.data.labels import IGNORE_INDEX
 from cptune.tokens import document_starts
 
@@ -75,6 +76,15 @@ class PackedCollator:
     sequence_len: int | None = None
     pad_to_sequence_len: bool = False
     pad_to_multiple_of: int | None = None
+
+    @classmethod
+    def for_recipe(cls, recipe: Recipe, pad_token_id: int | None) -> PackedCollator:
+        """The collator training uses for ``recipe`` (``cptune preprocess --debug`` shows its labels)."""
+        return cls(
+            pad_token_id=pad_token_id,
+            sequence_len=recipe.sequence_len,
+            pad_to_sequence_len=recipe.pad_to_sequence_len,
+        )
 
     def __post_init__(self) -> None:
         if self.pad_to_sequence_len and self.sequence_len is None:

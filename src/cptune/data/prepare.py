@@ -5,7 +5,9 @@ It fingerprints the inputs, reuses ``dataset_prepared_path/<fingerprint>/``
 when a finished copy exists, and otherwise builds it (one process at a time,
 see :mod:`cptune.data.cache`). Each stored row has ``input_ids``, ``labels``
 and ``position_ids`` (int lists of at most ``sequence_len`` tokens; with
-packing, positions restart at 0 for every sample in the row).
+packing, positions restart at 0 for every sample in the row). Beside them,
+``documents.arrow`` records every formatted row's length before the length
+policy and what the policy did to it (see :func:`load_documents`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "PreparedData",
     "cached_stats",
     "highest_token_id",
+    "load_documents",
     "load_prepared",
     "prepare_datasets",
     "resolve_sources",
@@ -46,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _STATS_FILE = "stats.json"
+_DOCUMENTS_FILE = "documents.arrow"
 _TRAIN, _EVAL = "train", "eval"
 
 
@@ -149,15 +153,29 @@ def load_prepared(path: str | Path, *, from_cache: bool = True) -> PreparedData:
     return PreparedData(train=train, eval=evaluation, path=path, stats=stats)
 
 
+def load_documents(path: str | Path) -> pa.Table:
+    """The documents table of a finished cache folder.
+
+    One row per formatted row of the data (rows skipped as invalid excepted), dataset by
+    dataset in recipe order (``datasets`` then ``test_datasets``), in source order:
+    ``dataset`` (the index of its entry in ``stats.datasets``), ``formatted_length`` (its
+    tokens before the length policy) and ``status`` (``kept``, ``truncated``, ``too long``
+    (dropped) or ``no trained tokens`` (dropped)).
+    """
+    with pa.memory_map(str(Path(path) / _DOCUMENTS_FILE)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
 def _tokenize_all(
     recipe: Recipe,
     tokenizer: PreTrainedTokenizerBase,
     sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
     scratch: Path,
-) -> tuple[pa.Table, pa.Table | None, list[DatasetStats]]:
+) -> tuple[pa.Table, pa.Table | None, list[DatasetStats], pa.Table]:
     tables: dict[str, list[pa.Table]] = {"datasets": [], "test_datasets": []}
     all_stats = []
-    for key, config, source in sources:
+    documents = []
+    for index, (key, config, source) in enumerate(sources):
         rows = load_source(source, config, cache_dir=scratch / "sources", num_proc=recipe.dataset_processes)
         formatter = build_formatter(
             config,
@@ -167,7 +185,7 @@ def _tokenize_all(
             label=source.label,
             chat_template_jinja=recipe.chat_template_jinja,
         )
-        table, stats = tokenize_dataset(
+        table, stats, formatted = tokenize_dataset(
             rows,
             formatter,
             label=source.label,
@@ -182,9 +200,11 @@ def _tokenize_all(
         )
         tables[key].append(table)
         all_stats.append(stats)
+        dataset = pa.array(np.full(formatted.num_rows, index, dtype=np.int32))
+        documents.append(formatted.add_column(0, "dataset", dataset))
     train = pa.concat_tables(tables["datasets"])
     test = pa.concat_tables(tables["test_datasets"]) if tables["test_datasets"] else None
-    return train, test, all_stats
+    return train, test, all_stats, pa.concat_tables(documents)
 
 
 def _validation_split(train: pa.Table, val_set_size: float, seed: int) -> tuple[pa.Table, pa.Table]:
@@ -230,7 +250,12 @@ def _build(
     started = time.perf_counter()
     scratch = folder / "scratch"
     scratch.mkdir()
-    train, test, dataset_stats = _tokenize_all(recipe, tokenizer, sources, scratch)
+    train, test, dataset_stats, documents = _tokenize_all(recipe, tokenizer, sources, scratch)
+    with (
+        pa.OSFile(str(folder / _DOCUMENTS_FILE), "wb") as sink,
+        pa.ipc.new_file(sink, documents.schema) as writer,
+    ):
+        writer.write_table(documents)
     if test is None and recipe.val_set_size:
         train, test = _validation_split(train, recipe.val_set_size, recipe.seed)
     splits = {_TRAIN: train, _EVAL: test}

@@ -23,7 +23,7 @@ from cptune.data.labels import IGNORE_INDEX, trained_token_count
 from cptune.data.stats import DatasetStats
 from cptune.errors import DataError
 
-__all__ = ["SAMPLE_COLUMNS", "count_tokens", "tokenize_dataset"]
+__all__ = ["DOCUMENT_STATUSES", "SAMPLE_COLUMNS", "count_tokens", "tokenize_dataset"]
 
 SAMPLE_COLUMNS = ("input_ids", "labels", "position_ids")
 """Columns of a tokenized sample and of a stored row."""
@@ -32,6 +32,7 @@ _FEATURES = datasets.Features(
     {
         **{name: datasets.List(datasets.Value("int32")) for name in SAMPLE_COLUMNS},
         "status": datasets.Value("string"),
+        "formatted_length": datasets.Value("int32"),
     }
 )
 
@@ -42,6 +43,9 @@ _TOO_LONG = "too long"
 _NO_TRAINED = "no trained tokens"
 _TOO_SHORT = "too short"
 _INVALID = "invalid: "
+
+DOCUMENT_STATUSES = (_KEPT, _TRUNCATED, _TOO_LONG, _TOO_SHORT, _NO_TRAINED)
+"""What the length policy did to a formatted row (the ``status`` of the documents table)."""
 
 
 def count_tokens(table: pa.Table) -> tuple[int, int]:
@@ -82,7 +86,7 @@ def tokenize_dataset(
     scratch_dir: str | os.PathLike[str],
     num_proc: int | None = None,
     min_sample_len: int | None = None,
-) -> tuple[pa.Table, DatasetStats]:
+) -> tuple[pa.Table, DatasetStats, pa.Table]:
     """Turn the rows of one dataset into samples of at most ``sequence_len`` tokens.
 
     Args:
@@ -100,7 +104,11 @@ def tokenize_dataset(
 
     Returns:
         An in-memory table with ``input_ids``, ``labels`` and ``position_ids``
-        (int32 lists) of the kept samples, in source order, and their counts.
+        (int32 lists) of the kept samples, in source order; their counts; and the
+        documents table: for every row that formatted (skipped rows excepted), in
+        source order, ``formatted_length`` (its tokens before the length policy)
+        and ``status`` (one of :data:`DOCUMENT_STATUSES`), which ``cptune preprocess
+        --report`` draws its length histograms from.
 
     Raises:
         DataError: For a malformed row (unless skipped), a missing column, or
@@ -109,13 +117,14 @@ def tokenize_dataset(
     _check_columns(dataset, required, label, key)
 
     def process(batch: Mapping[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "position_ids": [], "status": []}
+        out: dict[str, list[Any]] = {name: [] for name in _FEATURES}
 
-        def emit(input_ids: list[int], labels: list[int], status: str) -> None:
+        def emit(input_ids: list[int], labels: list[int], status: str, formatted_length: int = 0) -> None:
             out["input_ids"].append(input_ids)
             out["labels"].append(labels)
             out["position_ids"].append(list(range(len(input_ids))))
             out["status"].append(status)
+            out["formatted_length"].append(formatted_length)
 
         for j, index in enumerate(indices):
             row = {name: column[j] for name, column in batch.items()}
@@ -127,18 +136,19 @@ def tokenize_dataset(
                     continue
                 raise DataError(f"{label}, row {index}: {problem.detail}") from None
             input_ids, labels, status = sample.input_ids, sample.labels, _KEPT
-            if len(input_ids) > sequence_len:
+            formatted = len(input_ids)
+            if formatted > sequence_len:
                 if excess_length_strategy == "drop":
-                    emit([], [], _TOO_LONG)
+                    emit([], [], _TOO_LONG, formatted)
                     continue
                 input_ids, labels, status = input_ids[:sequence_len], labels[:sequence_len], _TRUNCATED
             if min_sample_len is not None and len(input_ids) < min_sample_len:
-                emit([], [], _TOO_SHORT)
+                emit([], [], _TOO_SHORT, formatted)
                 continue
             if trained_token_count(labels) == 0:
-                emit([], [], _NO_TRAINED)
+                emit([], [], _NO_TRAINED, formatted)
                 continue
-            emit(input_ids, labels, status)
+            emit(input_ids, labels, status, formatted)
         return out
 
     mapped = dataset.map(
@@ -160,6 +170,10 @@ def tokenize_dataset(
     keep = [i for i, status in enumerate(statuses) if status in (_KEPT, _TRUNCATED)]
     table = mapped.data.table.select(list(SAMPLE_COLUMNS)).take(pa.array(keep, type=pa.int64()))
     table = table.combine_chunks()
+    formatted = [i for i, status in enumerate(statuses) if not status.startswith(_INVALID)]
+    documents = mapped.data.table.select(["formatted_length", "status"]).take(
+        pa.array(formatted, type=pa.int64())
+    )
     tokens, trained = count_tokens(table)
     stats = DatasetStats(
         label=label,
@@ -178,7 +192,7 @@ def tokenize_dataset(
             f"{label}: no sample is left of its {len(dataset)} rows ({_describe_losses(stats)}). "
             "Check the field names and the data, raise sequence_len, or set excess_length_strategy: truncate."
         )
-    return table, stats
+    return table, stats, documents.combine_chunks()
 
 
 def _describe_losses(stats: DatasetStats) -> str:

@@ -28,6 +28,8 @@ log = logging.getLogger("cptune.evaluate")
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
+# What peft saves an adapter's weights as (peft.utils.constants).
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,10 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
             "its save was interrupted). Use another checkpoint."
         )
     if (path / ADAPTER_CONFIG).is_file():
+        _check_weights(path, ADAPTER_CONFIG, ADAPTER_WEIGHTS)
         return ModelSource("adapter", path)
     if (path / MODEL_CONFIG).is_file():
+        _check_weights(path, MODEL_CONFIG, None)
         return ModelSource("full", path)
     if is_sharded_checkpoint(path):
         raise CptuneError(
@@ -91,6 +95,22 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
         f"--checkpoint: '{path}' holds neither a LoRA adapter ({ADAPTER_CONFIG}) nor a model "
         f"({MODEL_CONFIG}).{hint}"
     )
+
+
+def _check_weights(path: Path, config_name: str, names: tuple[str, ...] | None) -> None:
+    """Refuse a folder with a config but no weight files (a copy or save that did not finish)."""
+    if names is not None:
+        found = any((path / name).is_file() for name in names)
+        wanted = " or ".join(names)
+    else:
+        found = any(p.is_file() and p.suffix in (".safetensors", ".bin") for p in path.iterdir())
+        wanted = "*.safetensors or *.bin"
+    if not found:
+        raise CptuneError(
+            f"--checkpoint: '{path}' holds {config_name} but no weights ({wanted}); the save did not finish "
+            "or the weight files were not copied. Use a complete folder: the run's output_dir after "
+            "training, or a complete checkpoint-N."
+        )
 
 
 def load_source_model(

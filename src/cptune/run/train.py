@@ -220,11 +220,7 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
 
     if env.world_size > 1 and not torch.cuda.is_available() and not runs_under_deepspeed(recipe, dims):
         init_cpu_process_group(recipe.ddp_timeout)
-    collator = PackedCollator(
-        pad_token_id=tokenizer.pad_token_id,
-        sequence_len=recipe.sequence_len,
-        pad_to_sequence_len=recipe.pad_to_sequence_len,
-    )
+    collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
     return CptuneTrainer(
         model=model,
         args=training_arguments(recipe, dims, env),

@@ -210,6 +210,20 @@ def uses_cptune_attention(recipe: Recipe, dims: ParallelDims) -> bool:
     return True
 
 
+def sequence_split(recipe: Recipe) -> str:
+    """How the backend splits a row's tokens over the ranks, for ``cptune preprocess --report``.
+
+    ``contiguous`` (one slice per rank), ``zigzag`` (chunks r and 2C-1-r), or ``heads`` (DeepSpeed
+    Ulysses: every rank attends over the whole row for its share of the heads, so the causal work
+    is even whatever the documents).
+    """
+    if recipe.cp_backend == "deepspeed":
+        return "heads"
+    if recipe.cp_backend == "torch":
+        return "zigzag" if recipe.resolved_cp_load_balance else "contiguous"
+    return "zigzag" if recipe.resolved_ring_attn_func == "batch_zigzag" else "contiguous"
+
+
 def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None) -> None:
     """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
     text = config.get_text_config()

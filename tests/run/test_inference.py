@@ -1,0 +1,184 @@
+"""``cptune inference``: the quickstart's adapter answers like its data, deterministically; scores are exact.
+
+The quickstart's own run (``quickstart_run``, shared with tests/test_examples.py) provides the
+trained adapter, so trying it adds no training to the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cptune.config.loader import load_recipe
+from cptune.data.formats import build_formatter
+from cptune.models.loading import load_tokenizer
+from cptune.run.evaluate import ModelSource
+from cptune.run.inference import (
+    Generated,
+    GenerationOptions,
+    InferenceSession,
+    Score,
+    load_inference_model,
+    run_inference,
+)
+from tests.conftest import QUICKSTART_DATA, REPO, succeeded
+
+ROWS = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
+PROMPTS = ROWS[::20]  # 30 training prompts, every task of the data among them
+
+
+def _quiet(*_: object) -> None:
+    pass
+
+
+def _prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(
+        "".join(json.dumps({"instruction": r["instruction"], "input": r["input"]}) + "\n" for r in PROMPTS)
+    )
+    return path
+
+
+@pytest.fixture
+def quickstart(quickstart_run, monkeypatch):
+    """The quickstart recipe pointing at the session's trained adapter (run from the repository root)."""
+    done, out = quickstart_run
+    succeeded(done)
+    monkeypatch.chdir(REPO)
+    return load_recipe("examples/quickstart.yaml", [f"--output_dir={out}"])
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the CLI runs in tests (OMP_NUM_THREADS=1): tiny matrices on two busy cores
+    otherwise spend their time handing work between threads (measured: 37 s against 2 s for 30 answers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _generate(session: InferenceSession, tmp_path: Path) -> list[Generated]:
+    results = session.run(
+        prompts=_prompts_file(tmp_path),
+        options=GenerationOptions(max_new_tokens=24),
+        stream=False,
+        echo=_quiet,
+    )
+    return [r for r in results if isinstance(r, Generated)]
+
+
+@pytest.mark.distributed
+def test_quickstart_adapter_answers_in_the_datas_style_greedily_and_unlike_the_base_model(
+    quickstart, tmp_path, one_thread
+):
+    tokenizer = load_tokenizer(quickstart)
+    tuned = InferenceSession(quickstart)
+    first = _generate(tuned, tmp_path)
+    again = _generate(tuned, tmp_path)
+    base = _generate(InferenceSession(quickstart, base=True), tmp_path)
+    assert len(first) == len(PROMPTS)
+    assert [g.output_ids for g in again] == [g.output_ids for g in first], "greedy decoding is deterministic"
+    assert [g.output_ids for g in base] != [g.output_ids for g in first]
+
+    # The data's answer style: a short answer on one line that ends with eos by itself (the data's
+    # answers are 2-11 tokens), not a continuation of the prompt format; made of the data's answer tokens.
+    answer_tokens = {
+        token
+        for row in ROWS
+        for token in tokenizer(row["output"], add_special_tokens=False)["input_ids"]
+        + [tokenizer.eos_token_id]
+    }
+    for g in first:
+        assert g.output_ids[-1] == tokenizer.eos_token_id and len(g.output_ids) <= 16, g.text
+        assert g.text.strip() and "\n" not in g.text and "###" not in g.text, g.text
+    generated = [t for g in first for t in g.output_ids]
+    share = sum(t in answer_tokens for t in generated) / len(generated)
+    # Measured: 0.83 of the tokens (the rest are words of the base model's pre-training prose).
+    assert share >= 0.75, [g.text for g in first]
+    assert len({g.text for g in first}) >= 8, "different prompts get different answers"
+    # The base model has not learnt the format: it answers nothing and stops at once.
+    assert not any(g.text.strip() for g in base)
+
+
+@pytest.mark.distributed
+def test_a_training_answer_scores_higher_with_the_adapter_than_without(quickstart, tmp_path, one_thread):
+    sessions = InferenceSession(quickstart), InferenceSession(quickstart, base=True)
+    for number, row in enumerate(PROMPTS[:8]):
+        prompts = tmp_path / f"row{number}.jsonl"
+        prompts.write_text(json.dumps({"instruction": row["instruction"], "input": row["input"]}) + "\n")
+        tuned, base = (
+            session.run(prompts=prompts, completion=row["output"], echo=_quiet)[0] for session in sessions
+        )
+        assert isinstance(tuned, Score) and isinstance(base, Score)
+        assert tuned.tokens == base.tokens > 1
+        assert tuned.log_likelihood > base.log_likelihood, (row, tuned, base)
+
+
+@pytest.mark.distributed
+def test_inference_command_streams_the_answer_and_prints_the_score(
+    quickstart, quickstart_run, cptune_in_process, one_thread
+):
+    _, out = quickstart_run
+    prompt = "What is the opposite of this word?"
+    expected = run_inference(quickstart, prompt=prompt, stream=False, echo=_quiet)[0]
+    done = cptune_in_process(
+        "inference", "examples/quickstart.yaml", f"--output_dir={out}", "--prompt", prompt
+    )
+    succeeded(done)
+    assert done.stdout == expected.text + "\n"
+    done = cptune_in_process(
+        "inference", "examples/quickstart.yaml", f"--output_dir={out}", "--prompt", prompt, "--score", "loud"
+    )
+    succeeded(done)
+    assert re.fullmatch(
+        r"log-likelihood -\d+\.\d{4} over 2 completion tokens \(mean -\d+\.\d{4} per token\)\n", done.stdout
+    )
+
+
+def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(write_recipe, one_thread):
+    recipe = load_recipe(write_recipe())
+    tokenizer = load_tokenizer(recipe)
+    row = {"instruction": "Say hello.", "input": "", "output": "Hello there, friend."}
+    (result,) = run_inference(
+        recipe, base=True, prompt=row["instruction"], completion=row["output"], echo=_quiet
+    )
+    # Independently: the model's own loss on the training sample is the mean negative log-likelihood
+    # of exactly the trained tokens.
+    sample = build_formatter(
+        recipe.datasets[0], tokenizer, train_on_inputs=False, chat_template=None, label="t"
+    )(row)
+    model = load_inference_model(recipe, ModelSource("base"))
+    with torch.no_grad():
+        loss = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels])).loss
+    trained = sum(label != -100 for label in sample.labels[1:])
+    assert result.tokens == trained
+    assert result.log_likelihood == pytest.approx(-float(loss) * trained, rel=1e-5)
+
+    sampled = [
+        run_inference(
+            recipe,
+            base=True,
+            prompt="Say hello.",
+            options=GenerationOptions(max_new_tokens=12, do_sample=True, temperature=1.5),
+            stream=False,
+            echo=_quiet,
+            seed=seed,
+        )[0].output_ids
+        for seed in (1, 1, 2)
+    ]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+@pytest.mark.distributed
+def test_a_merged_full_model_answers_like_the_adapter_on_its_base(quickstart, tmp_path, one_thread):
+    from cptune.run.merge import merge_lora
+
+    merged = merge_lora(quickstart, out=tmp_path / "merged")
+    tuned = _generate(InferenceSession(quickstart), tmp_path)
+    full = _generate(InferenceSession(quickstart, checkpoint=merged), tmp_path)
+    assert [g.output_ids for g in full] == [g.output_ids for g in tuned]
