@@ -169,11 +169,16 @@ def test_each_plugin_is_refused_on_its_own_line():
 
 
 def test_refusals_of_nested_sections_are_reported_with_other_key_errors():
-    """A field error elsewhere used to hide the rules that read fsdp_config (rules saw its raw dict)."""
+    """A field error elsewhere must not hide what is wrong inside fsdp_config, nor refuse what is right there."""
     found = problems(
-        {**MINIMAL, "typo_key": 1, "fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}}
+        {
+            **MINIMAL,
+            "typo_key": 1,
+            "fsdp_version": 2,
+            "fsdp_config": {"state_dict_type": "FULL_STATE_DICT", "sharding_strategy": "FULL_SHARD"},
+        }
     )
-    assert set(found) == {"typo_key", "fsdp_config.state_dict_type"}
+    assert set(found) == {"typo_key", "fsdp_config.sharding_strategy"}
 
 
 def test_mapped_keys_get_notes_where_cptune_means_something_else():
@@ -189,6 +194,8 @@ def test_mapped_keys_get_notes_where_cptune_means_something_else():
             "strict": False,
             "model_type": "AutoModelForCausalLM",
             "gradient_checkpointing_kwargs": {"use_reentrant": False},
+            "fsdp_version": 2,
+            "fsdp_config": {"fsdp_state_dict_type": "FULL_STATE_DICT"},
         }
     )
     notes = "\n".join(axolotl_notes(recipe))
@@ -198,6 +205,7 @@ def test_mapped_keys_get_notes_where_cptune_means_something_else():
         "tf32: true applies on NVIDIA GPUs only",
         "eval_sample_packing: false is not used",
         "evals_per_epoch is not used: the recipe has no evaluation data",
+        "FULL_STATE_DICT applies to the final model only",
     ):
         assert fragment in notes
     assert axolotl_notes(validate_recipe(MINIMAL)) == []

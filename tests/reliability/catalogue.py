@@ -1100,15 +1100,6 @@ CASES: tuple[Case, ...] = (
         "`cp_backend` with `fsdp_version: 2`.",
         keys={**DEEPSPEED_CP, "fsdp_version": 2},
     ),
-    Case(
-        "fsdp-full-state-dict",
-        CONTRADICTIONS,
-        "fsdp_config.state_dict_type: FULL_STATE_DICT",
-        "fsdp_config.state_dict_type: cptune always gathers the final model (or adapter) into a standard "
-        "Hugging Face folder",
-        "Remove `state_dict_type`: the final model is always saved whole, and checkpoints sharded.",
-        keys={"fsdp_version": 2, "fsdp_config": {"state_dict_type": "FULL_STATE_DICT"}},
-    ),
     # --- model, tokenizer, processes ---
     Case(
         "model-path-unknown",

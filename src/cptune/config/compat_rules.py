@@ -181,6 +181,12 @@ def axolotl_notes(r: Recipe) -> list[str]:
         notes.append(
             "evals_per_epoch is not used: the recipe has no evaluation data (val_set_size, test_datasets)."
         )
+    if r.fsdp_config is not None and r.fsdp_config.state_dict_type == "FULL_STATE_DICT":
+        notes.append(
+            "fsdp_config.state_dict_type: FULL_STATE_DICT applies to the final model only: cptune gathers it (or "
+            "the adapter) into a standard Hugging Face folder in output_dir, as Axolotl does, but always writes "
+            "checkpoints sharded (each rank its own part; resume with the same number of processes)."
+        )
     if r.strict is not None:
         notes.append("strict is not used: cptune always refuses unknown keys.")
     if (r.wandb_entity or r.wandb_name or r.wandb_mode or r.wandb_run_id) and not r.wandb_enabled:

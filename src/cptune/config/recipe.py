@@ -131,8 +131,9 @@ class FsdpConfig(_Frozen):
     )
     state_dict_type: FsdpStateDictType = Field(
         "SHARDED_STATE_DICT",
-        description="Checkpoints are always written sharded and the final model is always gathered into a "
-        "standard Hugging Face folder; FULL_STATE_DICT is refused with an explanation.",
+        description="Accepted for Axolotl recipes; either way checkpoints are written sharded (each rank its "
+        "part) and the final model is gathered into a standard Hugging Face folder, which is what "
+        "FULL_STATE_DICT gives in Axolotl (`cptune validate` says so).",
     )
 
     @model_validator(mode="before")
@@ -605,8 +606,6 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
     - `fsdp_version: 1` is refused: cptune shards with FSDP2 only.
     - `fsdp_config`, `dp_shard_size` and `dp_replicate_size` need `fsdp_version: 2`.
     - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
-    - `fsdp_config.state_dict_type: FULL_STATE_DICT` is refused: checkpoints are written sharded and the
-      final model is always gathered into a standard Hugging Face folder.
     """
     if r.fsdp_version == 1:
         yield (
@@ -629,13 +628,6 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
             "fsdp_version",
             "cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP; use zero_stage: 3 "
             "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
-        )
-    if r.fsdp_config is not None and r.fsdp_config.state_dict_type == "FULL_STATE_DICT":
-        yield (
-            "fsdp_config.state_dict_type",
-            "cptune always gathers the final model (or adapter) into a standard Hugging Face folder in output_dir, "
-            "which is what FULL_STATE_DICT gives in Axolotl, and writes checkpoints sharded (each rank its own "
-            "part, resumable with the same number of processes). Remove state_dict_type.",
         )
 
 
