@@ -207,3 +207,35 @@ def test_head_loss_refuses_a_model_that_transforms_its_logits():
     ids = torch.randint(0, 32, (1, 6))
     with pytest.raises(CptuneError, match="cut_cross_entropy: the model's logits are not its output layer"):
         head_loss(model, {"input_ids": ids}, ids)
+
+
+def test_head_loss_refuses_a_model_that_ignores_logits_to_keep():
+    from transformers import LlamaForCausalLM
+
+    class AllLogits(LlamaForCausalLM):  # remote code that accepts the argument and ignores it
+        def forward(self, *args, logits_to_keep=0, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model = AllLogits(tiny_llama_config(VOCAB))
+    kwargs, labels = batch()
+    with pytest.raises(
+        CptuneError, match="cut_cross_entropy: the model ignored logits_to_keep and computed 40"
+    ):
+        HeadLoss(model)(model, kwargs, labels)
+
+
+def test_check_memory_features_refuses_a_mixture_of_experts_before_loading():
+    from transformers import Qwen2MoeConfig
+
+    from cptune.config.loader import validate_recipe
+    from cptune.models.memory_features import check_memory_features
+
+    config = Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    recipe = validate_recipe({"base_model": "unused", "datasets": [{"path": "d.jsonl"}], "tiled_mlp": True})
+    with pytest.raises(
+        CptuneError, match=r"tiled_mlp: Qwen2MoeForCausalLM cannot be tiled \(its MLP \(Qwen2MoeSparse"
+    ):
+        check_memory_features(recipe, config)

@@ -56,7 +56,8 @@ def check_memory_features(recipe: Recipe, config: Any) -> None:
             check_head_loss_supported(config, AutoModelForCausalLM._model_mapping.get(type(config), None))
         except ValueError as err:
             raise CptuneError(
-                f"cut_cross_entropy: {err}; remove cut_cross_entropy (and the plugin or liger key that turns it on)."
+                f"cut_cross_entropy: {err}; the chunked loss needs a model whose logits are its output layer's "
+                "output. Remove cut_cross_entropy (and the plugin or liger key that turns it on)."
             ) from None
     if not recipe.tiled_mlp:
         return
@@ -68,7 +69,8 @@ def check_memory_features(recipe: Recipe, config: Any) -> None:
         decoder_mlps(model)
     except ValueError as err:
         raise CptuneError(
-            f"tiled_mlp: {type(model).__name__} cannot be tiled: {err}; remove tiled_mlp."
+            f"tiled_mlp: {type(model).__name__} cannot be tiled ({err}); the MLP of each decoder layer must be a "
+            "dense, token-wise module. Remove tiled_mlp."
         ) from None
 
 

@@ -110,7 +110,10 @@ def format_bytes(count: float) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{value:.0f} B"
+            # Three significant figures, without an exponent between 1000 and 1023 of a unit.
+            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

@@ -50,8 +50,11 @@ class GpuMemory:
         if override_gib is not None:
             return cls(int(override_gib * GiB), "--gpu-memory")
         if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            return cls(props.total_memory, props.name)
+            try:
+                props = torch.cuda.get_device_properties(0)
+                return cls(props.total_memory, props.name)
+            except (RuntimeError, AssertionError):  # a GPU that cannot be queried from this process
+                pass
         return cls(H100_BYTES, "no GPU here: an H100 80GB assumed (--gpu-memory GIB to change)")
 
 

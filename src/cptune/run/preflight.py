@@ -61,9 +61,12 @@ def preflight(
             ulysses.check_resume_supported(recipe)
         ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
         stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]  # reads and checks the JSON
-        if stage == 3:
-            for key, message in zero3_memory_problems(recipe):
-                raise CptuneError(f"{key}: {message}")
+        for key, _ in zero3_memory_problems(recipe) if stage == 3 else ():
+            raise CptuneError(
+                f"{key}: the DeepSpeed JSON {recipe.deepspeed} sets ZeRO stage 3, which frees each module's "
+                f"gathered weights after its forward pass, but {key} calls modules again in the backward pass "
+                "(not supported yet). Use a ZeRO stage below 3, or remove it."
+            )
     elif dims.cp_enabled:
         from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
         from cptune.parallel.kernels import flash_attn_available
