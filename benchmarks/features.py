@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from benchmarks.common import MiB, Settings, spawn_ranks
+from benchmarks.common import REPO, MiB, Settings, spawn_ranks
 
 NAME = "features"
 TITLE = "7. Memory features: activation offloading, tiled MLP, chunked loss"
@@ -137,8 +137,104 @@ def render(result: dict[str, Any], save_chart) -> str:
                 f"{r['peak_outside_kernels'] / MiB:.1f} | {r['predicted'] / MiB:.1f} | {r['prediction_error']:+.0%} | "
                 f"{r['host_peak'] / MiB:.1f} | {r['step_cpu_seconds']:.2f} | {r['loss']:.6f} |"
             )
-    lines += ["", *NOTES]
+    lines += ["", *NOTES, "", *llama_8b_predictions(), "", *gpu_measurements()]
     return "\n".join(lines)
+
+
+# The H100 runs on this page (section "GPU script"), for the memory model's calibration.
+H100_MEASURED = [(8192, True, 25.9), (16384, True, 35.9), (8192, False, 29.4), (16384, False, 43.2)]
+GPU_RESULTS = REPO / "docs" / "benchmarks" / "gpu-longest.json"
+
+
+def llama_8b_predictions() -> list[str]:
+    """The memory model on the GPU recipe: its error on the H100 runs, and the limits it predicts."""
+    from benchmarks.gpu import predict
+
+    lines = [
+        "### The memory model on Llama-3.1-8B (predictions)",
+        "",
+        "`cptune validate` prints, for a recipe, its peak per GPU and the longest sequence that fits at "
+        "cp = 1, 2, 4, 8, 16 (`cptune.parallel.memory`: per-token costs of a decoder layer and of the loss "
+        "measured on CPU traces, plus the checkpoints, K/V buffers and model states). Against the H100 runs of "
+        "the GPU recipe (LoRA r=16 on every linear layer, bf16, gradient checkpointing, one GPU):",
+        "",
+        "| tokens | loss | measured peak | predicted | error |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for tokens, chunked, measured in H100_MEASURED:
+        keys: dict[str, Any] = {}
+        setup = predict.setup_for(keys)
+        if not chunked:
+            from dataclasses import replace
+
+            from cptune.parallel.memory import activation_memory
+
+            setup = replace(setup, loss_chunk_elements=1 << 62)
+            peak = (
+                predict.lora_states() + activation_memory(predict.activation_shape(), setup, tokens).peak
+            ) / (1 << 30)
+        else:
+            peak = predict.predict(keys, tokens).peak_gib
+        loss = "chunked (today)" if chunked else "whole logits (before)"
+        lines.append(
+            f"| {tokens:,} | {loss} | {measured} GiB | {peak:.1f} GiB | {peak / measured - 1:+.1%} |"
+        )
+    today = predict.longest(predict.SETTINGS["today"])
+    lines += [
+        "",
+        f"Longest sequence at cp=1: measured 48K trains and 64K does not; predicted {today.tokens_per_gpu:,}.",
+        "",
+        "Predicted longest sequence on H100 80GB GPUs (2 GiB per GPU kept for CUDA and the allocator; *host* is the "
+        "pinned host RAM each GPU's process needs for the offloaded checkpoints):",
+        "",
+        "| settings | GPUs (cp) | model states | tokens per GPU | sequence | peak set by | host per GPU |",
+        "|---|---:|---|---:|---:|---|---:|",
+    ]
+    rows = [(name, 1, 1) for name in predict.SETTINGS] + [("everything", 8, 1), ("everything", 8, 8)]
+    for name, cp, shards in rows:
+        found = predict.longest(predict.SETTINGS[name], cp_size=cp, shard_ranks=shards)
+        states = "FSDP2 over 8" if shards > 1 else "replicated (DDP)"
+        host = f"{found.host_gib:.0f} GiB" if found.host_gib else "-"
+        lines.append(
+            f"| {name} | {cp} | {states} | {found.tokens_per_gpu:,} | **{found.tokens_per_gpu * cp:,}** | "
+            f"{found.phase} | {host} |"
+        )
+    everything_8 = predict.longest(predict.SETTINGS["everything"], cp_size=8, shard_ranks=8)
+    lines += [
+        "",
+        f"*everything* = `activation_offloading`, `tiled_mlp`, `cut_cross_entropy`; cp=8 is `ring-flash-attn` "
+        f"(`varlen_llama3`). **Prediction, not a measurement:** Llama-3.1-8B LoRA on 8x H100 at cp=8 with "
+        f"everything on trains {everything_8.tokens_per_gpu * 8 / 1e6:.1f}M tokens per sequence by the model "
+        "(FSDP2 sharding the frozen weights), against ALST's 3.7M (DeepSpeed Ulysses, tiled MLP and loss, "
+        "checkpoint offload; measured) and Axolotl's 129K (QLoRA, no gradient checkpointing; measured). "
+        "The host RAM is the next limit: 8 processes x the host column per node.",
+    ]
+    return lines
+
+
+def gpu_measurements() -> list[str]:
+    """The longest-sequence GPU script's results, when a GPU session has committed them."""
+    from benchmarks.gpu.longest import markdown
+
+    lines = ["### Longest sequence on one H100 (benchmarks/gpu/run_longest.py)", ""]
+    if not GPU_RESULTS.exists():
+        return [
+            *lines,
+            "Not measured yet (no GPU in the sessions since the memory features landed). On a machine with one "
+            "H100: `python -m benchmarks.gpu.random_model /tmp/llama8b && python -m benchmarks.gpu.run_longest "
+            "--base-model /tmp/llama8b --results docs/benchmarks/gpu-longest.json`, then `python -m benchmarks "
+            "--render-only`. It trains today's settings and everything at 48K and 64K tokens, fits the peaks of "
+            "two runs with everything on, and confirms and bounds the longest length (about 20 minutes).",
+        ]
+    results = json.loads(GPU_RESULTS.read_text())
+    machine = results["machine"]
+    return [
+        *lines,
+        f"{machine['gpu']} ({machine['gpu_memory_gib']:.1f} GiB), torch {machine['torch']}, CUDA {machine['cuda']}, "
+        f"{results['minutes']:.0f} minutes; each run's prediction is the memory model's.",
+        "",
+        markdown(results),
+    ]
 
 
 NOTES = [
@@ -149,7 +245,8 @@ NOTES = [
     "Llama-3.1-8B it is 30 of 32 layers' inputs, 8 KiB per token each. The losses are the same to the last "
     "digit printed with every feature (tests/models/test_memory_features.py and the parity tests prove "
     "exactness; the chunked loss and tiles only reorder sums).",
+    "",
     "Which features matter depends on the model: the tiny model's vocabulary is 12x its hidden size, so "
     "the logits dominate and the chunked loss does most; for Llama-3.1-8B the memory model gives the "
-    "limits per feature (see *The memory model* below).",
+    "limits per feature (below).",
 ]
