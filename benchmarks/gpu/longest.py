@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-TODAY: dict[str, Any] = {}
-EVERYTHING: dict[str, Any] = {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True}
+from benchmarks.gpu.predict import SETTINGS
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class Probe:
 
     @property
     def keys(self) -> dict[str, Any]:
-        return dict(EVERYTHING if self.setting == "everything" else TODAY)
+        return dict(SETTINGS[self.setting])
 
     @property
     def label(self) -> str:

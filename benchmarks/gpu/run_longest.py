@@ -190,7 +190,7 @@ def _predicted_longest(runs: Runs) -> int:
     from benchmarks.gpu import predict
     from cptune.parallel import memory
 
-    setup = predict.setup_for(longest.EVERYTHING)
+    setup = predict.setup_for(predict.SETTINGS["everything"])
     if not runs.cuda:
         from dataclasses import replace
 

@@ -162,11 +162,6 @@ def enable_activation_offloading(model: torch.nn.Module) -> ActivationOffloader:
     return offloader
 
 
-def host_bytes_per_token(layers: int, hidden: int, dtype_bytes: int) -> int:
-    """Host memory the offloaded checkpoint inputs take per token of a rank's shard (every layer's input)."""
-    return layers * hidden * dtype_bytes
-
-
 def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
     if pinned:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
