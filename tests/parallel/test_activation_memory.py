@@ -5,7 +5,7 @@ Two sets of measurements:
 - The H100 runs on docs/benchmarks.md (Llama-3.1-8B-shaped, LoRA r=16 on every linear layer, bf16,
   gradient checkpointing, one GPU): 25.9 GiB at 8K tokens and 35.9 GiB at 16K with the chunked
   loss, 29.4 and 43.2 GiB before it; 48K tokens trained and 64K ran out of memory. The model
-  predicts 26.4 / 36.4 / 29.6 / 43.6 GiB: +1.9%, +1.4%, +0.7%, +0.9%.
+  predicts 26.4 / 36.5 / 29.6 / 43.7 GiB: +2.0%, +1.6%, +0.7%, +1.1%, and a limit of 49,152 tokens.
 - CPU traces of tiny Llamas (torch's allocator, every tensor): one step in-process, fp32 and bf16
   mixed precision (autocast and fp32 model outputs, as accelerate runs bf16), LoRA and full, each
   memory feature on and off. Over 40 such combinations (the tiny model with vocab 768, and one whose
@@ -77,9 +77,10 @@ def test_memory_features_move_the_limit_and_the_peak():
     )
     base = activation_memory(LLAMA_8B, today, 65536)
     offloaded = activation_memory(LLAMA_8B, ActivationSetup(True, True, offload=True), 65536)
-    # Offloading moves the checkpoints (32 layers x 8 KiB per token) to the host, all but two layers' worth.
+    # Offloading moves the checkpoints (32 layers x 8 KiB per token) to the host; three layers' inputs
+    # stay on the device (measured on CPU traces: the one recomputed, the one prefetched, one more).
     assert offloaded.host == 32 * 4096 * 2 * 65536
-    assert base.peak - offloaded.peak == pytest.approx(30 * 4096 * 2 * 65536)
+    assert base.peak - offloaded.peak == pytest.approx(29 * 4096 * 2 * 65536)
     # With the head loss the logits no longer set the peak; with tiles the MLP does not either.
     assert activation_memory(LLAMA_8B, ActivationSetup(True, True, head_loss=True), 65536).phase != "loss"
     longest = longest_tokens(LLAMA_8B, everything, budget)
