@@ -39,10 +39,12 @@ def activation_shape(shape: ModelShape = LLAMA_31_8B) -> memory.ModelShape:
     )
 
 
-def setup_for(keys: dict, cp_size: int = 1, cp_backend: str = "ring-flash-attn") -> memory.ActivationSetup:
-    """The activation setup of the bf16 LoRA recipe (gradient checkpointing on) with these recipe keys."""
+def setup_for(
+    keys: dict, cp_size: int = 1, cp_backend: str = "ring-flash-attn", mixed: bool = True
+) -> memory.ActivationSetup:
+    """The activation setup of the LoRA recipe (gradient checkpointing on; bf16 unless not ``mixed``)."""
     return memory.ActivationSetup(
-        mixed_precision=True,
+        mixed_precision=mixed,
         lora=True,
         offload=bool(keys.get("activation_offloading")),
         tiled_mlp=bool(keys.get("tiled_mlp")),
@@ -53,14 +55,14 @@ def setup_for(keys: dict, cp_size: int = 1, cp_backend: str = "ring-flash-attn")
     )
 
 
-def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1) -> float:
-    """Weights, gradients and AdamW state per GPU: bf16 base, fp32 adapter (FSDP2 over ``shard_ranks``)."""
+def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bool = True) -> float:
+    """Weights, gradients and AdamW state per GPU: the base in bf16 (fp32 unless ``mixed``), fp32 adapter."""
     adapter = lora_parameters(shape, LORA_RANK)
     return memory.fsdp_state_memory(
         total=shape.parameters + adapter,
         trainable=adapter,
         optimizer_elements=2 * adapter,
-        dtype_bytes=2,
+        dtype_bytes=2 if mixed else 4,
         shard_ranks=shard_ranks,
         trained_bytes=4,
     ).total
@@ -74,19 +76,33 @@ class Prediction:
     host_gib: float
 
 
-def predict(keys: dict, tokens: int, cp_size: int = 1, shard_ranks: int = 1) -> Prediction:
+def predict(
+    keys: dict,
+    tokens: int,
+    cp_size: int = 1,
+    shard_ranks: int = 1,
+    shape: ModelShape = LLAMA_31_8B,
+    mixed: bool = True,
+) -> Prediction:
     """Predicted peak per GPU (states + activations) for ``tokens`` tokens per GPU."""
-    estimate = memory.activation_memory(activation_shape(), setup_for(keys, cp_size), tokens)
-    return Prediction(
-        tokens,
-        (lora_states(shard_ranks=shard_ranks) + estimate.peak) / GiB,
-        estimate.phase,
-        estimate.host / GiB,
-    )
+    setup = setup_for(keys, cp_size, mixed=mixed)
+    estimate = memory.activation_memory(activation_shape(shape), setup, tokens)
+    states = lora_states(shape, shard_ranks, mixed)
+    return Prediction(tokens, (states + estimate.peak) / GiB, estimate.phase, estimate.host / GiB)
 
 
-def longest(keys: dict, cp_size: int = 1, shard_ranks: int = 1, gpu_bytes: float = H100_BYTES) -> Prediction:
-    """The longest tokens per GPU the memory model fits into ``gpu_bytes`` (less the reserve)."""
-    budget = gpu_bytes - GPU_RESERVE - lora_states(shard_ranks=shard_ranks)
-    tokens = memory.longest_tokens(activation_shape(), setup_for(keys, cp_size), budget)
-    return predict(keys, tokens, cp_size, shard_ranks)
+def longest(
+    keys: dict,
+    cp_size: int = 1,
+    shard_ranks: int = 1,
+    gpu_bytes: float = H100_BYTES,
+    shape: ModelShape = LLAMA_31_8B,
+    mixed: bool = True,
+    reserve: float = GPU_RESERVE,
+    step: int = 1024,
+) -> Prediction:
+    """The longest tokens per GPU (a multiple of ``step``) the memory model fits into ``gpu_bytes - reserve``."""
+    budget = gpu_bytes - reserve - lora_states(shape, shard_ranks, mixed)
+    setup = setup_for(keys, cp_size, mixed=mixed)
+    tokens = memory.longest_tokens(activation_shape(shape), setup, budget, step=step)
+    return predict(keys, tokens, cp_size, shard_ranks, shape, mixed)

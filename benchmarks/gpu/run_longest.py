@@ -123,10 +123,12 @@ class Runs:
         path = self.recipe(probe)
         print(f"[gpu-longest] {probe.label} ({probe.purpose}): {path}", flush=True)
         row: dict[str, Any] = {"setting": probe.setting, "seq_len": probe.seq_len, "purpose": probe.purpose}
-        keys = probe.keys
-        mixed = self.cuda
-        estimate = _predict(self.shape, keys, probe.seq_len, mixed)
-        row.update(estimate)
+        estimate = predict.predict(probe.keys, probe.seq_len, shape=self.shape, mixed=self.cuda)
+        row.update(
+            predicted_peak_gib=estimate.peak_gib,
+            predicted_phase=estimate.phase,
+            predicted_host_gib=estimate.host_gib,
+        )
         started = time.monotonic()
         try:
             reports = spawn_ranks(
@@ -142,8 +144,7 @@ class Runs:
         timed = steps[-1]
         peak = max((s.get("cuda_peak_bytes") or 0) for s in steps) if self.cuda else None
         if not self.cuda:  # the tensor peak of the traced (last) step above the model state, plus the states
-            states = predict.lora_states(self.shape) if self.shape is LLAMA_31_8B else _tiny_states()
-            peak = (timed.get("tensor_peak") or 0) + states
+            peak = (timed.get("tensor_peak") or 0) + predict.lora_states(self.shape, mixed=False)
             if peak > self.gpu_bytes - _reserve(self.cuda):
                 row["status"] = "out of memory (dry-run budget)"
         row.setdefault("status", "trained")
@@ -161,44 +162,6 @@ def _reserve(cuda: bool) -> float:
     from benchmarks.gpu.predict import GPU_RESERVE
 
     return GPU_RESERVE if cuda else 0.0
-
-
-def _tiny_states() -> float:
-    from benchmarks.gpu.predict import lora_states
-
-    return lora_states(TINY)
-
-
-def _predict(shape: ModelShape, keys: dict[str, Any], tokens: int, mixed: bool) -> dict[str, Any]:
-    from benchmarks.gpu import predict
-    from cptune.parallel import memory
-
-    setup = predict.setup_for(keys)
-    if not mixed:
-        from dataclasses import replace
-
-        setup = replace(setup, mixed_precision=False)
-    estimate = memory.activation_memory(predict.activation_shape(shape), setup, tokens)
-    return {
-        "predicted_peak_gib": (predict.lora_states(shape) + estimate.peak) / GiB,
-        "predicted_phase": estimate.phase,
-        "predicted_host_gib": estimate.host / GiB,
-    }
-
-
-def _predicted_longest(runs: Runs) -> int:
-    from benchmarks.gpu import predict
-    from cptune.parallel import memory
-
-    setup = predict.setup_for(predict.SETTINGS["everything"])
-    if not runs.cuda:
-        from dataclasses import replace
-
-        setup = replace(setup, mixed_precision=False)
-    budget = runs.gpu_bytes - _reserve(runs.cuda) - predict.lora_states(runs.shape)
-    return memory.longest_tokens(
-        predict.activation_shape(runs.shape), setup, budget, step=runs.args.resolution
-    )
 
 
 def host_limit(runs: Runs) -> int | None:
@@ -219,7 +182,17 @@ def search(runs: Runs) -> dict[str, Any]:
         r for r in runs.rows if r["setting"] == "everything" and r["status"] == "trained" and r["peak_gib"]
     ]
     points = {r["seq_len"]: r["peak_gib"] * GiB for r in fitted}
-    result: dict[str, Any] = {"predicted": _predicted_longest(runs)}
+    from benchmarks.gpu import predict
+
+    predicted = predict.longest(
+        predict.SETTINGS["everything"],
+        gpu_bytes=runs.gpu_bytes,
+        shape=runs.shape,
+        mixed=runs.cuda,
+        reserve=_reserve(runs.cuda),
+        step=args.resolution,
+    )
+    result: dict[str, Any] = {"predicted": predicted.tokens_per_gpu}
     if len(points) < 2:
         result["note"] = "fewer than two runs with everything on trained: no fit"
         return result
