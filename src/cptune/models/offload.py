@@ -36,7 +36,9 @@ from torch.utils.checkpoint import checkpoint
 class _Offloaded:
     """One checkpoint input held in host memory, and its copy on the way back, if started."""
 
-    host: torch.Tensor
+    host: list[torch.Tensor]  # the flattened tensor in chunks (see PINNED_CHUNK_BYTES)
+    shape: torch.Size
+    dtype: torch.dtype
     device: torch.device
     index: int
     ready: torch.Tensor | None = None
@@ -81,17 +83,20 @@ class ActivationOffloader:
     def _pack(self, tensor: torch.Tensor) -> _Offloaded | torch.Tensor:
         if tensor.is_sparse or tensor.numel() == 0:
             return tensor
-        host = _host_buffer(tensor, pinned=self._stream is not None)
+        pinned = self._stream is not None
+        parts = tensor.detach().reshape(-1).split(PINNED_CHUNK_BYTES // tensor.element_size())
+        host = [_host_buffer(part, pinned) for part in parts]
         with self._on_side_stream():
-            host.copy_(tensor, non_blocking=self._stream is not None)
-        if self._stream is not None:
+            for buffer, part in zip(host, parts, strict=True):
+                buffer.copy_(part, non_blocking=pinned)
+        if pinned:
             # The caching allocator must not hand the tensor's memory out before the copy has read it.
             tensor.record_stream(self._stream)
-        entry = _Offloaded(host=host, device=tensor.device, index=self._count)
+        entry = _Offloaded(host, tensor.shape, tensor.dtype, tensor.device, index=self._count)
         self._count += 1
         self._live = [ref for ref in self._live if ref() is not None]
         self._live.append(weakref.ref(entry))
-        size = _nbytes(host)
+        size = sum(_nbytes(buffer) for buffer in host)
         self.stats.packed += 1
         self.stats.host_bytes += size
         self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self.stats.host_bytes)
@@ -124,7 +129,13 @@ class ActivationOffloader:
 
     def _bring_back(self, entry: _Offloaded) -> None:
         with self._on_side_stream():
-            entry.ready = entry.host.to(entry.device, non_blocking=self._stream is not None, copy=True)
+            ready = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+            flat = ready.view(-1)
+            start = 0
+            for buffer in entry.host:
+                flat.narrow(0, start, buffer.numel()).copy_(buffer, non_blocking=self._stream is not None)
+                start += buffer.numel()
+            entry.ready = ready
             if self._stream is not None:
                 entry.copied = torch.cuda.Event()
                 entry.copied.record(self._stream)
@@ -160,6 +171,12 @@ def enable_activation_offloading(model: torch.nn.Module) -> ActivationOffloader:
     for module in layers:
         module._gradient_checkpointing_func = offloader
     return offloader
+
+
+# Host memory is taken in chunks of this many bytes (a power of two): torch's pinned-memory allocator
+# rounds every allocation up to a power of two (ATen/core/CachingHostAllocator.h), which would
+# make a 2.6 GB layer input take 4 GiB of host RAM; in chunks only the last one is rounded.
+PINNED_CHUNK_BYTES = 64 << 20
 
 
 def _host_buffer(like: torch.Tensor, pinned: bool) -> torch.Tensor:
