@@ -21,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks import backends, balance, data_bench, memory, overhead, sharding
+from benchmarks import backends, balance, data_bench, features, memory, overhead, sharding
 from benchmarks.common import REPO, Progress, Settings, machine_info
 from benchmarks.gpu.docs import gpu_section, load_gpu_results
 from benchmarks.report import render_page, write_chart
 
-MODULES = {m.NAME: m for m in (memory, balance, overhead, data_bench, backends, sharding)}
+MODULES = {m.NAME: m for m in (memory, balance, overhead, data_bench, backends, sharding, features)}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -124,9 +124,17 @@ def describe_backend(recipe: Any) -> str:
 class ShardedStep:
     """A tiny Llama with LoRA and its optimizer, stepping on batches through a CP backend."""
 
-    def __init__(self, recipe: Any, setup: CpSetup, model_overrides: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        recipe: Any,
+        setup: CpSetup,
+        model_overrides: dict[str, Any] | None = None,
+        loss_chunk_elements: int | None = None,
+    ):
         from cptune.models.loading import apply_lora, torch_dtype
+        from cptune.models.memory_features import install_memory_features
         from cptune.parallel.backends.attention import count_attention_layers
+        from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS
         from cptune.tiny import build_tiny_model, tiny_llama_config
 
         self.setup = setup
@@ -134,14 +142,23 @@ class ShardedStep:
         model.to(torch_dtype(recipe))
         model.set_attn_implementation(setup.plan.attn_implementation)
         model.config.use_cache = False
+        if recipe.resolved_gradient_checkpointing:  # as cptune.models.loading.load_model
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(recipe.seed)
         self.model = apply_lora(model, recipe)
+        # The recipe's memory features, and the loss in chunks of this many logits (a benchmark may
+        # scale cptune's LOSS_CHUNK_ELEMENTS to the tiny vocabulary).
+        self.features = install_memory_features(self.model, recipe)
+        self.loss_chunk_elements = loss_chunk_elements or LOSS_CHUNK_ELEMENTS
+        if hasattr(self.features.loss, "chunk_elements"):
+            self.features.loss.chunk_elements = self.loss_chunk_elements
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-4)
         self.attention_layers = count_attention_layers(self.model)
 
     def __call__(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the loss."""
+        from cptune.models.head_loss import logits_loss
         from cptune.parallel.backends.attention import check_layers_served
         from cptune.parallel.backends.base import step_context
         from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
@@ -150,10 +167,15 @@ class ShardedStep:
         targets = count_targets(batch.shift_labels)
         with step_context(self.setup.backend):
             sharded = self.setup.backend.shard(batch)
-            logits = self.model(**sharded.model_kwargs, use_cache=False).logits
+            if self.features.loss is logits_loss:
+                logits = self.model(**sharded.model_kwargs, use_cache=False).logits
+                loss_sum = token_loss_sum(logits, sharded.shift_labels, self.loss_chunk_elements)
+                del logits
+            else:
+                loss_sum = self.features.loss(self.model, sharded.model_kwargs, sharded.shift_labels)[0]
             if sharded.call is not None:
                 check_layers_served(sharded.call, self.attention_layers)
-            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), targets, cp)
+            loss = scaled_step_loss(loss_sum, targets, cp)
             loss.backward()
         if cp > 1:
             for p in self.trainable:  # DDP's average over the ranks that share the batch

@@ -170,7 +170,12 @@ def train(
         rdzv_backend=rdzv_backend,
         rdzv_id=rdzv_id,
     )
-    preflight(loaded, world_size=plan.world_size, prepare_data=node_rank == 0 or not plan.multi_node)
+    preflight(
+        loaded,
+        world_size=plan.world_size,
+        prepare_data=node_rank == 0 or not plan.multi_node,
+        processes_per_node=plan.nproc_per_node,
+    )
     if plan.world_size == 1:
         from cptune.run.train import train as run_train
 
@@ -231,13 +236,23 @@ def validate(
         ),
     ] = None,
     nnodes: Annotated[int, typer.Option(help="Nodes the run will use.")] = 1,
+    gpu_memory: Annotated[
+        float | None,
+        typer.Option(
+            help="GiB of memory per GPU to estimate against (default: this machine's GPU, else 80 GB)."
+        ),
+    ] = None,
 ) -> None:
     from cptune.run.preflight import describe_plan
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    world = _nproc_per_node(nproc_per_node, nnodes, loaded) * nnodes
-    typer.echo(describe_plan(loaded, world_size=world))
+    per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
+    typer.echo(
+        describe_plan(
+            loaded, world_size=per_node * nnodes, processes_per_node=per_node, gpu_memory_gib=gpu_memory
+        )
+    )
 
 
 CheckpointOption = Annotated[

@@ -56,9 +56,9 @@ def test_false_switches_cptune_lacks_are_accepted_and_true_ones_refused():
     assert validate_recipe(
         {**MINIMAL, "group_by_length": False, "flash_attn_rms_norm": False, "strict": False}
     )
-    found = problems({**MINIMAL, "group_by_length": True, "tiled_mlp": True})
+    found = problems({**MINIMAL, "group_by_length": True, "layer_offloading": True})
     assert "length grouping is not supported" in found["group_by_length"]
-    assert "it has no counterpart in cptune" in found["tiled_mlp"]
+    assert "it has no counterpart in cptune" in found["layer_offloading"]
 
 
 def test_qlora_and_8bit_keys():
@@ -146,26 +146,23 @@ def test_deepspeed_at_cp1_points_at_fsdp2():
     assert "to shard model states without CP use fsdp_version: 2" in found["deepspeed"]
 
 
-def test_each_plugin_is_refused_on_its_own_line():
+def test_the_two_loss_plugins_map_onto_the_chunked_loss_and_others_are_refused_one_line_each():
+    plugins = [
+        "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
+        "axolotl.integrations.liger.LigerPlugin",
+        "my.Plugin",
+        "other.Plugin",
+    ]
     found = problems(
-        {
-            **MINIMAL,
-            "plugins": [
-                "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
-                "axolotl.integrations.liger.LigerPlugin",
-                "my.Plugin",
-            ],
-            "liger_rope": True,
-            "liger_fused_linear_cross_entropy": True,
-        }
+        {**MINIMAL, "plugins": plugins, "liger_rope": True, "liger_fused_linear_cross_entropy": True}
     )
-    assert "Cut Cross Entropy" in found["plugins[0]"]
-    assert "Liger kernels" in found["plugins[1]"]
-    assert found["plugins[2]"] == "'my.Plugin': cptune runs no Axolotl plugins; remove it."
-    assert (
-        "Liger kernels" in found["liger_rope"]
-        and "fused linear cross-entropy" in found["liger_fused_linear_cross_entropy"]
-    )
+    assert set(found) == {"plugins[2]", "plugins[3]", "liger_rope"}
+    assert found["plugins[2]"].startswith("'my.Plugin': cptune runs no Axolotl plugins; remove it.")
+    assert "Liger kernels" in found["liger_rope"]
+    mapped = validate_recipe({**MINIMAL, "plugins": plugins[:2], "liger_fused_linear_cross_entropy": True})
+    assert mapped.resolved_head_loss
+    assert validate_recipe({**MINIMAL, "plugins": plugins[:1]}).resolved_head_loss
+    assert not validate_recipe({**MINIMAL, "plugins": plugins[1:2]}).resolved_head_loss
 
 
 def test_refusals_of_nested_sections_are_reported_with_other_key_errors():
@@ -209,3 +206,21 @@ def test_mapped_keys_get_notes_where_cptune_means_something_else():
     ):
         assert fragment in notes
     assert axolotl_notes(validate_recipe(MINIMAL)) == []
+
+
+def test_axolotls_cpu_offloading_modes_map_onto_cptunes_activation_offloading():
+    """ALST's recipes say activation_offloading: legacy; Axolotl reads gradient_checkpointing: offload as both."""
+    for value in ("legacy", "hidden_states", True):
+        recipe = validate_recipe({**MINIMAL, "gradient_checkpointing": True, "activation_offloading": value})
+        assert recipe.offloads_activations
+    note = axolotl_notes(
+        validate_recipe({**MINIMAL, "gradient_checkpointing": True, "activation_offloading": "legacy"})
+    )
+    assert any(line.startswith("activation_offloading: legacy runs cptune's own offloading") for line in note)
+    offload = validate_recipe(
+        {**MINIMAL, "gradient_checkpointing": "offload", "activation_offloading": False}
+    )
+    assert offload.gradient_checkpointing is True and offload.offloads_activations
+    assert not validate_recipe({**MINIMAL, "gradient_checkpointing": True}).offloads_activations
+    found = problems({**MINIMAL, "gradient_checkpointing": True, "activation_offloading": "disk"})
+    assert "'disk' (Axolotl's offloading to files) is not supported" in found["activation_offloading"]

@@ -34,11 +34,11 @@ def test_typo_gets_a_suggestion_with_its_key_path():
 
 
 def test_unsupported_axolotl_key_says_so():
-    found = problems({**MINIMAL, "gptq": True, "sequence_parallel_degree": 2, "tiled_mlp_num_shards": 4})
+    found = problems({**MINIMAL, "gptq": True, "sequence_parallel_degree": 2, "sage_attention": True})
     assert found["gptq"].startswith("is an Axolotl key that cptune does not support")
     assert "context_parallel_size" in found["sequence_parallel_degree"]
     # Any other key of Axolotl's schema is refused as such, not guessed at as a typo.
-    assert found["tiled_mlp_num_shards"] == (
+    assert found["sage_attention"] == (
         "is an Axolotl key that cptune does not support: it has no counterpart in cptune; remove it "
         "(an empty value or false is accepted as not set)."
     )

@@ -23,15 +23,20 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from case_features import (  # tests/parallel/case_features.py, next to this script
+    grads_digest,
+    install_case_features,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cptune.data.collator import shift_labels_within_documents
+from cptune.models.head_loss import logits_loss
 from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
 from cptune.parallel.backends.torch_cp import TorchCpBackend
-from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
+from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import PatchSet
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
@@ -114,14 +119,14 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def run_step(model, backend, micro_batches, world_size, step_targets, group=None) -> float:
+def run_step(model, backend, micro_batches, world_size, step_targets, loss_fn=logits_loss) -> float:
     """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss."""
     total = 0.0
     for batch in micro_batches:
         with step_context(backend):  # around forward and backward, as CptuneTrainer.training_step
             sharded = backend.shard(batch)
-            logits = model(**sharded.model_kwargs, use_cache=False).logits
-            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), step_targets, world_size)
+            loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
+            loss = scaled_step_loss(loss_sum, step_targets, world_size)
             loss.backward()
         total += loss.item()
     return total
@@ -168,18 +173,19 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     reference = build_model(case, "sdpa" if case["causal"] else "cptune")
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
+    loss_fn = install_case_features(model, case)
     local = LocalBackend(causal=case["causal"])
     backend = make_backend(case, groups, kernels)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_losses, cp_losses, grad_rel, grad_nonzero = [], [], None, None
+    ref_losses, cp_losses, grad_rel, grad_nonzero, grad_sha = [], [], None, None, None
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
         targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
         # Reference: every batch of every DP group, one process, mean over all targets.
         ref_total = run_step(reference, local, [b for g in batches for b in g], 1, targets)
-        mine = run_step(model, backend, batches[groups.dp_rank], world, targets)
+        mine = run_step(model, backend, batches[groups.dp_rank], world, targets, loss_fn)
         loss = torch.tensor(mine)
         dist.all_reduce(loss)
         for p in model.parameters():
@@ -192,6 +198,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 float((cp_g[n] - ref_g[n]).abs().max() / ref_g[n].abs().max().clamp_min(1e-30)) for n in ref_g
             )
             grad_nonzero = all(float(ref_g[n].abs().max()) > 0 for n in ref_g)
+            grad_sha = grads_digest(cp_g)
         ref_losses.append(ref_total)
         cp_losses.append(loss.item() / world)
         ref_opt.step()
@@ -203,6 +210,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         "cp_losses": cp_losses,
         "grad_rel": grad_rel,
         "grad_nonzero": grad_nonzero,
+        "grad_sha": grad_sha,
     }
 
 

@@ -89,9 +89,27 @@ TORCH_DP2_CP2_CASES = [
     torch_case("bidirectional-full", causal=False, full_rows=True, lora=False),
 ]
 
+# Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
+# offload-only case repeats a case above with the same data and seeds: its CP run is compared with
+# that case's bit for bit (FEATURE_TWINS).
+ALL_FEATURES = {"offload": True, "tiles": 3, "head_loss": True}
+FEATURE_CP2_CASES = [
+    case("packed-causal-lora+offload", features={"offload": True}),
+    case("packed-causal-full+offload", lora=False, features={"offload": True}),
+    case("packed-causal-lora+all-features", features=ALL_FEATURES),
+    case("unpacked-causal-full+all-features", packed=False, lora=False, features=ALL_FEATURES),
+    torch_case("causal-lora+offload", features={"offload": True}),
+    torch_case("causal-full-alltoall+offload", lora=False, comm="alltoall", features={"offload": True}),
+    torch_case("causal-lora+all-features", features=ALL_FEATURES),
+    torch_case("causal-full-alltoall+all-features", lora=False, comm="alltoall", features=ALL_FEATURES),
+]
+FEATURE_TWINS = {
+    c["name"]: c["name"].split("+")[0] for c in FEATURE_CP2_CASES if c["features"] == {"offload": True}
+}
+
 # spawn id -> (world size, cp size, cases of every backend run in that spawn)
 SPAWNS = {
-    "cp2": (2, 2, CP2_CASES + TORCH_CP2_CASES),
+    "cp2": (2, 2, CP2_CASES + TORCH_CP2_CASES + FEATURE_CP2_CASES),
     "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES),
     "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES),
 }
@@ -159,3 +177,18 @@ def test_torch_parity_fp32(parity_results, spawn, cases):
 def test_zigzag_parity_bf16(tmp_path):
     results = run_ranks(WORKER, 2, tmp_path, "2", json.dumps(ZIGZAG_CASES))
     check(results, ZIGZAG_CASES, loss_tol=2e-2, step0_tol=2e-2, grad_tol=1e-1)
+
+
+@pytest.mark.distributed
+def test_memory_features_parity_cp2(parity_results):
+    """Offloading, tiled MLP and the chunked head loss on at cp=2 (ring and torch), off at cp=1.
+
+    Offloading changes no bit: each offload case's CP losses and step-0 gradients equal its twin's
+    without offloading. With every feature on, the fp32 parity tolerances hold.
+    """
+    results = parity_results("cp2")
+    check(results, FEATURE_CP2_CASES, loss_tol=1e-4, step0_tol=1e-5, grad_tol=1e-4)
+    for per_rank in results:
+        for name, twin in FEATURE_TWINS.items():
+            assert per_rank[name]["cp_losses"] == per_rank[twin]["cp_losses"], (name, twin)
+            assert per_rank[name]["grad_sha"] == per_rank[twin]["grad_sha"], (name, twin)

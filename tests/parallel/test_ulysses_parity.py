@@ -46,6 +46,16 @@ CP2_CASES = [
     case("zero3-ga2-packed-lora", stage=3, ga=2),
     # QLoRA (4-bit NF4 base, bitsandbytes) under ZeRO-3 (issue 20).
     case("qlora-zero3-ga2-packed", stage=3, ga=2, qlora=True),
+    # Memory features on (tests/parallel/case_features.py), off in the cp=1 reference; the offload case
+    # repeats packed-causal-lora and must match it bit for bit.
+    case("packed-causal-lora+offload", features={"offload": True}),
+    case("packed-causal-lora+all-features", features={"offload": True, "tiles": 3, "head_loss": True}),
+    case(
+        "packed-bidirectional-full+all-features",
+        causal=False,
+        lora=False,
+        features={"offload": True, "tiles": 2, "head_loss": True},
+    ),
 ]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.
@@ -68,3 +78,8 @@ def test_ulysses_parity_fp32(tmp_path, world, cases):
     # One launch per world size: process start-up dominates these runs on CPU.
     results = run_ranks(WORKER, world, tmp_path, json.dumps(cases))
     check(results, cases, loss_tol=1e-4, step0_tol=1e-5, grad_tol=1e-4)
+    names = {c["name"] for c in cases}
+    if "packed-causal-lora+offload" in names:  # offloading changes no bit of the CP run
+        for per_rank in results:
+            twin, offloaded = per_rank["packed-causal-lora"], per_rank["packed-causal-lora+offload"]
+            assert (offloaded["cp_losses"], offloaded["grad_sha"]) == (twin["cp_losses"], twin["grad_sha"])

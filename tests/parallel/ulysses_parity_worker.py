@@ -27,6 +27,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from case_features import (  # tests/parallel/case_features.py, next to this script
+    grads_digest,
+    install_case_features,
+)
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.attention import check_layers_served, register_attention
@@ -154,6 +158,7 @@ def run_case(case: dict) -> dict:
     ref_losses, ref_grads = reference_run(case, steps)
 
     model = build_model(case, CORE_ATTENTION_NAMES[core])
+    loss_fn = install_case_features(model, case)
     parallel_state_sp._release_sequence_parallel_groups()  # one Ulysses setup per case, in one process
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model,
@@ -195,7 +200,7 @@ def run_case(case: dict) -> dict:
         UlyssesSPDataLoaderAdapter(loader, cp_rank, mpu.get_sequence_parallel_group(), cp, "cpu")
     )
 
-    losses, grad_rel = [], None
+    losses, grad_rel, grad_sha = [], None, None
     for t in range(STEPS):
         micro = [next(micro_iter) for _ in range(ga)]
         local_targets = sum((count_targets(m["shift_labels"]) for m in micro), torch.tensor(0))
@@ -203,12 +208,10 @@ def run_case(case: dict) -> dict:
         logged = torch.zeros((), dtype=torch.float64)
         for i, m in enumerate(micro):
             sharded = backend.shard(TokenBatch(m["input_ids"], m["position_ids"], m["shift_labels"]))
-            logits = engine(**sharded.model_kwargs, use_cache=False).logits
+            loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
             if sharded.call is not None:
                 check_layers_served(sharded.call, 2)
-            loss = scaled_step_loss(
-                token_loss_sum(logits, sharded.shift_labels), step_targets, backend.gradient_divisor
-            )
+            loss = scaled_step_loss(loss_sum, step_targets, backend.gradient_divisor)
             engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item() * world / backend.gradient_divisor  # CptuneTrainer.training_step
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
@@ -219,6 +222,7 @@ def run_case(case: dict) -> dict:
                     float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
                     for n, g in ref_grads.items()
                 )
+                grad_sha = grads_digest(mine)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
@@ -227,6 +231,7 @@ def run_case(case: dict) -> dict:
         "cp_losses": losses,
         "grad_rel": grad_rel,
         "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
+        "grad_sha": grad_sha,
     }
 
 

@@ -732,10 +732,10 @@ CASES: tuple[Case, ...] = (
         "key-axolotl-no-counterpart",
         RECIPE_KEYS,
         "An Axolotl key with no counterpart in cptune",
-        "tiled_mlp_num_shards: is an Axolotl key that cptune does not support: it has no counterpart in cptune",
+        "sage_attention: is an Axolotl key that cptune does not support: it has no counterpart in cptune",
         "Remove the key: cptune knows every key of Axolotl's schema and refuses those it has no counterpart "
         "for, so a refusal here is not a typo.",
-        keys={"tiled_mlp_num_shards": 4},
+        keys={"sage_attention": True},
     ),
     Case(
         "dataset-key-misspelt",
@@ -1957,15 +1957,6 @@ CASES: tuple[Case, ...] = (
         keys={"gradient_checkpointing_kwargs": {"use_reentrant": True}},
     ),
     Case(
-        "gradient-checkpointing-offload",
-        RECIPE_KEYS,
-        "gradient_checkpointing: offload",
-        "gradient_checkpointing: offload (Axolotl's activation offloading to CPU memory) is not supported",
-        "Use `gradient_checkpointing: true`; spread long sequences over more processes with "
-        "`context_parallel_size` instead of offloading activations.",
-        keys={"gradient_checkpointing": "offload"},
-    ),
-    Case(
         "model-type-not-causal",
         RECIPE_KEYS,
         "model_type that is not a causal LM class",
@@ -1981,14 +1972,6 @@ CASES: tuple[Case, ...] = (
         "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (Qwen3's does), "
         "one of the built-in names, or your own template in `chat_template_jinja`.",
         keys={"chat_template": "qwen3"},
-    ),
-    Case(
-        "axolotl-plugin",
-        RECIPE_KEYS,
-        "Axolotl plugins",
-        "plugins[0]: 'axolotl.integrations.liger.LigerPlugin': Liger kernels are not available in cptune",
-        "Remove the plugin (and its keys); each plugin gets its own line saying why.",
-        keys={"plugins": ["axolotl.integrations.liger.LigerPlugin"]},
     ),
     Case(
         "message-mappings-extra-key",
@@ -2177,6 +2160,95 @@ CASES: tuple[Case, ...] = (
         command="inference",
         args=("--base", "--prompt", "Say hello.", "--score", ""),
         setup=_completion_data,
+    ),
+    # --- memory for long sequences (activation offloading, tiled MLP, chunked loss) ---
+    Case(
+        "activation-offloading-without-checkpointing",
+        CONTRADICTIONS,
+        "activation_offloading without gradient checkpointing",
+        "activation_offloading: offloads the layer inputs that gradient checkpointing keeps for the backward "
+        "pass; set gradient_checkpointing: true as well.",
+        "Add `gradient_checkpointing: true`: offloading moves exactly the inputs that checkpointing keeps.",
+        keys={"activation_offloading": True},
+    ),
+    Case(
+        "activation-offloading-disk",
+        RECIPE_KEYS,
+        "activation_offloading: disk (Axolotl's offloading to files)",
+        "activation_offloading: 'disk' (Axolotl's offloading to files) is not supported; cptune offloads to host "
+        "memory with activation_offloading: true.",
+        "Use `activation_offloading: true` (pinned host memory, copied on a side stream).",
+        keys={"activation_offloading": "disk", "gradient_checkpointing": True},
+    ),
+    Case(
+        "tiled-mlp-shards-without-tiled-mlp",
+        CONTRADICTIONS,
+        "tiled_mlp_num_shards without tiled_mlp",
+        "tiled_mlp_num_shards: applies only with tiled_mlp: true",
+        "Add `tiled_mlp: true`, or remove `tiled_mlp_num_shards`.",
+        keys={"tiled_mlp_num_shards": 4},
+    ),
+    Case(
+        "tiled-mlp-generic-mlp",
+        RECIPE_KEYS,
+        "tiled_mlp_use_original_mlp: false",
+        "tiled_mlp_use_original_mlp: cptune always tiles the model's own MLP module",
+        "Remove the key: cptune tiles the model's own MLP, with its LoRA layers.",
+        keys={"tiled_mlp": True, "tiled_mlp_use_original_mlp": False},
+    ),
+    Case(
+        "plugins-unknown",
+        RECIPE_KEYS,
+        "An Axolotl plugin cptune has no equivalent for",
+        "plugins[0]: 'axolotl.integrations.spectrum.SpectrumPlugin': cptune runs no Axolotl plugins; remove it.",
+        "Remove it; each plugin gets its own line. `CutCrossEntropyPlugin` and `LigerPlugin` (with "
+        "`liger_fused_linear_cross_entropy`) map onto cptune's chunked loss, `cut_cross_entropy`.",
+        keys={"plugins": ["axolotl.integrations.spectrum.SpectrumPlugin"]},
+    ),
+    Case(
+        "tiled-mlp-with-zero3",
+        DEEPSPEED,
+        "tiled_mlp or cut_cross_entropy with zero_stage: 3",
+        "tiled_mlp: is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass",
+        "Use `zero_stage` 0-2 (or FSDP2 with another `cp_backend`), or remove the feature; "
+        "`activation_offloading` works with ZeRO-3.",
+        keys={**DEEPSPEED_CP, "zero_stage": 3, "tiled_mlp": True},
+    ),
+    Case(
+        "cut-cross-entropy-with-zero3-json",
+        DEEPSPEED,
+        "cut_cross_entropy or tiled_mlp with stage 3 in the DeepSpeed JSON",
+        "sets ZeRO stage 3, which frees each module's gathered weights after its forward pass, but "
+        "cut_cross_entropy calls modules again",
+        "Use a ZeRO stage below 3 in the JSON, or remove the feature.",
+        setup=lambda ws: _deepspeed_json(ws, '{"zero_optimization": {"stage": 3}}', cut_cross_entropy=True),
+        skip_if=_without_deepspeed,
+    ),
+    Case(
+        "cut-cross-entropy-softcapped-logits",
+        MODEL,
+        "cut_cross_entropy with a model that soft-caps or scales its logits",
+        "cut_cross_entropy: LlamaConfig transforms the logits after its output layer (final_logit_softcapping: "
+        "30.0), which the chunked loss does not reproduce; the chunked loss needs a model whose logits are its "
+        "output layer's output.",
+        "Remove `cut_cross_entropy` (and the plugin or Liger key that turns it on) for Gemma 2/3-, Cohere- and "
+        "Granite-style models. Checked from the config before anything is loaded.",
+        keys={"cut_cross_entropy": True},
+        setup=lambda ws: _saved_model(
+            ws, "llama-softcap", _llama_like(ws, "LlamaConfig", final_logit_softcapping=30.0)
+        ),
+    ),
+    Case(
+        "activation-offloading-host-ram",
+        MODEL,
+        "activation_offloading needs more host RAM than the machine has",
+        "activation_offloading: the offloaded layer inputs need",
+        "The message gives the arithmetic (layers x tokens per process x hidden size x bytes, times the processes "
+        "on the node). Split each sequence over more processes (`context_parallel_size`), train shorter rows, "
+        "or remove `activation_offloading`. `cptune validate` prints the host RAM a recipe needs. Checked "
+        "before anything is loaded.",
+        keys={"activation_offloading": True, "gradient_checkpointing": True, "sequence_len": 1 << 40},
+        command="validate",
     ),
 )
 
@@ -2380,6 +2452,40 @@ DOCUMENTED: tuple[Documented, ...] = (
         raised_in="src/cptune/parallel/backends/torch_cp.py",
         why_not_in_catalogue="only reachable from Python code that drives the backend itself",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_step_context_needs_the_cpu_patch_and_restores_torchs_globals",
+    ),
+    Documented(
+        "tiled-mlp-mixture-of-experts",
+        MODEL,
+        "tiled_mlp with a mixture-of-experts model",
+        "the MLP of each decoder layer must be a dense, token-wise module. Remove tiled_mlp.",
+        "Remove `tiled_mlp`: an expert router balances its experts over all the tokens of a call, which tiles "
+        "would change. Checked from a weightless copy of the model before anything is loaded.",
+        raised_in="src/cptune/models/memory_features.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/models/test_memory_features.py::test_check_memory_features_refuses_a_mixture_of_experts_before_loading",
+    ),
+    Documented(
+        "cut-cross-entropy-logits-changed",
+        DURING_RUN,
+        "cut_cross_entropy with a model whose logits are not its output layer's",
+        "cut_cross_entropy: the model's logits are not its output layer applied to its decoder's output",
+        "Remove `cut_cross_entropy`. Every step checks the one token of logits the model returns against "
+        "the output layer; a model that changes them (a scale, a soft cap, a norm after the decoder) that "
+        "its config does not reveal is stopped at the first step.",
+        raised_in="src/cptune/models/head_loss.py",
+        why_not_in_catalogue="only at the first training step, with a model that hides the change from its config",
+        tested_by="tests/models/test_memory_features.py::test_head_loss_refuses_a_model_that_transforms_its_logits",
+    ),
+    Documented(
+        "cut-cross-entropy-logits-to-keep-ignored",
+        DURING_RUN,
+        "cut_cross_entropy with a model that ignores logits_to_keep",
+        "cut_cross_entropy: the model ignored logits_to_keep and computed",
+        "Remove `cut_cross_entropy`: the model computes every logit anyway, so the chunked loss saves nothing.",
+        raised_in="src/cptune/models/head_loss.py",
+        why_not_in_catalogue="only at the first training step, with remote code that accepts but ignores the "
+        "argument",
+        tested_by="tests/models/test_memory_features.py::test_head_loss_refuses_a_model_that_ignores_logits_to_keep",
     ),
     Documented(
         "library-patch-revert-conflict",

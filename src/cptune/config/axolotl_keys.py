@@ -48,10 +48,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "liger_layer_norm": _LIGER,
     "liger_glu_activation": _LIGER,
     "liger_cross_entropy": _LIGER,
-    "liger_fused_linear_cross_entropy": (
-        "Liger's fused linear cross-entropy is not available in cptune yet (cptune computes the loss in chunks "
-        "of tokens once the logits are large); remove it."
-    ),
     "lora_mlp_kernel": _LORA_KERNELS,
     "lora_qkv_kernel": _LORA_KERNELS,
     "lora_o_kernel": _LORA_KERNELS,

@@ -313,15 +313,6 @@ class AxolotlKeys(BaseModel):
         None, ge=1, description="Drop samples shorter than this many tokens (counted in the data report)."
     )
     strict: bool | None = Field(None, description="Accepted; cptune always validates recipes strictly.")
-    plugins: tuple[str, ...] | None = Field(
-        None, description="Axolotl plugins; each one is refused with a reason."
-    )
-
-    @field_validator("plugins", mode="before")
-    @classmethod
-    def _many_plugins(cls, value: Any) -> Any:
-        return _as_tuple(value)
-
     # The properties below read keys of Recipe itself (eval_steps, num_epochs, ...).
 
     @property

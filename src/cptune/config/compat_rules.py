@@ -87,7 +87,9 @@ def _axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     - `bfloat16` must agree with `bf16`, and `float16` with `fp16`.
     - `model_type` is `AutoModelForCausalLM` or a `...ForCausalLM` class (checked against the model's config
       when the model is checked).
-    - Every entry of `plugins` is refused: cptune runs no Axolotl plugins.
+    - `plugins` may list Axolotl's `CutCrossEntropyPlugin` and `LigerPlugin` (both map onto cptune's chunked
+      loss, `cut_cross_entropy`; with `LigerPlugin` only `liger_fused_linear_cross_entropy` has an
+      equivalent); every other plugin is refused.
     """
     if r.attn_implementation is not None and r.attn_implementation not in _ATTENTION_NAMES:
         yield (
@@ -121,33 +123,27 @@ def _axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
             f"'{r.model_type}' is not a causal language model class; use AutoModelForCausalLM (or remove it).",
         )
     for index, plugin in enumerate(r.plugins or ()):
-        yield f"plugins[{index}]", plugin_refusal(plugin)
+        if plugin.rsplit(".", 1)[-1] not in MAPPED_PLUGINS:
+            yield f"plugins[{index}]", plugin_refusal(plugin)
 
 
 COMPAT_RULES: tuple[Rule, ...] = (_quantization, _adapter_extras, _chat_template, _axolotl_mapped)
 """Rules over the keys of this module; :data:`cptune.config.recipe.RULES` includes them."""
 
 
-# Axolotl plugins (the class path a recipe lists) -> why cptune refuses it and what to do. A plugin that
-# gets a cptune equivalent moves out of this table into a mapping.
-PLUGIN_REFUSALS: dict[str, str] = {
-    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin": (
-        "Cut Cross Entropy (Axolotl's fused linear cross-entropy) is not available in cptune yet; cptune computes "
-        "the loss in chunks of tokens once the logits are large. Remove it."
-    ),
-    "axolotl.integrations.liger.LigerPlugin": (
-        "Liger kernels are not available in cptune (its models run transformers' own layers); remove the plugin "
-        "and the liger_* keys."
-    ),
-}
+# Axolotl plugins (last part of the class path) that map onto a cptune feature: both fused losses become
+# cptune's chunked head loss (Recipe.resolved_head_loss).
+CUT_CROSS_ENTROPY_PLUGIN = "CutCrossEntropyPlugin"
+LIGER_PLUGIN = "LigerPlugin"
+MAPPED_PLUGINS = frozenset({CUT_CROSS_ENTROPY_PLUGIN, LIGER_PLUGIN})
 
 
 def plugin_refusal(plugin: str) -> str:
-    """The one-line refusal of an Axolotl plugin."""
-    reason = PLUGIN_REFUSALS.get(plugin)
-    if reason is None:
-        reason = "cptune runs no Axolotl plugins; remove it."
-    return f"'{plugin}': {reason}"
+    """The one-line refusal of an Axolotl plugin that has no cptune equivalent."""
+    return (
+        f"'{plugin}': cptune runs no Axolotl plugins; remove it. (CutCrossEntropyPlugin and LigerPlugin are "
+        "accepted: they map onto cptune's chunked loss, cut_cross_entropy.)"
+    )
 
 
 # --- notes ---------------------------------------------------------------------------
@@ -186,6 +182,11 @@ def axolotl_notes(r: Recipe) -> list[str]:
             "fsdp_config.state_dict_type: FULL_STATE_DICT applies to the final model only: cptune gathers it (or "
             "the adapter) into a standard Hugging Face folder in output_dir, as Axolotl does, but always writes "
             "checkpoints sharded (each rank its own part; resume with the same number of processes)."
+        )
+    if r.activation_offloading in ("legacy", "hidden_states"):
+        notes.append(
+            f"activation_offloading: {r.activation_offloading} runs cptune's own offloading: the layer inputs that "
+            "gradient checkpointing keeps go to pinned host memory and come back on a side stream (exact)."
         )
     if r.strict is not None:
         notes.append("strict is not used: cptune always refuses unknown keys.")

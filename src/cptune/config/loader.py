@@ -204,20 +204,15 @@ def _without_unset(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[Recipe
     known = set(Recipe.model_fields) | AXOLOTL_RECIPE_KEYS | set(UNSUPPORTED_RECIPE_KEYS)
     out: dict[str, Any] = {}
     early: list[RecipeProblem] = []
+    offload = False
     for key, value in data.items():
         if value is None and key in known:
             continue
         if value is False and key in AXOLOTL_SWITCHES and key not in Recipe.model_fields:
             continue
         if key == "gradient_checkpointing" and value == "offload":
-            early.append(
-                RecipeProblem(
-                    key,
-                    "offload (Axolotl's activation offloading to CPU memory) is not supported; use "
-                    "gradient_checkpointing: true.",
-                )
-            )
-            continue
+            # Axolotl reads it as gradient_checkpointing: true plus activation_offloading: true.
+            value = offload = True
         if key in ("datasets", "test_datasets") and isinstance(value, list):
             value = [_dataset_without_unset(entry) for entry in value]
         elif key in _UNSET_SECTIONS and isinstance(value, dict):
@@ -231,6 +226,8 @@ def _without_unset(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[Recipe
                 )
             }
         out[key] = value
+    if offload and out.get("activation_offloading") in (None, False):
+        out["activation_offloading"] = True
     return out, early
 
 

@@ -24,7 +24,7 @@ from cptune.config.compat import (
     TrackingKeys,
     TrainOnEos,
 )
-from cptune.config.compat_rules import COMPAT_RULES
+from cptune.config.compat_rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
@@ -32,6 +32,7 @@ RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
 UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
 CpCommStrategy = Literal["allgather", "alltoall"]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
+
 
 # Backends whose implementation has not landed yet. Validation refuses them
 # rather than falling back to another backend without a word.
@@ -277,6 +278,44 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
         "and on CPU alike.",
     )
 
+    # --- memory for long sequences ----------------------------------------------
+    activation_offloading: bool | Literal["legacy", "hidden_states", "disk"] = Field(
+        False,
+        description="Keep the layer inputs that gradient checkpointing saves in (pinned) host memory between "
+        "the forward and the backward pass, copied back on a side stream while the layer after runs; exact. "
+        "Needs gradient_checkpointing: true and host RAM for them (`cptune validate` says how much). Axolotl's "
+        "`legacy` and `hidden_states` (and `gradient_checkpointing: offload`) mean the same here; `disk` is refused.",
+    )
+    tiled_mlp: bool = Field(
+        False,
+        description="Run each decoder layer's MLP over tiles of the sequence, recomputing one tile at a time in the "
+        "backward pass, so its intermediates exist for one tile only (ALST's TiledMLP); works with LoRA and every "
+        "cp_backend. Weight gradients are summed tile by tile (same values up to summation order).",
+    )
+    tiled_mlp_num_shards: int | None = Field(
+        None,
+        ge=1,
+        description="Tiles per MLP call with tiled_mlp; default ceil(tokens per rank / hidden size), as in ALST.",
+    )
+    tiled_mlp_use_original_mlp: bool = Field(
+        True, description="Accepted for Axolotl recipes: cptune always tiles the model's own MLP module."
+    )
+    cut_cross_entropy: bool | None = Field(
+        None,
+        description="Compute the loss from the final hidden states and the output layer a chunk of tokens at a "
+        "time, recomputed in the backward pass, so the full logits never exist (plain PyTorch, exact per token; "
+        "what Axolotl's CutCrossEntropyPlugin does); default: on when plugins lists that plugin.",
+    )
+    liger_fused_linear_cross_entropy: bool = Field(
+        False,
+        description="The same chunked loss as cut_cross_entropy (accepted for Axolotl's LigerPlugin recipes).",
+    )
+    plugins: tuple[str, ...] | None = Field(
+        None,
+        description="Axolotl plugins: the CutCrossEntropyPlugin and LigerPlugin map onto cptune's chunked loss; "
+        "others are refused.",
+    )
+
     # --- sharding of model states (FSDP2) -------------------------------------
     fsdp_version: Literal[1, 2] | None = Field(
         None,
@@ -326,7 +365,7 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
         None, description="cp_backend: deepspeed: a DeepSpeed JSON config for anything beyond zero_stage."
     )
 
-    @field_validator("report_to", "lora_target_modules", mode="before")
+    @field_validator("report_to", "lora_target_modules", "plugins", mode="before")
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
@@ -346,10 +385,33 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
         return self.fsdp_config or FsdpConfig()
 
     @property
+    def offloads_activations(self) -> bool:
+        """Checkpointed layer inputs go to host memory (``activation_offloading`` true, or Axolotl's CPU modes)."""
+        return self.activation_offloading in (True, "legacy", "hidden_states")
+
+    @property
     def resolved_gradient_checkpointing(self) -> bool:
         return self.gradient_checkpointing or (
             self.is_fsdp and self.resolved_fsdp_config.activation_checkpointing
         )
+
+    @property
+    def resolved_head_loss(self) -> bool:
+        """The loss is computed from the hidden states in chunks (cut_cross_entropy or its Axolotl spellings)."""
+        if self.cut_cross_entropy is not None:
+            return self.cut_cross_entropy or self.liger_fused_linear_cross_entropy
+        listed = any(p.rsplit(".", 1)[-1] == CUT_CROSS_ENTROPY_PLUGIN for p in self.plugins or ())
+        return listed or self.liger_fused_linear_cross_entropy
+
+    @property
+    def memory_features(self) -> tuple[str, ...]:
+        """The recipe keys of the memory features that are on, for plan lines and estimates."""
+        names = (
+            ("activation_offloading", self.offloads_activations),
+            ("tiled_mlp", self.tiled_mlp),
+            ("cut_cross_entropy", self.resolved_head_loss),
+        )
+        return tuple(name for name, on in names if on)
 
     @property
     def resolved_dp_replicate_size(self) -> int:
@@ -631,6 +693,54 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
+def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Memory for long sequences.
+
+    - `activation_offloading` takes `true` or `false` (Axolotl's CPU modes `legacy` and `hidden_states` mean
+      `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
+      checkpointing keeps).
+    - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
+    - `tiled_mlp` and `cut_cross_entropy` are refused with DeepSpeed ZeRO-3 (`zero_stage: 3`, or stage 3 in the
+      `deepspeed` JSON): they call modules again in the backward pass, after ZeRO-3 released their weights.
+    """
+    if r.activation_offloading == "disk":
+        yield (
+            "activation_offloading",
+            "'disk' (Axolotl's offloading to files) is not supported; cptune offloads to host memory with "
+            "activation_offloading: true.",
+        )
+    elif r.offloads_activations and not r.resolved_gradient_checkpointing:
+        yield (
+            "activation_offloading",
+            "offloads the layer inputs that gradient checkpointing keeps for the backward pass; set "
+            "gradient_checkpointing: true as well.",
+        )
+    if r.tiled_mlp_num_shards is not None and not r.tiled_mlp:
+        yield (
+            "tiled_mlp_num_shards",
+            "applies only with tiled_mlp: true; set it or remove tiled_mlp_num_shards.",
+        )
+    if not r.tiled_mlp_use_original_mlp:
+        yield (
+            "tiled_mlp_use_original_mlp",
+            "cptune always tiles the model's own MLP module (with its LoRA layers); remove the key or set it true.",
+        )
+    if r.cp_backend == "deepspeed" and r.zero_stage == 3:
+        yield from zero3_memory_problems(r)
+
+
+def zero3_memory_problems(r: Recipe) -> Iterator[tuple[str, str]]:
+    """The memory features that DeepSpeed ZeRO-3 cannot serve yet (also checked for a `deepspeed` JSON's stage)."""
+    for key, on in (("tiled_mlp", r.tiled_mlp), ("cut_cross_entropy", r.resolved_head_loss)):
+        if on:
+            yield (
+                key,
+                "is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass, after "
+                "ZeRO-3 released their gathered weights. Use zero_stage 0-2, or remove it "
+                "(activation_offloading works with ZeRO-3).",
+            )
+
+
 RULES: tuple[Rule, ...] = (
     _precision,
     _warmup,
@@ -641,6 +751,7 @@ RULES: tuple[Rule, ...] = (
     _fsdp,
     _adapter,
     *COMPAT_RULES,
+    _memory,
 )
 
 

@@ -7,11 +7,13 @@ wrapped in the recipe's LoRA adapter, so the counts are exactly those of the run
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from cptune.config.recipe import Recipe
 from cptune.models.loading import apply_lora, meta_model, torch_dtype
+from cptune.parallel.memory import ModelShape
 
 
 @dataclass(frozen=True)
@@ -64,3 +66,22 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
         quantized=quantized,
     )
+
+
+def model_shape(config: Any) -> ModelShape | None:
+    """The widths the activation estimate needs, from a decoder-only config; None when it lacks one."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        heads = int(text.num_attention_heads)
+        hidden = int(text.hidden_size)
+        return ModelShape(
+            layers=int(text.num_hidden_layers),
+            hidden=hidden,
+            intermediate=int(text.intermediate_size),
+            heads=heads,
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            vocab=int(text.vocab_size),
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None

@@ -19,6 +19,8 @@ value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -103,3 +105,48 @@ def scaled_step_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor, world_s
         # No target anywhere in the step: a zero loss that keeps the graph alive.
         return loss_sum * 0.0
     return loss_sum * (world_size / targets.to(loss_sum.dtype))
+
+
+def head_token_loss_sum(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    shift_labels: torch.Tensor,
+    vocab: int,
+    chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """:func:`token_loss_sum` of ``head(hidden)``, without ever holding more than one chunk of logits.
+
+    Only the tokens with a target are projected, ``chunk_elements // vocab`` of them at a time;
+    each chunk's logits and fp32 cross-entropy are recomputed in the backward instead of kept
+    (what fused linear cross-entropy kernels do, in plain torch). A token's loss and its gradient
+    are those of the unchunked computation up to rounding (the same sums, in matrix products of
+    another shape); the head's weight gradient is summed chunk by chunk and the loss sum adds the
+    chunks' sums, so both may differ in the last bits.
+
+    Args:
+        head: The output layer (hidden -> logits), e.g. the model's ``lm_head`` module.
+        hidden: (..., tokens, hidden) final hidden states of this rank's tokens.
+        shift_labels: (..., tokens) targets already shifted per document; -100 = none.
+        vocab: Width of the head's output (logits per token).
+        chunk_elements: Most logits per chunk.
+    """
+    width = hidden.shape[-1]
+    flat_labels = shift_labels.reshape(-1).to(hidden.device)
+    kept = flat_labels != IGNORE_INDEX
+    rows = hidden.reshape(-1, width)[kept]
+    labels = flat_labels[kept]
+    size = max(1, chunk_elements // vocab)
+    # At least one (possibly empty) chunk: the head stays in the graph when no token has a target.
+    chunks = list(zip(rows.split(size), labels.split(size), strict=True)) or [(rows, labels)]
+    recompute = torch.is_grad_enabled() and (
+        rows.requires_grad or any(p.requires_grad for p in getattr(head, "parameters", tuple)())
+    )
+    if recompute:
+        parts = [checkpoint(_head_cross_entropy_sum, head, x, y, use_reentrant=False) for x, y in chunks]
+    else:
+        parts = [_head_cross_entropy_sum(head, x, y) for x, y in chunks]
+    return torch.stack(parts).sum()
+
+
+def _head_cross_entropy_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels):
+    return _cross_entropy_sum(head(hidden), labels)

@@ -1,9 +1,10 @@
-"""Per-rank memory of the model states (weights, gradients, optimizer state), as pure arithmetic.
+"""Per-rank memory of a training run, as pure arithmetic: model states and activations.
 
-An estimate from parameter counts and dtypes, for ``cptune validate``: it tells
-before launching whether a model's states fit, and what sharding them buys.
-Activations are not included (they depend on the sequence length and shrink
-with context parallelism, see docs/benchmarks.md).
+An estimate from parameter counts, shapes and dtypes, for ``cptune validate``: it
+tells before launching whether a run fits, what sharding the states buys, and the
+longest sequence that fits a GPU (:func:`activation_memory`, :func:`longest_tokens`;
+checked against traces in tests/parallel/test_memory.py and against the H100 runs
+on docs/benchmarks.md).
 
 What each layout keeps per rank, for P parameters of which T are trained:
 
@@ -72,6 +73,7 @@ def fsdp_state_memory(
     optimizer_elements: int,
     dtype_bytes: int,
     shard_ranks: int,
+    trained_bytes: int | None = None,
 ) -> StateMemory:
     """Per-rank bytes under FSDP2 over ``shard_ranks`` ranks (1: plain DDP).
 
@@ -81,10 +83,12 @@ def fsdp_state_memory(
         optimizer_elements: Elements of optimizer state (:func:`optimizer_state_elements`).
         dtype_bytes: Bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
         shard_ranks: Ranks the states are sharded over; 1 means every rank holds them whole (DDP).
+        trained_bytes: Bytes per trained element when known (peft keeps LoRA adapters in fp32).
     """
     # accelerate keeps fp32 master weights for trained parameters when sharding with mixed precision;
     # under DDP cptune trains in the dtype it loaded.
-    trained_bytes = FP32 if shard_ranks > 1 else dtype_bytes
+    if trained_bytes is None:
+        trained_bytes = FP32 if shard_ranks > 1 else dtype_bytes
     weights = (total - trainable) * dtype_bytes + trainable * trained_bytes
     return StateMemory(
         weights=_ceil_div(weights, shard_ranks),
@@ -129,7 +133,10 @@ def format_bytes(count: float) -> str:
     value = float(count)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{value:.0f} B"
+            # Three significant figures, without an exponent between 1000 and 1023 of a unit.
+            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
@@ -143,3 +150,210 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# --- activations -------------------------------------------------------------------------------
+#
+# Per-token bytes of one decoder layer, as ``h·hidden + i·intermediate + kv·(KV heads x head dim)``
+# for Llama-style layers (RMSNorm, GQA attention, SwiGLU MLP). Measured with torch's CPU allocator
+# trace (benchmarks.memtrace) on a LlamaDecoderLayer at six shapes (hidden 64-512, MLP 2.5-4x,
+# 1-6 KV heads), T = 1,024 and 2,048 tokens, torch 2.13, transformers 5.23, peft 0.21:
+# ``python -m benchmarks.memory_coefficients`` prints them again (fits within 5%, tiled 17%).
+# "mixed" is bf16/fp16 training as the Trainer runs it: weights in half precision, the forward
+# under autocast, LoRA adapters in fp32 (peft's default); "fp32" is everything in fp32.
+
+
+@dataclass(frozen=True)
+class Widths:
+    """Bytes per token as ``h·hidden + i·intermediate + kv·kv_width``."""
+
+    h: float
+    i: float = 0.0
+    kv: float = 0.0
+
+    def per_token(self, shape: ModelShape) -> float:
+        return self.h * shape.hidden + self.i * shape.intermediate + self.kv * shape.kv_width
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One layer's per-token bytes: its backward with recomputation, its forward, what it saves without it."""
+
+    backward: Widths
+    forward: Widths
+    saved: Widths | None  # kept per layer without gradient checkpointing (None: tiled, not measured)
+
+
+# (precision, adapter, tiled MLP) -> measured coefficients
+LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
+    ("mixed", "lora", False): LayerBytes(Widths(33, 14, 4), Widths(8, 8), Widths(20.5, 9.5, 6.7)),
+    ("mixed", "lora", True): LayerBytes(Widths(40, 0, 4), Widths(16, 0, 4), None),
+    ("mixed", "full", False): LayerBytes(Widths(20, 12, 4), Widths(4, 6), Widths(21.4, 8.2, 4.3)),
+    ("mixed", "full", True): LayerBytes(Widths(32, 0, 8), Widths(9, 0, 7), None),
+    ("fp32", "lora", False): LayerBytes(Widths(21.8, 23.8, 8.2), Widths(8, 16), Widths(13.8, 18.8, 13.1)),
+    ("fp32", "lora", True): LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None),
+    ("fp32", "full", False): LayerBytes(Widths(28, 24, 8), Widths(8, 12), Widths(31.4, 16.2, 8.3)),
+    ("fp32", "full", True): LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None),
+}
+# The loss, per token (measured the same way, with the final norm and the output layer): from
+# logits the model returns in fp32 (accelerate's mixed precision upcasts the model's outputs, so
+# both precisions hold fp32 logits), whole or in chunks (LOSS_CHUNK_ELEMENTS); or from the hidden
+# states, a chunk of logits at a time (cut_cross_entropy).
+LOGITS_LOSS_BYTES_PER_VOCAB = 12.3  # whole: logits, log-softmax and their gradients in fp32
+CHUNKED_LOSS_BYTES_PER_VOCAB = 8.25  # in chunks: the logits and their gradient stay whole
+# From the hidden states: the final norm's, the selected rows' and their gradients' bytes per hidden unit.
+HEAD_LOSS_BYTES_PER_HIDDEN = {"mixed": 26.0, "fp32": 24.0}
+HEAD_CHUNK_BYTES_PER_HIDDEN = 10.0  # what of it is alive while a chunk is computed
+# One chunk of logits in flight (measured: 12 bytes per logit in fp32 and in bf16).
+CHUNK_BYTES_PER_ELEMENT = 12
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the activation estimate needs to know about a decoder-only model."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class ActivationSetup:
+    """How a run computes: precision, adapter, memory features and context parallelism.
+
+    Attributes:
+        mixed_precision: bf16/fp16 training (half-precision activations, autocast); else fp32.
+        lora: LoRA adapter (the output layer frozen); else a full fine-tune.
+        tiled_mlp: The MLP runs over tiles of ``tiled_mlp_num_shards`` (default ceil(tokens / hidden)).
+        cp_backend: ``ring-flash-attn`` (all-gathered K/V), ``torch`` or ``deepspeed``; ``None`` at cp=1.
+    """
+
+    mixed_precision: bool
+    lora: bool
+    gradient_checkpointing: bool = True
+    offload: bool = False
+    tiled_mlp: bool = False
+    tiled_mlp_num_shards: int | None = None
+    head_loss: bool = False
+    loss_chunk_elements: int = 1 << 26
+    cp_size: int = 1
+    cp_backend: str | None = None
+    heads_k_stride: int = 1
+    comm_strategy: str = "allgather"
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 2 if self.mixed_precision else FP32
+
+    def tile_tokens(self, tokens: int, hidden: int) -> int:
+        """Tokens per MLP tile."""
+        return -(-tokens // mlp_tiles(tokens, hidden, self.tiled_mlp_num_shards))
+
+
+def mlp_tiles(tokens: int, hidden: int, num_shards: int | None = None) -> int:
+    """Tiles of an MLP call over ``tokens`` tokens: ``num_shards``, by default ceil(tokens / hidden) as in ALST."""
+    tiles = num_shards or -(-tokens // hidden)
+    return max(1, min(tiles, tokens))
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Activation bytes of one rank for a micro batch: the peak, which phase sets it, host bytes."""
+
+    peak: float
+    phase: str
+    phases: dict[str, float]
+    host: float
+
+
+def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) -> ActivationEstimate:
+    """Peak activation bytes of one rank training ``tokens`` tokens (its shard of a micro batch).
+
+    The peak is the largest of three moments: the end of the forward pass (checkpoints and one
+    layer's forward), the loss (checkpoints and the loss's working set) and the backward of the
+    last layer (checkpoints, the incoming gradient and one recomputed layer). Model states are
+    not included (:func:`fsdp_state_memory`, :func:`zero_state_memory`).
+    """
+    b = setup.dtype_bytes
+    key = ("mixed" if setup.mixed_precision else "fp32", "lora" if setup.lora else "full")
+    tiled = setup.tiled_mlp
+    layer = LAYER_BYTES[(*key, tiled)]
+    hidden_row = shape.hidden * b  # one token's hidden state
+    if not setup.gradient_checkpointing:
+        saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)
+        kept, host = shape.layers * saved * tokens, 0.0
+    elif setup.offload:
+        # Measured: three layers' inputs stay on the device (the one being recomputed, the one prefetched,
+        # and one more), all of them in host memory.
+        kept, host = 3 * hidden_row * tokens, shape.layers * hidden_row * tokens
+    else:
+        kept, host = shape.layers * hidden_row * tokens, 0.0
+    tile = 0.0
+    if tiled:
+        untiled = LAYER_BYTES[(*key, False)].backward
+        tile = untiled.i * shape.intermediate * setup.tile_tokens(tokens, shape.hidden)
+        if not setup.lora:  # the MLP weights' gradients, summed over the tiles
+            tile += 2 * 3 * shape.hidden * shape.intermediate * b
+    attention = _attention_buffers(shape, setup) * tokens
+    forward = kept + layer.forward.per_token(shape) * tokens + tile + attention
+    if setup.head_loss:
+        # The most of: the norm's and the rows' backward after the chunks, or a chunk in flight.
+        chunk = CHUNK_BYTES_PER_ELEMENT * min(setup.loss_chunk_elements, tokens * shape.vocab)
+        loss = max(HEAD_LOSS_BYTES_PER_HIDDEN[key[0]], HEAD_CHUNK_BYTES_PER_HIDDEN) * shape.hidden * tokens
+        loss = max(loss, HEAD_CHUNK_BYTES_PER_HIDDEN * shape.hidden * tokens + chunk)
+        if not setup.lora:  # the output layer's weight gradient, summed over the chunks
+            loss += 2 * shape.vocab * shape.hidden * b
+    elif tokens * shape.vocab > setup.loss_chunk_elements:
+        loss = CHUNKED_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
+        loss += CHUNK_BYTES_PER_ELEMENT * setup.loss_chunk_elements
+    else:
+        loss = LOGITS_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
+    # The incoming gradient and the residual stream's (two hidden rows), one recomputed layer, its buffers.
+    backward = (
+        kept + 2 * hidden_row * tokens + layer.backward.per_token(shape) * tokens + tile + 2 * attention
+    )
+    phases = {"forward": forward, "loss": kept + loss, "layer backward": backward}
+    phase = max(phases, key=phases.__getitem__)
+    return ActivationEstimate(peak=phases[phase], phase=phase, phases=phases, host=host)
+
+
+def _attention_buffers(shape: ModelShape, setup: ActivationSetup) -> float:
+    """Per-token bytes of a CP backend's K/V buffers in one layer's forward (twice that in the backward).
+
+    From the buffer sizes in the backends' source (not measured): ring-flash-attn's varlen_llama3
+    all-gathers ``heads_k_stride`` KV heads of the whole sequence into two double buffers; torch's
+    all-gather strategy gathers all K/V of the sequence, its all-to-all rotates two blocks;
+    DeepSpeed Ulysses exchanges Q, K, V and the output for the whole sequence and 1/cp of the heads.
+    """
+    if setup.cp_size <= 1 or setup.cp_backend is None:
+        return 0.0
+    b, cp = setup.dtype_bytes, setup.cp_size
+    if setup.cp_backend == "ring-flash-attn":
+        return 2 * 2 * cp * setup.heads_k_stride * shape.head_dim * b
+    if setup.cp_backend == "torch":
+        return (2 * cp if setup.comm_strategy == "allgather" else 4) * shape.kv_width * b
+    return 2 * (2 * shape.heads * shape.head_dim + 2 * shape.kv_width) * b
+
+
+def longest_tokens(
+    shape: ModelShape, setup: ActivationSetup, budget: float, *, step: int = 1024, limit: int = 1 << 27
+) -> int:
+    """Most tokens per rank (a multiple of ``step``) whose activation peak fits ``budget`` bytes; 0 if none."""
+    if budget <= 0 or activation_memory(shape, setup, step).peak > budget:
+        return 0
+    low, high = 1, limit // step  # in steps; the peak grows with the tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        if activation_memory(shape, setup, mid * step).peak <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return low * step

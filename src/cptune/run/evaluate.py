@@ -18,6 +18,7 @@ from typing import Any, Literal
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
+from cptune.models.memory_features import install_memory_features
 from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import COMPLETE_MARKER, checkpoint_step, is_complete, latest_complete_checkpoint
@@ -167,7 +168,8 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
     if env.rank == 0:
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
     with build_patch_set(recipe).applied(recipe):
-        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
+        loss = install_memory_features(model, recipe).loss  # tiled MLP and the chunked loss help here too
+        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, loss)
         metrics = trainer.evaluate()
         trainer.accelerator.wait_for_everyone()
     # The Trainer adds the training epoch to every log; a standalone evaluation has none.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import yaml
 
-from cptune.config.recipe import Recipe
+from cptune.config.recipe import Recipe, zero3_memory_problems
 from cptune.errors import CptuneError
 from cptune.parallel.backends.select import check_model_config, check_ring_precision
 from cptune.parallel.layout import ParallelDims
@@ -28,12 +28,20 @@ from cptune.run.output_dir import check_earlier_run, check_output_dir
 log = logging.getLogger("cptune.preflight")
 
 
-def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, training: bool = True) -> None:
+def preflight(
+    recipe: Recipe,
+    *,
+    world_size: int,
+    prepare_data: bool = True,
+    training: bool = True,
+    processes_per_node: int | None = None,
+) -> None:
     """Fail early (before launching) on anything the recipe and launch cannot do together.
 
     Args:
         recipe: The validated recipe.
         world_size: Processes the launch will start.
+        processes_per_node: Processes on this node (default: ``world_size``), for the host-RAM check.
         prepare_data: Prepare and cache the data here (the ranks then only load it).
         training: Also check what only training needs (the checkpoint to resume from).
     """
@@ -45,6 +53,10 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         check_resume(recipe)
         check_earlier_run(recipe)
     config = check_model(recipe, dims)
+    if training:
+        from cptune.run.memory_plan import check_host_memory
+
+        check_host_memory(recipe, config, processes_per_node or world_size)
     if dims.cp_enabled and recipe.cp_backend == "deepspeed":
         from cptune.parallel.backends import deepspeed_ulysses as ulysses
 
@@ -52,7 +64,13 @@ def preflight(recipe: Recipe, *, world_size: int, prepare_data: bool = True, tra
         if training:
             ulysses.check_resume_supported(recipe)
         ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
-        ulysses.deepspeed_config(recipe)  # reads and checks the recipe's DeepSpeed JSON, if any
+        stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]  # reads and checks the JSON
+        for key, _ in zero3_memory_problems(recipe) if stage == 3 else ():
+            raise CptuneError(
+                f"{key}: the DeepSpeed JSON {recipe.deepspeed} sets ZeRO stage 3, which frees each module's "
+                f"gathered weights after its forward pass, but {key} calls modules again in the backward pass "
+                "(not supported yet). Use a ZeRO stage below 3, or remove it."
+            )
     elif dims.cp_enabled:
         from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
         from cptune.parallel.kernels import flash_attn_available
@@ -110,6 +128,7 @@ def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
         check_lora_targets,
         check_model_type,
     )
+    from cptune.models.memory_features import check_memory_features
 
     config = model_config(recipe)
     check_causal_lm(recipe, config)
@@ -120,6 +139,7 @@ def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
     check_lora_model_dir(recipe)
     check_lora_targets(recipe, config)
     check_new_tokens(recipe, config)
+    check_memory_features(recipe, config)
     return config
 
 
@@ -150,14 +170,27 @@ def missing_packages(recipe: Recipe) -> list[CptuneError]:
     return problems
 
 
-def describe_plan(recipe: Recipe, *, world_size: int) -> str:
-    """Human-readable plan for ``cptune validate``: resolved recipe, layout, patches, data."""
+def describe_plan(
+    recipe: Recipe,
+    *,
+    world_size: int,
+    processes_per_node: int | None = None,
+    gpu_memory_gib: float | None = None,
+) -> str:
+    """Human-readable plan for ``cptune validate``: resolved recipe, layout, memory, patches, data.
+
+    Args:
+        gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
+    """
     from cptune.config.compat_rules import axolotl_notes
     from cptune.patches.registry import build_patch_set
+    from cptune.run.memory_plan import GpuMemory, activation_memory_lines, check_host_memory
     from cptune.run.optimizers import optimizer_notes
 
     dims = ParallelDims.from_recipe(recipe, world_size)
     config = check_model(recipe, dims)
+    per_node = processes_per_node or world_size
+    check_host_memory(recipe, config, per_node)
     lines = ["Resolved recipe:"]
     values = recipe.model_dump(mode="json")
     # The recipe's own keys first, then those its Axolotl mixins add (pydantic lists those first).
@@ -203,6 +236,7 @@ def describe_plan(recipe: Recipe, *, world_size: int) -> str:
     else:
         lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
     lines += ["", *describe_state_memory(recipe, dims, config)]
+    lines += ["", *activation_memory_lines(recipe, dims, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
     if notes:

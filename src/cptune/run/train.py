@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
+from cptune.models.head_loss import logits_loss
 from cptune.models.loading import (
     apply_lora,
     check_token_ids,
@@ -28,6 +29,7 @@ from cptune.models.loading import (
     load_tokenizer,
     trainable_parameter_count,
 )
+from cptune.models.memory_features import install_memory_features
 from cptune.parallel.backends.select import check_model_config, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
@@ -99,6 +101,11 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     if recipe.is_fsdp and not dims.sharded:
         log.info("fsdp_version: 2 with one process: there is nothing to shard; training without FSDP")
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
+    if recipe.offloads_activations:  # under torchrun no preflight ran: check before loading
+        from cptune.run.memory_plan import check_host_memory
+        from cptune.run.preflight import model_config
+
+        check_host_memory(recipe, model_config(recipe), env.local_world_size)
     model = load_model(recipe, backend.attn_implementation, local_rank=env.local_rank)
     check_model_config(recipe, dims, model.config, type(model))
     fit_embeddings(model, tokenizer, recipe.seed)
@@ -108,6 +115,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
         # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
         set_seed(recipe.seed)
         model = apply_lora(model, recipe)
+    features = install_memory_features(model, recipe)
     trainable, total = trainable_parameter_count(model)
     log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
@@ -115,7 +123,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     if resume is not None and env.rank == 0:
         log.info("resuming from %s", resume)
     with build_patch_set(recipe).applied(recipe):
-        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build)
+        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, features.loss)
         for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)
         # The Trainer restores the weights, optimizer, scheduler, RNG states and data position.
@@ -214,7 +222,7 @@ def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     )
 
 
-def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory):
+def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory, shard_loss=logits_loss):
     from cptune.data.collator import PackedCollator
     from cptune.run.trainer import CptuneTrainer
 
@@ -230,6 +238,7 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
         processing_class=tokenizer,
         backend_factory=backend_factory,
         cp_size=dims.cp_size,
+        shard_loss=shard_loss,
     )
 
 

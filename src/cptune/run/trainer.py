@@ -21,6 +21,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
+from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
 from cptune.parallel.backends.base import (
     CpBackend,
@@ -29,7 +30,7 @@ from cptune.parallel.backends.base import (
     step_context,
     wrap_collator,
 )
-from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
+from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
 from cptune.parallel.shard import TokenBatch
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
@@ -45,8 +46,16 @@ class CptuneTrainer(Trainer):
     # compute_loss returns a loss already normalised by the step's target count.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, backend_factory: BackendFactory, cp_size: int, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        backend_factory: BackendFactory,
+        cp_size: int,
+        shard_loss: ShardLoss = logits_loss,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
+        self._shard_loss = shard_loss
         self.cp_size = cp_size
         self.cp_backend = backend_factory(self.accelerator)
         self.data_collator = wrap_collator(self.cp_backend, self.data_collator)
@@ -98,10 +107,10 @@ class CptuneTrainer(Trainer):
             shift_labels=inputs["shift_labels"],
         )
         sharded = self.cp_backend.shard(batch)
-        outputs = model(**sharded.model_kwargs, use_cache=False)
+        loss_sum, outputs = self._shard_loss(model, sharded.model_kwargs, sharded.shift_labels)
         if sharded.call is not None:
             check_layers_served(sharded.call, self._attention_layers)
-        return token_loss_sum(outputs.logits, sharded.shift_labels), sharded.shift_labels, outputs
+        return loss_sum, sharded.shift_labels, outputs
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's save; for a sharded (FSDP2) model, the gathered weights in a standard folder.

@@ -1,0 +1,108 @@
+"""The memory model's predictions for the Llama-3.1-8B LoRA recipe of the GPU scripts.
+
+What ``cptune validate`` computes for that recipe (:mod:`cptune.parallel.memory`), as
+functions of the settings, so that the GPU script can write the prediction beside every
+measurement and the results page can print the predicted limits (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.gpu.flops import LLAMA_31_8B, ModelShape, lora_parameters
+from cptune.parallel import memory
+
+GiB = float(1 << 30)
+H100_BYTES = 81_559 * (1 << 20)  # an H100 80GB as nvidia-smi reports it
+GPU_RESERVE = 2 * (1 << 30)  # cptune.run.memory_plan.GPU_RESERVE
+LORA_RANK = 16
+
+# The recipe keys of the settings compared on the GPU, and what the memory model calls them.
+SETTINGS = {
+    "today": {},
+    "activation_offloading": {"activation_offloading": True},
+    "tiled_mlp": {"tiled_mlp": True},
+    "cut_cross_entropy": {"cut_cross_entropy": True},
+    "everything": {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True},
+}
+
+
+def activation_shape(shape: ModelShape = LLAMA_31_8B) -> memory.ModelShape:
+    return memory.ModelShape(
+        layers=shape.layers,
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab=shape.vocab,
+    )
+
+
+def setup_for(
+    keys: dict, cp_size: int = 1, cp_backend: str = "ring-flash-attn", mixed: bool = True
+) -> memory.ActivationSetup:
+    """The activation setup of the LoRA recipe (gradient checkpointing on; bf16 unless not ``mixed``)."""
+    return memory.ActivationSetup(
+        mixed_precision=mixed,
+        lora=True,
+        offload=bool(keys.get("activation_offloading")),
+        tiled_mlp=bool(keys.get("tiled_mlp")),
+        tiled_mlp_num_shards=keys.get("tiled_mlp_num_shards"),
+        head_loss=bool(keys.get("cut_cross_entropy")),
+        cp_size=cp_size,
+        cp_backend=cp_backend if cp_size > 1 else None,
+    )
+
+
+def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bool = True) -> float:
+    """Weights, gradients and AdamW state per GPU: the base in bf16 (fp32 unless ``mixed``), fp32 adapter."""
+    adapter = lora_parameters(shape, LORA_RANK)
+    return memory.fsdp_state_memory(
+        total=shape.parameters + adapter,
+        trainable=adapter,
+        optimizer_elements=2 * adapter,
+        dtype_bytes=2 if mixed else 4,
+        shard_ranks=shard_ranks,
+        trained_bytes=4,
+    ).total
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens_per_gpu: int
+    peak_gib: float
+    phase: str
+    host_gib: float
+
+
+def predict(
+    keys: dict,
+    tokens: int,
+    cp_size: int = 1,
+    shard_ranks: int = 1,
+    shape: ModelShape = LLAMA_31_8B,
+    mixed: bool = True,
+) -> Prediction:
+    """Predicted peak per GPU (states + activations) for ``tokens`` tokens per GPU."""
+    setup = setup_for(keys, cp_size, mixed=mixed)
+    estimate = memory.activation_memory(activation_shape(shape), setup, tokens)
+    states = lora_states(shape, shard_ranks, mixed)
+    return Prediction(tokens, (states + estimate.peak) / GiB, estimate.phase, estimate.host / GiB)
+
+
+def longest(
+    keys: dict,
+    cp_size: int = 1,
+    shard_ranks: int = 1,
+    gpu_bytes: float = H100_BYTES,
+    shape: ModelShape = LLAMA_31_8B,
+    mixed: bool = True,
+    reserve: float = GPU_RESERVE,
+    step: int = 1024,
+) -> Prediction:
+    """The longest tokens per GPU (a multiple of ``step``) the memory model fits into ``gpu_bytes - reserve``."""
+    budget = gpu_bytes - reserve - lora_states(shape, shard_ranks, mixed)
+    setup = setup_for(keys, cp_size, mixed=mixed)
+    tokens = memory.longest_tokens(activation_shape(shape), setup, budget, step=step)
+    return predict(keys, tokens, cp_size, shard_ranks, shape, mixed)

@@ -1,0 +1,216 @@
+"""What ``cptune validate`` says about memory per GPU and host RAM, and the host-RAM check before a launch.
+
+The arithmetic is :mod:`cptune.parallel.memory`; this module reads the recipe, the
+model's config and the machine (GPU memory, available RAM) and turns the estimate
+into lines and into the refusal of a run whose offloaded activations do not fit the
+host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cptune.config.recipe import Recipe
+from cptune.errors import CptuneError
+from cptune.parallel.layout import ParallelDims
+from cptune.parallel.memory import (
+    ActivationSetup,
+    ModelShape,
+    StateMemory,
+    activation_memory,
+    format_bytes,
+    fsdp_state_memory,
+    longest_tokens,
+    optimizer_state_elements,
+    zero_state_memory,
+)
+
+GiB = 1 << 30
+# What a process cannot give to tensors on a GPU: the CUDA context, library workspaces (cuBLAS,
+# NCCL) and the caching allocator's fragmentation (torch.cuda.max_memory_allocated counts none).
+GPU_RESERVE = 2 * GiB
+# An H100 80GB as nvidia-smi reports it (81,559 MiB), for estimates on a machine without a GPU.
+H100_BYTES = 81_559 * (1 << 20)
+CP_SIZES = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """The GPU memory the estimate assumes, and where that number comes from."""
+
+    total: int
+    source: str
+
+    @classmethod
+    def detect(cls, override_gib: float | None = None) -> GpuMemory:
+        if override_gib is not None:
+            return cls(int(override_gib * GiB), "--gpu-memory")
+        if torch.cuda.is_available():
+            try:
+                props = torch.cuda.get_device_properties(0)
+                return cls(props.total_memory, props.name)
+            except (RuntimeError, AssertionError):  # a GPU that cannot be queried from this process
+                pass
+        return cls(H100_BYTES, "no GPU here: an H100 80GB assumed (--gpu-memory GIB to change)")
+
+
+def activation_setup(recipe: Recipe, cp_size: int) -> ActivationSetup:
+    """The recipe's precision, adapter, memory features and backend, for the activation estimate."""
+    mixed = recipe.bf16 is True or recipe.fp16 or (recipe.bf16 == "auto" and torch.cuda.is_available())
+    return ActivationSetup(
+        mixed_precision=bool(mixed),
+        lora=recipe.is_lora,
+        gradient_checkpointing=recipe.resolved_gradient_checkpointing,
+        offload=recipe.offloads_activations,
+        tiled_mlp=recipe.tiled_mlp,
+        tiled_mlp_num_shards=recipe.tiled_mlp_num_shards,
+        head_loss=recipe.resolved_head_loss,
+        cp_size=cp_size,
+        cp_backend=recipe.cp_backend if cp_size > 1 else None,
+        heads_k_stride=recipe.heads_k_stride,
+        comm_strategy=recipe.resolved_cp_comm_strategy,
+    )
+
+
+def states_per_rank(recipe: Recipe, counts: Any, cp_size: int, world_size: int) -> StateMemory:
+    """Weights, gradients and optimizer state per rank for the recipe's layout at ``cp_size``."""
+    optimizer = optimizer_state_elements(recipe.optimizer, counts.trainable_shapes)
+    common = {"total": counts.total, "trainable": counts.trainable, "optimizer_elements": optimizer}
+    if recipe.is_fsdp and world_size > 1:
+        return fsdp_state_memory(**common, dtype_bytes=counts.dtype_bytes, shard_ranks=world_size)
+    if recipe.cp_backend == "deepspeed" and cp_size > 1:
+        stage = recipe.zero_stage or 0
+        return zero_state_memory(**common, dtype_bytes=counts.dtype_bytes, stage=stage, ranks=world_size)
+    # peft keeps LoRA adapters in fp32 whatever the base model's dtype.
+    return fsdp_state_memory(
+        **common, dtype_bytes=counts.dtype_bytes, shard_ranks=1, trained_bytes=4 if recipe.is_lora else None
+    )
+
+
+def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> int:
+    """Host RAM the offloaded layer inputs of one process take (0 without activation_offloading)."""
+    if not recipe.offloads_activations:
+        return 0
+    setup = activation_setup(recipe, cp_size)
+    return int(shape.layers * shape.hidden * setup.dtype_bytes * tokens_per_rank(recipe, cp_size))
+
+
+def tokens_per_rank(recipe: Recipe, cp_size: int) -> int:
+    return -(-recipe.micro_batch_size * recipe.sequence_len // cp_size)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM available to new work on this machine (Linux ``MemAvailable``); None when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(recipe: Recipe, config: Any, processes_per_node: int) -> None:
+    """Refuse, before any weight is loaded, offloaded activations that do not fit this machine's RAM.
+
+    Raises:
+        CptuneError: the processes of this node would offload more than the RAM available now.
+    """
+    from cptune.models.sizing import model_shape
+
+    shape = model_shape(config)
+    if not recipe.offloads_activations or shape is None:
+        return
+    per_process = host_bytes_per_process(recipe, shape, recipe.context_parallel_size)
+    need = per_process * processes_per_node
+    available = available_host_memory()
+    if available is None or need <= available:
+        return
+    tokens = tokens_per_rank(recipe, recipe.context_parallel_size)
+    raise CptuneError(
+        f"activation_offloading: the offloaded layer inputs need {format_bytes(need)} of host RAM on this node "
+        f"({processes_per_node} process(es) x {format_bytes(per_process)}: {shape.layers} layers x {tokens:,} tokens "
+        f"per process x hidden {shape.hidden}), but this machine has {format_bytes(available)} available. Use "
+        "fewer tokens per process (a larger context_parallel_size, or a shorter sequence_len or micro_batch_size), "
+        "or remove activation_offloading."
+    )
+
+
+def describe_activation_memory(
+    recipe: Recipe, dims: ParallelDims, config: Any, counts: Any, gpu: GpuMemory, processes_per_node: int
+) -> list[str]:
+    """Lines: the peak per GPU of this recipe and the longest sequence per GPU at cp = 1, 2, 4, 8, 16."""
+    from cptune.models.sizing import model_shape
+
+    shape = model_shape(config)
+    if shape is None:
+        return ["Memory per GPU with activations: no estimate (the config lacks a decoder's widths)."]
+    usable = gpu.total - GPU_RESERVE
+    cp = recipe.context_parallel_size
+    tokens = tokens_per_rank(recipe, cp)
+    setup = activation_setup(recipe, cp)
+    states = states_per_rank(recipe, counts, cp, dims.world_size).total
+    estimate = activation_memory(shape, setup, tokens)
+    features = ", ".join(recipe.memory_features) or "no memory features"
+    checkpointing = "gradient checkpointing" if setup.gradient_checkpointing else "no gradient checkpointing"
+    precision = "bf16/fp16 mixed precision" if setup.mixed_precision else "fp32"
+    lines = [
+        f"Memory per GPU (estimate from the config: {precision}, {'LoRA' if recipe.is_lora else 'full fine-tune'}, "
+        f"{checkpointing}, {features}; GPU memory {format_bytes(gpu.total)} [{gpu.source}], "
+        f"{format_bytes(GPU_RESERVE)} of it kept for CUDA and the allocator):",
+        f"  this recipe: {tokens:,} tokens per GPU -> peak {format_bytes(states + estimate.peak)} "
+        f"(model states {format_bytes(states)} + activations {format_bytes(estimate.peak)}, at the "
+        f"{estimate.phase})",
+    ]
+    if estimate.host:
+        lines.append(
+            f"  host RAM for the offloaded layer inputs: {format_bytes(estimate.host)} per process, "
+            f"{format_bytes(estimate.host * processes_per_node)} per node ({processes_per_node} process(es))"
+        )
+    if states + estimate.peak > usable:
+        lines.append(
+            f"  warning: the estimate exceeds the usable GPU memory ({format_bytes(usable)}); expect "
+            "out-of-memory errors. See the longest sequences below."
+        )
+    lines.append("  longest sequence that fits per GPU (one sequence per step, dp=1):")
+    lines.append(
+        f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}"
+    )
+    for size in sorted({cp, *CP_SIZES}):
+        lines.append("    " + _longest_row(recipe, shape, counts, size, usable))
+    lines.append(
+        "  (activations from per-token costs measured on CPU and checked against H100 runs: docs/benchmarks.md)"
+    )
+    return lines
+
+
+def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
+    if recipe.cp_backend == "deepspeed" and cp > 1 and shape.heads % cp:
+        return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
+    states = states_per_rank(recipe, counts, cp, cp).total
+    setup = activation_setup(recipe, cp)
+    tokens = longest_tokens(shape, setup, usable - states, step=1024)
+    if tokens == 0:
+        return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}"
+    estimate = activation_memory(shape, setup, tokens)
+    host = format_bytes(estimate.host) if estimate.host else "-"
+    peak = format_bytes(states + estimate.peak)
+    return f"{cp:>3} {tokens:>15,} {tokens * cp // recipe.micro_batch_size:>12,} {peak:>10} {host:>17}"
+
+
+def activation_memory_lines(
+    recipe: Recipe, dims: ParallelDims, config: Any, gpu: GpuMemory, processes_per_node: int
+) -> list[str]:
+    """:func:`describe_activation_memory`, or one line saying why there is no estimate."""
+    from cptune.models.sizing import count_parameters
+
+    try:
+        counts = count_parameters(recipe, config)
+    except (ValueError, TypeError, RuntimeError, CptuneError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return [f"Memory per GPU with activations: no estimate ({first})."]
+    return describe_activation_memory(recipe, dims, config, counts, gpu, processes_per_node)

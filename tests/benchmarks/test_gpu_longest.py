@@ -1,0 +1,89 @@
+"""The pure parts of the longest-sequence GPU script (benchmarks/gpu/longest.py, predict.py).
+
+The script itself runs on a GPU (or ``--dry-run`` on CPU, not in CI: it launches seven trainings).
+"""
+
+from __future__ import annotations
+
+import pytest
+from benchmarks.gpu import longest, predict
+
+
+def test_the_plan_compares_today_and_everything_then_fits():
+    probes = longest.first_probes([49152, 65536], [65536, 131072])
+    assert [(p.setting, p.seq_len, p.steps, p.purpose) for p in probes] == [
+        ("today", 49152, 2, "compare"),
+        ("today", 65536, 2, "compare"),
+        ("everything", 49152, 2, "compare"),
+        ("everything", 65536, 2, "fit"),
+        ("everything", 131072, 1, "fit"),
+    ]
+    assert probes[-1].keys == {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True}
+    assert probes[0].keys == {}
+
+
+def test_the_candidate_comes_from_a_line_through_two_peaks():
+    gib = 1 << 30
+    points = {65536: 30 * gib, 131072: 45 * gib}  # 15 GiB per 64K tokens, 15 GiB at zero
+    assert longest.fit_line(points) == (15 * gib, 15 * gib / 65536)
+    # 78 GiB usable: (78 - 15) / 15 x 64K = 275,251 -> 262,144 at a 16K resolution
+    assert longest.candidate_length(points, 78 * gib, 16384, None) == 262144
+    assert longest.candidate_length(points, 78 * gib, 16384, host_limit=200000) == 196608
+    with pytest.raises(ValueError, match="did not grow"):
+        longest.candidate_length({1: 2.0, 2: 2.0}, 10.0, 1, None)
+
+
+def test_step_time_projection_and_the_bracketing_search():
+    # a*S + b*S^2 through (64K, 20 s) and (128K, 60 s): at 256K, 200 s
+    assert longest.step_seconds_at({65536: 20.0, 131072: 60.0}, 262144) == pytest.approx(200.0)
+    assert longest.next_length(262144, None, 16384) == 278528
+    assert longest.next_length(None, 262144, 16384) == 245760
+    assert longest.next_length(245760, 262144, 16384) is None
+    assert longest.next_length(196608, 262144, 16384) == 229376
+
+
+def test_predictions_match_what_validate_prints_for_the_8b_recipe():
+    today, everything = (
+        predict.longest(predict.SETTINGS["today"]),
+        predict.longest(predict.SETTINGS["everything"]),
+    )
+    assert 49152 <= today.tokens_per_gpu < 65536  # the H100 measured 48K trained, 64K did not
+    assert everything.phase == "layer backward" and everything.host_gib > 70
+    assert everything.tokens_per_gpu > 6 * today.tokens_per_gpu
+    # Sharding the states with FSDP2 over 8 GPUs leaves more room per GPU than replicating them.
+    assert (
+        predict.longest(predict.SETTINGS["everything"], cp_size=8, shard_ranks=8).tokens_per_gpu
+        > predict.longest(predict.SETTINGS["everything"], cp_size=8).tokens_per_gpu
+    )
+
+
+def test_the_results_table_names_each_run_and_the_longest():
+    results = {
+        "runs": [
+            {
+                "setting": "today",
+                "seq_len": 65536,
+                "status": "out of memory",
+                "predicted_peak_gib": 90.0,
+                "predicted_phase": "loss",
+                "predicted_host_gib": 0.0,
+            },
+            {
+                "setting": "everything",
+                "seq_len": 327680,
+                "status": "trained",
+                "tokens_per_second": 1100.0,
+                "peak_gib": 76.5,
+                "predicted_peak_gib": 77.6,
+                "predicted_phase": "layer backward",
+                "predicted_host_gib": 80.0,
+            },
+        ],
+        "longest": {"fits": 327680, "fails": 344064, "fitted": 327680, "predicted": 327680},
+    }
+    table = longest.markdown(results)
+    assert "| today | 65,536 | out of memory |  |  | 90 GiB (loss) | 0 B |" in table
+    assert (
+        "| everything | 327,680 | trained | 1,100 | 76.5 GiB | 77.6 GiB (layer backward) | 80 GiB |" in table
+    )
+    assert "**327680** tokens trained, 344064 ran out of memory" in table

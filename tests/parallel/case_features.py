@@ -1,0 +1,44 @@
+"""A parity case's memory features, put on the CP model with cptune's own installer (both parity workers).
+
+A case's ``features`` may hold ``offload`` (activation offloading, with gradient checkpointing),
+``tiles`` (tiled MLP with that many tiles) and ``head_loss`` (the chunked loss from the hidden
+states). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
+feature off at cp=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import torch
+
+from cptune.models.head_loss import ShardLoss, logits_loss
+from cptune.models.memory_features import install_memory_features
+
+
+def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
+    """Put the case's features on ``model``; returns the shard loss function to use."""
+    features = case.get("features") or {}
+    if not features:
+        return logits_loss
+    if features.get("offload"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    names = [name for name in ("offload", "tiles", "head_loss") if features.get(name)]
+    recipe = SimpleNamespace(
+        activation_offloading=bool(features.get("offload")),
+        tiled_mlp=bool(features.get("tiles")),
+        tiled_mlp_num_shards=features.get("tiles"),
+        resolved_head_loss=bool(features.get("head_loss")),
+        memory_features=tuple(names),
+    )
+    return install_memory_features(model, recipe).loss
+
+
+def grads_digest(grads: dict[str, torch.Tensor]) -> str:
+    """A digest of gradient bits: equal digests mean bit-identical gradients."""
+    digest = hashlib.sha256()
+    for name in sorted(grads):
+        digest.update(name.encode())
+        digest.update(grads[name].detach().contiguous().float().numpy().tobytes())
+    return digest.hexdigest()
