@@ -26,7 +26,7 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     names = [name for name in ("offload", "tiles", "head_loss") if features.get(name)]
     recipe = SimpleNamespace(
-        activation_offloading=bool(features.get("offload")),
+        offloads_activations=bool(features.get("offload")),
         tiled_mlp=bool(features.get("tiles")),
         tiled_mlp_num_shards=features.get("tiles"),
         resolved_head_loss=bool(features.get("head_loss")),
