@@ -177,12 +177,14 @@ def train(
 def preprocess(ctx: typer.Context, recipe: RecipeArg) -> None:
     from cptune.data.prepare import prepare_datasets
     from cptune.models.loading import load_tokenizer
+    from cptune.parallel.backends.select import check_prepared_rows
 
     _setup_logging()
     loaded = _load(recipe, ctx)
     prepared = prepare_datasets(loaded, load_tokenizer(loaded))
     typer.echo(prepared.stats.format())
     typer.echo(f"cache: {prepared.path}")
+    check_prepared_rows(loaded, prepared)
 
 
 @app.command(context_settings=_EXTRA, help=f"Check the recipe and print the plan. {OVERRIDES_HELP}")

@@ -168,9 +168,6 @@ def load_model(recipe: Recipe, attn_implementation: str, path: str | None = None
             f"base_model: cannot load '{source}' ({_first_line(err)}). Check that its weight files are "
             "complete and belong to this config; copy or download them again."
         ) from None
-    # Packed documents are kept apart from position_ids only when no KV cache is
-    # created (transformers 5.23 masking_utils); a training run never needs one.
-    model.config.use_cache = False
     if recipe.resolved_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

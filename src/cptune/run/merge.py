@@ -72,8 +72,6 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         tokenizer = load_tokenizer(recipe)
     # The default attention implementation: the saved model must not name cptune's CP attention.
     base = load_model(recipe, "sdpa")
-    # Training turned the KV cache off (see load_model); a standalone model should generate with one.
-    base.config.use_cache = True
     merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
     log.info("merged %s into %s", source.path, recipe.base_model)
     if not recipe.causal:

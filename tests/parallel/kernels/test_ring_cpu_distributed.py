@@ -26,10 +26,12 @@ pytestmark = pytest.mark.distributed
 WORLD_SIZES = (2, 4)
 SEQ_LENS = (20, 41, 35)  # three packed documents, 96 tokens: divisible by 2, 4 and 2 * 4
 NHEADS, NHEADS_K, HEAD_DIM = 4, 2, 16
-FP32_ATOL = 1e-5
-# bf16 rounds q, k, v, out and the gradients (eps 7.8e-3, values up to ~4); the measured worst
-# errors for these inputs are 4.5e-3 (out) and 2.1e-2 (grads), about a third of the tolerance.
-BF16_ATOL = {"out": 2e-2, "grad": 6e-2}
+# Measured: llama3 varlen at most 1.0e-6 (max abs error, values up to ~4).
+FP32_ATOL = 5e-6
+# bf16 rounds q, k, v, out and the gradients (eps 7.8e-3, values up to ~4). The floor is measured
+# in the same run: cp=1 with torch's SDPA in bf16 against the same reference, 5.4e-3 (out) and
+# 2.5e-2 (grads); the zigzag ring measured 4.5e-3 and 2.1e-2. It may be at most 1.5x the floor.
+BF16_BASELINE_FACTOR = 1.5
 TIMEOUT_S = 120
 SRC = Path(__file__).resolve().parents[3] / "src"
 
@@ -72,10 +74,15 @@ def test_llama3_varlen_fp32_matches_single_process(results):
         assert max(errors.values()) <= FP32_ATOL, f"{name}: {errors}"
 
 
-def test_zigzag_ring_bf16_within_tolerance(results):
+def test_zigzag_ring_bf16_within_the_bf16_floor(results):
     for name, errors in cases(results, "zigzag-bf16").items():
-        assert errors["out"] <= BF16_ATOL["out"], f"{name}: {errors}"
-        assert max(errors[g] for g in ("dq", "dk", "dv")) <= BF16_ATOL["grad"], f"{name}: {errors}"
+        world = name.split()[1]  # the baseline of the same launch
+        floor = results[f"baseline-bf16 {world}"]
+        grads = ("dq", "dk", "dv")
+        assert errors["out"] <= BF16_BASELINE_FACTOR * floor["out"], f"{name}: {errors}, cp=1 {floor}"
+        assert max(errors[g] for g in grads) <= BF16_BASELINE_FACTOR * max(floor[g] for g in grads), (
+            f"{name}: {errors}, cp=1 {floor}"
+        )
 
 
 def test_zigzag_ring_fp32_gradients_are_still_wrong_upstream(results):
@@ -192,6 +199,17 @@ def _zigzag_case(ring, data, group, dtype):
     return _errors(got, ref)
 
 
+def _sdpa_bf16_errors(data):
+    """cp=1 in bf16 with another kernel (torch's SDPA over the whole row): its error is bf16's floor."""
+    import torch.nn.functional as F
+
+    q, k, v = (data[name].bfloat16().transpose(0, 1)[None].requires_grad_() for name in ("q", "k", "v"))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(data["dout"].bfloat16().transpose(0, 1)[None])
+    got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return _errors({name: t[0].transpose(0, 1) for name, t in got.items()}, data["ref_dense_bf16"])
+
+
 def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -203,6 +221,7 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
     try:
         # Imported by the launcher before it forked (import here only under a spawn start method).
         ring = sys.modules.get("ring_flash_attn") or _import_ring_flash_attn()
+        results = {}
         generator = torch.Generator().manual_seed(1234)
         total = sum(SEQ_LENS)
         data = {
@@ -219,11 +238,11 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
         # The bf16 reference sees the same rounded inputs, so only the kernels' rounding is measured.
         data["ref_dense_bf16"] = _reference(*(t.bfloat16() for t in qkvd), [0, total], causal=True)
 
+        results[f"baseline-bf16 world{world_size}"] = _sdpa_bf16_errors(data)
         groups = {f"world{world_size} cp{world_size}": dist.group.WORLD}
         if world_size == 4:
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
             groups["world4 cp2xdp2"] = pairs[rank // 2]
-        results = {}
         for label, group in groups.items():
             for causal, stride in itertools.product((True, False), (1, 2)):
                 name = f"llama3 {label} causal={causal} heads_k_stride={stride}"
