@@ -104,6 +104,27 @@ def logged_losses(output_dir: Path) -> list[float]:
     return [entry["loss"] for entry in history if "loss" in entry]
 
 
+def logged(output_dir: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of every entry of the run's train_log.json that holds ``key``."""
+    history = json.loads((output_dir / "train_log.json").read_text())
+    return {entry["step"]: entry[key] for entry in history if key in entry}
+
+
+def max_rel_diff(got: dict[int, float], expected: dict[int, float]) -> float:
+    """Largest relative difference of two runs' logged values, step by step (same steps required)."""
+    assert sorted(got) == sorted(expected) and expected, (got, expected)
+    return max(abs(got[step] - value) / abs(value) for step, value in expected.items())
+
+
+@pytest.fixture
+def collective_audit(tmp_path: Path):
+    """Record the collectives cptune's code calls in every process the test starts (tests/collective_audit.py)."""
+    from tests.collective_audit import auditing
+
+    with auditing(tmp_path / "collectives") as audit:
+        yield audit
+
+
 @pytest.fixture
 def cptune_in_process(capsys, monkeypatch):
     """Run ``cptune ARGS`` through the console entry point in this process (no start-up cost).

@@ -7,7 +7,7 @@ its shard of its data-parallel group's batches through the case's backend
 loss, inside the backend's step context as the trainer does, averages gradients
 over the world as DDP does, and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
-steps (AdamW) of both paths.
+steps (SGD) of both paths; in bf16 also those of a cp=1 reorder baseline (``run_case``).
 
 Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
 """
@@ -36,6 +36,7 @@ from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
 from cptune.parallel.backends.torch_cp import TorchCpBackend
+from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import PatchSet
@@ -43,6 +44,10 @@ from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from cptune.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
+# SGD: its update is linear in the gradient, so the losses after each step show a gradient error
+# as it is (AdamW divides each element by its own history, which turns fp32 reduction-order noise
+# in near-zero gradients into 5e-6 differences after 3 steps, and hides a wrong scale).
+LEARNING_RATE = 0.5
 
 
 def make_row(
@@ -109,9 +114,14 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
         torch.manual_seed(7)
-        model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules="all-linear",
+            init_lora_weights=False,
+            lora_dropout=case.get("dropout", 0.0),
         )
+        model = get_peft_model(model, config)
     return model
 
 
@@ -119,12 +129,20 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def run_step(model, backend, micro_batches, world_size, step_targets, loss_fn=logits_loss) -> float:
-    """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss."""
+def run_step(
+    model, backend, micro_batches, world_size, step_targets, keys=None, loss_fn=logits_loss
+) -> float:
+    """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss.
+
+    ``micro_batches`` holds (batch, number of its first row in the data order); with exact
+    dropout (``keys``) the masks are keyed as CptuneTrainer keys them.
+    """
     total = 0.0
-    for batch in micro_batches:
+    for batch, first_row in micro_batches:
         with step_context(backend):  # around forward and backward, as CptuneTrainer.training_step
             sharded = backend.shard(batch)
+            if keys is not None:
+                keys.set_coords(sharded.coords, first_row)
             loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
             loss = scaled_step_loss(loss_sum, step_targets, world_size)
             loss.backward()
@@ -166,52 +184,86 @@ def make_backend(case: dict, groups: Groups, kernels):
     )
 
 
+def first_rows(case: dict, step: int, dp_size: int) -> list[list[int]]:
+    """first_rows[dp_group][micro]: the data-order number of each micro batch's first row.
+
+    accelerate gives batch ``n·dp_size + d`` to group ``d`` as its micro batch ``n``
+    (``cptune.parallel.backends.base.batch_number``); the reference takes the same rows.
+    """
+    ga, mbs = case["ga"], case["mbs"]
+    return [[((step * ga + m) * dp_size + d) * mbs for m in range(ga)] for d in range(dp_size)]
+
+
+def grad_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest per-tensor max |difference| / max |expected|, and the tensor it was found in."""
+    per_tensor = {
+        n: float((got[n] - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-30))
+        for n in expected
+    }
+    worst = max(per_tensor, key=per_tensor.get)
+    return per_tensor[worst], worst
+
+
 def run_case(case: dict, groups: Groups, kernels) -> dict:
-    """3 optimizer steps of the reference and of the CP path; see the module docstring."""
+    """3 optimizer steps of the reference and of the CP path; see the module docstring.
+
+    In bf16 a second cp=1 reference runs beside the first with eager attention instead of
+    sdpa: the same computation with the attention's sums in another order. How far it lands
+    from the first is the noise floor of bf16 (``reorder_baseline``); CP reorders the same sums.
+    """
     world = groups.world
     torch.manual_seed(0)
     reference = build_model(case, "sdpa" if case["causal"] else "cptune")
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
+    twin = None
+    if case.get("bf16"):
+        twin = copy.deepcopy(reference)
+        twin.set_attn_implementation("eager")
+    # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
+    ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
     loss_fn = install_case_features(model, case)
     local = LocalBackend(causal=case["causal"])
     backend = make_backend(case, groups, kernels)
-    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_losses, cp_losses, grad_rel, grad_nonzero, grad_sha = [], [], None, None, None
+    optimizers = [
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LEARNING_RATE)
+        for m in (reference, model, twin)
+        if m is not None
+    ]
+    ref_losses, cp_losses, twin_losses = [], [], []
+    result: dict = {}
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
+        rows = first_rows(case, step, groups.dp_size)
         targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
         # Reference: every batch of every DP group, one process, mean over all targets.
-        ref_total = run_step(reference, local, [b for g in batches for b in g], 1, targets)
-        mine = run_step(model, backend, batches[groups.dp_rank], world, targets, loss_fn)
-        loss = torch.tensor(mine)
+        ref_batches = [(b, r) for g, r in zip(batches, rows, strict=True) for b, r in zip(g, r, strict=True)]
+        ref_losses.append(run_step(reference, local, ref_batches, 1, targets, ref_keys))
+        if twin is not None:
+            twin_losses.append(run_step(twin, local, ref_batches, 1, targets))
+        mine_batches = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
+        loss = torch.tensor(run_step(model, backend, mine_batches, world, targets, keys, loss_fn))
         dist.all_reduce(loss)
+        cp_losses.append(loss.item() / world)
         for p in model.parameters():
             if p.requires_grad:
                 dist.all_reduce(p.grad)  # DDP: mean over the world
                 p.grad /= world
         if step == 0:
-            ref_g, cp_g = grads(reference), grads(model)
-            grad_rel = max(
-                float((cp_g[n] - ref_g[n]).abs().max() / ref_g[n].abs().max().clamp_min(1e-30)) for n in ref_g
-            )
-            grad_nonzero = all(float(ref_g[n].abs().max()) > 0 for n in ref_g)
-            grad_sha = grads_digest(cp_g)
-        ref_losses.append(ref_total)
-        cp_losses.append(loss.item() / world)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-    return {
-        "ref_losses": ref_losses,
-        "cp_losses": cp_losses,
-        "grad_rel": grad_rel,
-        "grad_nonzero": grad_nonzero,
-        "grad_sha": grad_sha,
-    }
+            ref_g = grads(reference)
+            result["grad_rel"], result["grad_worst"] = grad_diffs(grads(model), ref_g)
+            result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
+            result["grad_sha"] = grads_digest(grads(model))
+            if twin is not None:
+                result["baseline_grad_rel"], _ = grad_diffs(grads(twin), ref_g)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    result.update(ref_losses=ref_losses, cp_losses=cp_losses)
+    if twin is not None:
+        result["baseline_losses"] = twin_losses
+    return result
 
 
 def main() -> None:

@@ -1,12 +1,14 @@
 """CP parity on CPU: context-parallel runs equal the cp=1 run (DESIGN.md, invariants 1-5).
 
-Each case runs 3 optimizer steps (AdamW) on the tiny Llama through cptune's
-sharding, a CP backend and the token-weighted loss, and compares with the cp=1
+Each case runs 3 optimizer steps (SGD, whose update is linear in the gradient) on
+the tiny Llama through cptune's sharding, a CP backend, exact LoRA dropout where
+the case asks for it, and the token-weighted loss, and compares with the cp=1
 reference computed from the same model, data and seeds. fp32 with varlen_llama3
-and with the torch backend: step-0 loss rel <= 1e-5, gradients max rel <= 1e-4,
-losses of the 3 steps rel <= 1e-4. batch_zigzag runs in bf16 (ring-flash-attn
-0.1.8's zigzag backward is wrong in fp32), compared with a bf16 reference: loss
-rel <= 2e-2, gradients max rel <= 1e-1 (bf16 has 8 bits of mantissa).
+and with the torch backend: losses rel <= 1e-6 at every step, gradients max rel
+<= 1e-5 (5e-5 for one dp2xcp2 tensor; the measured values are at ``LOSS_TOL``).
+batch_zigzag runs in bf16 (ring-flash-attn 0.1.8's zigzag backward is wrong in
+fp32), compared with a bf16 reference within a multiple of a measured cp=1
+reorder baseline (``check``).
 
 Spawning gloo processes dominates the time, so one spawn per world size runs the
 cases of both backends; each backend's test reads its cases from that spawn.
@@ -46,14 +48,18 @@ CP2_CASES = [
     case("one-shard-without-targets", empty_shard=True),
     # QLoRA: the base's linear layers in 4-bit NF4 (bitsandbytes), LoRA on top (issue 20).
     case("qlora-packed-causal", qlora=True),
+    # Exact LoRA dropout: each rank draws its slice of the masks cp=1 draws.
+    case("packed-causal-lora-dropout", dropout=0.1),
 ]
 CP4_CASES = [
     case("packed-causal-lora", seq_len=30),
     case("packed-bidirectional-full", seq_len=30, causal=False, lora=False),
     case("mbs2-ga2-unpacked-full", packed=False, lora=False, mbs=2, ga=2, seq_len=21),
+    case("mbs2-ga2-packed-lora-dropout", seq_len=30, mbs=2, ga=2, dropout=0.1),
 ]
 DP2_CP2_CASES = [
     case("packed-causal-lora", mbs=2, ga=2),
+    case("packed-causal-lora-dropout", mbs=2, ga=2, dropout=0.1),
     case("unpacked-bidirectional-full", packed=False, causal=False, lora=False),
 ]
 ZIGZAG_CASES = [
@@ -78,9 +84,13 @@ TORCH_CP2_CASES = [
     torch_case("causal-lora-mbs2-ga2", mbs=2, ga=2),
     torch_case("odd-length-23-full", seq_len=23, lora=False),
     torch_case("one-shard-without-targets", empty_shard=True, full_rows=True, load_balance=False),
+    # Dropout over torch's head-tail (zigzag) order and over contiguous slices.
+    torch_case("causal-lora-dropout", dropout=0.1),
+    torch_case("bidirectional-lora-dropout", causal=False, full_rows=True, dropout=0.1),
 ]
 TORCH_CP4_CASES = [
     torch_case("causal-lora", seq_len=30),
+    torch_case("causal-lora-dropout-mbs2-ga2", seq_len=30, mbs=2, ga=2, dropout=0.1),
     torch_case("bidirectional-full", causal=False, full_rows=True, lora=False, seq_len=32),
     torch_case("causal-full-mbs2-ga2-alltoall", lora=False, mbs=2, ga=2, seq_len=21, comm="alltoall"),
 ]
@@ -140,17 +150,47 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def check(results: list[dict], cases: list[dict], loss_tol: float, step0_tol: float, grad_tol: float) -> None:
+def check(
+    results: list[dict],
+    cases: list[dict],
+    *,
+    loss_tol: float = 0.0,
+    grad_tol: float = 0.0,
+    bf16: bool = False,
+) -> None:
+    """Every rank's losses (3 steps) and step-0 gradients of every case against the cp=1 reference.
+
+    fp32: relative loss difference <= ``loss_tol`` at every step, gradients (per tensor, max
+    |difference| / max |reference|) <= ``grad_tol``. bf16 (``bf16``): within a multiple of how
+    far the case's second cp=1 reference (eager attention instead of sdpa: the same sums in
+    another order) lands from the first, measured in the same run: 2x at step 0 (loss and
+    gradients; measured CP/baseline ratios <= 1.34), 20x over the 3 SGD steps, where bf16
+    noise grows with every update (measured <= 7.8x).
+    """
     for name in (c["name"] for c in cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[name]
             assert r["grad_nonzero"], f"{name}: reference gradients are zero, the check would be vacuous"
-            assert rel(r["cp_losses"][0], r["ref_losses"][0]) <= step0_tol, (name, rank, r)
-            assert r["grad_rel"] <= grad_tol, (name, rank, r["grad_rel"])
-            for cp_loss, ref_loss in zip(r["cp_losses"], r["ref_losses"], strict=True):
-                assert rel(cp_loss, ref_loss) <= loss_tol, (name, rank, r)
+            losses = [rel(a, b) for a, b in zip(r["cp_losses"], r["ref_losses"], strict=True)]
+            step0_limit, losses_limit, grad_limit = loss_tol, loss_tol, grad_tol
+            if bf16:
+                baseline = [rel(a, b) for a, b in zip(r["baseline_losses"], r["ref_losses"], strict=True)]
+                step0_limit, losses_limit = 2 * baseline[0], 20 * max(baseline)
+                grad_limit = 2 * r["baseline_grad_rel"]
+            assert losses[0] <= step0_limit, (name, rank, losses, step0_limit, r)
+            assert max(losses) <= losses_limit, (name, rank, losses, losses_limit, r)
+            assert r["grad_rel"] <= grad_limit, (name, rank, r["grad_rel"], r["grad_worst"], grad_limit)
             # the run must actually train: the three losses are not all equal
             assert len(set(r["ref_losses"])) > 1
+
+
+# Measured (fp32, max over every case and rank; losses after 0-2 SGD steps, gradients at step 0):
+# varlen_llama3  cp2 loss 1.1e-7 grad 1.6e-6 | cp4 1.1e-7, 2.7e-6 | dp2xcp2 7.8e-8, 1.5e-5
+# torch          cp2 loss 1.6e-7 grad 3.2e-6 | cp4 1.6e-7, 3.1e-6 | dp2xcp2 1.3e-7, 2.1e-6
+# The dp2xcp2 gradient outlier is layer 0's k_proj lora_B: a key's gradient sums the
+# contributions of every query with both signs, so its fp32 rounding is large against the sum.
+LOSS_TOL = 1e-6
+GRAD_TOL = {"cp2": 1e-5, "cp4": 1e-5, "dp2xcp2": 5e-5}
 
 
 @pytest.mark.distributed
@@ -160,7 +200,7 @@ def check(results: list[dict], cases: list[dict], loss_tol: float, step0_tol: fl
     ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_varlen_llama3_parity_fp32(parity_results, spawn, cases):
-    check(parity_results(spawn), cases, loss_tol=1e-4, step0_tol=1e-5, grad_tol=1e-4)
+    check(parity_results(spawn), cases, loss_tol=LOSS_TOL, grad_tol=GRAD_TOL[spawn])
 
 
 @pytest.mark.distributed
@@ -170,13 +210,15 @@ def test_varlen_llama3_parity_fp32(parity_results, spawn, cases):
     ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_torch_parity_fp32(parity_results, spawn, cases):
-    check(parity_results(spawn), cases, loss_tol=1e-4, step0_tol=1e-5, grad_tol=1e-4)
+    check(parity_results(spawn), cases, loss_tol=LOSS_TOL, grad_tol=1e-5)
 
 
 @pytest.mark.distributed
 def test_zigzag_parity_bf16(tmp_path):
     results = run_ranks(WORKER, 2, tmp_path, "2", json.dumps(ZIGZAG_CASES))
-    check(results, ZIGZAG_CASES, loss_tol=2e-2, step0_tol=2e-2, grad_tol=1e-1)
+    # Measured: step-0 loss 4.6e-5 (baseline 3.7e-5), gradients 5.9e-2 (baseline 4.4e-2), losses
+    # after 2 steps 1.2e-3 (baseline at most 1.6e-4).
+    check(results, ZIGZAG_CASES, bf16=True)
 
 
 @pytest.mark.distributed
@@ -187,7 +229,7 @@ def test_memory_features_parity_cp2(parity_results):
     without offloading. With every feature on, the fp32 parity tolerances hold.
     """
     results = parity_results("cp2")
-    check(results, FEATURE_CP2_CASES, loss_tol=1e-4, step0_tol=1e-5, grad_tol=1e-4)
+    check(results, FEATURE_CP2_CASES, loss_tol=1e-6, grad_tol=1e-5)
     for per_rank in results:
         for name, twin in FEATURE_TWINS.items():
             assert per_rank[name]["cp_losses"] == per_rank[twin]["cp_losses"], (name, twin)

@@ -1,7 +1,7 @@
 """One rank of the deepspeed backend's parity check: DeepSpeed Ulysses + ZeRO against the cp=1 reference.
 
 Every rank builds the same tiny Llama and the same global batches and computes the
-cp=1 reference itself (one process, whole rows, ``LocalBackend``, torch AdamW).
+cp=1 reference itself (one process, whole rows, ``LocalBackend``, torch SGD).
 The deepspeed side runs DeepSpeed's own pieces as accelerate and the Trainer wire
 them: ``UlyssesSPAttentionHF.register_with_transformers`` around the core
 attention, ``UlyssesSPDataLoaderAdapter`` over a loader of cptune's
@@ -51,6 +51,8 @@ from cptune.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
 STEPS = 3
+# SGD, as tests/parallel/parity_worker.py: the losses after each step show a gradient error as it is.
+LEARNING_RATE = 0.5
 
 
 def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
@@ -119,7 +121,7 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
     causal = case.get("causal", True)
     model = build_model(case, "sdpa" if causal else "cptune")
     local = LocalBackend(causal=causal)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     losses, step0_grads = [], {}
     for t, step in enumerate(steps):
         everything = [b for group in step for b in group]
@@ -178,12 +180,13 @@ def run_case(case: dict) -> dict:
         "gradient_clipping": 0.0,
     }
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-2), config=config, mpu=mpu
+        model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config, mpu=mpu
     )
     backend = DeepSpeedUlyssesBackend(
         core_attention=core,
         causal=case.get("causal", True),
         cp_size=cp,
+        cp_rank=cp_rank,
         gradient_divisor=gradient_divisor(stage, world, cp),
         pad_token_id=0,
         fixed_length=gloo_fixed_length(case["seq_len"], cp),

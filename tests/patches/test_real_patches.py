@@ -28,6 +28,7 @@ from cptune.patches import MISSING, Patch, PatchSet, Target, build_patch_set, ri
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
     accelerator_state_fsdp_on_cpu_patch,
+    cp_context_guard_patch,
     prepare_cp_patch,
     validate_accelerator_multi_cpu_patch,
 )
@@ -55,7 +56,7 @@ def _selected(recipe) -> list[str]:
 def test_ring_plan_matches_installed_versions():
     plan = build_patch_set(RING).plan(RING)
     assert plan.ok, plan.describe()
-    assert len(plan.selected) == 4
+    assert len(plan.selected) == 5
     assert "torch-cp-cpu-sdpa-handlers" in [skipped.patch.name for skipped in plan.skipped]
 
 
@@ -63,7 +64,7 @@ def test_torch_plan_matches_installed_versions():
     plan = build_patch_set(TORCH).plan(TORCH)
     assert plan.ok, plan.describe()
     assert [patch.name for patch in plan.selected][-1] == "torch-cp-cpu-sdpa-handlers"
-    assert len(plan.selected) == 5
+    assert len(plan.selected) == 6
 
 
 def test_import_compat_plan_matches_installed_versions():
@@ -120,13 +121,16 @@ def test_prepare_cp_for_ring_returns_args_and_adds_no_hooks(monkeypatch):
     model.add_module("self_attn", torch.nn.Linear(2, 2))
     optimizer = object()
     accelerator = SimpleNamespace()  # no parallelism_config or mesh: the original would fail on it
-    with PatchSet([prepare_cp_patch("ring-flash-attn")]).applied(RING):
+    patches = PatchSet([prepare_cp_patch("ring-flash-attn"), cp_context_guard_patch("ring-flash-attn")])
+    with patches.applied(RING):
         returned = Accelerator._prepare_cp(accelerator, model, optimizer)
+        with pytest.raises(PatchError, match="maybe_context_parallel"):
+            Accelerator._cp_context(accelerator, buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
     assert returned == (model, optimizer)
     assert returned[0] is model and returned[1] is optimizer
     assert not model.self_attn._forward_pre_hooks
-    with pytest.raises(PatchError, match="maybe_context_parallel"):
-        accelerator._cp_context(buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
+    # Nothing of the patch stays behind: not on the instance, not on the class.
+    assert vars(accelerator) == {} and not hasattr(Accelerator, "_cp_context")
 
 
 def test_prepare_cp_for_torch_checks_instead_of_dropping_masks(monkeypatch):
@@ -140,14 +144,15 @@ def test_prepare_cp_for_torch_checks_instead_of_dropping_masks(monkeypatch):
     model = torch.nn.Sequential()
     model.add_module("self_attn", torch.nn.Linear(2, 2))
     accelerator = SimpleNamespace()
-    with PatchSet([prepare_cp_patch("torch")]).applied(TORCH):
+    with PatchSet([prepare_cp_patch("torch"), cp_context_guard_patch("torch")]).applied(TORCH):
         returned = Accelerator._prepare_cp(accelerator, model)
+        with pytest.raises(PatchError, match="would shard the batch a second time"):
+            Accelerator._cp_context(accelerator, buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
     assert returned == (model,)
     # No accelerate hook that would replace the mask with is_causal=True; cptune's
     # torch backend checks every batch's documents itself (tests/parallel/backends/test_torch_cp.py).
     assert not model.self_attn._forward_pre_hooks
-    with pytest.raises(PatchError, match="would shard the batch a second time"):
-        accelerator._cp_context(buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
+    assert vars(accelerator) == {} and not hasattr(Accelerator, "_cp_context")
 
 
 def test_prepare_cp_for_other_backends_calls_original():

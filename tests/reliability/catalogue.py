@@ -305,6 +305,37 @@ def _model_with_a_smaller_vocabulary(ws: Workspace) -> dict[str, Any]:
     return {"base_model": str(folder)}
 
 
+def _prepared_with(ws: Workspace, changes: dict[str, Any]) -> dict[str, Any]:
+    """Recipe key changes whose data is already prepared (as after `cptune preprocess`): the run writes no cache."""
+    from cptune.config.recipe import Recipe
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.loading import load_tokenizer
+
+    recipe = Recipe.model_validate({**ws.keys, **changes})
+    prepare_datasets(recipe, load_tokenizer(recipe), log=lambda line: None)
+    return changes
+
+
+TORCH_BIDIRECTIONAL = {
+    "context_parallel_size": 2,
+    "cp_backend": "torch",
+    "causal": False,
+    "sample_packing": False,
+}
+
+
+def _torch_bidirectional_odd_rows(ws: Workspace) -> dict[str, Any]:
+    # Samples of 5 and 6 tokens: the first row does not split over 2 ranks.
+    rows = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (5, 6)]
+    return _prepared_with(ws, {**_pretokenized(ws, rows), **TORCH_BIDIRECTIONAL, "micro_batch_size": 1})
+
+
+def _torch_bidirectional_mixed_rows(ws: Workspace) -> dict[str, Any]:
+    # Rows of 6 and 8 tokens split evenly, but a batch of both pads the first.
+    rows = [{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (6, 8)]
+    return _prepared_with(ws, {**_pretokenized(ws, rows), **TORCH_BIDIRECTIONAL, "micro_batch_size": 2})
+
+
 def _output_dir_is_file(ws: Workspace) -> dict[str, Any]:
     (ws.root / "taken").write_text("keep me")
     return {"output_dir": str(ws.root / "taken")}
@@ -469,6 +500,10 @@ def _sliding_window_model(ws: Workspace) -> dict[str, Any]:
 
 def _dropout_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "llama-dropout", _llama_like(ws, "LlamaConfig", attention_dropout=0.1))
+
+
+def _hidden_dropout_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "llama-hidden-dropout", _llama_like(ws, "LlamaConfig", hidden_dropout=0.1))
 
 
 def _twelve_heads_model(ws: Workspace) -> dict[str, Any]:
@@ -904,6 +939,28 @@ CASES: tuple[Case, ...] = (
         keys={"context_parallel_size": 2, "cp_backend": "torch"},
     ),
     Case(
+        "torch-cp-bidirectional-row-length",
+        DATA,
+        "cp_backend: torch with causal: false, and a row whose length does not split over the ranks",
+        "cp_backend: torch with causal: false cannot split row 0 of the prepared training data: its 5 tokens "
+        "are not a multiple of context_parallel_size=2",
+        "torch's context-parallel attention takes no padding mask, so every row must split evenly as it is. "
+        "Use `cp_backend: ring-flash-attn` (it masks padding), or samples whose lengths are multiples of "
+        "`context_parallel_size`. Checked on the prepared data before launching (and by `cptune preprocess`).",
+        setup=_torch_bidirectional_odd_rows,
+    ),
+    Case(
+        "torch-cp-bidirectional-mixed-lengths",
+        DATA,
+        "cp_backend: torch with causal: false, micro_batch_size > 1 and rows of different lengths",
+        "cp_backend: torch with causal: false and micro_batch_size: 2 would pad rows of different lengths in "
+        "one batch",
+        "Rows of one batch are padded to the longest, which torch's attention cannot mask. Use "
+        "`micro_batch_size: 1` (with more `gradient_accumulation_steps`), or `cp_backend: ring-flash-attn`. "
+        "Checked on the prepared data before launching (and by `cptune preprocess`).",
+        setup=_torch_bidirectional_mixed_rows,
+    ),
+    Case(
         "option-of-another-backend",
         CONTRADICTIONS,
         "An option of another backend",
@@ -1280,6 +1337,18 @@ CASES: tuple[Case, ...] = (
         "`context_parallel_size: 1` with `causal: true`, where transformers' own attention applies it.",
         keys={"context_parallel_size": 2},
         setup=_dropout_model,
+    ),
+    Case(
+        "model-hidden-dropout",
+        MODEL,
+        "A model config with hidden-state dropout, with context parallelism",
+        "base_model: its config sets hidden_dropout: 0.1, a dropout inside the model whose masks cptune "
+        "cannot split exactly across context-parallel ranks",
+        "Each rank would draw its own masks instead of its slice of the masks one process draws, so the run "
+        "would not equal its `context_parallel_size: 1` run. Set the key to 0 in the model folder's "
+        "config.json, or use `context_parallel_size: 1`. `lora_dropout` is exact under context parallelism.",
+        keys={"context_parallel_size": 2},
+        setup=_hidden_dropout_model,
     ),
     Case(
         "lora-target-missing",

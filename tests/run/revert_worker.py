@@ -36,7 +36,14 @@ def main() -> None:
     recipe = load_recipe(recipe_path)
     before = snapshot(recipe)
     env_before = dict(os.environ)
+    built = []
+    build = train_module._build_trainer
+    train_module._build_trainer = lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1]
     train_module.train(recipe)
+    train_module._build_trainer = build
+    accelerator = built[0].accelerator
+    # A guard a patch put on the run's accelerator would outlive the patches (it once did).
+    cp_context_left = "_cp_context" in vars(accelerator) or hasattr(type(accelerator), "_cp_context")
     after_success = snapshot(recipe)
     env_after_success = dict(os.environ)
     # The first run finished in output_dir: the second starts afresh there only when told to.
@@ -66,6 +73,7 @@ def main() -> None:
                 "env_same_after_success": env_before == env_after_success,
                 "env_same_after_failure": env_before == env_after_failure,
                 "env_leaked": sorted(set(env_after_success) ^ set(env_before)),
+                "cp_context_left": cp_context_left,
             }
         )
     )

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.collective_audit import EVAL_TOTALS
 from tests.dist_utils import run_ranks
 
 WORKER = Path(__file__).with_name("eval_worker.py")
@@ -82,7 +83,9 @@ LAUNCHES = {2: [("cp2", 2), ("dp2", 1)], 4: [("cp4", 4), ("dp2xcp2", 2)]}
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_eval_loss_with_cp2_and_cp4_equals_the_cp1_token_mean(write_recipe, tmp_path, tiny_model_dir):
+def test_eval_loss_with_cp2_and_cp4_equals_the_cp1_token_mean(
+    write_recipe, tmp_path, tiny_model_dir, collective_audit
+):
     from transformers import AutoTokenizer
 
     rows = write_eval_data(tmp_path / "eval.jsonl", len(AutoTokenizer.from_pretrained(tiny_model_dir)))
@@ -118,3 +121,4 @@ def test_eval_loss_with_cp2_and_cp4_equals_the_cp1_token_mean(write_recipe, tmp_
             assert math.isclose(metrics["eval_perplexity"], math.exp(metrics["eval_loss"]), rel_tol=1e-12)
         # Measured: <= 1e-7 relative (fp32, varlen_llama3) for every run.
         assert rel[name] <= 1e-5, (name, ranks, expected)
+    collective_audit.check(EVAL_TOTALS)

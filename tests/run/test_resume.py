@@ -26,6 +26,7 @@ import yaml
 
 from cptune.run.checkpoints import STAGING_DIR, complete_checkpoints
 from cptune.run.launch import LaunchPlan, child_environment, free_port
+from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT, auditing
 from tests.conftest import QUICKSTART_DATA, run_cptune
 from tests.dist_utils import run_ranks
 
@@ -109,8 +110,9 @@ def reference_run(tmp_path_factory, tiny_model_dir) -> Path:
     """The uninterrupted cp=2 run; its folder holds the adapter and the trained model's logits."""
     root = tmp_path_factory.mktemp("resume")
     recipe = recipe_for(root, tiny_model_dir, "reference")
-    run_ranks(WORKER, 2, root / "reference", str(root / "reference.yaml"))
-    assert recipe.is_file()
+    with auditing(root / "collectives") as audit:
+        run_ranks(WORKER, 2, root / "reference", str(recipe))
+    audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
     return root / "reference"
 
 
@@ -120,14 +122,16 @@ def test_resume_after_sigkill_during_save_equals_the_uninterrupted_run(reference
     root = reference_run.parent
     recipe = recipe_for(root, tiny_model_dir, "interrupted")
     out = root / "interrupted"
-    codes = run_until_killed(recipe, out)
-    assert codes == [-9, -9], codes
-    # The save of step 6 died half-way: its files are staged, never published.
-    assert [step for step, _ in complete_checkpoints(out)] == [SAVE_STEPS]
-    assert (out / STAGING_DIR / f"checkpoint-{2 * SAVE_STEPS}" / "adapter_model.safetensors").is_file()
-    assert not (out / f"checkpoint-{2 * SAVE_STEPS}").exists()
-
-    done = run_cptune("train", str(recipe), "--resume")
+    with auditing(root / "collectives-resumed") as audit:
+        codes = run_until_killed(recipe, out)
+        assert codes == [-9, -9], codes
+        # The save of step 6 died half-way: its files are staged, never published.
+        assert [step for step, _ in complete_checkpoints(out)] == [SAVE_STEPS]
+        assert (out / STAGING_DIR / f"checkpoint-{2 * SAVE_STEPS}" / "adapter_model.safetensors").is_file()
+        assert not (out / f"checkpoint-{2 * SAVE_STEPS}").exists()
+        done = run_cptune("train", str(recipe), "--resume")
+    # The runs that wrote the checkpoints and resumed from one call cptune's collectives through the helper.
+    audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from {out / f'checkpoint-{SAVE_STEPS}'}" in done.stderr
     expected, resumed = step_logs(reference_run, "loss"), step_logs(out, "loss")

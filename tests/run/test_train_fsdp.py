@@ -27,11 +27,14 @@ import yaml
 from safetensors.torch import load_file
 
 from cptune.run.checkpoints import complete_checkpoints
-from tests.conftest import QUICKSTART_DATA, REPO, logged_losses, run_cptune, succeeded
+from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT, auditing
+from tests.conftest import QUICKSTART_DATA, REPO, logged, logged_losses, max_rel_diff, run_cptune, succeeded
 from tests.dist_utils import run_ranks
 from tests.run.test_resume import WORKER, run_until_killed, step_logs
 
 MAX_STEPS, SAVE_STEPS = 4, 2
+# Measured: losses 1.1e-7 (full fine-tune) and 7.3e-8 (LoRA), fp32, SGD.
+LOSS_TOL = 1e-6
 EXAMPLE = REPO / "examples" / "cpu" / "fsdp2.yaml"
 
 
@@ -85,7 +88,11 @@ def weight_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
 def full_runs(tmp_path_factory):
     """The CPU example's full fine-tune (SGD, 4 steps), sharded on 4 processes and in one process.
 
-    This is also the run of ``examples/cpu/fsdp2.yaml`` that tests/test_examples.py counts on.
+    Gradient accumulation 2 (the example's). Evaluated at the end on 5 held-out samples,
+    which pack into rows that do not split evenly over the 2 data-parallel groups: every
+    sharded forward gathers weights from all 4 ranks, so the ranks must still run the same
+    number of evaluation forwards. This is also the run of ``examples/cpu/fsdp2.yaml`` that
+    tests/test_examples.py counts on.
     """
     root = tmp_path_factory.mktemp("fsdp-full")
     example = yaml.safe_load(EXAMPLE.read_text())
@@ -99,11 +106,16 @@ def full_runs(tmp_path_factory):
         "logging_steps": 1,
         "optimizer": "sgd",
         "learning_rate": 0.05,
+        "warmup_steps": 0,
+        "val_set_size": 5,
+        "eval_steps": MAX_STEPS,
     }
     recipe = root / "sharded.yaml"
     recipe.write_text(yaml.safe_dump(keys))
-    ranks = run_ranks(WORKER, 4, root / "sharded", str(recipe))
+    with auditing(root / "collectives") as audit:
+        ranks = run_ranks(WORKER, 4, root / "sharded", str(recipe))
     reference = one_process_reference(recipe, root / "reference")
+    audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
     return root / "sharded", ranks, reference
 
 
@@ -115,11 +127,21 @@ def test_full_finetune_dp_shard2_cp2_equals_one_process(full_runs):
     sharded, ranks, reference = full_runs
     expected = logged_losses(reference)
     assert len(expected) == MAX_STEPS and len(set(expected)) > 1
-    for rank in ranks:
-        assert max(rel(a, b) for a, b in zip(rank["losses"], expected, strict=True)) <= 1e-5, (rank, expected)
+    losses = max(rel(a, b) for rank in ranks for a, b in zip(rank["losses"], expected, strict=True))
+    print("losses, dp_shard=2 x cp=2 vs one process:", losses)
+    assert losses <= LOSS_TOL, (ranks, expected)
+    # The gradient norm of every step (a wrong gradient scale shows here) and the eval loss.
+    diffs = {
+        key: max_rel_diff(logged(sharded, key), logged(reference, key)) for key in ("grad_norm", "eval_loss")
+    }
+    print("full fine-tune, dp_shard=2 x cp=2 vs one process:", diffs)
+    # Measured: gradient norms 8.3e-7, eval loss 5.3e-8.
+    assert max(diffs.values()) <= 1e-5, diffs
 
     # The final model is gathered into a standard folder, loadable without cptune or FSDP.
-    assert json.loads((sharded / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    config = json.loads((sharded / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["use_cache"] is True  # as the base model's: training turns the cache off per call
     diffs = weight_diffs(load_file(sharded / "model.safetensors"), load_file(reference / "model.safetensors"))
     print("full fine-tune, weights after 4 SGD steps, max rel diff per tensor:", max(diffs.values()))
     assert max(diffs.values()) <= 1e-4
@@ -157,18 +179,20 @@ def test_resume_from_a_sharded_checkpoint_continues_the_loss_curve_exactly(tmp_p
 
     recipe = write_recipe(tmp_path, tiny_model_dir, "interrupted", **keys)
     interrupted = tmp_path / "interrupted"
-    codes = run_until_killed(recipe, interrupted, world_size=2, crash_saving_step=2 * SAVE_STEPS)
-    assert codes == [-9, -9], codes
     checkpoint = interrupted / f"checkpoint-{SAVE_STEPS}"
-    assert [step for step, _ in complete_checkpoints(interrupted)] == [SAVE_STEPS]
-    # Each rank wrote its own shards of the weights and of the optimizer state.
-    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
-        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == [
-            "__0_0.distcp",
-            "__1_0.distcp",
-        ]
-
-    done = run_cptune("train", str(recipe), "--resume")
+    with auditing(tmp_path / "collectives") as audit:
+        codes = run_until_killed(recipe, interrupted, world_size=2, crash_saving_step=2 * SAVE_STEPS)
+        assert codes == [-9, -9], codes
+        assert [step for step, _ in complete_checkpoints(interrupted)] == [SAVE_STEPS]
+        # Each rank wrote its own shards of the weights and of the optimizer state.
+        for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+            assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == [
+                "__0_0.distcp",
+                "__1_0.distcp",
+            ]
+        done = run_cptune("train", str(recipe), "--resume")
+    # Writing sharded checkpoints and resuming from one: cptune's collectives all go through the helper.
+    audit.check(STEP_TARGETS, THROUGHPUT)
     succeeded(done)
     assert f"resuming from {checkpoint}" in done.stderr
     expected, resumed = step_logs(tmp_path / "uninterrupted", "loss"), step_logs(interrupted, "loss")
@@ -190,12 +214,17 @@ def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(tmp_path, t
     from transformers import AutoModelForCausalLM
 
     keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
-    recipe = write_recipe(tmp_path, tiny_model_dir, "sharded", **keys)
+    recipe = write_recipe(tmp_path, tiny_model_dir, "sharded", gradient_accumulation_steps=2, **keys)
     ranks = run_ranks(WORKER, 4, tmp_path / "sharded", str(recipe))
     reference = one_process_reference(recipe, tmp_path / "reference")
     expected = logged_losses(reference)
-    for rank in ranks:
-        assert max(rel(a, b) for a, b in zip(rank["losses"], expected, strict=True)) <= 1e-5, (rank, expected)
+    losses = max(rel(a, b) for rank in ranks for a, b in zip(rank["losses"], expected, strict=True))
+    print("losses, dp_shard=2 x cp=2 vs one process:", losses)
+    assert losses <= LOSS_TOL, (ranks, expected)
+    grad_norm = max_rel_diff(logged(tmp_path / "sharded", "grad_norm"), logged(reference, "grad_norm"))
+    print("LoRA, dp_shard=2 x cp=2 vs one process, gradient norms:", grad_norm)
+    # Measured: 1.0e-7.
+    assert grad_norm <= 1e-6
 
     sharded = tmp_path / "sharded"
     assert not (sharded / "model.safetensors").exists(), "a LoRA run saves the adapter only"
@@ -220,29 +249,20 @@ def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(tmp_path, 
         # The frozen base stays in bf16; the trained adapter is kept in fp32 and cast to bf16 for compute.
         assert rank["frozen_dtypes"] == ["torch.bfloat16"] and rank["trained_dtypes"] == ["torch.float32"]
         assert rank["fsdp_compute_dtype"] == "torch.bfloat16"
-        assert rank["losses"] == ranks[0]["losses"] and all(0 < loss < 20 for loss in rank["losses"])
+    # The first step's loss (before any update) against one process in bf16, where the adapter
+    # computes in fp32. Measured: 1.4e-5 relative. The bf16 reorder floor: on a recipe like this
+    # one, FSDP2 and plain DDP at cp=2 landed 1.3e-4 and 1.6e-4 from cp=1 (bf16 sums in another
+    # order), and bf16 against fp32 at cp=1 8.7e-4, which the tolerance stays below.
+    reference = tmp_path / "reference"
+    succeeded(run_cptune("train", str(recipe), "--context_parallel_size=1", f"--output_dir={reference}"))
+    expected = logged_losses(reference)
+    diff = rel(ranks[0]["losses"][0], expected[0])
+    print("bf16, FSDP2 cp=2 vs one process, first loss:", diff)
+    assert diff <= 5e-4, (ranks[0]["losses"], expected)
     # The saved adapter holds the fp32 weights it trained.
     assert {str(t.dtype) for t in load_file(tmp_path / "sharded" / "adapter_model.safetensors").values()} == {
         "torch.float32"
     }
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_torch_backend_with_fsdp2_equals_one_process(tmp_path, tiny_model_dir):
-    # torch's ring attention takes no document mask: one sample per row, 2 processes (cp=2, FSDP2 over both).
-    recipe = write_recipe(
-        tmp_path, tiny_model_dir, "sharded", cp_backend="torch", sample_packing=False, micro_batch_size=2
-    )
-    done = run_cptune("train", str(recipe))
-    succeeded(done)
-    done = run_cptune(
-        "train", str(recipe), "--context_parallel_size=1", f"--output_dir={tmp_path / 'reference'}"
-    )
-    succeeded(done)
-    got, expected = logged_losses(tmp_path / "sharded"), logged_losses(tmp_path / "reference")
-    assert len(got) == MAX_STEPS
-    assert max(rel(a, b) for a, b in zip(got, expected, strict=True)) <= 1e-5, (got, expected)
 
 
 def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Path) -> None:

@@ -213,9 +213,6 @@ def load_model(
         from cptune.models.quantization import keep_cpu_layers_differentiable
 
         keep_cpu_layers_differentiable(model)
-    # Packed documents are kept apart from position_ids only when no KV cache is
-    # created (transformers 5.23 masking_utils); a training run never needs one.
-    model.config.use_cache = False
     if recipe.resolved_gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.shard import IGNORE_INDEX
 
 # Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
@@ -83,9 +84,7 @@ def step_target_count(
     the step. Every rank of a CP group received the same batches, so the sum over
     all ranks counts each token ``cp_size`` times.
     """
-    total = local_count.detach().clone().to(torch.int64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total = all_reduce_sum(local_count.detach().to(torch.int64), group)
     if total.item() % cp_size:
         raise RuntimeError(
             "the ranks of a context-parallel group did not receive the same batches "

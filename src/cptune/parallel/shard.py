@@ -39,6 +39,19 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
+class TokenCoords:
+    """Where each of a rank's tokens sits in the full batch: its row and its index in that row.
+
+    Both int64, shaped like the rank's ``input_ids``. Padding added to split a batch
+    evenly gets row -1. Exact dropout keys its masks on them (:mod:`cptune.parallel.dropout`),
+    so every layout gives a token the mask that the whole row gets at cp=1.
+    """
+
+    rows: torch.Tensor
+    columns: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Shard:
     """This rank's part of a batch, plus what attention needs to know about the whole.
 
@@ -49,6 +62,37 @@ class Shard:
     tokens: TokenBatch
     cu_seqlens: torch.Tensor | None
     max_seqlen: int | None
+    coords: TokenCoords
+
+
+def full_coords(shape: torch.Size, device: torch.device | None = None) -> TokenCoords:
+    """Coordinates of a whole (rows, tokens) batch: every token where it is."""
+    rows, tokens = shape
+    return TokenCoords(
+        rows=torch.arange(rows, device=device).unsqueeze(1).expand(rows, tokens),
+        columns=torch.arange(tokens, device=device).expand(rows, tokens),
+    )
+
+
+def contiguous_coords(shape: torch.Size, cp_size: int, cp_rank: int, device=None) -> TokenCoords:
+    """Coordinates of rank ``cp_rank``'s contiguous slice of rows padded to a multiple of ``cp_size``."""
+    rows, tokens = shape
+    padded = tokens + (-tokens) % cp_size
+    columns = split_contiguous(torch.arange(padded, device=device), cp_size, cp_rank)
+    return _padding_rows(rows, columns, tokens)
+
+
+def zigzag_coords(shape: torch.Size, cp_size: int, cp_rank: int, device=None) -> TokenCoords:
+    """Coordinates of rank ``cp_rank``'s zigzag chunks of rows padded to a multiple of ``2·cp_size``."""
+    rows, tokens = shape
+    padded = tokens + (-tokens) % (2 * cp_size)
+    return _padding_rows(rows, zigzag_indices(padded, cp_size, cp_rank, device=device), tokens)
+
+
+def _padding_rows(rows: int, columns: torch.Tensor, tokens: int) -> TokenCoords:
+    row_ids = torch.arange(rows, device=columns.device).unsqueeze(1).expand(rows, columns.numel())
+    columns = columns.expand(rows, columns.numel())
+    return TokenCoords(rows=torch.where(columns < tokens, row_ids, -1), columns=columns)
 
 
 def cu_seqlens_from_starts(starts: torch.Tensor) -> torch.Tensor:
@@ -132,7 +176,14 @@ def shard_varlen(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
     cu_seqlens = cu_seqlens_from_starts(starts[0])
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     local = _map(padded, lambda t: split_contiguous(t, cp_size, cp_rank))
-    return Shard(tokens=local, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    # The rows end to end: token g of the joined rows is token g % length of row g // length.
+    rows, length = batch.shape
+    joined = split_contiguous(torch.arange(padded.shape[-1], device=starts.device), cp_size, cp_rank)
+    coords = TokenCoords(
+        rows=torch.where(joined < rows * length, joined // length, -1).unsqueeze(0),
+        columns=(joined % length).unsqueeze(0),
+    )
+    return Shard(tokens=local, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, coords=coords)
 
 
 def shard_zigzag(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: int) -> Shard:
@@ -143,7 +194,8 @@ def shard_zigzag(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
     """
     padded = pad_tokens(batch, 2 * cp_size, pad_token_id)
     local = _map(padded, lambda t: split_zigzag(t, cp_size, cp_rank))
-    return Shard(tokens=local, cu_seqlens=None, max_seqlen=None)
+    coords = zigzag_coords(batch.shape, cp_size, cp_rank, device=batch.input_ids.device)
+    return Shard(tokens=local, cu_seqlens=None, max_seqlen=None, coords=coords)
 
 
 def unshard_contiguous(parts: list[torch.Tensor], dim: int = -1) -> torch.Tensor:

@@ -48,9 +48,10 @@ def _prepare_cp_for_ring(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, 
     partial in ``_cp_context`` and attach ``_attach_context_parallel_hooks``
     (big_modeling.py:787), whose pre-hooks replace every ``attention_mask`` with
     ``is_causal=True``: wrong for packed or bidirectional attention. The
-    original returns ``args`` as a tuple unchanged; so does this one.
+    original returns ``args`` as a tuple unchanged; so does this one. Nothing is
+    stored on the accelerator: :func:`cp_context_guard_patch` puts the guard on the
+    class while the patches are applied, so none is left on the instance after.
     """
-    accelerator._cp_context = _torch_cp_context_unavailable
     return args
 
 
@@ -75,8 +76,8 @@ def _prepare_cp_for_torch(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any,
     than process-wide by ``set_rotate_method``; and ``_cp_context`` becomes a
     guard, since torch's ``context_parallel`` would re-shard inputs cptune has
     sharded (why cptune calls torch's dispatcher directly: torch_cp's docstring).
+    The guard lives on the class (:func:`cp_context_guard_patch`), not the instance.
     """
-    accelerator._cp_context = _torch_cp_context_owned_by_backend
     return args
 
 
@@ -113,6 +114,37 @@ def prepare_cp_patch(cp_backend: str) -> Patch:
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "args"),
         applies_to=ContextParallelWith(tuple(_PREPARE_CP_BY_BACKEND)),
+    )
+
+
+_CP_CONTEXT_GUARDS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
+    {"ring-flash-attn": _torch_cp_context_unavailable, "torch": _torch_cp_context_owned_by_backend}
+)
+
+
+def cp_context_guard_patch(cp_backend: str) -> Patch:
+    """``Accelerator._cp_context`` → a guard that raises, for backends that shard the sequence themselves.
+
+    ``Accelerator.maybe_context_parallel`` (accelerate/accelerator.py:4203-4210) enters
+    ``self._cp_context``, which only the original ``_prepare_cp`` sets (:1666); with
+    :func:`prepare_cp_patch` nothing sets it. The guard is created on the class while
+    the patches are applied and deleted on revert, so no accelerator keeps it after a
+    run (it once stayed on the instance).
+    """
+    guard = _CP_CONTEXT_GUARDS.get(cp_backend, _torch_cp_context_unavailable)
+    return Patch(
+        name="accelerator-cp-context-guard",
+        target="accelerate.accelerator:Accelerator._cp_context",
+        replacement=lambda original: guard,
+        reason=(
+            "accelerator.maybe_context_parallel() fails with a clear message instead of sharding a batch twice.\n"
+            "accelerate/accelerator.py:4207 enters self._cp_context, set only by the _prepare_cp that "
+            "accelerator-prepare-cp-by-backend replaces."
+        ),
+        remove_when="accelerator-prepare-cp-by-backend is removed.",
+        requires=ACCELERATE_REQUIREMENT,
+        applies_to=ContextParallelWith(tuple(_PREPARE_CP_BY_BACKEND)),
+        create=True,
     )
 
 

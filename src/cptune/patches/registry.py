@@ -16,6 +16,7 @@ from typing import Any
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
     accelerator_state_fsdp_on_cpu_patch,
+    cp_context_guard_patch,
     prepare_cp_patch,
     validate_accelerator_multi_cpu_patch,
 )
@@ -33,6 +34,7 @@ def build_patches(recipe: Any) -> list[Patch]:
     return [
         trainer_cp_inputs_patch(),
         prepare_cp_patch(recipe.cp_backend),
+        cp_context_guard_patch(recipe.cp_backend),
         validate_accelerator_multi_cpu_patch(),
         accelerator_state_cp_without_fsdp_patch(),
         accelerator_state_fsdp_on_cpu_patch(),

@@ -10,10 +10,14 @@ shard's target count, and all-reduces them once at the end:
     eval_loss = Σ token losses / Σ target tokens   (over every rank and batch)
 
 A shard without targets adds 0 to both sums, never ``0/0``. Each data-parallel
-group evaluates its own rows (every CP rank of a group the same rows), with no
-row repeated to even out the groups (accelerate's ``even_batches`` would count
-repeated rows twice); groups may therefore run different numbers of batches, so
-nothing in a batch may be a collective over the whole world.
+group evaluates its own rows (every CP rank of a group the same rows), none
+twice. Every group still runs the same number of forward passes: a model
+sharded with FSDP2 or ZeRO-3 gathers its weights from every rank in each
+forward, so a group with one batch more would wait there for ever while the
+others sit in the final all-reduce. Groups with fewer rows therefore evaluate
+filler rows at the end, copies of a row with every target ignored, which add 0
+to both sums (accelerate's ``even_batches`` would repeat real rows and count
+them twice).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
 
 from cptune.errors import CptuneError
+from cptune.parallel.collectives import all_reduce_sum
+from cptune.tokens import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -56,17 +62,37 @@ class EvalTotals:
         return {f"{prefix}_loss": loss, f"{prefix}_perplexity": perplexity, f"{prefix}_tokens": self.targets}
 
 
-def all_reduce_totals(loss_sum: torch.Tensor, targets: torch.Tensor, device: torch.device) -> EvalTotals:
+def all_reduce_totals(loss_sum: torch.Tensor, targets: torch.Tensor) -> EvalTotals:
     """Sum both totals over every process (one collective; fp64 so the order of summing does not matter)."""
-    both = torch.stack([loss_sum.double(), targets.double()]).to(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(both, op=dist.ReduceOp.SUM)
+    both = all_reduce_sum(torch.stack([loss_sum.double(), targets.double()]))
     return EvalTotals(loss_sum=float(both[0]), targets=round(float(both[1])))
 
 
 def data_parallel_indices(num_rows: int, dp_size: int, dp_rank: int) -> list[int]:
     """Rows evaluated by data-parallel group ``dp_rank``: every ``dp_size``-th row, none twice."""
     return list(range(dp_rank, num_rows, dp_size))
+
+
+class EvalRows(TorchDataset):
+    """One data-parallel group's evaluation rows, then filler rows up to ``length``.
+
+    A filler row is row 0 of ``source`` with every label -100: it runs a forward pass
+    like any row, but has no target, so it adds nothing to the loss or the target count.
+    """
+
+    def __init__(self, source: Any, indices: list[int], length: int):
+        self.source = source
+        self.indices = indices
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> Any:
+        if i < len(self.indices):
+            return self.source[self.indices[i]]
+        row = self.source[0]
+        return {**row, "labels": [IGNORE_INDEX] * len(row["labels"])}
 
 
 def build_eval_dataloader(
@@ -78,15 +104,20 @@ def build_eval_dataloader(
     dp_rank: int,
     num_workers: int = 0,
 ) -> DataLoader:
-    """A data loader over this data-parallel group's share of ``dataset``, in order, nothing repeated."""
+    """A data loader over this data-parallel group's share of ``dataset``, in order, nothing repeated.
+
+    Every group gets the same number of rows (fillers without targets at the end, see
+    :class:`EvalRows`), so every rank runs the same number of batches.
+    """
     if not isinstance(dataset, Sized):
         raise CptuneError(
             "evaluation: the evaluation data must have a length (a prepared, map-style dataset)."
         )
+    rows_per_group = -(-len(dataset) // dp_size)
     return DataLoader(
-        dataset,
+        EvalRows(dataset, data_parallel_indices(len(dataset), dp_size, dp_rank), rows_per_group),
         batch_size=batch_size,
-        sampler=data_parallel_indices(len(dataset), dp_size, dp_rank),
+        shuffle=False,
         collate_fn=collate_fn,
         num_workers=num_workers,
         drop_last=False,

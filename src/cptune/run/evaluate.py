@@ -19,7 +19,7 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.memory_features import install_memory_features
-from cptune.parallel.backends.select import check_model_config, plan_backend
+from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import COMPLETE_MARKER, checkpoint_step, is_complete, latest_complete_checkpoint
 from cptune.run.distributed import read_dist_env
@@ -163,6 +163,7 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
     prepared = prepare_datasets(recipe, tokenizer)
     if prepared.eval is None:  # cannot happen after check_eval_data, unless the cache was edited
         raise CptuneError(f"evaluate: the prepared data in {prepared.path} has no evaluation split.")
+    check_prepared_rows(recipe, prepared)
     backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
     model = load_source_model(recipe, source, backend.attn_implementation, dims, tokenizer, env.local_rank)
     if env.rank == 0:

@@ -80,8 +80,6 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         base = dequantize_in_place(base)
         log.info("dequantized the %s base model to %s before merging", _bits(recipe), base.dtype)
     fit_embeddings(base, tokenizer, recipe.seed)  # new tokens: the adapter saved the grown embeddings
-    # Training turned the KV cache off (see load_model); a standalone model should generate with one.
-    base.config.use_cache = True
     merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
     log.info("merged %s into %s", source.path, recipe.base_model)
     if not recipe.causal:

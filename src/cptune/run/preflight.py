@@ -20,7 +20,7 @@ import yaml
 
 from cptune.config.recipe import Recipe, zero3_memory_problems
 from cptune.errors import CptuneError
-from cptune.parallel.backends.select import check_model_config, check_ring_precision
+from cptune.parallel.backends.select import check_model_config, check_prepared_rows, check_ring_precision
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
@@ -86,6 +86,7 @@ def preflight(
         check_token_ids(
             highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
         )
+        check_prepared_rows(recipe, prepared)
 
 
 def check_resume(recipe: Recipe) -> None:

@@ -42,9 +42,11 @@ def run_preprocess(
     from cptune.data.debug_view import format_rows, rows_json
     from cptune.data.prepare import prepare_datasets
     from cptune.models.loading import load_tokenizer
+    from cptune.parallel.backends.select import check_prepared_rows
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
+    check_prepared_rows(recipe, prepared)
     counts = f"{prepared.stats.format()}\ncache: {prepared.path}"
     data: dict[str, Any] = {"stats": json.loads(prepared.stats.to_json()), "cache": str(prepared.path)}
     parts = [counts]

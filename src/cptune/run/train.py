@@ -30,7 +30,7 @@ from cptune.models.loading import (
     trainable_parameter_count,
 )
 from cptune.models.memory_features import install_memory_features
-from cptune.parallel.backends.select import check_model_config, plan_backend
+from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
@@ -95,6 +95,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
+    check_prepared_rows(recipe, prepared)
     if env.rank == 0:
         log.info("%s", prepared.stats.format())
 

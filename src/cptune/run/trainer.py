@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
@@ -26,12 +25,15 @@ from cptune.parallel.backends.attention import check_layers_served, count_attent
 from cptune.parallel.backends.base import (
     CpBackend,
     batch_is_sharded,
+    batch_number,
     gradient_divisor,
     step_context,
     wrap_collator,
 )
+from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
-from cptune.parallel.shard import TokenBatch
+from cptune.parallel.shard import TokenBatch, TokenCoords
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.fsdp import gathered_state_dict
@@ -54,7 +56,15 @@ class CptuneTrainer(Trainer):
         shard_loss: ShardLoss = logits_loss,
         **kwargs: Any,
     ):
+        config = getattr(kwargs.get("model"), "config", None)
+        use_cache = getattr(config, "use_cache", None)
         super().__init__(*args, **kwargs)
+        if use_cache is not None:
+            # The Trainer sets the model's use_cache to TrainingArguments.use_cache (False; transformers
+            # 5.23 trainer.py:646), and the config is saved with the model and its checkpoints: a
+            # saved full fine-tune would generate without a KV cache. cptune passes use_cache=False on
+            # each call instead (the shard loss), so the config keeps the model's own value.
+            self.model.config.use_cache = use_cache
         self._shard_loss = shard_loss
         self.cp_size = cp_size
         self.cp_backend = backend_factory(self.accelerator)
@@ -63,10 +73,14 @@ class CptuneTrainer(Trainer):
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
         self.add_callback(LogLastStep())
+        # LoRA dropout whose masks follow the tokens, so a CP run draws what its cp=1 run draws.
+        self._dropout_keys = use_exact_lora_dropout(self.model, self.args.seed)
+        self._micro = MicroBatchCounter()
         # Set while a checkpoint is written: the Trainer then writes into cptune's staging folder.
         self._checkpoint_staging: Path | None = None
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None):
+        self._micro.next(self.state.global_step, self.args.gradient_accumulation_steps)
         with step_context(self.cp_backend):
             loss = super().training_step(model, inputs, num_items_in_batch)
         # The Trainer logs the mean over processes of these values. Reported as if the
@@ -107,10 +121,25 @@ class CptuneTrainer(Trainer):
             shift_labels=inputs["shift_labels"],
         )
         sharded = self.cp_backend.shard(batch)
+        if model.training and self._dropout_keys is not None:
+            self._key_dropout(sharded.coords)
+        # The shard loss calls the model with use_cache=False: transformers keeps packed documents apart
+        # from position_ids only without a KV cache (5.23 masking_utils), and training needs none.
         loss_sum, outputs = self._shard_loss(model, sharded.model_kwargs, sharded.shift_labels)
         if sharded.call is not None:
             check_layers_served(sharded.call, self._attention_layers)
         return loss_sum, sharded.shift_labels, outputs
+
+    def _key_dropout(self, coords: TokenCoords | None) -> None:
+        """Tell the exact dropout where this micro batch's tokens sit in the training data."""
+        if coords is None:
+            raise RuntimeError(
+                f"{type(self.cp_backend).__name__} gives no token coordinates for exact dropout"
+            )
+        dp_size = self.accelerator.num_processes // self.cp_size
+        dp_rank = self.accelerator.process_index // self.cp_size
+        number = batch_number(self.cp_backend, self._micro.index, dp_rank, dp_size)
+        self._dropout_keys.set_coords(coords, first_row=number * self.args.per_device_train_batch_size)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's save; for a sharded (FSDP2) model, the gathered weights in a standard folder.
@@ -166,12 +195,12 @@ class CptuneTrainer(Trainer):
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
 
         loss_sum, targets = evaluate_batches(dataloader, local_loss, progress)
-        totals = all_reduce_totals(loss_sum, targets, self.args.device)
+        totals = all_reduce_totals(loss_sum, targets)
         return EvalLoopOutput(
             predictions=None,
             label_ids=None,
             metrics=totals.metrics(metric_key_prefix),
-            num_samples=len(dataloader.dataset),
+            num_samples=len(dataloader.dataset.source),  # the evaluation rows, without fillers
         )
 
     def _get_output_dir(self, trial: Any) -> str:
@@ -239,6 +268,27 @@ class LogLastStep(TrainerCallback):
         return control
 
 
+class MicroBatchCounter:
+    """Which training micro batch of the run this rank is at: ``global_step · accumulation + k``.
+
+    Counted from the optimizer step the Trainer is at, so a resumed run counts on from
+    its checkpoint as the uninterrupted run did.
+    """
+
+    def __init__(self) -> None:
+        self.index = -1
+        self._step = -1
+        self._in_step = 0
+
+    def next(self, global_step: int, accumulation: int) -> int:
+        """Advance to the next micro batch (call once per training micro batch) and return its index."""
+        if global_step != self._step:
+            self._step, self._in_step = global_step, 0
+        self.index = global_step * accumulation + self._in_step
+        self._in_step += 1
+        return self.index
+
+
 class Throughput:
     """Real (non-padding) tokens trained per second, over all data-parallel groups."""
 
@@ -255,9 +305,8 @@ class Throughput:
 
     def rate(self, cp_size: int) -> float | None:
         """Tokens per second since the last call; every rank of a CP group counted the same batches."""
-        total = torch.tensor(self._tokens, dtype=torch.int64)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total)
+        # On the process group's device: NCCL refuses the CPU tensor this count starts as.
+        total = all_reduce_sum(torch.tensor(self._tokens, dtype=torch.int64))
         now = time.perf_counter()
         elapsed, self._since, self._tokens = now - self._since, now, 0
         if elapsed <= 0:

@@ -104,15 +104,21 @@ def test_document_attention_refuses_calls_without_metadata_or_with_a_mask():
 
 def test_backend_passes_the_loader_shard_through():
     backend = DeepSpeedUlyssesBackend(
-        core_attention="sdpa", causal=True, cp_size=2, gradient_divisor=1, pad_token_id=0
+        core_attention="sdpa", causal=True, cp_size=2, cp_rank=1, gradient_divisor=1, pad_token_id=0
     )
     batch = TokenBatch(torch.arange(6)[None], torch.arange(6)[None], torch.arange(6)[None])
     sharded = backend.shard(batch)
     assert backend.batch_is_sharded and sharded.call is None
     assert sharded.model_kwargs["input_ids"] is batch.input_ids and sharded.shift_labels is batch.shift_labels
+    # Rank 1 holds the second half of each row (the adapter's contiguous slice), for exact dropout.
+    assert sharded.coords.columns.tolist() == [[6, 7, 8, 9, 10, 11]] and sharded.coords.rows.tolist() == [
+        [0] * 6
+    ]
+    # A group's C ranks load batches k·W + r; the group trains them one per micro step.
+    assert [backend.batch_number(n, dp_rank=1, dp_size=2) for n in range(4)] == [2, 3, 6, 7]
     assert (
         DeepSpeedUlyssesBackend(
-            core_attention="cptune", causal=True, cp_size=2, gradient_divisor=1, pad_token_id=0
+            core_attention="cptune", causal=True, cp_size=2, cp_rank=0, gradient_divisor=1, pad_token_id=0
         )
         .shard(batch)
         .model_kwargs[ATTENTION_KWARG]

@@ -168,3 +168,15 @@ def test_cpu_patch_adds_handlers_to_a_new_dict_and_reverts():
         )
     assert _attention.custom_ops is original
     assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default not in original
+
+
+def test_prepared_bidirectional_rows_are_checked_before_the_run():
+    from cptune.parallel.backends.torch_cp import check_bidirectional_rows
+
+    # Rows that split evenly, one per batch or all of one length: the batches will pass check_batch.
+    check_bidirectional_rows([4, 8, 6], split="training", cp_size=2, micro_batch_size=1)
+    check_bidirectional_rows([8, 8], split="training", cp_size=4, micro_batch_size=2)
+    with pytest.raises(CptuneError, match="cannot split row 2 of the prepared evaluation data: its 7 tokens"):
+        check_bidirectional_rows([4, 8, 7], split="evaluation", cp_size=2, micro_batch_size=1)
+    with pytest.raises(CptuneError, match="row 0 has 4 tokens, row 1 has 8"):
+        check_bidirectional_rows([4, 8], split="training", cp_size=2, micro_batch_size=2)

@@ -9,16 +9,21 @@ from typing import Any, Protocol
 import torch
 
 from cptune.parallel.backends.attention import AttentionCall
-from cptune.parallel.shard import TokenBatch
+from cptune.parallel.shard import TokenBatch, TokenCoords
 
 
 @dataclass(frozen=True)
 class ShardedInputs:
-    """What one rank feeds the model for one micro batch, and the targets of its tokens."""
+    """What one rank feeds the model for one micro batch, the targets of its tokens and where they sit.
+
+    ``coords`` places each of the rank's tokens in the full batch (exact dropout keys its
+    masks on them); None only from a backend that cannot say, which exact dropout refuses.
+    """
 
     model_kwargs: dict[str, Any]
     shift_labels: torch.Tensor
     call: AttentionCall | None
+    coords: TokenCoords | None = None
 
 
 class CpBackend(Protocol):
@@ -34,7 +39,8 @@ class CpBackend(Protocol):
     ``batch_is_sharded`` (True: each rank's batch is its own slice, so a target is
     counted once across the world, not once per CP rank), ``gradient_divisor``
     (what its engine divides the sum of all ranks' gradients by; DDP divides by the
-    world size) and ``wrap_collator(collate) -> collate`` (fits batches to its loader).
+    world size), ``wrap_collator(collate) -> collate`` (fits batches to its loader)
+    and ``batch_number`` (the order its loader gives batches in; see :func:`batch_number`).
     """
 
     #: the ``attn_implementation`` the model must use with this backend
@@ -58,6 +64,18 @@ def gradient_divisor(backend: CpBackend, world_size: int) -> int:
     """What the sum of all ranks' gradients is divided by: the backend's engine's, else DDP's world size."""
     divisor = getattr(backend, "gradient_divisor", None)
     return world_size if divisor is None else int(divisor)
+
+
+def batch_number(backend: CpBackend, micro_index: int, dp_rank: int, dp_size: int) -> int:
+    """Which batch of the data loader's order a rank trains as its ``micro_index``-th micro batch.
+
+    accelerate's loader hands batch ``i`` to data-parallel group ``i % dp_size``
+    (``BatchSamplerShard``; the ranks of a CP group share it), so micro batch ``n`` of
+    group ``d`` is batch ``n·dp_size + d``; a backend whose loader orders batches
+    otherwise defines ``batch_number`` itself (DeepSpeed's Ulysses adapter).
+    """
+    own = getattr(backend, "batch_number", None)
+    return micro_index * dp_size + dp_rank if own is None else int(own(micro_index, dp_rank, dp_size))
 
 
 def wrap_collator(backend: CpBackend, collate: Any) -> Any:

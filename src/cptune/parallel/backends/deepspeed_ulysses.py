@@ -46,7 +46,7 @@ from cptune.parallel.backends.document_attention import (
     DOCUMENT_ATTENTION_NAME,
     DocumentAttention,
 )
-from cptune.parallel.shard import TokenBatch, pad_tokens
+from cptune.parallel.shard import TokenBatch, TokenCoords, pad_tokens
 from cptune.tokens import IGNORE_INDEX
 
 INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20' (or the cptune[deepspeed] extra)"
@@ -296,6 +296,7 @@ class DeepSpeedUlyssesBackend:
         core_attention: str,
         causal: bool,
         cp_size: int,
+        cp_rank: int,
         gradient_divisor: int,
         pad_token_id: int,
         fixed_length: int | None = None,
@@ -304,6 +305,8 @@ class DeepSpeedUlyssesBackend:
         self.attn_implementation = CORE_ATTENTION_NAMES[core_attention]
         self.causal = causal
         self.cp_size = cp_size
+        #: this rank's place in its sequence-parallel group (DeepSpeed's groups are consecutive ranks)
+        self.cp_rank = cp_rank
         #: what DeepSpeed divides the sum of all ranks' gradients by
         self.gradient_divisor = gradient_divisor
         self.pad_token_id = pad_token_id
@@ -315,7 +318,26 @@ class DeepSpeedUlyssesBackend:
         if self.core_attention == "cptune":
             call = AttentionCall(attend=DocumentAttention(self.causal))
             kwargs[ATTENTION_KWARG] = call
-        return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=call)
+        # The adapter gave this rank the contiguous slice cp_rank of each padded row
+        # (ulysses_sp.py:724). Evaluation runs whole rows on each rank, but there dropout, the
+        # only reader of the coordinates, is off.
+        rows, tokens = batch.shape
+        columns = torch.arange(tokens, device=batch.input_ids.device) + self.cp_rank * tokens
+        coords = TokenCoords(
+            rows=torch.arange(rows, device=columns.device).unsqueeze(1).expand(rows, tokens),
+            columns=columns.expand(rows, tokens),
+        )
+        return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=call, coords=coords)
+
+    def batch_number(self, micro_index: int, dp_rank: int, dp_size: int) -> int:
+        """Which batch of the data loader's order this rank's micro batch ``micro_index`` is.
+
+        Every rank loads its own batches (rank ``r`` gets batches ``k·W + r``), and the
+        adapter has a sequence-parallel group train the batches of its ``C`` ranks one
+        after another, one per micro step (ulysses_sp.py:651-726).
+        """
+        world = dp_size * self.cp_size
+        return (micro_index // self.cp_size) * world + dp_rank * self.cp_size + micro_index % self.cp_size
 
     def wrap_collator(self, collate: Callable[[Any], dict[str, Any]]) -> UlyssesCollator:
         return UlyssesCollator(collate, self.cp_size, self.pad_token_id, self.fixed_length)

@@ -17,7 +17,7 @@ from cptune.parallel.backends.attention import (
     sdpa_tokens_first,
 )
 from cptune.parallel.backends.base import ShardedInputs
-from cptune.parallel.shard import TokenBatch, document_starts
+from cptune.parallel.shard import TokenBatch, document_starts, full_coords
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -35,8 +35,11 @@ class LocalBackend:
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        coords = full_coords(batch.shape, batch.input_ids.device)
         if self.causal:
-            return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None)
+            return ShardedInputs(
+                model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None, coords=coords
+            )
         mask = document_mask(batch.position_ids)
 
         def attend(q, k, v, scale):
@@ -44,5 +47,8 @@ class LocalBackend:
 
         call = AttentionCall(attend=attend)
         return ShardedInputs(
-            model_kwargs={**kwargs, ATTENTION_KWARG: call}, shift_labels=batch.shift_labels, call=call
+            model_kwargs={**kwargs, ATTENTION_KWARG: call},
+            shift_labels=batch.shift_labels,
+            call=call,
+            coords=coords,
         )

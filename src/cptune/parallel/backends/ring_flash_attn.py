@@ -118,7 +118,9 @@ class RingFlashAttnBackend:
         call = AttentionCall(attend=attend)
         tokens = shard.tokens
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
-        return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call)
+        return ShardedInputs(
+            model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=shard.coords
+        )
 
     def _varlen_attend(self, cu_seqlens: torch.Tensor):
         cu_q, cu_k, max_q, max_k, k_slice = self.kernels.prepare_cu_seqlens(

@@ -115,6 +115,7 @@ def _deepspeed(recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> Backend
             core_attention=core,
             causal=recipe.causal,
             cp_size=dims.cp_size,
+            cp_rank=dims.cp_rank(accelerator.process_index),
             gradient_divisor=ulysses.gradient_divisor(stage, dims.world_size, dims.cp_size),
             pad_token_id=pad_token_id,
             fixed_length=ulysses.gloo_fixed_length(recipe.sequence_len, dims.cp_size),
@@ -224,6 +225,44 @@ def sequence_split(recipe: Recipe) -> str:
     return "zigzag" if recipe.resolved_ring_attn_func == "batch_zigzag" else "contiguous"
 
 
+# Config keys of dropouts on hidden states (and GPT-2-style attention probabilities) in transformers'
+# decoder models. Llama, Qwen2/3 and Mistral have none of them (only attention_dropout).
+HIDDEN_DROPOUT_KEYS = (
+    "hidden_dropout",
+    "hidden_dropout_prob",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "embedding_dropout",
+    "residual_dropout",
+    "activation_dropout",
+    "ffn_dropout",
+    "dropout",
+)
+
+
+def check_hidden_dropout(text_config: Any) -> None:
+    """Refuse a model's own dropout under CP: its masks come from each rank's generator.
+
+    torch's dropout draws masks element by element from the process's generator, so CP
+    rank ``r`` would draw the bits rank 0 draws, not its slice of the masks a cp=1 run
+    draws. LoRA dropout is made exact (:mod:`cptune.parallel.dropout`); a model's own
+    dropout runs inside its code, where cptune cannot key it.
+
+    Raises:
+        CptuneError: the config enables one (checked before any weight is loaded).
+    """
+    for key in HIDDEN_DROPOUT_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            raise CptuneError(
+                f"base_model: its config sets {key}: {value}, a dropout inside the model whose masks cptune "
+                "cannot split exactly across context-parallel ranks (each rank would draw its own instead of "
+                f"its slice of the cp=1 masks). Set {key} to 0 in the model's config.json (fine-tunes rarely "
+                "use it; lora_dropout is exact under CP), or use context_parallel_size: 1."
+            )
+
+
 def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None) -> None:
     """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
     text = config.get_text_config()
@@ -260,6 +299,7 @@ def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_cl
         )
     if not dims.cp_enabled:
         return
+    check_hidden_dropout(text)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     if recipe.cp_backend == "ring-flash-attn" and recipe.resolved_ring_attn_func == "varlen_llama3":
         from cptune.parallel.backends.ring_flash_attn import check_heads_k_stride
@@ -269,3 +309,34 @@ def check_model_config(recipe: Recipe, dims: ParallelDims, config: Any, model_cl
         from cptune.parallel.backends.deepspeed_ulysses import check_heads
 
         check_heads(text, dims.cp_size, recipe.resolved_ulysses_attn_implementation)
+
+
+def check_prepared_rows(recipe: Recipe, prepared: Any) -> None:
+    """Refuse prepared data that the recipe's backend would stop on at its first batch.
+
+    cp_backend: torch with ``causal: false`` takes rows of one document whose length splits
+    evenly over the CP ranks and, with more than one row per batch, rows of one length
+    (:func:`~cptune.parallel.backends.torch_cp.check_bidirectional_rows`).
+
+    Args:
+        recipe: The validated recipe.
+        prepared: Its :class:`~cptune.data.prepare.PreparedData`.
+    """
+    if recipe.context_parallel_size == 1 or recipe.cp_backend != "torch" or recipe.causal:
+        return
+    if recipe.pad_to_sequence_len:
+        return  # batches are not the rows as prepared; the recipe rules refuse this with causal: false
+    import pyarrow.compute as pc
+
+    from cptune.parallel.backends.torch_cp import check_bidirectional_rows
+
+    for split, rows in (("training", prepared.train), ("evaluation", prepared.eval)):
+        if rows is None or len(rows) == 0:
+            continue
+        lengths = pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
+        check_bidirectional_rows(
+            lengths,
+            split=split,
+            cp_size=recipe.context_parallel_size,
+            micro_batch_size=recipe.micro_batch_size,
+        )

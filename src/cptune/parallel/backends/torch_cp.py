@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import ShardedInputs
-from cptune.parallel.shard import TokenBatch, pad_tokens, shard_zigzag, split_contiguous
+from cptune.parallel.shard import TokenBatch, contiguous_coords, pad_tokens, shard_zigzag, split_contiguous
 from cptune.tokens import IGNORE_INDEX, document_starts
 
 COMM_STRATEGIES = ("allgather", "alltoall")
@@ -106,6 +106,41 @@ def check_batch(batch: TokenBatch, *, causal: bool, cp_size: int) -> None:
         )
 
 
+def check_bidirectional_rows(lengths: list[int], *, split: str, cp_size: int, micro_batch_size: int) -> None:
+    """Refuse prepared rows that :func:`check_batch` would stop on mid-run, with causal: false.
+
+    Checked on the prepared data before anything starts (cptune train, evaluate and preprocess),
+    so a bad row does not stop a run at the first batch that holds it.
+
+    Args:
+        lengths: Token count of every prepared row of the split, in order.
+        split: ``training`` or ``evaluation``, for the message.
+        cp_size: Ranks that split each row.
+        micro_batch_size: Rows per batch; more than one pads rows to the longest of their batch.
+
+    Raises:
+        CptuneError: A row does not split evenly over the ranks, or rows a batch may hold together
+            differ in length.
+    """
+    uneven = next((i for i, n in enumerate(lengths) if n % cp_size), None)
+    if uneven is not None:
+        raise CptuneError(
+            f"cp_backend: torch with causal: false cannot split row {uneven} of the prepared {split} data: its "
+            f"{lengths[uneven]} tokens are not a multiple of context_parallel_size={cp_size}, and torch's "
+            "context-parallel attention takes no padding mask to pad it with. "
+            f"{RING_FLASH_ATTN_HINT}, or data whose samples are multiples of {cp_size} tokens long."
+        )
+    other = next((i for i, n in enumerate(lengths) if n != lengths[0]), None)
+    if micro_batch_size > 1 and other is not None:
+        raise CptuneError(
+            f"cp_backend: torch with causal: false and micro_batch_size: {micro_batch_size} would pad rows of "
+            f"different lengths in one batch (prepared {split} data: row 0 has {lengths[0]} tokens, row "
+            f"{other} has {lengths[other]}), and torch's context-parallel attention takes no padding mask. "
+            "Use micro_batch_size: 1 (with more gradient_accumulation_steps), or cp_backend: ring-flash-attn, "
+            "which masks padding."
+        )
+
+
 class TorchCpBackend:
     """Shards batches for one CP group and attends with torch's context-parallel ring attention."""
 
@@ -129,7 +164,8 @@ class TorchCpBackend:
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         check_batch(batch, causal=self.causal, cp_size=self.cp_size)
         if self.load_balance:
-            tokens = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id).tokens
+            shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
+            tokens, coords = shard.tokens, shard.coords
         else:
             padded = pad_tokens(batch, self.cp_size, self.pad_token_id)
             tokens = TokenBatch(
@@ -138,9 +174,10 @@ class TorchCpBackend:
                     for t in (padded.input_ids, padded.position_ids, padded.shift_labels)
                 )
             )
+            coords = contiguous_coords(batch.shape, self.cp_size, self.cp_rank, batch.input_ids.device)
         call = AttentionCall(attend=self._attend)
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
-        return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call)
+        return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)
 
     def _attend(self, query, key, value, scale):
         from torch.distributed.tensor import DTensor, Shard
