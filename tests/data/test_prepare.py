@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast
 import cptune
 from cptune.config.recipe import Recipe
 from cptune.data import prepare as prepare_module
-from cptune.data.cache import COMPLETE_MARKER, compute_fingerprint, is_complete, lock_path
+from cptune.data.cache import BUILT_MARKER, compute_fingerprint, is_built, lock_path
 from cptune.data.prepare import cached_stats, prepare_datasets, resolve_sources
 from cptune.errors import DataError
 from cptune.tiny import build_tiny_tokenizer
@@ -228,11 +228,11 @@ def test_leftovers_of_a_crash_are_ignored_and_rebuilt(
     (root / f".tmp-{key}-12345-deadbeef" / "train").mkdir(parents=True)
     (root / key / "train").mkdir(parents=True)
     (root / key / "stats.json").write_text("{}")
-    assert not is_complete(root / key, key)
+    assert not is_built(root / key, key)
     prepared = prepare_datasets(recipe, tokenizer, log=quiet)
-    assert not prepared.stats.from_cache and is_complete(root / key, key)
+    assert not prepared.stats.from_cache and is_built(root / key, key)
     assert not list(root.glob(".tmp-*"))
-    assert json.loads((root / key / COMPLETE_MARKER).read_text())["fingerprint"] == key
+    assert json.loads((root / key / BUILT_MARKER).read_text())["fingerprint"] == key
 
 
 CHILD = """

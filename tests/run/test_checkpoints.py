@@ -10,10 +10,10 @@ import pytest
 from cptune.config.loader import validate_recipe
 from cptune.errors import CptuneError
 from cptune.run.checkpoints import (
-    COMPLETE_MARKER,
+    CHECKPOINT_MARKER,
     STAGING_DIR,
     complete_checkpoints,
-    is_complete,
+    is_complete_checkpoint,
     latest_complete_checkpoint,
     resume_checkpoint,
     rotate,
@@ -63,8 +63,8 @@ def recipe(tmp_path: Path, resume) -> object:
 
 def test_a_saved_checkpoint_is_complete_and_lists_its_files(tmp_path):
     path = save(tmp_path, 3)
-    assert path == tmp_path / "checkpoint-3" and is_complete(path)
-    marker = json.loads((path / COMPLETE_MARKER).read_text())
+    assert path == tmp_path / "checkpoint-3" and is_complete_checkpoint(path)
+    marker = json.loads((path / CHECKPOINT_MARKER).read_text())
     assert marker["step"] == 3 and set(marker["files"]) >= {"optimizer.pt", "rng_state_0.pth"}
     assert not (tmp_path / STAGING_DIR).exists()
 
@@ -86,10 +86,10 @@ def test_a_crash_during_the_write_leaves_the_previous_checkpoint_and_nothing_tha
 def test_a_folder_missing_a_listed_file_or_with_another_size_is_not_complete(tmp_path):
     path = save(tmp_path, 2)
     (path / "optimizer.pt").write_text("truncated")
-    assert not is_complete(path)
+    assert not is_complete_checkpoint(path)
     other = save(tmp_path, 4)
     (other / "rng_state_0.pth").unlink()
-    assert not is_complete(other)
+    assert not is_complete_checkpoint(other)
     bare = tmp_path / "checkpoint-8"  # e.g. written by another tool, or copied in part
     bare.mkdir()
     (bare / "optimizer.pt").write_text("x")
@@ -102,7 +102,7 @@ def test_a_marker_copied_from_another_step_does_not_count(tmp_path):
     copy.mkdir()
     for file in path.iterdir():
         (copy / file.name).write_bytes(file.read_bytes())
-    assert not is_complete(copy)
+    assert not is_complete_checkpoint(copy)
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints_and_ignores_partial_ones(tmp_path):
@@ -120,7 +120,7 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     save(tmp_path, 4)
     (tmp_path / "checkpoint-4" / "stale.txt").write_text("from the first run")
     save(tmp_path, 4)
-    assert is_complete(tmp_path / "checkpoint-4")
+    assert is_complete_checkpoint(tmp_path / "checkpoint-4")
     assert not (tmp_path / "checkpoint-4" / "stale.txt").exists()
 
 

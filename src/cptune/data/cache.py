@@ -7,9 +7,10 @@ merges, special tokens, chat template), the data keys of the recipe, and
 :data:`DATA_FORMAT_VERSION`. A matching folder is reused; a changed input gives
 a new fingerprint and therefore a new folder.
 
-Writes are atomic: a folder is built under a temporary name beside its final
-name, its files are flushed, a ``COMPLETE`` marker holding the fingerprint is
-written last, and only then is it renamed into place. Several processes (the
+Writes are atomic (:func:`cptune.atomic.publish_folder`): a folder is built under a
+temporary name beside its final name, its files are flushed, the :data:`BUILT_MARKER`
+holding the fingerprint is written last, and only then is it renamed into place; a folder
+is a finished build (:func:`is_built`) when that marker names its fingerprint. Several processes (the
 ranks of one launch) may start at once: an exclusive ``fcntl.flock`` on a lock
 file per fingerprint lets exactly one build while the others wait and then
 load. ``flock`` needs a file system that supports it across the processes that
@@ -31,17 +32,18 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from cptune.atomic import Marker, publish_folder
 from cptune.config.recipe import DatasetConfig, Recipe
 from cptune.data.chat_templates import template_text
 from cptune.data.sources import ResolvedSource
 
 __all__ = [
-    "COMPLETE_MARKER",
+    "BUILT_MARKER",
     "DATA_FORMAT_VERSION",
     "build_once",
     "compute_fingerprint",
     "file_sha256",
-    "is_complete",
+    "is_built",
     "lock_path",
     "tokenizer_fingerprint",
 ]
@@ -52,7 +54,11 @@ DATA_FORMAT_VERSION = 2
 2: the cache holds ``documents.arrow`` (every row's length before the length policy).
 """
 
-COMPLETE_MARKER = "COMPLETE"
+BUILT_MARKER = "COMPLETE"
+"""Written last into a cache folder built whole; it holds the fingerprint the folder was built for.
+
+(Not a checkpoint's marker: :data:`cptune.run.checkpoints.CHECKPOINT_MARKER` lists files and sizes.)
+"""
 
 # Recipe keys that change the prepared rows. dataset_processes is absent on
 # purpose: the same rows come out whatever the number of workers.
@@ -158,9 +164,9 @@ def lock_path(root: str | os.PathLike[str], fingerprint: str) -> Path:
     return Path(root) / f".{fingerprint}.lock"
 
 
-def is_complete(folder: str | os.PathLike[str], fingerprint: str | None = None) -> bool:
-    """Whether ``folder`` is a finished build (its marker exists and names ``fingerprint``)."""
-    marker = Path(folder) / COMPLETE_MARKER
+def is_built(folder: str | os.PathLike[str], fingerprint: str | None = None) -> bool:
+    """Whether ``folder`` is a finished build (its :data:`BUILT_MARKER` exists and names ``fingerprint``)."""
+    marker = Path(folder) / BUILT_MARKER
     try:
         written = json.loads(marker.read_text())
     except (OSError, ValueError):
@@ -181,24 +187,6 @@ def _exclusive(path: Path, log: Callable[[str], None]) -> Iterator[None]:
     finally:
         # Closing the descriptor releases the lock. The lock file stays: deleting
         # it would let a waiter and a newcomer lock two different files.
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    # Flush every file before the marker, so that after a power loss a folder
-    # with a marker also has its data.
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
         os.close(fd)
 
 
@@ -223,10 +211,10 @@ def build_once(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / fingerprint
-    if is_complete(final, fingerprint):
+    if is_built(final, fingerprint):
         return final, False
     with _exclusive(lock_path(root, fingerprint), log):
-        if is_complete(final, fingerprint):
+        if is_built(final, fingerprint):
             return final, False
         # Holding the lock, nobody else builds this fingerprint: anything under
         # its names is left over from a crash and is removed.
@@ -238,13 +226,8 @@ def build_once(
         staging.mkdir()
         try:
             build(staging)
-            _fsync_tree(staging)
-            marker = staging / COMPLETE_MARKER
-            marker.write_text(json.dumps({"fingerprint": fingerprint, "version": DATA_FORMAT_VERSION}))
-            with open(marker, "rb") as handle:
-                os.fsync(handle.fileno())
-            os.replace(staging, final)
-            _fsync_dir(root)
+            content = {"fingerprint": fingerprint, "version": DATA_FORMAT_VERSION}
+            publish_folder(staging, final, marker=Marker(BUILT_MARKER, content))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -28,7 +28,7 @@ from datasets.table import InMemoryTable
 from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig, Recipe
-from cptune.data.cache import build_once, compute_fingerprint, is_complete
+from cptune.data.cache import build_once, compute_fingerprint, is_built
 from cptune.data.formats import build_formatter, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
 from cptune.data.rows import count_tokens, tokenize_dataset
@@ -136,7 +136,7 @@ def cached_stats(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> str | No
     """
     fingerprint = compute_fingerprint(recipe, tokenizer, resolve_sources(recipe))
     folder = Path(recipe.dataset_prepared_path) / fingerprint
-    if not is_complete(folder, fingerprint):
+    if not is_built(folder, fingerprint):
         return None
     stats = PrepStats.from_json((folder / _STATS_FILE).read_text())
     stats.from_cache = True

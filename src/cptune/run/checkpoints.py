@@ -4,10 +4,11 @@ The Trainer writes a checkpoint file by file, from several processes (rank 0
 writes the model, optimizer and trainer state; every rank its RNG state). A
 crash half-way would leave ``checkpoint-N`` looking like a checkpoint. cptune
 therefore has the Trainer write into ``output_dir/.cptune-staging/checkpoint-N``;
-once every rank has finished, rank 0 writes a completion marker (the list of
+once every rank has finished, rank 0 writes the :data:`CHECKPOINT_MARKER` (the list of
 files and their sizes) and renames the folder to ``output_dir/checkpoint-N`` in
-one ``rename``. A checkpoint is *complete* when it sits in ``output_dir``, has
-the marker, and every file the marker lists is there with its size. Resume only
+one ``rename`` (:func:`cptune.atomic.publish_folder`). A checkpoint is *complete*
+(:func:`is_complete_checkpoint`) when it sits in ``output_dir``, has the marker, and
+every file the marker lists is there with its size. Resume only
 ever starts from a complete checkpoint; leftovers in the staging folder are
 ignored and removed by the next save.
 """
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from cptune.atomic import Marker, discard_folder, publish_folder
+from cptune.atomic import write_marker as write_folder_marker
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 
@@ -29,7 +31,11 @@ log = logging.getLogger("cptune.checkpoints")
 
 # The Trainer's folder name (transformers.trainer_utils.PREFIX_CHECKPOINT_DIR) and step pattern.
 CHECKPOINT_PREFIX = "checkpoint"
-COMPLETE_MARKER = "cptune_checkpoint_complete.json"
+CHECKPOINT_MARKER = "cptune_checkpoint_complete.json"
+"""Written last into a checkpoint: its step and every file with its size (see :func:`is_complete_checkpoint`).
+
+(Not the data cache's marker: :data:`cptune.data.cache.BUILT_MARKER` holds a fingerprint.)
+"""
 STAGING_DIR = ".cptune-staging"
 _CHECKPOINT_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
 
@@ -49,7 +55,7 @@ def checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted((step, path) for step, path in found if step is not None)
 
 
-def is_complete(path: str | Path) -> bool:
+def is_complete_checkpoint(path: str | Path) -> bool:
     """True when ``path`` holds a finished checkpoint: a valid marker, and every file it lists.
 
     Checking the listed files and sizes (not only the marker) also catches a
@@ -57,7 +63,7 @@ def is_complete(path: str | Path) -> bool:
     """
     path = Path(path)
     try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        marker = json.loads((path / CHECKPOINT_MARKER).read_text())
         files = marker["files"]
         if marker["step"] != checkpoint_step(path):
             return False
@@ -70,7 +76,7 @@ def is_complete(path: str | Path) -> bool:
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """The complete checkpoints in ``output_dir``, oldest first."""
-    return [(step, path) for step, path in checkpoint_folders(output_dir) if is_complete(path)]
+    return [(step, path) for step, path in checkpoint_folders(output_dir) if is_complete_checkpoint(path)]
 
 
 def latest_complete_checkpoint(output_dir: str | Path) -> Path | None:
@@ -91,7 +97,9 @@ def resume_checkpoint(recipe: Recipe) -> Path | None:
     if wanted is True:
         latest = latest_complete_checkpoint(recipe.output_dir)
         if latest is None:
-            partial = [p.name for _, p in checkpoint_folders(recipe.output_dir) if not is_complete(p)]
+            partial = [
+                p.name for _, p in checkpoint_folders(recipe.output_dir) if not is_complete_checkpoint(p)
+            ]
             seen = f" (incomplete, ignored: {', '.join(partial)})" if partial else ""
             raise CptuneError(
                 f"resume_from_checkpoint: there is no complete checkpoint in output_dir '{recipe.output_dir}' "
@@ -100,9 +108,9 @@ def resume_checkpoint(recipe: Recipe) -> Path | None:
             )
         return latest
     path = Path(wanted)
-    if not is_complete(path):
+    if not is_complete_checkpoint(path):
         raise CptuneError(
-            f"resume_from_checkpoint: '{path}' is not a complete cptune checkpoint (no {COMPLETE_MARKER} "
+            f"resume_from_checkpoint: '{path}' is not a complete cptune checkpoint (no {CHECKPOINT_MARKER} "
             "matching its files; a save that was interrupted leaves no such marker). Give a "
             f"'{CHECKPOINT_PREFIX}-N' folder that cptune finished writing, or 'true' for the newest one "
             "in output_dir."
@@ -110,18 +118,14 @@ def resume_checkpoint(recipe: Recipe) -> Path | None:
     return path
 
 
+def checkpoint_marker(step: int) -> Marker:
+    """The :data:`CHECKPOINT_MARKER` of a checkpoint of ``step``: the step, and every file with its size."""
+    return Marker(CHECKPOINT_MARKER, {"step": step}, list_files=True)
+
+
 def write_marker(folder: Path, step: int) -> None:
-    """Flush every file of ``folder`` to disk, then write its completion marker (atomically)."""
-    files: dict[str, int] = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        _fsync_file(path)
-        files[path.relative_to(folder).as_posix()] = path.stat().st_size
-    tmp = folder / (COMPLETE_MARKER + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"step": step, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(folder / COMPLETE_MARKER)
+    """Flush every file of ``folder`` to disk, then write its checkpoint marker (atomically)."""
+    write_folder_marker(folder, checkpoint_marker(step))
 
 
 def publish(staged: Path, final: Path, step: int) -> None:
@@ -132,16 +136,9 @@ def publish(staged: Path, final: Path, step: int) -> None:
     never half-replaced (a crash between the two renames leaves it absent, and
     resume takes the newest complete checkpoint before it).
     """
-    write_marker(staged, step)
-    old = None
-    if final.exists():
-        old = staged.parent / f"replaced-{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    staged.rename(final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_folder(
+        staged, final, marker=checkpoint_marker(step), aside=staged.parent / f"replaced-{final.name}"
+    )
 
 
 def rotate(output_dir: str | Path, save_total_limit: int | None) -> list[Path]:
@@ -159,10 +156,7 @@ def rotate(output_dir: str | Path, save_total_limit: int | None) -> list[Path]:
     if doomed:
         (root / STAGING_DIR).mkdir(exist_ok=True)
     for path in doomed:
-        trash = root / STAGING_DIR / f"deleted-{path.name}"
-        shutil.rmtree(trash, ignore_errors=True)
-        path.rename(trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        discard_folder(path, root / STAGING_DIR / f"deleted-{path.name}")
     return doomed
 
 
@@ -208,20 +202,3 @@ def save_checkpoint_atomically(
         shutil.rmtree(staging_root, ignore_errors=True)
     barrier()  # nobody goes on before the checkpoint is visible (e.g. to a callback that reads it)
     return final
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename is durable only once its directory is flushed; not every platform can open a directory.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -21,7 +21,12 @@ from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.memory_features import install_memory_features
 from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
 from cptune.parallel.layout import ParallelDims
-from cptune.run.checkpoints import COMPLETE_MARKER, checkpoint_step, is_complete, latest_complete_checkpoint
+from cptune.run.checkpoints import (
+    CHECKPOINT_MARKER,
+    checkpoint_step,
+    is_complete_checkpoint,
+    latest_complete_checkpoint,
+)
 from cptune.run.distributed import read_dist_env
 from cptune.run.fsdp import is_sharded_checkpoint
 
@@ -73,9 +78,9 @@ def model_source(checkpoint: str | Path | None) -> ModelSource:
         raise CptuneError(
             f"--checkpoint: '{path}' is not a folder; give output_dir or a checkpoint-N folder of a run."
         )
-    if checkpoint_step(path) is not None and not is_complete(path):
+    if checkpoint_step(path) is not None and not is_complete_checkpoint(path):
         raise CptuneError(
-            f"--checkpoint: '{path}' is an incomplete checkpoint (no {COMPLETE_MARKER} matching its files: "
+            f"--checkpoint: '{path}' is an incomplete checkpoint (no {CHECKPOINT_MARKER} matching its files: "
             "its save was interrupted). Use another checkpoint."
         )
     if (path / ADAPTER_CONFIG).is_file():

@@ -14,6 +14,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from cptune.atomic import publish_folder
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
@@ -95,12 +96,7 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
     shutil.rmtree(staging, ignore_errors=True)
     merged.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    old = target.with_name(f".{target.name}.replaced")
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-    staging.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_folder(staging, target)
     return target
 
 

@@ -14,6 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from cptune.atomic import write_text
 from cptune.svg import bar_chart, histogram
 
 __all__ = ["REPORT_HTML", "REPORT_TEXT", "render_page", "write_report_files"]
@@ -85,7 +86,5 @@ def write_report_files(folder: str | os.PathLike[str], report: dict[str, Any], t
     """Write ``report.txt`` and ``report.html`` into ``folder`` (each replaced whole); returns the page."""
     folder = Path(folder)
     for name, content in ((REPORT_TEXT, text + "\n"), (REPORT_HTML, render_page(report, text))):
-        staging = folder / f".{name}.partial"
-        staging.write_text(content, encoding="utf-8")
-        staging.replace(folder / name)
+        write_text(folder / name, content)
     return folder / REPORT_HTML

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cptune.atomic import write_text
 from cptune.config.recipe import Recipe
 from cptune.models.head_loss import logits_loss
 from cptune.models.loading import (
@@ -245,9 +246,7 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
 
 def _write_train_log(output_dir: Path, history: list[dict[str, Any]]) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir / (TRAIN_LOG_NAME + ".tmp")
-    tmp.write_text(json.dumps(history, indent=1))
-    tmp.replace(output_dir / TRAIN_LOG_NAME)
+    write_text(output_dir / TRAIN_LOG_NAME, json.dumps(history, indent=1))
 
 
 @contextlib.contextmanager
