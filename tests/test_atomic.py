@@ -18,7 +18,9 @@ class Crash(Exception):
 
 
 def tree(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def staged(parent: Path, files: dict[str, str]) -> Path:
@@ -70,7 +72,9 @@ def test_publishing_over_a_folder_replaces_it_whole(tmp_path):
 
 
 @pytest.mark.parametrize("crash_at", [1, 2])
-def test_a_crash_between_the_renames_leaves_the_old_folder_or_none_never_a_mix(tmp_path, monkeypatch, crash_at):
+def test_a_crash_between_the_renames_leaves_the_old_folder_or_none_never_a_mix(
+    tmp_path, monkeypatch, crash_at
+):
     final = tmp_path / "out"
     publish_folder(staged(tmp_path, {"a": "old", "b": "old"}), final)
     staging = staged(tmp_path, {"a": "new"})
