@@ -85,9 +85,26 @@ def _preload() -> None:
     tqdm.get_lock()
 
 
+def render_results_page(results: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The page ``benchmarks.md`` rendered from ``results``, and its charts (file name → SVG text).
+
+    Runs nothing; ``python -m devtools.docgen`` calls it with the committed results.
+    """
+    charts: dict[str, str] = {}
+
+    def save_chart(name: str, svg: str) -> str:
+        charts[name] = svg
+        return f"benchmarks/{name}"
+
+    return render_page(results, MODULES, save_chart, gpu_section(load_gpu_results())), charts
+
+
 def write_page(results: dict[str, Any], out: Path, assets: Path) -> None:
     """``out/benchmarks.md`` and its charts (in ``assets``) from ``results``."""
-    page = render_page(results, MODULES, write_chart(assets, "benchmarks"), gpu_section(load_gpu_results()))
+    page, charts = render_results_page(results)
+    save_chart = write_chart(assets, "benchmarks")
+    for name, svg in charts.items():
+        save_chart(name, svg)
     (out / "benchmarks.md").write_text(page)
 
 

@@ -1,12 +1,12 @@
 """Build ``examples/tiny-llama``: the tiny base model that the quickstart fine-tunes.
 
 The folder holds a byte-level BPE tokenizer and a 2-layer, hidden-64 Llama built
-by :mod:`cptune.tiny`, saved with ``save_pretrained`` so that
+by :mod:`devtools.tiny`, saved with ``save_pretrained`` so that
 ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained``
 load it offline.
 
 * The tokenizer is trained on the quickstart data (alpaca prompts and chat
-  turns), the pre-training prose below and :data:`cptune.tiny.GENERIC_CORPUS`;
+  turns), the pre-training prose below and :data:`devtools.tiny.GENERIC_CORPUS`;
   byte fallback lets it encode any other text.
 * The model is pre-trained for a few seconds on generated prose that states the
   facts and shows the skills the quickstart asks for ("In hex, teal is
@@ -24,7 +24,7 @@ and grows over the steps; ``--check`` therefore compares the tokenizer and
 configs exactly and the weights within a tolerance far below what any change
 to the recipe produces.
 
-Usage (with cptune installed, or ``PYTHONPATH=src``)::
+Usage (with cptune installed, or ``PYTHONPATH=src``; :mod:`devtools.tiny` is found from the checkout)::
 
     python scripts/make_tiny_model.py            # rebuild examples/tiny-llama
     python scripts/make_tiny_model.py --check    # exit 1 if the folder is stale
@@ -44,9 +44,12 @@ import torch
 from make_quickstart_data import ALPACA_PATH, CHAT_PATH, COLOURS, NUMBER_WORDS, OPPOSITES, WORDS
 from safetensors.torch import load_file
 
-from cptune import tiny
-
 REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # devtools/ lives at the root of the checkout, not in the package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from devtools import tiny  # noqa: E402
+
 MODEL_DIR = REPO_ROOT / "examples" / "tiny-llama"
 
 SEED = 0

@@ -26,7 +26,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama and its tokenizer, trained on the quickstart texts, saved like a hub model."""
-    from cptune.tiny import save_tiny_model_dir
+    from devtools.tiny import save_tiny_model_dir
 
     rows = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
     texts = [" ".join([r["instruction"], r.get("input", ""), r["output"]]) for r in rows]

@@ -21,9 +21,8 @@ def run_ranks(script: Path, world_size: int, out_dir: Path, *args: str, timeout:
     port = free_port()
     plan = LaunchPlan(nproc_per_node=world_size)
     base = dict(os.environ)
-    base["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1] / "src"), base.get("PYTHONPATH", "")]
-    )
+    repo = Path(__file__).resolve().parents[1]  # src for cptune, the root for devtools (tiny models)
+    base["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), str(repo), base.get("PYTHONPATH", "")])
     procs = []
     for rank in range(world_size):
         env = child_environment(plan, rank, port, base)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from cptune import tiny
+from devtools import tiny
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DIR = REPO_ROOT / "examples" / "tiny-llama"

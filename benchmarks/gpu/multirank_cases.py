@@ -208,6 +208,6 @@ def llama_31_8b_shaped(layers: int, vocab: int | None = None):
 
 
 def tiny_llama(vocab: int):
-    from cptune.tiny import build_tiny_model, tiny_llama_config
+    from devtools.tiny import build_tiny_model, tiny_llama_config
 
     return lambda: build_tiny_model(tiny_llama_config(vocab, num_key_value_heads=2), seed=1234)

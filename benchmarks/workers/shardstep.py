@@ -4,7 +4,7 @@ The step is what :class:`cptune.run.trainer.CptuneTrainer` does per micro batch,
 without the Trainer around it: the backend chosen by
 :func:`cptune.parallel.backends.select.plan_backend` shards the batch (built by
 cptune's :class:`~cptune.data.collator.PackedCollator`), the tiny Llama of
-:mod:`cptune.tiny` with cptune's LoRA runs forward inside the backend's step
+:mod:`devtools.tiny` with cptune's LoRA runs forward inside the backend's step
 context, the token-weighted loss of :mod:`cptune.parallel.loss` runs backward,
 gradients are averaged over the CP group as DDP would, and AdamW steps.
 
@@ -71,7 +71,7 @@ def make_batch(length: int, documents: Sequence[int] | None = None, seed: int = 
     """One row of ``length`` tokens, all trained: one document, or packed documents of these lengths."""
     from cptune.data.collator import PackedCollator
     from cptune.parallel.shard import TokenBatch
-    from cptune.tiny import PAD_TOKEN_ID
+    from devtools.tiny import PAD_TOKEN_ID
 
     documents = list(documents or [length])
     if sum(documents) != length:
@@ -102,7 +102,7 @@ def setup_backend(recipe: Any, rank: int, world: int) -> CpSetup:
 
     from cptune.parallel.backends.select import plan_backend
     from cptune.parallel.layout import ParallelDims
-    from cptune.tiny import PAD_TOKEN_ID
+    from devtools.tiny import PAD_TOKEN_ID
 
     cp = recipe.context_parallel_size
     plan = plan_backend(recipe, ParallelDims(world_size=world, cp_size=cp), PAD_TOKEN_ID)
@@ -135,7 +135,7 @@ class ShardedStep:
         from cptune.models.memory_features import install_memory_features
         from cptune.parallel.backends.attention import count_attention_layers
         from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS
-        from cptune.tiny import build_tiny_model, tiny_llama_config
+        from devtools.tiny import build_tiny_model, tiny_llama_config
 
         self.setup = setup
         model = build_tiny_model(tiny_llama_config(VOCAB, **(model_overrides or {})), seed=0)

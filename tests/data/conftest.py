@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from cptune.config.recipe import Recipe
-from cptune.tiny import GENERIC_CORPUS, build_tiny_tokenizer
+from devtools.tiny import GENERIC_CORPUS, build_tiny_tokenizer
 
 # Texts the tokenizer is trained on; the data below reuses their words so that
 # rows encode into real merges, not only bytes.

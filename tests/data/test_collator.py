@@ -10,7 +10,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from cptune.data.collator import IGNORE_INDEX, PackedCollator, document_starts, shift_labels_within_documents
 from cptune.data.packing import pack_samples
-from cptune.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_model, tiny_llama_config
 
 
 def test_shift_labels_stop_at_document_ends() -> None:

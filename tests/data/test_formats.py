@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 from cptune.config.recipe import DatasetConfig
 from cptune.data.formats import CHATML_TEMPLATE, RowProblem, Sample, build_formatter
 from cptune.errors import DataError
-from cptune.tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, IM_END_TOKEN_ID
+from devtools.tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, IM_END_TOKEN_ID
 
 IGNORE = -100
 LABEL = "datasets[0] (data.jsonl)"

@@ -21,7 +21,7 @@ from cptune.data import prepare as prepare_module
 from cptune.data.cache import BUILT_MARKER, compute_fingerprint, is_built, lock_path
 from cptune.data.prepare import cached_stats, prepare_datasets, resolve_sources
 from cptune.errors import DataError
-from cptune.tiny import build_tiny_tokenizer
+from devtools.tiny import build_tiny_tokenizer
 
 MakeRecipe = Callable[..., Recipe]
 
@@ -239,7 +239,7 @@ CHILD = """
 import hashlib, json, sys
 from cptune.config.recipe import Recipe
 from cptune.data.prepare import prepare_datasets
-from cptune.tiny import build_tiny_tokenizer
+from devtools.tiny import build_tiny_tokenizer
 
 recipe = Recipe.model_validate_json(sys.argv[1])
 tokenizer = build_tiny_tokenizer(json.loads(sys.argv[2]))
@@ -263,7 +263,8 @@ def test_concurrent_processes_prepare_once(
     )
     root = Path(recipe.dataset_prepared_path)
     root.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(Path(cptune.__file__).parents[1])}
+    repo = Path(__file__).resolve().parents[2]  # cptune (src) and devtools (the root)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(cptune.__file__).parents[1]), str(repo)])}
     command = [sys.executable, "-c", CHILD, recipe.model_dump_json(), json.dumps(tokenizer_texts)]
     # Hold the lock so that both processes are certainly waiting at the same time.
     lock = os.open(lock_path(root, fingerprint(recipe, tokenizer)), os.O_RDWR | os.O_CREAT)

@@ -11,7 +11,7 @@ from cptune.config.recipe import DatasetConfig
 from cptune.data.formats import build_formatter
 from cptune.data.prompts import Prompter
 from cptune.errors import DataError
-from cptune.tiny import EOS_TOKEN_ID, IM_END_TOKEN_ID
+from devtools.tiny import EOS_TOKEN_ID, IM_END_TOKEN_ID
 
 ALPACA = [
     {"instruction": "Add the numbers.", "input": "2 and 3", "output": "The sum is 5."},

@@ -7,11 +7,11 @@ import inspect
 import pytest
 
 from cptune.config.recipe import RULES, DatasetConfig, Recipe
-from cptune.docs import REGENERATE_COMMAND, generated_pages
-from cptune.docs.__main__ import main, stale_pages
-from cptune.docs.patch_list import import_patches, run_patches
-from cptune.docs.recipe_reference import recipe_sections
 from cptune.patches.registry import build_patches
+from devtools.docgen import REGENERATE_COMMAND, generated_pages
+from devtools.docgen.__main__ import main, stale_pages
+from devtools.docgen.patch_list import import_patches, run_patches
+from devtools.docgen.recipe_reference import recipe_sections
 from tests.conftest import REPO
 
 PAGES = generated_pages()
@@ -23,7 +23,7 @@ def test_committed_page_is_up_to_date(relative: str):
     committed = path.read_text(encoding="utf-8") if path.is_file() else ""
     assert committed == PAGES[relative], (
         f"{relative} is out of date with the code. Regenerate it from the repository root with "
-        f"`{REGENERATE_COMMAND}` (in a checkout: PYTHONPATH=src python -m cptune.docs) and commit the result."
+        f"`{REGENERATE_COMMAND}` and commit the result."
     )
 
 
@@ -75,8 +75,8 @@ def test_patch_page_lists_every_patch_of_every_backend():
 
 def test_check_command_reports_a_stale_page(tmp_path, capsys):
     assert stale_pages(REPO) == []
-    (tmp_path / "docs" / "reference").mkdir(parents=True)
     for relative, text in PAGES.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text, encoding="utf-8")
     assert main(["--check", "--root", str(tmp_path)]) == 0
     (tmp_path / "docs/reference/patches.md").write_text("old\n", encoding="utf-8")

@@ -22,7 +22,7 @@ from cptune.errors import CptuneError
 from cptune.models.head_loss import HeadLoss, check_head_loss_supported, logits_loss
 from cptune.models.offload import ActivationOffloader, enable_activation_offloading
 from cptune.models.tiled_mlp import decoder_mlps, enable_tiled_mlp, tiled_mlp
-from cptune.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB, TOKENS = 97, 40
 TILED_GRAD_TOL = 2e-6

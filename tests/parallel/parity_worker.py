@@ -41,7 +41,7 @@ from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import PatchSet
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
-from cptune.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
 # SGD: its update is linear in the gradient, so the losses after each step show a gradient error

@@ -124,7 +124,7 @@ def traced_peak(config: dict, mixed: bool, lora: bool, features: tuple[str, ...]
     from cptune.models.offload import enable_activation_offloading
     from cptune.models.tiled_mlp import enable_tiled_mlp
     from cptune.parallel.loss import token_loss_sum
-    from cptune.tiny import build_tiny_model, tiny_llama_config
+    from devtools.tiny import build_tiny_model, tiny_llama_config
 
     model = build_tiny_model(tiny_llama_config(**config), seed=0)
     if mixed:

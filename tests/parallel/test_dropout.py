@@ -100,7 +100,7 @@ def test_refuses_inputs_that_are_not_the_batch_tokens_and_calls_outside_the_trai
 def test_swaps_peft_lora_dropout_and_leaves_zero_dropout_alone():
     from peft import LoraConfig, get_peft_model
 
-    from cptune.tiny import build_tiny_model, tiny_llama_config
+    from devtools.tiny import build_tiny_model, tiny_llama_config
 
     def lora(p: float):
         model = build_tiny_model(tiny_llama_config(64), seed=0)

@@ -47,7 +47,7 @@ from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_co
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import PatchSet
 from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
-from cptune.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
 STEPS = 3

@@ -3,7 +3,7 @@
 Each :class:`Case` builds one bad input in a fresh workspace (a recipe, data
 files, an output folder), names the command line that meets it, and the exact
 fragment of the message the user must see. ``test_catalogue.py`` runs every case
-through the real CLI; ``scripts/gen_troubleshooting.py`` renders the same cases
+through the real CLI; ``python -m devtools.docgen`` renders the same cases
 as ``docs/troubleshooting.md``, so the page cannot drift from what the code says.
 
 A few user-facing errors cannot be met cheaply through the CLI before a run starts (they

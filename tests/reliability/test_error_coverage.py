@@ -125,7 +125,7 @@ def test_every_user_facing_error_has_a_troubleshooting_entry():
     assert not missing, (
         "user-facing errors without an entry on docs/troubleshooting.md; add a Case (or, if the CLI "
         "cannot meet it before a run starts, a Documented entry) to tests/reliability/catalogue.py, then "
-        "run scripts/gen_troubleshooting.py:\n"
+        "run python -m devtools.docgen:\n"
         + "\n".join(f"  {s.where}: {' ... '.join(s.texts)[:160]}" for s in missing)
     )
 

@@ -10,7 +10,7 @@ from cptune.parallel.backends.attention import (
 )
 from cptune.parallel.backends.local import LocalBackend
 from cptune.parallel.shard import TokenBatch
-from cptune.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_model, tiny_llama_config
 
 
 def tiny_model():

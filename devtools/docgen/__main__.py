@@ -1,4 +1,4 @@
-"""``python -m cptune.docs [--check] [--root DIR]``: write or check the generated documentation pages."""
+"""``python -m devtools.docgen [--check] [--root DIR]``: write or check every generated documentation page."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cptune.docs import REGENERATE_COMMAND, generated_pages
+from devtools.docgen import REGENERATE_COMMAND, generated_pages
 
 
 def stale_pages(root: Path) -> list[str]:
@@ -35,7 +35,7 @@ def write_pages(root: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=REGENERATE_COMMAND, description="Write (or check) docs/reference/*.md from the code."
+        prog=REGENERATE_COMMAND, description="Write (or check) every generated page under docs/."
     )
     parser.add_argument("--check", action="store_true", help="Change nothing; exit 1 if a page is stale.")
     parser.add_argument(
