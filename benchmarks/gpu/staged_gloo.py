@@ -14,7 +14,7 @@ is not ``ProcessGroup`` itself, so ``batch_isend_irecv`` issues each ``isend``/`
 own (torch/distributed/distributed_c10d.py, ``batch_isend_irecv``); sends are asynchronous and
 receives block, which cannot deadlock as long as every rank posts its sends of a batch before
 its receives, as ring-flash-attn's ``RingComm`` does. Used by :mod:`benchmarks.gpu.multirank`
-and tested on CPU by tests/parallel/kernels/test_ring_cpu_distributed.py.
+and tested on CPU by tests/parallel/kernel_tests/test_ring_cpu_distributed.py.
 """
 
 from __future__ import annotations

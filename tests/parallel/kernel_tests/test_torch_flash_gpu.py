@@ -3,7 +3,7 @@
 The checks are ``benchmarks/gpu/check_kernels.py``'s (the lease script runs them and records the
 numbers): forward, LSE and gradients of the real ``aten._flash_attention_forward/backward``
 through the adapter, in bf16 and fp16, against float64 attention and the stand-ins. A skip here
-proves nothing; the CPU side of the same logic is tests/parallel/kernels/test_torch_flash.py.
+proves nothing; the CPU side of the same logic is tests/parallel/kernel_tests/test_torch_flash.py.
 """
 
 from __future__ import annotations

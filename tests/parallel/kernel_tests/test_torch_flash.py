@@ -5,7 +5,7 @@ and infinities, in-place gradient writes, masks, GQA, merged-LSE backward) runs 
 float64 op with the same contract (``benchmarks/gpu/reference_ops.py``), and is compared with the
 plain float64 reference and with the CPU stand-ins. Its calls are also bound to the real ops'
 schemas of the installed torch on meta tensors. The same checks on the real CUDA ops are
-``benchmarks/gpu/check_kernels.py`` (and tests/parallel/kernels/test_torch_flash_gpu.py).
+``benchmarks/gpu/check_kernels.py`` (and tests/parallel/kernel_tests/test_torch_flash_gpu.py).
 """
 
 from __future__ import annotations
