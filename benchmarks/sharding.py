@@ -82,7 +82,7 @@ def _estimate(recipe: dict[str, Any], world: int) -> dict[str, int]:
     from cptune.config.loader import validate_recipe
     from cptune.models.sizing import count_parameters
     from cptune.parallel.layout import ParallelDims
-    from cptune.parallel.memory import fsdp_state_memory, optimizer_state_elements
+    from cptune.parallel.memory import fsdp_state_memory, optimizer_state
 
     parsed = validate_recipe(recipe)
     dims = ParallelDims.from_recipe(parsed, world)
@@ -90,7 +90,7 @@ def _estimate(recipe: dict[str, Any], world: int) -> dict[str, int]:
     memory = fsdp_state_memory(
         total=counts.total,
         trainable=counts.trainable,
-        optimizer_elements=optimizer_state_elements(parsed.optimizer, counts.trainable_shapes),
+        optimizer=optimizer_state(parsed.optimizer, counts.trainable_shapes),
         dtype_bytes=counts.dtype_bytes,
         shard_ranks=dims.shard_group_size,
     )

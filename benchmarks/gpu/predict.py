@@ -61,7 +61,7 @@ def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bo
     return memory.fsdp_state_memory(
         total=shape.parameters + adapter,
         trainable=adapter,
-        optimizer_elements=2 * adapter,
+        optimizer=memory.OptimizerState(2 * adapter),
         dtype_bytes=2 if mixed else 4,
         shard_ranks=shard_ranks,
         trained_bytes=4,

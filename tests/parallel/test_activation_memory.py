@@ -20,11 +20,12 @@ import torch
 from cptune.parallel.memory import (
     ActivationSetup,
     ModelShape,
+    StateLayout,
     activation_memory,
-    fsdp_state_memory,
     longest_tokens,
     mlp_tiles,
-    optimizer_state_elements,
+    optimizer_state,
+    state_memory,
 )
 
 GiB = 1 << 30
@@ -38,14 +39,13 @@ H100_USABLE = 81_559 * (1 << 20) - 2 * GiB  # what cptune validate assumes for a
 
 
 def lora_states() -> float:
-    adam = optimizer_state_elements("adamw_torch_fused", [(LORA_PARAMETERS,)])
-    return fsdp_state_memory(
+    return state_memory(
         total=BASE_PARAMETERS + LORA_PARAMETERS,
         trainable=LORA_PARAMETERS,
-        optimizer_elements=adam,
+        optimizer=optimizer_state("adamw_torch_fused", [(LORA_PARAMETERS,)]),
         dtype_bytes=2,
-        shard_ranks=1,
-        trained_bytes=4,
+        layout=StateLayout(),
+        lora=True,
     ).total
 
 

@@ -68,7 +68,7 @@ def test_validate_shows_the_fsdp2_mesh_and_state_memory_per_rank(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from cptune.parallel.memory import format_bytes, fsdp_state_memory
+    from cptune.parallel.memory import OptimizerState, format_bytes, fsdp_state_memory
 
     recipe = write_recipe(context_parallel_size=2, fsdp_version=2, dp_shard_size=2)
     done = run_cptune(
@@ -91,7 +91,11 @@ def test_validate_shows_the_fsdp2_mesh_and_state_memory_per_rank(
     assert f"{total:,} parameters, {trained:,} trained (LoRA adapter), adamw_torch" in done.stdout
     for name, ranks in (("FSDP2 over 4 ranks", 4), ("every rank whole (plain DDP)", 1)):
         memory = fsdp_state_memory(
-            total=total, trainable=trained, optimizer_elements=2 * trained, dtype_bytes=4, shard_ranks=ranks
+            total=total,
+            trainable=trained,
+            optimizer=OptimizerState(2 * trained),
+            dtype_bytes=4,
+            shard_ranks=ranks,
         )
         row = next(line for line in done.stdout.splitlines() if line.strip().startswith(name))
         cells = " ".join(

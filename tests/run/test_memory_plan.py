@@ -61,7 +61,7 @@ def test_host_ram_check_refuses_offloading_that_does_not_fit(write_recipe, monke
 def test_longest_sequence_grows_with_each_feature(write_recipe):
     """The tiny recipe's limit on a 3 GiB GPU: the chunked loss and then the tiles raise it."""
     from cptune.models.sizing import count_parameters, model_shape
-    from cptune.parallel.memory import activation_memory, longest_tokens
+    from cptune.parallel.memory import StateLayout, activation_memory, longest_tokens
 
     def longest(**keys) -> int:
         recipe = load_recipe(write_recipe(gradient_checkpointing=True, **keys))
@@ -70,7 +70,7 @@ def test_longest_sequence_grows_with_each_feature(write_recipe):
         budget = (
             3 * memory_plan.GiB
             - memory_plan.GPU_RESERVE
-            - memory_plan.states_per_rank(recipe, counts, 1, 1).total
+            - memory_plan.states_per_rank(recipe, counts, StateLayout()).total
         )
         setup = memory_plan.activation_setup(recipe, 1)
         tokens = longest_tokens(model_shape(config), setup, budget)

@@ -41,7 +41,9 @@ def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, 
 
     monkeypatch.setattr("cptune.models.sizing.count_parameters", cannot_build)
     recipe = load_recipe(write_recipe(context_parallel_size=2))
-    lines = preflight_module.describe_state_memory(recipe, ParallelDims.from_recipe(recipe, 2), None)
+    from cptune.run.memory_plan import describe_state_memory
+
+    lines = describe_state_memory(recipe, ParallelDims.from_recipe(recipe, 2), None)
     assert lines == [
         "Memory per rank for model states: no estimate "
         "(Unrecognized configuration class for this kind of AutoModel)."

@@ -20,8 +20,10 @@ What each layout keeps per rank, for P parameters of which T are trained:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 FP32 = 4
 
@@ -39,51 +41,132 @@ class StateMemory:
         return self.weights + self.gradients + self.optimizer
 
 
-def optimizer_state_elements(optimizer: str, trainable_shapes: Sequence[tuple[int, ...]]) -> int:
-    """Elements of optimizer state for the trained parameters of these shapes.
+@dataclass(frozen=True)
+class OptimizerState:
+    """The optimizer state of the trained parameters.
+
+    Args:
+        elements: Elements kept in the dtype of what the optimizer updates (the trained parameters,
+            or DeepSpeed's fp32 master copy): AdamW's two moments are ``2 x`` the trained elements.
+        low_bit_bytes: Bytes of 8-bit or 4-bit state, whose size does not depend on that dtype
+            (an 8-bit optimizer keeps one byte per element under bf16 as under fp32).
+    """
+
+    elements: int
+    low_bit_bytes: int = 0
+
+    def nbytes(self, element_bytes: int) -> int:
+        """Bytes of the state when full-precision elements take ``element_bytes`` each."""
+        return self.elements * element_bytes + self.low_bit_bytes
+
+
+def optimizer_state(optimizer: str, trainable_shapes: Sequence[tuple[int, ...]]) -> OptimizerState:
+    """The optimizer state of the trained parameters of these shapes.
 
     AdamW keeps two moments per element; the Trainer's SGD has no momentum, so no
     state; Adafactor keeps one row and one column vector per matrix (factored
-    second moment) and one vector per other parameter.
+    second moment) and one vector per other parameter. Low-bit optimizers keep
+    their moments in one byte (8-bit) or half a byte (4-bit) per element (their
+    block-wise quantization constants, a few percent more, are left out).
     """
     numel = sum(_numel(shape) for shape in trainable_shapes)
     if optimizer == "adafactor":
-        return sum(shape[-2] + shape[-1] if len(shape) >= 2 else _numel(shape) for shape in trainable_shapes)
+        elements = sum(
+            shape[-2] + shape[-1] if len(shape) >= 2 else _numel(shape) for shape in trainable_shapes
+        )
+        return OptimizerState(elements)
     if optimizer == "sgd":
-        return 0
-    # Low-bit optimizers keep their moments in 8 or 4 bits: counted here as the fp32 elements of the
-    # same size (block-wise quantization constants, under 1% more, are left out).
+        return OptimizerState(0)
     moments = {"ademamix": 3, "lion": 1, "adagrad": 1, "rmsprop": 1}
     count = next((n for family, n in moments.items() if family in optimizer), 2)
     if "8bit" in optimizer:
-        return -(-count * numel // 4)
+        return OptimizerState(0, low_bit_bytes=count * numel)
     if "4bit" in optimizer:
-        return -(-count * numel // 8)
+        return OptimizerState(0, low_bit_bytes=-(-count * numel // 2))
     if optimizer.startswith(("adamw", "paged_adamw", "ademamix", "paged_ademamix", "lion", "paged_lion")) or (
         optimizer in ("adagrad", "rmsprop", "rmsprop_bnb", "stable_adamw")
     ):
-        return count * numel
+        return OptimizerState(count * numel)
     raise ValueError(f"no memory estimate for optimizer {optimizer!r}")
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """How the model states are spread over the ranks.
+
+    Args:
+        sharding: ``"whole"`` (every rank holds them, plain DDP), ``"fsdp"`` (FSDP2) or
+            ``"zero"`` (DeepSpeed ZeRO).
+        ranks: Ranks the states are sharded over (1 for ``"whole"``).
+        zero_stage: The ZeRO stage (0-3), for ``"zero"``.
+    """
+
+    sharding: Literal["whole", "fsdp", "zero"] = "whole"
+    ranks: int = 1
+    zero_stage: int = 0
+
+    def describe(self) -> str:
+        if self.sharding == "fsdp":
+            return f"FSDP2 over {self.ranks} ranks"
+        if self.sharding == "zero":
+            return f"ZeRO-{self.zero_stage} over {self.ranks} ranks"
+        return "every rank whole (plain DDP)"
+
+
+def state_memory(
+    *,
+    total: int,
+    trainable: int,
+    optimizer: OptimizerState,
+    dtype_bytes: int,
+    layout: StateLayout,
+    lora: bool = False,
+    quantized: int = 0,
+    quantized_bytes: float = 0.0,
+) -> StateMemory:
+    """Per-rank bytes for weights, gradients and optimizer state: the one estimate cptune reports.
+
+    Args:
+        total: All parameters.
+        trainable: Trained parameters.
+        optimizer: Their optimizer state (:func:`optimizer_state`).
+        dtype_bytes: Bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
+        layout: How the states are spread over the ranks.
+        lora: The trained parameters are a LoRA adapter: peft keeps it in fp32 whatever the base
+            model's dtype (``autocast_adapter_dtype``), so without sharding its gradients and
+            optimizer state are fp32 too.
+        quantized: Base weights stored quantized (bitsandbytes) instead of in the training dtype.
+        quantized_bytes: Bytes per quantized weight (:func:`quantized_bytes_per_weight`).
+    """
+    common = {"total": total, "trainable": trainable, "optimizer": optimizer, "dtype_bytes": dtype_bytes}
+    if layout.sharding == "fsdp":
+        memory = fsdp_state_memory(**common, shard_ranks=layout.ranks)
+        weight_ranks = layout.ranks
+    elif layout.sharding == "zero":
+        memory = zero_state_memory(**common, stage=layout.zero_stage, ranks=layout.ranks)
+        weight_ranks = layout.ranks if layout.zero_stage >= 3 else 1
+    else:
+        memory = fsdp_state_memory(**common, shard_ranks=1, trained_bytes=FP32 if lora else None)
+        weight_ranks = 1
+    if quantized:
+        saved = quantized * dtype_bytes - math.ceil(quantized * quantized_bytes)
+        memory = replace(memory, weights=memory.weights - saved // weight_ranks)
+    return memory
 
 
 def fsdp_state_memory(
     *,
     total: int,
     trainable: int,
-    optimizer_elements: int,
+    optimizer: OptimizerState,
     dtype_bytes: int,
     shard_ranks: int,
     trained_bytes: int | None = None,
 ) -> StateMemory:
     """Per-rank bytes under FSDP2 over ``shard_ranks`` ranks (1: plain DDP).
 
-    Args:
-        total: All parameters.
-        trainable: Trained parameters.
-        optimizer_elements: Elements of optimizer state (:func:`optimizer_state_elements`).
-        dtype_bytes: Bytes per element of the training dtype (2 for bf16/fp16, 4 for fp32).
-        shard_ranks: Ranks the states are sharded over; 1 means every rank holds them whole (DDP).
-        trained_bytes: Bytes per trained element when known (peft keeps LoRA adapters in fp32).
+    The other arguments are those of :func:`state_memory`; ``trained_bytes`` is the bytes per
+    trained element when known (peft keeps LoRA adapters in fp32).
     """
     # accelerate keeps fp32 master weights for trained parameters when sharding with mixed precision;
     # under DDP cptune trains in the dtype it loaded.
@@ -93,7 +176,7 @@ def fsdp_state_memory(
     return StateMemory(
         weights=_ceil_div(weights, shard_ranks),
         gradients=_ceil_div(trainable * trained_bytes, shard_ranks),
-        optimizer=_ceil_div(optimizer_elements * trained_bytes, shard_ranks),
+        optimizer=_ceil_div(optimizer.nbytes(trained_bytes), shard_ranks),
     )
 
 
@@ -101,18 +184,17 @@ def zero_state_memory(
     *,
     total: int,
     trainable: int,
-    optimizer_elements: int,
+    optimizer: OptimizerState,
     dtype_bytes: int,
     stage: int,
     ranks: int,
 ) -> StateMemory:
-    """Per-rank bytes under DeepSpeed ZeRO ``stage`` (0-3) over ``ranks`` ranks."""
+    """Per-rank bytes under DeepSpeed ZeRO ``stage`` (0-3) over ``ranks`` ranks; see :func:`state_memory`."""
     master = trainable * FP32 if dtype_bytes < FP32 else 0
-    optimizer = optimizer_elements * FP32 + master
     return StateMemory(
         weights=_ceil_div(total * dtype_bytes, ranks if stage >= 3 else 1),
         gradients=_ceil_div(trainable * dtype_bytes, ranks if stage >= 2 else 1),
-        optimizer=_ceil_div(optimizer, ranks if stage >= 1 else 1),
+        optimizer=_ceil_div(optimizer.nbytes(FP32) + master, ranks if stage >= 1 else 1),
     )
 
 

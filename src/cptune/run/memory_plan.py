@@ -20,13 +20,14 @@ from cptune.parallel.layout import ParallelDims
 from cptune.parallel.memory import (
     ActivationSetup,
     ModelShape,
+    StateLayout,
     StateMemory,
     activation_memory,
     format_bytes,
-    fsdp_state_memory,
     longest_tokens,
-    optimizer_state_elements,
-    zero_state_memory,
+    optimizer_state,
+    quantized_bytes_per_weight,
+    state_memory,
 )
 
 GiB = 1 << 30
@@ -76,19 +77,71 @@ def activation_setup(recipe: Recipe, cp_size: int) -> ActivationSetup:
     )
 
 
-def states_per_rank(recipe: Recipe, counts: Any, cp_size: int, world_size: int) -> StateMemory:
-    """Weights, gradients and optimizer state per rank for the recipe's layout at ``cp_size``."""
-    optimizer = optimizer_state_elements(recipe.optimizer, counts.trainable_shapes)
-    common = {"total": counts.total, "trainable": counts.trainable, "optimizer_elements": optimizer}
-    if recipe.is_fsdp and world_size > 1:
-        return fsdp_state_memory(**common, dtype_bytes=counts.dtype_bytes, shard_ranks=world_size)
-    if recipe.cp_backend == "deepspeed" and cp_size > 1:
-        stage = recipe.zero_stage or 0
-        return zero_state_memory(**common, dtype_bytes=counts.dtype_bytes, stage=stage, ranks=world_size)
-    # peft keeps LoRA adapters in fp32 whatever the base model's dtype.
-    return fsdp_state_memory(
-        **common, dtype_bytes=counts.dtype_bytes, shard_ranks=1, trained_bytes=4 if recipe.is_lora else None
+def state_layout(recipe: Recipe, dims: ParallelDims) -> StateLayout:
+    """How this layout spreads the model states: FSDP2, DeepSpeed ZeRO (its JSON's stage), or whole."""
+    if dims.sharded:
+        return StateLayout("fsdp", dims.shard_group_size)
+    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
+        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config
+
+        return StateLayout("zero", dims.world_size, deepspeed_config(recipe)["zero_optimization"]["stage"])
+    return StateLayout()
+
+
+def states_per_rank(recipe: Recipe, counts: Any, layout: StateLayout) -> StateMemory:
+    """Weights, gradients and optimizer state per rank for the recipe's model (``counts``) in ``layout``."""
+    quantized_bytes = 0.0
+    if counts.quantized:
+        options = recipe.bnb_config_kwargs
+        quantized_bytes = quantized_bytes_per_weight(
+            4 if recipe.load_in_4bit else 8, options.bnb_4bit_use_double_quant if options else True
+        )
+    return state_memory(
+        total=counts.total,
+        trainable=counts.trainable,
+        optimizer=optimizer_state(recipe.optimizer, counts.trainable_shapes),
+        dtype_bytes=counts.dtype_bytes,
+        layout=layout,
+        lora=recipe.is_lora,
+        quantized=counts.quantized,
+        quantized_bytes=quantized_bytes,
     )
+
+
+def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> list[str]:
+    """Lines estimating each rank's memory for weights, gradients and optimizer state in this layout."""
+    from cptune.models.sizing import count_parameters
+
+    try:
+        counts = count_parameters(recipe, config)
+    except (ValueError, TypeError, RuntimeError, CptuneError) as err:
+        # The estimate is a convenience: a model transformers cannot build without weights (on the
+        # meta device) still trains, and its real problems are reported where it loads.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return [f"Memory per rank for model states: no estimate ({first})."]
+    layouts = [state_layout(recipe, dims)]
+    if layouts[0].sharding != "whole":
+        layouts.append(StateLayout())
+    rows = [(layout.describe(), states_per_rank(recipe, counts, layout)) for layout in layouts]
+    width = max(len(name) for name, _ in rows)
+    trained = "LoRA adapter" if recipe.is_lora else "all"
+    if counts.quantized:
+        trained += f"; {counts.quantized:,} base weights in {4 if recipe.load_in_4bit else 8} bits"
+    lines = [
+        f"Memory per rank for model states (estimate from the config: {counts.total:,} parameters, "
+        f"{counts.trainable:,} trained ({trained}), {recipe.optimizer}; activations not included):",
+        f"  {'layout':<{width}}  {'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}",
+    ]
+    for name, memory in rows:
+        values = (memory.weights, memory.gradients, memory.optimizer, memory.total)
+        lines.append(f"  {name:<{width}}  " + " ".join(f"{format_bytes(v):>10}" for v in values))
+    if dims.sharded:
+        gathered = 2 * counts.largest_layer * counts.dtype_bytes
+        lines.append(
+            f"  FSDP2 also gathers whole layers while they run: about {format_bytes(gathered)} more "
+            "(two decoder layers in flight)."
+        )
+    return lines
 
 
 def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> int:
@@ -153,7 +206,7 @@ def describe_activation_memory(
     cp = recipe.context_parallel_size
     tokens = tokens_per_rank(recipe, cp)
     setup = activation_setup(recipe, cp)
-    states = states_per_rank(recipe, counts, cp, dims.world_size).total
+    states = states_per_rank(recipe, counts, state_layout(recipe, dims)).total
     estimate = activation_memory(shape, setup, tokens)
     features = ", ".join(recipe.memory_features) or "no memory features"
     checkpointing = "gradient checkpointing" if setup.gradient_checkpointing else "no gradient checkpointing"
@@ -191,7 +244,8 @@ def describe_activation_memory(
 def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
     if recipe.cp_backend == "deepspeed" and cp > 1 and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
-    states = states_per_rank(recipe, counts, cp, cp).total
+    alone = ParallelDims(world_size=cp, cp_size=cp, fsdp=recipe.is_fsdp)  # one sequence on cp ranks
+    states = states_per_rank(recipe, counts, state_layout(recipe, alone)).total
     setup = activation_setup(recipe, cp)
     tokens = longest_tokens(shape, setup, usable - states, step=1024)
     if tokens == 0:

@@ -10,9 +10,7 @@ is written or removed here.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from typing import Any
 
 import torch
@@ -185,7 +183,12 @@ def describe_plan(
     """
     from cptune.config.compat_rules import axolotl_notes
     from cptune.patches.registry import build_patch_set
-    from cptune.run.memory_plan import GpuMemory, activation_memory_lines, check_host_memory
+    from cptune.run.memory_plan import (
+        GpuMemory,
+        activation_memory_lines,
+        check_host_memory,
+        describe_state_memory,
+    )
     from cptune.run.optimizers import optimizer_notes
 
     dims = ParallelDims.from_recipe(recipe, world_size)
@@ -246,88 +249,6 @@ def describe_plan(
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
     return "\n".join(lines)
-
-
-def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> list[str]:
-    """Lines estimating each rank's memory for weights, gradients and optimizer state in this layout."""
-    from cptune.models.sizing import count_parameters
-    from cptune.parallel.memory import (
-        format_bytes,
-        fsdp_state_memory,
-        optimizer_state_elements,
-        quantized_bytes_per_weight,
-        zero_state_memory,
-    )
-
-    try:
-        counts = count_parameters(recipe, config)
-    except (ValueError, TypeError, RuntimeError, CptuneError) as err:
-        # The estimate is a convenience: a model transformers cannot build without weights (on the
-        # meta device) still trains, and its real problems are reported where it loads.
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return [f"Memory per rank for model states: no estimate ({first})."]
-    common = {
-        "total": counts.total,
-        "trainable": counts.trainable,
-        "optimizer_elements": optimizer_state_elements(recipe.optimizer, counts.trainable_shapes),
-        "dtype_bytes": counts.dtype_bytes,
-    }
-    plain = fsdp_state_memory(**common, shard_ranks=1)
-    saved = 0
-    if counts.quantized:
-        # The quantized weights take a fraction of the training dtype's bytes (only plain DDP and
-        # DeepSpeed hold a quantized base; cptune refuses one with FSDP2).
-        options = recipe.bnb_config_kwargs
-        per_weight = quantized_bytes_per_weight(
-            4 if recipe.load_in_4bit else 8, options.bnb_4bit_use_double_quant if options else True
-        )
-        saved = counts.quantized * counts.dtype_bytes - math.ceil(counts.quantized * per_weight)
-        plain = _less_weights(plain, saved)
-    rows = []
-    if dims.sharded:
-        rows.append(
-            (
-                f"FSDP2 over {dims.shard_group_size} ranks",
-                fsdp_state_memory(**common, shard_ranks=dims.shard_group_size),
-            )
-        )
-    elif dims.cp_enabled and recipe.cp_backend == "deepspeed":
-        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config
-
-        stage = deepspeed_config(recipe)["zero_optimization"]["stage"]
-        rows.append(
-            (
-                f"ZeRO-{stage} over {dims.world_size} ranks",
-                _less_weights(
-                    zero_state_memory(**common, stage=stage, ranks=dims.world_size),
-                    saved // (dims.world_size if stage >= 3 else 1),
-                ),
-            )
-        )
-    rows.append(("every rank whole (plain DDP)", plain))
-    width = max(len(name) for name, _ in rows)
-    trained = "LoRA adapter" if recipe.is_lora else "all"
-    if counts.quantized:
-        trained += f"; {counts.quantized:,} base weights in {4 if recipe.load_in_4bit else 8} bits"
-    lines = [
-        f"Memory per rank for model states (estimate from the config: {counts.total:,} parameters, "
-        f"{counts.trainable:,} trained ({trained}), {recipe.optimizer}; activations not included):",
-        f"  {'layout':<{width}}  {'weights':>10} {'gradients':>10} {'optimizer':>10} {'total':>10}",
-    ]
-    for name, memory in rows:
-        values = (memory.weights, memory.gradients, memory.optimizer, memory.total)
-        lines.append(f"  {name:<{width}}  " + " ".join(f"{format_bytes(v):>10}" for v in values))
-    if dims.sharded:
-        gathered = 2 * counts.largest_layer * counts.dtype_bytes
-        lines.append(
-            f"  FSDP2 also gathers whole layers while they run: about {format_bytes(gathered)} more "
-            "(two decoder layers in flight)."
-        )
-    return lines
-
-
-def _less_weights(memory: Any, saved: int) -> Any:
-    return dataclasses.replace(memory, weights=memory.weights - saved)
 
 
 def _data_status(recipe: Recipe) -> str:
