@@ -6,6 +6,35 @@ fails, and report which rank failed, instead of leaving the others waiting in a
 collective. Multi-node launches go through torchrun with the user's rendezvous
 arguments. Either way, a launcher that is told to stop (Ctrl-C, or SIGTERM from
 ``kill`` or a scheduler) passes the signal on, so no rank is left running.
+
+Why one node does not use torchrun (checked against torch 2.13's
+``torch/distributed/run.py``, ``launcher/api.py``, ``elastic/agent/server/`` and
+``elastic/multiprocessing/``). torchrun also stops the other workers when one fails,
+but what the user and a scheduler see differs:
+
+- **Exit code.** torchrun's ``main`` is wrapped in ``@record`` and ends by raising
+  ``ChildFailedError`` (a failed rank) or ``SignalException`` (SIGTERM/SIGINT to
+  torchrun), so it exits 1 whatever happened: a rank's exit code 3 or a SIGKILL from
+  the OOM killer both become 1, and a cancelled job is not 143. cptune exits with the
+  failing rank's own code (1 for a rank ended by a signal), 130 after Ctrl-C and 143
+  after SIGTERM, as a shell reports them.
+- **What is printed.** torchrun prints the launcher's own Python traceback and a
+  ``ChildFailedError`` table (45 lines for two ranks where rank 1 exits 3). cptune
+  prints one line: which rank failed with which code or signal, and how each other
+  rank ended (on its own, or sent SIGTERM/SIGKILL by cptune).
+- **Grace.** torchrun's agent sends SIGTERM to every remaining worker as soon as it
+  sees the failure (``LocalElasticAgent._shutdown`` → ``PContext.close``; SIGKILL
+  after ``--shutdown-timeout``, 30 s). cptune first gives the other ranks
+  :data:`GRACE_SECONDS` to exit on their own, so a rank that fails for the same reason
+  prints its own message and code, then SIGTERM, then SIGKILL after the same grace.
+
+What torchrun has and cptune's launcher lacks (restarts, elastic membership, a
+rendezvous across nodes, per-rank log files, error files from ``@record``) matters
+for multi-node jobs, which therefore go through torchrun. The ranks run the same code
+either way: :func:`child_environment` sets the variables torch.distributed, accelerate
+and the Trainer read (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``OMP_NUM_THREADS``), not torchrun's
+bookkeeping ones (``TORCHELASTIC_*``, ``ROLE_*``, ``GROUP_WORLD_SIZE``).
 """
 
 from __future__ import annotations
