@@ -123,8 +123,9 @@ def test_every_user_facing_error_has_a_troubleshooting_entry():
     covered = covered_sites(sites, _entries())
     missing = [s for s in sites if not (is_carrier(s) or s in covered or _not_on_the_page(s))]
     assert not missing, (
-        "user-facing errors without an entry on docs/troubleshooting.md; add a Case (or, if the CLI "
-        "cannot meet it before a run starts, a Documented entry) to tests/reliability/catalogue.py, then "
+        "user-facing errors without an entry on docs/troubleshooting.md; add an Entry to its section in "
+        "devtools/docgen/errors/ and a Case with the same id to tests/reliability/catalogue/ (or, if the CLI "
+        "cannot meet it before a run starts, a Documented entry in devtools/docgen/errors/), then "
         "run python -m devtools.docgen:\n"
         + "\n".join(f"  {s.where}: {' ... '.join(s.texts)[:160]}" for s in missing)
     )

@@ -1,6 +1,6 @@
 """The CLI as a user meets it: the plan ``cptune validate`` prints, and errors only a fresh process shows.
 
-Bad inputs that fail before any work are the catalogue's (tests/reliability/catalogue.py, run
+Bad inputs that fail before any work are the catalogue's (tests/reliability/catalogue/, run
 in-process and, for a few, through the console script). Here: ``validate``'s plan and its report of
 several problems at once, run in-process, and the missing-package errors, which need a process
 whose import path hides the package.

@@ -1,0 +1,295 @@
+"""Troubleshooting entries of the section "Keys that contradict each other"."""
+
+from __future__ import annotations
+
+from devtools.docgen.errors.base import Documented, Entry
+
+SECTION = "Keys that contradict each other"
+NOTE: str | None = None
+"""A paragraph under the section's heading, where the entries need one."""
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "bf16-and-fp16",
+        SECTION,
+        "bf16 and fp16 both on",
+        "fp16: bf16 and fp16 are both true; choose one (or neither for fp32).",
+        "Set one of them (bf16 on GPUs that have it).",
+    ),
+    Entry(
+        "warmup-twice",
+        SECTION,
+        "Both warmup_steps and warmup_ratio",
+        "warmup_ratio: set either warmup_steps or warmup_ratio, not both.",
+        "Keep one of them.",
+    ),
+    Entry(
+        "eval-without-data",
+        SECTION,
+        "eval_steps without evaluation data",
+        "eval_steps: evaluation needs data: set val_set_size or test_datasets.",
+        "Set `val_set_size` (a share or a count of the training rows) or `test_datasets`, or remove "
+        "`eval_steps`.",
+    ),
+    Entry(
+        "torch-cp-packing",
+        SECTION,
+        "cp_backend: torch with sample_packing",
+        "sample_packing: cp_backend: torch cannot keep packed samples apart",
+        "torch's context-parallel attention takes no document mask, so packed samples would attend to "
+        "each other. Use `cp_backend: ring-flash-attn`, or `sample_packing: false`.",
+    ),
+    Entry(
+        "option-of-another-backend",
+        SECTION,
+        "An option of another backend",
+        "cp_comm_strategy: applies only to cp_backend: torch; remove it.",
+        "Backend options apply to their backend only; remove it or change `cp_backend`.",
+    ),
+    Entry(
+        "resume-and-overwrite",
+        SECTION,
+        "--resume together with --overwrite",
+        "overwrite_output_dir: resume_from_checkpoint continues the earlier run in output_dir, "
+        "overwrite_output_dir starts afresh and removes it; set only one of them.",
+        "Decide: continue the earlier run (`--resume`) or replace it (`--overwrite`).",
+    ),
+    Entry(
+        "val-set-and-test-datasets",
+        SECTION,
+        "Both val_set_size and test_datasets",
+        "val_set_size: set either val_set_size or test_datasets, not both.",
+        "Evaluate on a held-out share of the training data (`val_set_size`) or on your own evaluation data "
+        "(`test_datasets`), not both.",
+    ),
+    Entry(
+        "val-set-not-whole",
+        SECTION,
+        "val_set_size of 1 or more that is not a whole number",
+        "val_set_size: 2.5 is 1 or more, so it counts rows and must be a whole number",
+        "A `val_set_size` below 1 is a share of the training samples, 1 or more is a count of them: write "
+        "`0.05` or `25`, not `2.5`.",
+    ),
+    Entry(
+        "ring-attn-func-other-backend",
+        SECTION,
+        "ring_attn_func with another cp_backend",
+        "ring_attn_func: applies only to cp_backend: ring-flash-attn; remove it.",
+        "`ring_attn_func` chooses ring-flash-attn's algorithm; remove it, or use `cp_backend: ring-flash-attn`.",
+    ),
+    Entry(
+        "zigzag-packing",
+        SECTION,
+        "ring_attn_func: batch_zigzag with sample_packing",
+        "ring_attn_func: batch_zigzag cannot keep packed samples apart (it has no document boundaries)",
+        "Use `ring_attn_func: varlen_llama3` (the default), which keeps packed samples apart, or "
+        "`sample_packing: false`.",
+    ),
+    Entry(
+        "zigzag-bidirectional",
+        SECTION,
+        "ring_attn_func: batch_zigzag with causal: false",
+        "ring_attn_func: batch_zigzag is causal only; use varlen_llama3 with causal: false.",
+        "Use `ring_attn_func: varlen_llama3` (the default) for bidirectional attention.",
+    ),
+    Entry(
+        "zigzag-without-bf16",
+        SECTION,
+        "ring_attn_func: batch_zigzag without bf16",
+        "ring_attn_func: batch_zigzag needs bf16: true. ring-flash-attn 0.1.8 computes wrong gradients",
+        "Set `bf16: true`, or use `ring_attn_func: varlen_llama3` (the default), which is exact in fp32.",
+    ),
+    Entry(
+        "torch-load-balance-bidirectional",
+        SECTION,
+        "cp_backend: torch with cp_load_balance and causal: false",
+        "cp_load_balance: torch's load balancing reorders tokens for causal attention only",
+        "Remove `cp_load_balance` (it is off by default with `causal: false`), or set it to false.",
+    ),
+    Entry(
+        "torch-padding-bidirectional",
+        SECTION,
+        "cp_backend: torch with pad_to_sequence_len and causal: false",
+        "pad_to_sequence_len: with cp_backend: torch and causal: false every token would attend to the padding",
+        "torch's context-parallel attention takes no padding mask. Use `cp_backend: ring-flash-attn`, or "
+        "`pad_to_sequence_len: false`.",
+    ),
+    Entry(
+        "deepspeed-option-other-backend",
+        SECTION,
+        "A DeepSpeed option with another cp_backend",
+        "ulysses_attn_implementation: applies only to cp_backend: deepspeed; remove it.",
+        "`ulysses_attn_implementation` configures `cp_backend: deepspeed`; remove it or change `cp_backend`. "
+        "(`zero_stage` and `deepspeed` with another backend: see the next entries.)",
+    ),
+    Entry(
+        "deepspeed-without-cp",
+        SECTION,
+        "zero_stage or deepspeed with context_parallel_size: 1",
+        "zero_stage: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP)",
+        "cptune uses DeepSpeed for Ulysses context parallelism only. Set `context_parallel_size`, or remove "
+        "the DeepSpeed keys.",
+    ),
+    Entry(
+        "deepspeed-zero-without-cp",
+        SECTION,
+        "deepspeed (a ZeRO config) in a recipe without context parallelism",
+        "deepspeed: DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1",
+        "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed for Ulysses context parallelism only. "
+        "To shard model states without CP use `fsdp_version: 2`; otherwise remove `deepspeed`.",
+    ),
+    Entry(
+        "ulysses-core-bidirectional",
+        SECTION,
+        "Ulysses with sdpa or flash-attn core attention and causal: false",
+        "ulysses_attn_implementation: sdpa attends causally only here (DeepSpeed's Ulysses wrapper drops "
+        "attention masks)",
+        "Use `ulysses_attn_implementation: cptune` (the default) for bidirectional attention.",
+    ),
+    Entry(
+        "ulysses-sdpa-packing",
+        SECTION,
+        "Ulysses with sdpa core attention and sample_packing",
+        "sample_packing: ulysses_attn_implementation: sdpa cannot keep packed samples apart",
+        "Use `ulysses_attn_implementation: cptune` (the default), which keeps packed samples apart, or "
+        "`sample_packing: false`.",
+    ),
+    Entry(
+        "ulysses-flash-packing-batch",
+        SECTION,
+        "Ulysses with flash-attn core attention, sample_packing and micro_batch_size > 1",
+        "micro_batch_size: flash_attention_2 finds packed samples from position_ids only in batches of one row",
+        "Use `micro_batch_size: 1` with more `gradient_accumulation_steps`, or "
+        "`ulysses_attn_implementation: cptune`.",
+    ),
+    Entry(
+        "lora-targets-empty",
+        SECTION,
+        "An empty lora_target_modules",
+        "lora_target_modules: is empty; list module names or set lora_target_linear: true.",
+        "List the module names to adapt (e.g. `[q_proj, v_proj]`), or remove the key to adapt every linear "
+        "layer.",
+    ),
+    Entry(
+        "fsdp-version-1",
+        SECTION,
+        "fsdp_version: 1",
+        "fsdp_version: FSDP1 is not supported (transformers deprecates it); use fsdp_version: 2",
+        "Set `fsdp_version: 2`; it shards the same model states, and `fsdp_config` takes the same keys.",
+    ),
+    Entry(
+        "fsdp-keys-without-version",
+        SECTION,
+        "FSDP keys without fsdp_version",
+        "dp_shard_size: applies only with fsdp_version: 2 (without FSDP every rank holds the whole model",
+        "`fsdp_config`, `dp_shard_size` and `dp_replicate_size` shape FSDP2 sharding. Set `fsdp_version: 2`, "
+        "or remove them.",
+    ),
+    Entry(
+        "fsdp-with-deepspeed",
+        SECTION,
+        "fsdp_version with cp_backend: deepspeed",
+        "fsdp_version: cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP",
+        "Use `zero_stage: 3` to shard weights, gradients and optimizer state with DeepSpeed, or another "
+        "`cp_backend` with `fsdp_version: 2`.",
+    ),
+    Entry(
+        "qlora-without-4bit",
+        SECTION,
+        "adapter: qlora without load_in_4bit",
+        "adapter: qlora trains a LoRA adapter on a 4-bit base: set load_in_4bit: true",
+        "Add `load_in_4bit: true` (QLoRA), or use `adapter: lora` on the full-precision base.",
+    ),
+    Entry(
+        "4bit-without-qlora",
+        SECTION,
+        "load_in_4bit without adapter: qlora",
+        "load_in_4bit: a 4-bit base model is trained through a LoRA adapter: set adapter: qlora",
+        "Set `adapter: qlora`, or remove `load_in_4bit` to train on the full-precision base.",
+    ),
+    Entry(
+        "8bit-without-lora",
+        SECTION,
+        "load_in_8bit with a full fine-tune",
+        "load_in_8bit: an 8-bit base model is trained through adapter: lora",
+        "8-bit weights are frozen: set `adapter: lora`, or remove `load_in_8bit`.",
+    ),
+    Entry(
+        "bnb-kwargs-without-quantization",
+        SECTION,
+        "bnb_config_kwargs without a quantized base",
+        "bnb_config_kwargs: applies only with load_in_4bit or load_in_8bit; remove it.",
+        "Set `load_in_4bit: true` with `adapter: qlora` (or `load_in_8bit`), or remove `bnb_config_kwargs`.",
+    ),
+    Entry(
+        "quantized-with-fsdp2",
+        SECTION,
+        "A quantized base with fsdp_version: 2",
+        "fsdp_version: cptune does not shard bitsandbytes-quantized weights with FSDP2",
+        "Remove `fsdp_version`: a QLoRA run keeps the 4-bit base whole on every rank (a quarter of bf16's "
+        "memory) and trains with plain data parallelism and any `cp_backend`.",
+    ),
+    Entry(
+        "jinja-without-template",
+        SECTION,
+        "chat_template: jinja without chat_template_jinja",
+        "chat_template: jinja needs the template in chat_template_jinja",
+        "Give the template's text (or the path of a .jinja file) in `chat_template_jinja`.",
+    ),
+    Entry(
+        "jinja-with-named-template",
+        SECTION,
+        "chat_template_jinja next to a named chat_template",
+        "chat_template_jinja: chat_template: llama3 names another template",
+        "Keep one: `chat_template: jinja` with `chat_template_jinja`, or the named template alone.",
+    ),
+    Entry(
+        "lora-extras-without-lora",
+        SECTION,
+        "lora_modules_to_save or lora_model_dir in a full fine-tune",
+        "lora_modules_to_save: applies only with adapter: lora or qlora; remove it.",
+        "A full fine-tune trains every module already; remove the key, or set `adapter: lora`.",
+    ),
+    Entry(
+        "per-epoch-and-steps",
+        SECTION,
+        "evals_per_epoch next to eval_steps (or saves_per_epoch next to save_steps)",
+        "evals_per_epoch: and eval_steps both set how often (Axolotl's count per epoch, cptune's steps); set one",
+        "Keep one of them: Axolotl's per-epoch count, or cptune's steps.",
+    ),
+    Entry(
+        "bfloat16-disagrees-with-bf16",
+        SECTION,
+        "bfloat16 (or float16) that disagrees with bf16 (fp16)",
+        "bfloat16: is True but bf16 is False; they are the same setting, set bf16 only.",
+        "`bfloat16` and `float16` are Axolotl's other spellings of `bf16` and `fp16`: set `bf16` (or `fp16`) "
+        "alone.",
+    ),
+    Entry(
+        "deepspeed-with-ring-cp",
+        SECTION,
+        "deepspeed (ZeRO) with ring-flash-attn or torch context parallelism",
+        "deepspeed: DeepSpeed's engine cannot run cp_backend: ring-flash-attn: under DeepSpeed, accelerate gives "
+        "every rank a batch of its own",
+        "Axolotl runs ring attention under ZeRO; cptune cannot (the ranks of a CP group must see the same "
+        "batch). Set `cp_backend: deepspeed` (Ulysses, with ZeRO from `deepspeed` or `zero_stage`), or keep "
+        "ring-flash-attn and shard model states with `fsdp_version: 2`.",
+    ),
+    Entry(
+        "activation-offloading-without-checkpointing",
+        SECTION,
+        "activation_offloading without gradient checkpointing",
+        "activation_offloading: offloads the layer inputs that gradient checkpointing keeps for the backward "
+        "pass; set gradient_checkpointing: true as well.",
+        "Add `gradient_checkpointing: true`: offloading moves exactly the inputs that checkpointing keeps.",
+    ),
+    Entry(
+        "tiled-mlp-shards-without-tiled-mlp",
+        SECTION,
+        "tiled_mlp_num_shards without tiled_mlp",
+        "tiled_mlp_num_shards: applies only with tiled_mlp: true",
+        "Add `tiled_mlp: true`, or remove `tiled_mlp_num_shards`.",
+    ),
+)
+
+DOCUMENTED: tuple[Documented, ...] = ()

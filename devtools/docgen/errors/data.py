@@ -1,0 +1,272 @@
+"""Troubleshooting entries of the section "Data"."""
+
+from __future__ import annotations
+
+from devtools.docgen.errors.base import Documented, Entry
+
+SECTION = "Data"
+NOTE: str | None = None
+"""A paragraph under the section's heading, where the entries need one."""
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "torch-cp-bidirectional-row-length",
+        SECTION,
+        "cp_backend: torch with causal: false, and a row whose length does not split over the ranks",
+        "cp_backend: torch with causal: false cannot split row 0 of the prepared training data: its 5 tokens "
+        "are not a multiple of context_parallel_size=2",
+        "torch's context-parallel attention takes no padding mask, so every row must split evenly as it is. "
+        "Use `cp_backend: ring-flash-attn` (it masks padding), or samples whose lengths are multiples of "
+        "`context_parallel_size`. Checked on the prepared data before launching (and by `cptune preprocess`).",
+    ),
+    Entry(
+        "torch-cp-bidirectional-mixed-lengths",
+        SECTION,
+        "cp_backend: torch with causal: false, micro_batch_size > 1 and rows of different lengths",
+        "cp_backend: torch with causal: false and micro_batch_size: 2 would pad rows of different lengths in "
+        "one batch",
+        "Rows of one batch are padded to the longest, which torch's attention cannot mask. Use "
+        "`micro_batch_size: 1` (with more `gradient_accumulation_steps`), or `cp_backend: ring-flash-attn`. "
+        "Checked on the prepared data before launching (and by `cptune preprocess`).",
+    ),
+    Entry(
+        "data-path-missing",
+        SECTION,
+        "A dataset path that does not exist",
+        "missing.jsonl' does not exist (relative paths are read from",
+        "Fix the path (relative paths are read from the folder you run cptune in), or give a hub "
+        "dataset id such as `owner/name`.",
+    ),
+    Entry(
+        "data-folder-without-files",
+        SECTION,
+        "A dataset folder without data files",
+        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow)",
+        "Point the dataset at a data file, or at a folder holding files of the listed types.",
+    ),
+    Entry(
+        "data-file-empty",
+        SECTION,
+        "An empty data file",
+        "the data files are empty. Point datasets[0].path at data with rows.",
+        "Point the dataset at a file with rows.",
+    ),
+    Entry(
+        "data-not-json",
+        SECTION,
+        "A JSONL file with a broken line",
+        "could not load it as local data",
+        "The message quotes the reader's error; fix the line it names (every line of a .jsonl file is "
+        "one JSON object).",
+    ),
+    Entry(
+        "data-not-utf8",
+        SECTION,
+        "A data file that is not UTF-8",
+        "latin1.jsonl' is not UTF-8 text (line 2).",
+        "JSON, JSON lines, CSV and TSV files must be UTF-8. Convert the file (e.g. "
+        "`iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`) or fix the bytes on the line shown.",
+    ),
+    Entry(
+        "data-unsupported-file",
+        SECTION,
+        "A data file of a type cptune cannot read",
+        "cannot read files of type .txt",
+        "Convert the data to one of the listed formats (JSON lines, JSON, CSV, TSV, Parquet, Arrow).",
+    ),
+    Entry(
+        "data-column-missing",
+        SECTION,
+        "A field name that no row has",
+        "no column 'answer' (it has 'instruction', 'input', 'output'). Set the field name keys of "
+        "datasets[0]",
+        "Set the dataset's field keys (`field_output`, `field_messages`, `field`, ...) to the columns "
+        "your data uses; the message lists them.",
+    ),
+    Entry(
+        "data-row-field-missing",
+        SECTION,
+        "A row without a required field",
+        "missing.jsonl), row 1: field 'output' is missing.",
+        "The message names the dataset, the row (counted from 0) and the field. Fix the row, or set "
+        "`skip_invalid_rows: true` to skip such rows (they are counted and reported).",
+    ),
+    Entry(
+        "data-row-wrong-type",
+        SECTION,
+        "A row whose field has the wrong type",
+        "row 0: field 'output' is a int, not text.",
+        "Make the field text (quote numbers in JSON), or skip such rows with `skip_invalid_rows: true`.",
+    ),
+    Entry(
+        "data-row-empty-field",
+        SECTION,
+        "A row whose answer is empty",
+        "row 2: field 'output' is empty.",
+        "A row with nothing to train on is a mistake in the data; fix it or skip such rows.",
+    ),
+    Entry(
+        "chat-no-assistant-turn",
+        SECTION,
+        "A chat row without an assistant turn",
+        "row 2: no message with a role in roles_to_train ['assistant']",
+        "Every chat row needs a turn to train on. Fix the row, set `roles_to_train` for the dataset, or "
+        "skip such rows with `skip_invalid_rows: true`.",
+    ),
+    Entry(
+        "chat-messages-not-a-list",
+        SECTION,
+        "A chat row whose messages are not a list",
+        "row 1: field 'messages' is not a non-empty list of messages.",
+        "`messages` holds a list of `{role, content}` turns. Fix the row, or skip such rows with "
+        "`skip_invalid_rows: true`.",
+    ),
+    Entry(
+        "chat-unknown-role",
+        SECTION,
+        "A chat row with a role the chat template does not know",
+        "row 0: the chat template rejected the messages (Unknown role narrator",
+        "The tokenizer's chat template refused the row; its own message follows. Map the data's roles to the "
+        "template's with the dataset's `roles` (e.g. `{user: [narrator]}`; `human` and `gpt` are mapped to "
+        "`user` and `assistant` by default, as in Axolotl), or skip such rows with `skip_invalid_rows: true`.",
+    ),
+    Entry(
+        "chat-no-template",
+        SECTION,
+        "A chat dataset with a tokenizer that has no chat template",
+        "has type chat_template, but the tokenizer has no chat template",
+        "Set `chat_template: chatml` to use cptune's ChatML template, or use a tokenizer that ships one.",
+    ),
+    Entry(
+        "data-all-too-long",
+        SECTION,
+        "Every sample is longer than sequence_len",
+        "no sample is left of its 600 rows (600 longer than sequence_len",
+        "Samples longer than `sequence_len` are dropped (and counted in the data statistics); when none "
+        "is left, raise `sequence_len` or set `excess_length_strategy: truncate`.",
+    ),
+    Entry(
+        "val-set-too-large",
+        SECTION,
+        "val_set_size takes every training sample",
+        "val_set_size: 1000.0 asks for 1000 of the 600 training samples left after preprocessing",
+        "Lower `val_set_size` (a share below 1, or a row count) or add data.",
+    ),
+    Entry(
+        "data-mixed-formats",
+        SECTION,
+        "A dataset folder that mixes file formats",
+        "the files mix formats (.csv, .jsonl). Put one format per dataset entry",
+        "One dataset entry reads one format. Split the folder into one entry per format, or pick the files "
+        "of one format with the entry's `data_files`.",
+    ),
+    Entry(
+        "data-files-match-nothing",
+        SECTION,
+        "data_files that match no file",
+        "datasets[0].data_files entry '*.parquet' matches no file in",
+        "`data_files` patterns are matched inside the dataset's folder (`path`); fix the pattern or the "
+        "folder.",
+    ),
+    Entry(
+        "data-files-with-a-file",
+        SECTION,
+        "data_files with a path that is a file",
+        "datasets[0].data_files selects files inside a folder; datasets[0].path is a file. Remove data_files.",
+        "Point `path` at the folder and `data_files` at files in it, or remove `data_files`.",
+    ),
+    Entry(
+        "data-split-missing",
+        SECTION,
+        "A saved dataset without the split asked for",
+        "the saved dataset has no split 'validation' (it has train). Set datasets[0].split to one of them.",
+        "The dataset was written with `save_to_disk`; set `split` to one of the splits the message lists.",
+    ),
+    Entry(
+        "data-split-empty",
+        SECTION,
+        "A data file with a header but no rows",
+        "split 'train' has no rows (the data holds none, or the split's slice selects none).",
+        "The file (here a CSV file with only its header line) holds no rows; point the dataset at data with "
+        "rows.",
+    ),
+    Entry(
+        "tokenizer-without-eos",
+        SECTION,
+        "alpaca or completion data with a tokenizer that has no eos token",
+        "The tokenizer has no eos token, which alpaca and completion rows end with.",
+        "Each sample ends with the eos token so the model learns to stop. Use a tokenizer that defines "
+        "`eos_token` (`tokenizer_config`), or add it to its tokenizer_config.json.",
+    ),
+    Entry(
+        "pretokenized-not-a-list",
+        SECTION,
+        "A pretokenized row whose token ids are not a list",
+        "row 0: field 'input_ids' is a str, not a list of token ids.",
+        "pretokenized rows hold lists of ints; fix the row, or skip such rows with `skip_invalid_rows: true`.",
+    ),
+    Entry(
+        "pretokenized-not-an-int",
+        SECTION,
+        "A pretokenized row with a token id that is not an int",
+        "row 0: field 'input_ids' holds a float at position 0, not an int.",
+        "Write token ids as integers (a JSON number with a fraction becomes a float for the whole column).",
+    ),
+    Entry(
+        "pretokenized-out-of-vocabulary",
+        SECTION,
+        "A pretokenized row with a token id outside the vocabulary",
+        "row 0: field 'input_ids' holds 99999 at position 2; token ids must be in 0..",
+        "The rows were tokenized with another tokenizer than the recipe's (`tokenizer_config`, by default "
+        "base_model's); tokenize them with the model's tokenizer.",
+    ),
+    Entry(
+        "pretokenized-labels-length",
+        SECTION,
+        "A pretokenized row whose labels and token ids differ in length",
+        "row 0: field 'labels' has 2 entries but input_ids has 3",
+        "`labels` holds one entry per token (-100 for tokens not trained); fix the row or remove `labels`.",
+    ),
+    Entry(
+        "chat-message-not-an-object",
+        SECTION,
+        "A chat row whose messages are not objects",
+        "row 0: field 'messages' message 0 is a str, not an object",
+        'Each message is an object with a role and a content (`{"role": "user", "content": "Hi"}`).',
+    ),
+    Entry(
+        "chat-message-without-role",
+        SECTION,
+        "A chat message without a role or content",
+        "row 0: field 'messages' message 0 has no text 'role'",
+        "Give every message a role and a text content, or set `message_field_role` / "
+        "`message_field_content` to the keys your data uses.",
+    ),
+    Entry(
+        "chat-template-not-prefix-stable",
+        SECTION,
+        "A chat template that renders earlier turns differently as a conversation grows",
+        "the chat template is not prefix-stable: messages[:1] does not render to a token prefix of messages[:2]",
+        "cptune finds the tokens of each trained turn by rendering the conversation up to it; a template "
+        "that changes earlier text when more messages follow (here: it starts with the message count) "
+        "hides them. Set `chat_template: chatml`, or use a template whose earlier turns render the same.",
+    ),
+    Entry(
+        "chat-template-not-prefix-stable-whole",
+        SECTION,
+        "A chat template that renders long conversations differently",
+        "the chat template is not prefix-stable: messages[:2] does not render to a token prefix of the whole "
+        "conversation",
+        "The same problem, found against the whole conversation (here the template marks conversations of "
+        "more than two messages at the start). Set `chat_template: chatml`, or fix the template.",
+    ),
+    Entry(
+        "chat-template-jinja-file-missing",
+        SECTION,
+        "chat_template_jinja naming a file that cannot be read",
+        "chat_template_jinja: cannot read the template file",
+        "Give the path of a readable `.jinja` file, or the template's text itself.",
+    ),
+)
+
+DOCUMENTED: tuple[Documented, ...] = ()

@@ -1,0 +1,124 @@
+"""Troubleshooting entries of the section "DeepSpeed (cp_backend: deepspeed)"."""
+
+from __future__ import annotations
+
+from devtools.docgen.errors.base import Documented, Entry
+
+SECTION = "DeepSpeed (cp_backend: deepspeed)"
+NOTE: str | None = None
+"""A paragraph under the section's heading, where the entries need one."""
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "ulysses-kv-heads",
+        SECTION,
+        "Key/value heads not divisible for DeepSpeed Ulysses",
+        "context_parallel_size: 3 neither divides nor is a multiple of the model's 4 key/value heads",
+        "Ulysses splits key/value heads across the ranks (or copies them when there are fewer): choose a "
+        "context_parallel_size the message lists, or `cp_backend: ring-flash-attn`.",
+    ),
+    Entry(
+        "ulysses-sliding-window",
+        SECTION,
+        "A sliding-window model with DeepSpeed Ulysses",
+        "base_model: has sliding-window attention layers, which ulysses_attn_implementation: cptune would "
+        "compute as full attention",
+        "DeepSpeed's Ulysses wrapper drops the mask. Use `ulysses_attn_implementation: flash_attention_2` on "
+        "GPUs (it applies the window), or a model with full attention only.",
+    ),
+    Entry(
+        "deepspeed-json-optimizer",
+        SECTION,
+        "A DeepSpeed JSON with an optimizer or scheduler section",
+        "has an 'optimizer' section; cptune takes the optimizer and learning-rate schedule from the recipe",
+        "Remove the section; set `optimizer`, `learning_rate`, `lr_scheduler` and `warmup_*` in the recipe.",
+    ),
+    Entry(
+        "deepspeed-json-batch-size",
+        SECTION,
+        "A DeepSpeed JSON whose batch size contradicts the recipe",
+        'sets train_micro_batch_size_per_gpu: 4, but the recipe\'s micro_batch_size is 2. Set it to "auto" '
+        "(or remove it): cptune fills it from the recipe.",
+        'cptune fills the batch sizes, accumulation and clipping from the recipe: set them to `"auto"` in '
+        "the JSON or remove them.",
+    ),
+    Entry(
+        "deepspeed-json-train-batch-size",
+        SECTION,
+        "A DeepSpeed JSON that sets train_batch_size",
+        'sets train_batch_size; set it to "auto" (or remove it)',
+        "The global batch follows from `micro_batch_size`, `gradient_accumulation_steps` and the number of "
+        "processes; remove it from the JSON.",
+    ),
+    Entry(
+        "deepspeed-json-zero-stage",
+        SECTION,
+        "zero_stage contradicts the DeepSpeed JSON",
+        "zero_stage: 2 contradicts zero_optimization.stage: 3 in deepspeed:",
+        "Set the ZeRO stage in one place: `zero_stage` in the recipe or `zero_optimization.stage` in the JSON.",
+    ),
+    Entry(
+        "deepspeed-json-reduce-scatter",
+        SECTION,
+        "ZeRO-3 with reduce_scatter: false",
+        "ZeRO-3 with reduce_scatter: false averages some gradient buckets over the data-parallel ranks and "
+        "others over all ranks",
+        "No loss scale makes that gradient exact; remove `reduce_scatter` (it defaults to true).",
+    ),
+    Entry(
+        "deepspeed-json-invalid",
+        SECTION,
+        "A DeepSpeed JSON that is not valid JSON",
+        "' is not valid JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+        "Fix the JSON at the line and column shown (JSON needs double quotes and no trailing commas).",
+    ),
+    Entry(
+        "deepspeed-json-not-an-object",
+        SECTION,
+        "A DeepSpeed JSON that is not an object",
+        "must hold a JSON object (a DeepSpeed config).",
+        "A DeepSpeed config is one JSON object (`{...}`) at the top level.",
+    ),
+    Entry(
+        "deepspeed-json-missing",
+        SECTION,
+        "The DeepSpeed JSON does not exist",
+        "deepspeed: cannot read the DeepSpeed config",
+        "Fix the path of `deepspeed` (relative paths are read from the folder you run cptune in).",
+    ),
+    Entry(
+        "deepspeed-resume",
+        SECTION,
+        "Resuming a cp_backend: deepspeed run",
+        "resume_from_checkpoint: resuming a cp_backend: deepspeed run is not supported yet",
+        "Start the run afresh (`--overwrite`, or another output_dir); the other cp_backends resume their own "
+        "runs.",
+    ),
+    Entry(
+        "ulysses-flash-attn-missing",
+        SECTION,
+        "Ulysses with flash_attention_2 where flash-attn is not installed",
+        "ulysses_attn_implementation: flash_attention_2 needs flash-attn on a CUDA GPU, which is not "
+        "available here.",
+        "Use `ulysses_attn_implementation: cptune` (the default, exact everywhere), or install flash-attn on "
+        "a CUDA machine (`pip install 'cptune[flash-attn]'`).",
+    ),
+    Entry(
+        "tiled-mlp-with-zero3",
+        SECTION,
+        "tiled_mlp or cut_cross_entropy with zero_stage: 3",
+        "tiled_mlp: is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass",
+        "Use `zero_stage` 0-2 (or FSDP2 with another `cp_backend`), or remove the feature; "
+        "`activation_offloading` works with ZeRO-3.",
+    ),
+    Entry(
+        "cut-cross-entropy-with-zero3-json",
+        SECTION,
+        "cut_cross_entropy or tiled_mlp with stage 3 in the DeepSpeed JSON",
+        "sets ZeRO stage 3, which frees each module's gathered weights after its forward pass, but "
+        "cut_cross_entropy calls modules again",
+        "Use a ZeRO stage below 3 in the JSON, or remove the feature.",
+    ),
+)
+
+DOCUMENTED: tuple[Documented, ...] = ()

@@ -1,0 +1,267 @@
+"""Troubleshooting entries of the section "Model, tokenizer and processes"."""
+
+from __future__ import annotations
+
+from devtools.docgen.errors.base import Documented, Entry
+
+SECTION = "Model, tokenizer and processes"
+NOTE: str | None = None
+"""A paragraph under the section's heading, where the entries need one."""
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "model-path-unknown",
+        SECTION,
+        "base_model does not exist",
+        "base_model: cannot load a model config from",
+        "Give a local folder with config.json and weights, or a hub id reachable from here. Nothing is "
+        "loaded or started before this check.",
+    ),
+    Entry(
+        "model-without-weights",
+        SECTION,
+        "base_model is a folder without weights",
+        "holds no weight files (*.safetensors or *.bin), only config.json",
+        "The folder has the model's configuration but not its weights (a partial copy or download). "
+        "Copy the weight files into it, or point `base_model` at a complete folder or a hub id.",
+    ),
+    Entry(
+        "model-weights-truncated",
+        SECTION,
+        "base_model has a truncated weight file",
+        "model.safetensors' is damaged or incomplete (Error while deserializing header: incomplete metadata, "
+        "file not fully covered).",
+        "An interrupted copy or download leaves a weight file shorter than its header says. Copy or "
+        "download it again. cptune reads only the file's header here, not the weights.",
+    ),
+    Entry(
+        "model-not-causal-lm",
+        SECTION,
+        "base_model is not a causal language model (e.g. T5, BERT-style encoders)",
+        "which transformers cannot load as a causal language model (AutoModelForCausalLM)",
+        "cptune fine-tunes decoder language models (Llama, Qwen, Mistral, ...), also for bidirectional "
+        "fine-tunes (`causal: false`). Checked from config.json before the data is prepared.",
+    ),
+    Entry(
+        "tokenizer-of-another-model",
+        SECTION,
+        "The data holds token ids the model has no embedding for",
+        "but the model embeds only 256 tokens (vocab_size), so the tokenizer from",
+        "The tokenizer (base_model's own files, or `tokenizer_config`) belongs to another model. Use the "
+        "model's own tokenizer. Checked on the prepared data before launching (and in every rank, "
+        "against the loaded embedding, under torchrun).",
+    ),
+    Entry(
+        "tokenizer-path-unknown",
+        SECTION,
+        "tokenizer_config does not exist",
+        "tokenizer_config: cannot load a tokenizer from",
+        "Point `tokenizer_config` at a folder with the tokenizer files, or remove it to use base_model's.",
+    ),
+    Entry(
+        "cp-not-dividing-world",
+        SECTION,
+        "context_parallel_size does not divide the number of processes",
+        "context_parallel_size=2 does not divide the number of processes (3)",
+        "Launch a multiple of context_parallel_size processes (the rest form data-parallel groups).",
+    ),
+    Entry(
+        "nproc-zero",
+        SECTION,
+        "--nproc-per-node 0",
+        "--nproc-per-node: got 0, but a run needs at least 1 process per node",
+        "Give the number of processes to start on this node (by default, context_parallel_size).",
+    ),
+    Entry(
+        "cp-exceeds-sequence",
+        SECTION,
+        "context_parallel_size larger than the sequence",
+        "sequence_len: 2 tokens cannot be split into the 4 chunks that context_parallel_size=4 needs",
+        "Each rank needs at least one token of every row: use a longer sequence_len or a smaller "
+        "context_parallel_size.",
+    ),
+    Entry(
+        "heads-k-stride",
+        SECTION,
+        "heads_k_stride does not divide the model's key/value heads",
+        "heads_k_stride: 3 does not divide the model's 2 key/value heads",
+        "ring-flash-attn gathers key/value heads heads_k_stride at a time; use a divisor (the message "
+        "lists them).",
+    ),
+    Entry(
+        "ulysses-heads",
+        SECTION,
+        "Attention heads not divisible for DeepSpeed Ulysses",
+        "context_parallel_size: 3 does not divide the model's 4 query heads",
+        "Ulysses splits attention heads across the ranks: context_parallel_size must divide the number "
+        "of heads (the message lists the sizes that do), or use cp_backend: ring-flash-attn.",
+    ),
+    Entry(
+        "dp-replicate-not-dividing",
+        SECTION,
+        "dp_replicate_size × context_parallel_size does not divide the number of processes",
+        "dp_replicate_size=2 × context_parallel_size=2 = 4 does not divide the number of processes (6)",
+        "Launch a multiple of dp_replicate_size × context_parallel_size processes, or change "
+        "`dp_replicate_size`.",
+    ),
+    Entry(
+        "dp-replicate-without-shard",
+        SECTION,
+        "dp_replicate_size with context parallelism and nothing left to shard",
+        "dp_replicate_size=2 with context_parallel_size=2 leaves dp_shard_size at 1, which accelerate does "
+        "not support with context parallelism",
+        "Launch more processes (the message says how many), or remove `dp_replicate_size` to shard the model "
+        "states over every rank.",
+    ),
+    Entry(
+        "dp-shard-not-matching",
+        SECTION,
+        "dp_shard_size does not match the number of processes",
+        "dp_shard_size=2 needs dp_replicate_size × dp_shard_size × context_parallel_size = 4 processes, but 2 "
+        "were asked for.",
+        "Launch the number of processes the message gives, or remove `dp_shard_size` (it then follows from "
+        "the number of processes).",
+    ),
+    Entry(
+        "model-not-attention-interface",
+        SECTION,
+        "A model whose attention cannot be split",
+        "base_model: BloomForCausalLM does not route its attention through transformers' AttentionInterface, "
+        "so its attention cannot be split across context-parallel ranks.",
+        "Context parallelism replaces the model's attention function; models whose attention code does not "
+        "go through transformers' AttentionInterface (older architectures such as Bloom, GPT-J, MPT) cannot "
+        "use it. Use a model that does (Llama, Qwen2/3, Mistral, ...), or `context_parallel_size: 1`.",
+    ),
+    Entry(
+        "model-not-attention-interface-bidirectional",
+        SECTION,
+        "causal: false with a model whose attention cannot be replaced",
+        "base_model: BloomForCausalLM does not route its attention through transformers' AttentionInterface, "
+        "so cptune cannot give it bidirectional attention (causal: false).",
+        "Bidirectional attention comes from cptune's own attention function, also at "
+        "`context_parallel_size: 1`. Use a model that routes its attention through transformers' "
+        "AttentionInterface, or `causal: true`.",
+    ),
+    Entry(
+        "model-sliding-window",
+        SECTION,
+        "A sliding-window model with context parallelism or causal: false",
+        "base_model: has attention layers of type ['sliding_attention'], but cp_backend: ring-flash-attn "
+        "computes full (causal or bidirectional) attention over the whole row",
+        "cptune's attention never sees the window, so those layers would silently attend to too much. Use a "
+        "model with full attention only (for Mistral-style configs, `sliding_window: null` if the model was "
+        "trained so), or `context_parallel_size: 1` with `causal: true`. `causal: false` is refused for the "
+        "same reason at any context_parallel_size.",
+    ),
+    Entry(
+        "model-attention-dropout",
+        SECTION,
+        "A model config with attention dropout",
+        "base_model: its config sets attention_dropout: 0.1, but cp_backend: ring-flash-attn computes "
+        "attention without dropout (cptune's attention does not support attention dropout).",
+        "Set `attention_dropout` to 0 in the model folder's config.json (most fine-tunes use none), or use "
+        "`context_parallel_size: 1` with `causal: true`, where transformers' own attention applies it.",
+    ),
+    Entry(
+        "model-hidden-dropout",
+        SECTION,
+        "A model config with hidden-state dropout, with context parallelism",
+        "base_model: its config sets hidden_dropout: 0.1, a dropout inside the model whose masks cptune "
+        "cannot split exactly across context-parallel ranks",
+        "Each rank would draw its own masks instead of its slice of the masks one process draws, so the run "
+        "would not equal its `context_parallel_size: 1` run. Set the key to 0 in the model folder's "
+        "config.json, or use `context_parallel_size: 1`. `lora_dropout` is exact under context parallelism.",
+    ),
+    Entry(
+        "lora-target-missing",
+        SECTION,
+        "lora_target_modules names a module the model does not have",
+        "lora_target_modules: Target modules {'q_projj'} not found in the base model.",
+        "Use the model's module names (Llama-style models: q_proj, k_proj, v_proj, o_proj, gate_proj, "
+        "up_proj, down_proj), or remove the key to adapt every linear layer. Checked on a weightless copy of "
+        "the model before anything is loaded.",
+    ),
+    Entry(
+        "tokenizer-without-pad-or-eos",
+        SECTION,
+        "A tokenizer with neither a pad nor an eos token",
+        "has neither a pad nor an eos token; cptune needs one of them to pad batches.",
+        "Use a tokenizer that defines `pad_token` or `eos_token` (add it to its tokenizer_config.json), or "
+        "point `tokenizer_config` at one.",
+    ),
+    Entry(
+        "model-type-mismatch",
+        SECTION,
+        "model_type names another model's class",
+        "model_type: MistralForCausalLM is not the class of",
+        "Set `model_type: AutoModelForCausalLM` or remove it: cptune loads the class the model's config names.",
+    ),
+    Entry(
+        "lora-model-dir-missing",
+        SECTION,
+        "lora_model_dir without an adapter",
+        "does not exist. Point it at the folder of a trained LoRA adapter",
+        "Point `lora_model_dir` at a folder with `adapter_config.json` (a run's output_dir or checkpoint), or "
+        "remove it (Axolotl's recipes often leave it empty, which means no adapter).",
+    ),
+    Entry(
+        "modules-to-save-unknown",
+        SECTION,
+        "lora_modules_to_save naming no module",
+        "lora_modules_to_save: the model has no module named 'embed'",
+        "Use the modules' last names, e.g. `[embed_tokens, lm_head]` for Llama-style models.",
+    ),
+    Entry(
+        "new-tokens-untrained",
+        SECTION,
+        "New tokens in a LoRA run without training their embeddings",
+        "tokens: adds 1 token(s) the tokenizer did not have (<tool>); their embeddings start untrained",
+        "Add `lora_modules_to_save: [embed_tokens, lm_head]` (the message names the model's modules) so the "
+        "new rows are trained and saved with the adapter. A new pad token alone needs nothing.",
+    ),
+    Entry(
+        "cut-cross-entropy-softcapped-logits",
+        SECTION,
+        "cut_cross_entropy with a model that soft-caps or scales its logits",
+        "cut_cross_entropy: LlamaConfig transforms the logits after its output layer (final_logit_softcapping: "
+        "30.0), which the chunked loss does not reproduce; the chunked loss needs a model whose logits are its "
+        "output layer's output.",
+        "Remove `cut_cross_entropy` (and the plugin or Liger key that turns it on) for Gemma 2/3-, Cohere- and "
+        "Granite-style models. Checked from the config before anything is loaded.",
+    ),
+    Entry(
+        "activation-offloading-host-ram",
+        SECTION,
+        "activation_offloading needs more host RAM than the machine has",
+        "activation_offloading: the offloaded layer inputs need",
+        "The message gives the arithmetic (layers x tokens per process x hidden size x bytes, times the processes "
+        "on the node). Split each sequence over more processes (`context_parallel_size`), train shorter rows, "
+        "or remove `activation_offloading`. `cptune validate` prints the host RAM a recipe needs. Checked "
+        "before anything is loaded.",
+    ),
+)
+
+DOCUMENTED: tuple[Documented, ...] = (
+    Documented(
+        "tiled-mlp-mixture-of-experts",
+        SECTION,
+        "tiled_mlp with a mixture-of-experts model",
+        "the MLP of each decoder layer must be a dense, token-wise module. Remove tiled_mlp.",
+        "Remove `tiled_mlp`: an expert router balances its experts over all the tokens of a call, which tiles "
+        "would change. Checked from a weightless copy of the model before anything is loaded.",
+        raised_in="src/cptune/models/memory_features.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/models/test_memory_features.py::test_check_memory_features_refuses_a_mixture_of_experts_before_loading",
+    ),
+    Documented(
+        "gpus-not-divisible-by-cp",
+        SECTION,
+        "A GPU count that is not a multiple of the CP group",
+        "cannot be split into groups of context_parallel_size × dp_replicate_size",
+        "Without `--nproc-per-node`, `cptune train` starts one process per visible GPU. Pass "
+        "`--nproc-per-node` (a multiple of the group), or choose GPUs with `CUDA_VISIBLE_DEVICES`.",
+        raised_in="src/cptune/run/launch.py",
+        why_not_in_catalogue="only on a machine with GPUs; the test fakes the GPU count",
+        tested_by="tests/run/test_launch.py::test_default_processes_one_per_gpu",
+    ),
+)

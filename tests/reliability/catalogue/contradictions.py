@@ -1,0 +1,180 @@
+"""Catalogue cases of the section "Keys that contradict each other" (their text: devtools/docgen/errors/contradictions.py)."""
+
+from __future__ import annotations
+
+from tests.reliability.catalogue.framework import DELETE, Case
+from tests.reliability.catalogue.setups import DEEPSPEED_CP
+
+CASES: tuple[Case, ...] = (
+    Case(
+        "bf16-and-fp16",
+        keys={"bf16": True, "fp16": True},
+    ),
+    Case(
+        "warmup-twice",
+        keys={"warmup_steps": 10, "warmup_ratio": 0.1},
+    ),
+    Case(
+        "eval-without-data",
+        keys={"eval_steps": 5},
+    ),
+    Case(
+        "torch-cp-packing",
+        keys={"context_parallel_size": 2, "cp_backend": "torch"},
+    ),
+    Case(
+        "option-of-another-backend",
+        keys={"cp_comm_strategy": "alltoall"},
+    ),
+    Case(
+        "resume-and-overwrite",
+        args=("--resume", "--overwrite"),
+    ),
+    Case(
+        "val-set-and-test-datasets",
+        setup=lambda ws: {"val_set_size": 0.1, "test_datasets": [{"path": str(ws.data / "train.jsonl")}]},
+    ),
+    Case(
+        "val-set-not-whole",
+        keys={"val_set_size": 2.5},
+    ),
+    Case(
+        "ring-attn-func-other-backend",
+        keys={"cp_backend": "torch", "ring_attn_func": "varlen_llama3", "sample_packing": False},
+    ),
+    Case(
+        "zigzag-packing",
+        keys={"context_parallel_size": 2, "ring_attn_func": "batch_zigzag", "bf16": True},
+    ),
+    Case(
+        "zigzag-bidirectional",
+        keys={
+            "context_parallel_size": 2,
+            "ring_attn_func": "batch_zigzag",
+            "bf16": True,
+            "sample_packing": False,
+            "causal": False,
+        },
+    ),
+    Case(
+        "zigzag-without-bf16",
+        keys={"context_parallel_size": 2, "ring_attn_func": "batch_zigzag", "sample_packing": False},
+    ),
+    Case(
+        "torch-load-balance-bidirectional",
+        keys={
+            "context_parallel_size": 2,
+            "cp_backend": "torch",
+            "sample_packing": False,
+            "causal": False,
+            "cp_load_balance": True,
+        },
+    ),
+    Case(
+        "torch-padding-bidirectional",
+        keys={
+            "context_parallel_size": 2,
+            "cp_backend": "torch",
+            "sample_packing": False,
+            "causal": False,
+            "pad_to_sequence_len": True,
+        },
+    ),
+    Case(
+        "deepspeed-option-other-backend",
+        keys={"context_parallel_size": 2, "ulysses_attn_implementation": "sdpa"},
+    ),
+    Case(
+        "deepspeed-without-cp",
+        keys={"cp_backend": "deepspeed", "zero_stage": 2},
+    ),
+    Case(
+        "deepspeed-zero-without-cp",
+        keys={"deepspeed": "zero2.json"},
+    ),
+    Case(
+        "ulysses-core-bidirectional",
+        keys={
+            **DEEPSPEED_CP,
+            "ulysses_attn_implementation": "sdpa",
+            "sample_packing": False,
+            "causal": False,
+        },
+    ),
+    Case(
+        "ulysses-sdpa-packing",
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "sdpa"},
+    ),
+    Case(
+        "ulysses-flash-packing-batch",
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "flash_attention_2"},
+    ),
+    Case(
+        "lora-targets-empty",
+        keys={"lora_target_modules": []},
+    ),
+    Case(
+        "fsdp-version-1",
+        keys={"fsdp_version": 1},
+    ),
+    Case(
+        "fsdp-keys-without-version",
+        keys={"dp_shard_size": 2},
+    ),
+    Case(
+        "fsdp-with-deepspeed",
+        keys={**DEEPSPEED_CP, "fsdp_version": 2},
+    ),
+    Case(
+        "qlora-without-4bit",
+        keys={"adapter": "qlora"},
+    ),
+    Case(
+        "4bit-without-qlora",
+        keys={"load_in_4bit": True},
+    ),
+    Case(
+        "8bit-without-lora",
+        keys={"load_in_8bit": True, "adapter": DELETE},
+    ),
+    Case(
+        "bnb-kwargs-without-quantization",
+        keys={"bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
+    ),
+    Case(
+        "quantized-with-fsdp2",
+        keys={"adapter": "qlora", "load_in_4bit": True, "fsdp_version": 2},
+    ),
+    Case(
+        "jinja-without-template",
+        keys={"chat_template": "jinja"},
+    ),
+    Case(
+        "jinja-with-named-template",
+        keys={"chat_template": "llama3", "chat_template_jinja": "{{ messages }}"},
+    ),
+    Case(
+        "lora-extras-without-lora",
+        keys={"adapter": DELETE, "lora_modules_to_save": ["lm_head"]},
+    ),
+    Case(
+        "per-epoch-and-steps",
+        keys={"evals_per_epoch": 4, "eval_steps": 10, "val_set_size": 0.1},
+    ),
+    Case(
+        "bfloat16-disagrees-with-bf16",
+        keys={"bfloat16": True},
+    ),
+    Case(
+        "deepspeed-with-ring-cp",
+        keys={"context_parallel_size": 2, "deepspeed": "zero3.json"},
+    ),
+    Case(
+        "activation-offloading-without-checkpointing",
+        keys={"activation_offloading": True},
+    ),
+    Case(
+        "tiled-mlp-shards-without-tiled-mlp",
+        keys={"tiled_mlp_num_shards": 4},
+    ),
+)
