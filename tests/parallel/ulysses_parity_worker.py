@@ -34,7 +34,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.attention import check_layers_served, register_attention
-from cptune.parallel.backends.deepspeed_ulysses import (
+from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     CORE_ATTENTION_NAMES,
     DeepSpeedUlyssesBackend,
     UlyssesCollator,
@@ -42,7 +42,7 @@ from cptune.parallel.backends.deepspeed_ulysses import (
     gradient_divisor,
 )
 from cptune.parallel.backends.document_attention import register_document_attention
-from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import PatchSet

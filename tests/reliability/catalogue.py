@@ -2333,7 +2333,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: deepspeed needs DeepSpeed, which cannot be imported here",
         "Install it as the message says (`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20'`, or the "
         "`cptune[deepspeed]` extra), or use another `cp_backend`. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/deepspeed_ulysses.py",
+        raised_in="src/cptune/parallel/backends/deepspeed_ulysses/sharding.py",
         why_not_in_catalogue="the catalogue runs where DeepSpeed is installed; the test shadows it with a "
         "package that fails to import",
         tested_by="tests/run/test_cli_errors.py::test_deepspeed_not_installed",
@@ -2345,7 +2345,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be imported here",
         "Install it as the message says (`pip install ring-flash-attn==0.1.8`; flash-attn itself is optional "
         "on CPU), or use another `cp_backend`. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/ring_flash_attn.py",
+        raised_in="src/cptune/parallel/backends/ring_flash_attn/sharding.py",
         why_not_in_catalogue="the catalogue runs where ring-flash-attn is installed; the test shadows it with "
         "a package that fails to import",
         tested_by="tests/run/test_cli_errors.py::test_ring_flash_attn_not_importable",
@@ -2357,7 +2357,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: ring-flash-attn runs flash-attn's CUDA kernels, which support bf16 and fp16 only",
         "Set `bf16: true` (or `fp16: true`). cptune's CPU kernels take fp32, so the same recipe dry-runs "
         "on a laptop. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/select.py",
+        raised_in="src/cptune/parallel/backends/ring_flash_attn/kernel_choice.py",
         why_not_in_catalogue="only on a machine with a CUDA GPU and flash-attn",
         tested_by="tests/run/test_preflight.py::test_fp32_ring_flash_attn_on_a_gpu_is_refused_before_launching",
     ),
@@ -2384,7 +2384,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "see the padding. Rows of different lengths in one micro batch are padded: use "
         "`micro_batch_size: 1` (with more `gradient_accumulation_steps`), or `cp_backend: ring-flash-attn`, "
         "which masks padding and packed documents. Raised at the first such batch, in every rank.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
     ),
@@ -2396,7 +2396,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "Without a mask, torch cannot pad a row to split it over the ranks. Use rows whose length is a "
         "multiple of context_parallel_size, or `cp_backend: ring-flash-attn`. Raised at the first such "
         "batch, in every rank.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_bidirectional_needs_a_length_that_splits_without_padding",
     ),
@@ -2409,7 +2409,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "`sample_packing: true` with `cp_backend: torch` is refused before the run (see above); this is the "
         "same check on the batch itself, for recipes built without the recipe checks. Use "
         "`cp_backend: ring-flash-attn`, or `sample_packing: false`.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
     ),
@@ -2518,7 +2518,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers'",
         "`cptune train` applies the patch; in your own loop, apply "
         "`cptune.patches.torch_patches.torch_cp_cpu_sdpa_patch()` with a `PatchSet` around it.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="only reachable from Python code that drives the backend itself",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_step_context_needs_the_cpu_patch_and_restores_torchs_globals",
     ),

@@ -27,7 +27,7 @@ def test_half_precision_ring_flash_attn_on_a_gpu_passes_the_check(write_recipe, 
     recipe = load_recipe(write_recipe(context_parallel_size=2, bf16=True))
     pretend_gpu_with_flash_attn(monkeypatch)
     monkeypatch.setattr(
-        "cptune.parallel.backends.ring_flash_attn.load_ring_flash_attn", lambda: None
+        "cptune.parallel.backends.ring_flash_attn.sharding.load_ring_flash_attn", lambda: None
     )  # not reached on a CPU machine with the real kernels; the check before it is what is tested
     preflight_module.preflight(recipe, world_size=2, prepare_data=False)
 

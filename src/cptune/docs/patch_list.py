@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import SimpleNamespace
-from typing import get_args
 
-from cptune.config.recipe import CpBackend
 from cptune.patches.core import Patch, always
 
 HEADER = """# Patches cptune applies
@@ -56,11 +54,12 @@ def run_patches() -> list[Patch]:
         AssertionError: the same patch name describes itself differently for two backends
             (this page could then not describe it once).
     """
+    from cptune.parallel.backends.table import BACKENDS
     from cptune.patches.registry import build_patches
 
     merged: dict[str, Patch] = {}
-    for backend in get_args(CpBackend):
-        for patch in build_patches(SimpleNamespace(cp_backend=backend)):
+    for backend in BACKENDS:
+        for patch in build_patches(SimpleNamespace(cp_backend=backend), BACKENDS.values()):
             known = merged.setdefault(patch.name, patch)
             if _description(known) != _description(patch):
                 raise AssertionError(f"patch {patch.name} describes itself differently for {backend}")
@@ -69,19 +68,14 @@ def run_patches() -> list[Patch]:
 
 def import_patches() -> list[tuple[Patch, str]]:
     """The import-time patches with the condition under which each is applied."""
-    from cptune.parallel.kernels import flash_attn_shim_patches
-    from cptune.patches.registry import ring_flash_attn_import_patch_set
+    from cptune.parallel.backends.table import BACKENDS
+    from cptune.patches.registry import import_patch_set
 
-    found = [
-        (patch, "around `import ring_flash_attn`") for patch in ring_flash_attn_import_patch_set().patches
-    ]
-    found += [
-        (
-            patch,
-            "around `import ring_flash_attn`, only when flash-attn is not installed (CPU, and GPUs without flash-attn)",
-        )
-        for patch in flash_attn_shim_patches()
-    ]
+    found = []
+    for backend in BACKENDS.values():
+        for patch in import_patch_set(backend).patches:
+            when = "" if patch.applies_to is always else f", only when {patch.applies_to}"
+            found.append((patch, f"around `import ring_flash_attn`{when}"))
     return found
 
 

@@ -13,7 +13,7 @@ A rank whose shard holds no target contributes a zero sum — never ``0/0``.
 
 An engine that divides the gradient sum by something else passes that instead of
 ``world_size`` (DeepSpeed under Ulysses: the data-parallel size for ZeRO 0-2; see
-``backends.deepspeed_ulysses.gradient_divisor``); the Trainer then rescales the
+``backends.deepspeed_ulysses.sharding.gradient_divisor``); the Trainer then rescales the
 value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
 """
 

@@ -33,6 +33,10 @@ from cptune.patches.targets import MISSING, Slot, Target, resolve
 logger = logging.getLogger("cptune.patches")
 
 
+Predicate = Callable[[Any], bool]
+"""When a patch applies, given the recipe (give it a readable ``str`` or ``__name__``)."""
+
+
 def always(recipe: Any) -> bool:
     """Default predicate: the patch applies to every recipe."""
     return True

@@ -11,13 +11,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from cptune.patches.core import MISSING, ContextParallelWith, Patch
+from cptune.patches.core import MISSING, Patch, Predicate
 
 TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
 """The transformers versions these patches were read against."""
-
-SELF_SHARDING_BACKENDS = ("ring-flash-attn", "torch")
-"""cp_backend values for which cptune's own Trainer shards the inputs (all but deepspeed)."""
 
 
 def _inputs_unchanged(
@@ -27,7 +24,7 @@ def _inputs_unchanged(
     return contextlib.nullcontext, inputs
 
 
-def trainer_cp_inputs_patch() -> Patch:
+def trainer_cp_inputs_patch(applies_to: Predicate) -> Patch:
     """``Trainer._prepare_context_parallel_inputs`` → return the inputs untouched with a null context.
 
     The Trainer calls it first thing in ``training_step`` and ``prediction_step``
@@ -55,7 +52,7 @@ def trainer_cp_inputs_patch() -> Patch:
         ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "model", "inputs"),
-        applies_to=ContextParallelWith(SELF_SHARDING_BACKENDS),
+        applies_to=applies_to,
     )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
+from cptune.parallel.backends.table import backend_for
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.memory import (
     ActivationSetup,
@@ -82,8 +83,8 @@ def states_per_rank(recipe: Recipe, counts: Any, cp_size: int, world_size: int) 
     common = {"total": counts.total, "trainable": counts.trainable, "optimizer_elements": optimizer}
     if recipe.is_fsdp and world_size > 1:
         return fsdp_state_memory(**common, dtype_bytes=counts.dtype_bytes, shard_ranks=world_size)
-    if recipe.cp_backend == "deepspeed" and cp_size > 1:
-        stage = recipe.zero_stage or 0
+    if backend_for(recipe, cp_size).runs_own_engine:
+        stage = recipe.zero_stage or 0  # the recipe's key only (preflight's estimate also reads the JSON)
         return zero_state_memory(**common, dtype_bytes=counts.dtype_bytes, stage=stage, ranks=world_size)
     # peft keeps LoRA adapters in fp32 whatever the base model's dtype.
     return fsdp_state_memory(
@@ -189,7 +190,7 @@ def describe_activation_memory(
 
 
 def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
-    if recipe.cp_backend == "deepspeed" and cp > 1 and shape.heads % cp:
+    if backend_for(recipe, cp).splits_heads and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
     states = states_per_rank(recipe, counts, cp, cp).total
     setup = activation_setup(recipe, cp)

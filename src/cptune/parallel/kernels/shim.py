@@ -108,9 +108,20 @@ def flash_attn_shim_patches() -> list[Patch]:
             remove_when="ring-flash-attn runs without flash-attn, or cptune requires flash-attn everywhere.",
             requires={"ring-flash-attn": "==0.1.8"},
             create=True,
+            applies_to=FlashAttnMissing(),
         )
         for name, module in modules.items()
     ]
+
+
+class FlashAttnMissing:
+    """Predicate of the shim patches: flash-attn is not installed (ignores the recipe)."""
+
+    def __call__(self, recipe: object) -> bool:
+        return not flash_attn_available()
+
+    def __str__(self) -> str:
+        return "flash-attn is not installed (CPU, and GPUs without flash-attn)"
 
 
 def _module(name: str, *, is_package: bool) -> ModuleType:

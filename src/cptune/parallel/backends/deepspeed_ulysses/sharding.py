@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,9 @@ class DeepSpeedUlyssesBackend:
 
     def wrap_collator(self, collate: Callable[[Any], dict[str, Any]]) -> UlyssesCollator:
         return UlyssesCollator(collate, self.cp_size, self.pad_token_id, self.fixed_length)
+
+    def step_context(self) -> AbstractContextManager:
+        return nullcontext()  # DeepSpeed's adapter needs nothing around the forward and backward
 
 
 def gloo_fixed_length(sequence_len: int, cp_size: int) -> int | None:
