@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +26,7 @@ class ShardedInputs:
     coords: TokenCoords | None = None
 
 
+@runtime_checkable
 class BatchSharder(Protocol):
     """What a backend builds in each process once the accelerator exists: turns a full batch into this rank's inputs.
 

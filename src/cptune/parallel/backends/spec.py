@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the recipe's validation imports this module
     from cptune.parallel.backends.base import BatchSharder
@@ -49,6 +49,7 @@ class TrainerParallelism:
     deepspeed: dict[str, Any] | None = None
 
 
+@runtime_checkable
 class CpBackend(Protocol):
     """Everything that differs between context-parallel backends (and cp=1, the local backend).
 

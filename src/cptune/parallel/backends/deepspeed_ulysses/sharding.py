@@ -290,6 +290,8 @@ class DeepSpeedUlyssesBackend:
 
     #: the loader hands each rank its shard (counted once across the world, not once per CP rank)
     batch_is_sharded = True
+    #: what DeepSpeed divides the sum of all ranks' gradients by (set per run from the ZeRO stage)
+    gradient_divisor: int | None = None
 
     def __init__(
         self,
