@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import SimpleNamespace
 
-from cptune.patches.core import Patch, always
+from cptune.patches.core import Override, Patch, always
+from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 
 HEADER = """# Patches cptune applies
 
@@ -44,6 +45,15 @@ def render_patch_list() -> str:
         "after: the imported modules keep their own references to what they imported.\n"
     )
     parts += [_entry(patch, condition) for patch, condition in imports]
+    parts.append("## Private Trainer members cptune's Trainer relies on\n")
+    parts.append(
+        "`CptuneTrainer` overrides or calls these private members of transformers' `Trainer` where it\n"
+        "has no documented extension point. Subclassing installs them, not a patch set, but they are\n"
+        "checked like patches when the Trainer is built (the transformers versions and the parameters\n"
+        "listed), and `cptune validate` lists them. Declared in\n"
+        "`cptune.patches.transformers_patches.TRAINER_OVERRIDES`.\n"
+    )
+    parts += [_override_entry(override) for override in TRAINER_OVERRIDES]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
@@ -125,7 +135,25 @@ def _entry(patch: Patch, condition: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _requires(patch: Patch) -> str:
+def _override_entry(override: Override) -> str:
+    summary, _, details = override.reason.strip().partition("\n")
+    checked = ", ".join(f"`{name}`" for name in override.signature or ())
+    lines = [
+        f"### {override.name}\n",
+        f"{summary.strip()}\n",
+        "| | |",
+        "|---|---|",
+        f"| target | `{override.target}` |",
+        f"| written for | {_requires(override)} |",
+        f"| parameters checked | {checked or 'none'} |",
+        f"| remove when | {override.remove_when} |",
+    ]
+    if details.strip():
+        lines += ["", " ".join(line.strip() for line in details.strip().splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _requires(patch: Patch | Override) -> str:
     return ", ".join(f"{dist} `{spec}`" for dist, spec in patch.requires.items()) or "any version"
 
 

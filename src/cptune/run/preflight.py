@@ -166,6 +166,8 @@ def describe_plan(
     """
     from cptune.config.compat_rules import axolotl_notes
     from cptune.parallel.backends.select import run_patch_set
+    from cptune.patches.core import check_overrides
+    from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import GpuMemory, activation_memory_lines, check_host_memory
     from cptune.run.optimizers import optimizer_notes
 
@@ -201,6 +203,9 @@ def describe_plan(
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     plan = run_patch_set(recipe).plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
+    lines += ["", "Private Trainer members cptune's Trainer relies on (checked like patches):"]
+    lines += [f"  {override.name}: {override.target}" for override in TRAINER_OVERRIDES]
+    lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
     return "\n".join(lines)
 

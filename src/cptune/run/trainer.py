@@ -1,7 +1,12 @@
 """cptune's Trainer: the Hugging Face Trainer with exact sharding and token-weighted loss.
 
-Uses the Trainer's documented extension points (``compute_loss``,
-``loss_is_scaled_for_ga``) rather than patches: every micro batch is sharded by the
+Where the Trainer has a documented extension point it uses it (``compute_loss``,
+``loss_is_scaled_for_ga``, ``training_step``, ``prediction_step``, callbacks). Where it has
+none it overrides or calls private members (the step's target count, the checkpoint folder
+and its writing, the evaluation loop's helpers): each is declared in
+:data:`cptune.patches.transformers_patches.TRAINER_OVERRIDES` and checked like a patch
+(transformers' version and the member's parameters) when the Trainer is built, and listed by
+``cptune validate`` and on the patches page. Every micro batch is sharded by the
 context-parallel backend, the loss is computed from this rank's logits and its
 pre-shifted targets, and scaled so that the optimizer step's gradient is that of
 the global token mean (see :mod:`cptune.parallel.loss`). Evaluation reports the
@@ -27,6 +32,8 @@ from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
 from cptune.parallel.shard import TokenBatch, TokenCoords
+from cptune.patches.core import check_overrides
+from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.fsdp import gathered_state_dict
@@ -49,6 +56,7 @@ class CptuneTrainer(Trainer):
         shard_loss: ShardLoss = logits_loss,
         **kwargs: Any,
     ):
+        check_overrides(TRAINER_OVERRIDES).raise_for_problems()
         config = getattr(kwargs.get("model"), "config", None)
         use_cache = getattr(config, "use_cache", None)
         super().__init__(*args, **kwargs)
