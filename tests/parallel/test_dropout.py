@@ -18,9 +18,8 @@ from cptune.parallel.shard import (
     full_coords,
     shard_varlen,
     shard_zigzag,
-    unshard_contiguous,
-    unshard_zigzag,
 )
+from tests.parallel.unshard import unshard_contiguous, unshard_zigzag
 
 SEED, P = 42, 0.1
 

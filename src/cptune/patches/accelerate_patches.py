@@ -20,10 +20,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from cptune import versions
 from cptune.errors import PatchError
 from cptune.patches.core import Patch, Predicate, ShardsModelStates
 
-ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
+ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
 """The accelerate versions these patches were read against."""
 
 

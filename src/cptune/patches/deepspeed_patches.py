@@ -14,11 +14,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from cptune import versions
 from cptune.patches.core import Patch, Predicate
 
-DEEPSPEED_REQUIREMENT = {"deepspeed": ">=0.19,<0.20"}
-ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
-TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
+DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
+ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
+TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 
 
 def skip_shm_op_build_patch(applies_to: Predicate) -> Patch:

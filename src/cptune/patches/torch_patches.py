@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cptune import versions
 from cptune.patches.core import Patch, Predicate
 
-TORCH_REQUIREMENT = {"torch": ">=2.13,<2.14"}
+TORCH_REQUIREMENT = {"torch": versions.TORCH_PRIVATE_API}
 """The torch versions the handlers were read against (they call private ring templates)."""
 
 SEQ_DIM = 2

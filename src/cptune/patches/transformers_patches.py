@@ -11,9 +11,10 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+from cptune import versions
 from cptune.patches.core import MISSING, Override, Patch, Predicate
 
-TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
+TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 """The transformers versions these patches were read against."""
 
 
@@ -81,7 +82,7 @@ def ring_flash_attn_import_compat_patch() -> Patch:
             "transformers.modeling_flash_attention_utils and uses it as a bool at hf_adapter.py:129."
         ),
         remove_when="ring-flash-attn stops importing is_flash_attn_greater_or_equal_2_10 (after 0.1.8).",
-        requires={**TRANSFORMERS_REQUIREMENT, "ring-flash-attn": "==0.1.8"},
+        requires={**TRANSFORMERS_REQUIREMENT, "ring-flash-attn": versions.RING_FLASH_ATTN},
         create=True,
     )
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
@@ -50,7 +51,7 @@ from cptune.parallel.backends.document_attention import (
 from cptune.parallel.shard import TokenBatch, TokenCoords, pad_tokens
 from cptune.tokens import IGNORE_INDEX
 
-INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20' (or the cptune[deepspeed] extra)"
+INSTALL_HINT = f"DS_BUILD_OPS=0 pip install 'deepspeed{versions.DEEPSPEED}' (or the cptune[deepspeed] extra)"
 
 
 CORE_ATTENTION_NAMES: Mapping[str, str] = {

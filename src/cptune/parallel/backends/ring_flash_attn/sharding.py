@@ -24,12 +24,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
-INSTALL_HINT = "pip install ring-flash-attn==0.1.8 (flash-attn>=2.8 is optional on CUDA GPUs)"
+INSTALL_HINT = (
+    f"pip install ring-flash-attn{versions.RING_FLASH_ATTN} "
+    f"(flash-attn{versions.FLASH_ATTN.split(',')[0]} is optional on CUDA GPUs)"
+)
 
 
 @dataclass(frozen=True)
