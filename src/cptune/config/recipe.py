@@ -25,12 +25,12 @@ from cptune.config.compat import (
     TrainOnEos,
 )
 from cptune.config.compat_rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
-from cptune.parallel.backends.table import BACKENDS, named_backend
+from cptune.parallel.backends.table import BACKENDS, CpBackendName, named_backend
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
-# The values of CpBackendName, as a Literal so that the field accepts exactly them with pydantic's
-# literal message (and the loader's "did you mean"); tests/config checks that they stay the same.
-CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
+# Exactly the values of CpBackendName, as a Literal: the field keeps pydantic's literal message
+# (and the loader's "did you mean"), and recipe.cp_backend stays the plain string.
+CpBackend = Literal[tuple(name.value for name in CpBackendName)]  # type: ignore[valid-type]
 RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
 UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
 CpCommStrategy = Literal["allgather", "alltoall"]
