@@ -21,6 +21,7 @@ backend object (:mod:`cptune.parallel.backends.table`) instead.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from cptune.parallel.backends.spec import CpBackendName
@@ -56,6 +57,7 @@ def _type_checking_nodes(tree: ast.Module) -> set[int]:
     return hidden
 
 
+@functools.cache
 def _imported_packages(path: Path) -> list[tuple[str, int]]:
     """(cptune package, line) of every runtime import in the file, at module level or in a function."""
     tree = ast.parse(path.read_text())
