@@ -138,11 +138,6 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
 
 
-def runs_under_deepspeed(recipe: Recipe, dims: ParallelDims) -> bool:
-    """Whether the backend's own engine (DeepSpeed, for Ulysses) trains this layout; at cp=1 none does."""
-    return backend_for(recipe, dims.cp_size).runs_own_engine
-
-
 def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     """The Trainer's arguments for this recipe and process layout."""
     from transformers import TrainingArguments
@@ -213,7 +208,12 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
     from cptune.data.collator import PackedCollator
     from cptune.run.trainer import CptuneTrainer
 
-    if env.world_size > 1 and not torch.cuda.is_available() and not runs_under_deepspeed(recipe, dims):
+    if (
+        env.world_size > 1
+        and not torch.cuda.is_available()
+        and not backend_for(recipe, dims.cp_size).runs_own_engine
+    ):
+        # A backend's own engine (DeepSpeed) starts its process group itself.
         init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
     return CptuneTrainer(
