@@ -9,7 +9,7 @@ import pytest
 import transformers.trainer
 
 from cptune.errors import PatchError
-from cptune.patches.core import check_overrides
+from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run import trainer as trainer_module
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from types import SimpleNamespace
 
-from cptune.patches.core import Override, Patch, always
+from cptune.patches.core import Patch, always
+from cptune.patches.overrides import Override
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 
 HEADER = """# Patches cptune applies

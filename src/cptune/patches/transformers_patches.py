@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from cptune import versions
-from cptune.patches.core import MISSING, Override, Patch, Predicate
+from cptune.patches.core import MISSING, Patch, Predicate
+from cptune.patches.overrides import Override
 
 TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 """The transformers versions these patches were read against."""

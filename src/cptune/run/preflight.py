@@ -166,7 +166,7 @@ def describe_plan(
     """
     from cptune.config.compat_rules import axolotl_notes
     from cptune.parallel.backends.select import run_patch_set
-    from cptune.patches.core import check_overrides
+    from cptune.patches.overrides import check_overrides
     from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import GpuMemory, activation_memory_lines, check_host_memory
     from cptune.run.optimizers import optimizer_notes

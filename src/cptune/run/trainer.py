@@ -32,7 +32,7 @@ from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
 from cptune.parallel.shard import TokenBatch, TokenCoords
-from cptune.patches.core import check_overrides
+from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
