@@ -64,8 +64,8 @@ def paths(device: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from cptune.parallel.backends.attention import register_attention
-    from cptune.parallel.backends.local import LocalBackend
-    from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
+    from cptune.parallel.backends.local.sharding import LocalBackend
+    from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
     from cptune.parallel.kernels import flash_attn_available
 
     register_attention()

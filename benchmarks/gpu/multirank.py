@@ -41,7 +41,7 @@ def worker(rank: int, world: int, store: str, out: str, args: dict[str, Any]) ->
 
     from benchmarks.gpu import multirank_cases as cases
     from benchmarks.gpu import staged_gloo
-    from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
+    from cptune.parallel.backends.ring_flash_attn.sharding import load_ring_flash_attn
 
     device = args["device"]
     if device == "cuda":

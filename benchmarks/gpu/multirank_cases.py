@@ -28,8 +28,8 @@ import torch.distributed as dist
 from benchmarks.gpu import reference
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.base import step_context
-from cptune.parallel.backends.local import LocalBackend
-from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
 from cptune.parallel.shard import TokenBatch
 

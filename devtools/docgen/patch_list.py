@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import SimpleNamespace
-from typing import get_args
 
-from cptune.config.recipe import CpBackend
 from cptune.patches.core import Patch, always
+from cptune.patches.overrides import Override
+from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 
 HEADER = """# Patches cptune applies
 
@@ -46,6 +46,15 @@ def render_patch_list() -> str:
         "after: the imported modules keep their own references to what they imported.\n"
     )
     parts += [_entry(patch, condition) for patch, condition in imports]
+    parts.append("## Private Trainer members cptune's Trainer relies on\n")
+    parts.append(
+        "`CptuneTrainer` overrides or calls these private members of transformers' `Trainer` where it\n"
+        "has no documented extension point. Subclassing installs them, not a patch set, but they are\n"
+        "checked like patches when the Trainer is built (the transformers versions and the parameters\n"
+        "listed), and `cptune validate` lists them. Declared in\n"
+        "`cptune.patches.transformers_patches.TRAINER_OVERRIDES`.\n"
+    )
+    parts += [_override_entry(override) for override in TRAINER_OVERRIDES]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
@@ -56,11 +65,12 @@ def run_patches() -> list[Patch]:
         AssertionError: the same patch name describes itself differently for two backends
             (this page could then not describe it once).
     """
+    from cptune.parallel.backends.table import BACKENDS
     from cptune.patches.registry import build_patches
 
     merged: dict[str, Patch] = {}
-    for backend in get_args(CpBackend):
-        for patch in build_patches(SimpleNamespace(cp_backend=backend)):
+    for backend in BACKENDS:
+        for patch in build_patches(SimpleNamespace(cp_backend=backend), BACKENDS.values()):
             known = merged.setdefault(patch.name, patch)
             if _description(known) != _description(patch):
                 raise AssertionError(f"patch {patch.name} describes itself differently for {backend}")
@@ -69,19 +79,14 @@ def run_patches() -> list[Patch]:
 
 def import_patches() -> list[tuple[Patch, str]]:
     """The import-time patches with the condition under which each is applied."""
-    from cptune.parallel.kernels import flash_attn_shim_patches
-    from cptune.patches.registry import ring_flash_attn_import_patch_set
+    from cptune.parallel.backends.table import BACKENDS
+    from cptune.patches.registry import import_patch_set
 
-    found = [
-        (patch, "around `import ring_flash_attn`") for patch in ring_flash_attn_import_patch_set().patches
-    ]
-    found += [
-        (
-            patch,
-            "around `import ring_flash_attn`, only when flash-attn is not installed (CPU, and GPUs without flash-attn)",
-        )
-        for patch in flash_attn_shim_patches()
-    ]
+    found = []
+    for backend in BACKENDS.values():
+        for patch in import_patch_set(backend).patches:
+            when = "" if patch.applies_to is always else f", only when {patch.applies_to}"
+            found.append((patch, f"around `import ring_flash_attn`{when}"))
     return found
 
 
@@ -131,7 +136,25 @@ def _entry(patch: Patch, condition: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _requires(patch: Patch) -> str:
+def _override_entry(override: Override) -> str:
+    summary, _, details = override.reason.strip().partition("\n")
+    checked = ", ".join(f"`{name}`" for name in override.signature or ())
+    lines = [
+        f"### {override.name}\n",
+        f"{summary.strip()}\n",
+        "| | |",
+        "|---|---|",
+        f"| target | `{override.target}` |",
+        f"| written for | {_requires(override)} |",
+        f"| parameters checked | {checked or 'none'} |",
+        f"| remove when | {override.remove_when} |",
+    ]
+    if details.strip():
+        lines += ["", " ".join(line.strip() for line in details.strip().splitlines())]
+    return "\n".join(lines) + "\n"
+
+
+def _requires(patch: Patch | Override) -> str:
     return ", ".join(f"{dist} `{spec}`" for dist, spec in patch.requires.items()) or "any version"
 
 

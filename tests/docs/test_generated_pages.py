@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from cptune.config.recipe import RULES, DatasetConfig, Recipe
+from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.registry import build_patches
 from devtools.docgen import REGENERATE_COMMAND, generated_pages
 from devtools.docgen.__main__ import main, stale_pages
@@ -65,7 +66,9 @@ def test_reference_names_every_key_and_every_refused_axolotl_key():
 def test_patch_page_lists_every_patch_of_every_backend():
     page = PAGES["docs/reference/patches.md"]
     names = {
-        p.name for backend in ("ring-flash-attn", "torch", "deepspeed") for p in build_patches(_Stub(backend))
+        p.name
+        for backend in ("ring-flash-attn", "torch", "deepspeed")
+        for p in build_patches(_Stub(backend), BACKENDS.values())
     }
     names |= {patch.name for patch, _ in import_patches()}
     assert names == {p.name for p in run_patches()} | {patch.name for patch, _ in import_patches()}

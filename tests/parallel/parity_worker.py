@@ -33,13 +33,13 @@ from cptune.data.collator import shift_labels_within_documents
 from cptune.models.head_loss import logits_loss
 from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.base import step_context
-from cptune.parallel.backends.local import LocalBackend
-from cptune.parallel.backends.ring_flash_attn import RingFlashAttnBackend, load_ring_flash_attn
-from cptune.parallel.backends.torch_cp import TorchCpBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
-from cptune.patches.core import PatchSet
+from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
@@ -278,7 +278,7 @@ def main() -> None:
     kernels = load_ring_flash_attn() if any(c.get("backend") != "torch" for c in cases) else None
     register_attention()
     # What `cptune train` applies for cp_backend: torch (the CPU SDPA op's CP handlers).
-    torch_patches = PatchSet([torch_cp_cpu_sdpa_patch()])
+    torch_patches = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     with torch_patches.applied(SimpleNamespace(context_parallel_size=cp_size, cp_backend="torch")):
         results = {case["name"]: run_case(case, groups, kernels) for case in cases}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))

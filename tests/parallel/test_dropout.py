@@ -18,9 +18,8 @@ from cptune.parallel.shard import (
     full_coords,
     shard_varlen,
     shard_zigzag,
-    unshard_contiguous,
-    unshard_zigzag,
 )
+from tests.parallel.unshard import unshard_contiguous, unshard_zigzag
 
 SEED, P = 42, 0.1
 
@@ -117,7 +116,7 @@ def test_swaps_peft_lora_dropout_and_leaves_zero_dropout_alone():
 
 def test_micro_batches_are_numbered_from_the_optimizer_step_so_resumed_runs_draw_the_same_masks():
     from cptune.parallel.backends.base import batch_number
-    from cptune.parallel.backends.local import LocalBackend
+    from cptune.parallel.backends.local.sharding import LocalBackend
     from cptune.run.trainer import MicroBatchCounter
 
     counter = MicroBatchCounter()

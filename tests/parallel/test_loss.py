@@ -18,7 +18,7 @@ def test_token_loss_sum_matches_manual_sum_and_ignores_masked():
 def test_zero_target_shard_contributes_zero_not_nan():
     logits = torch.randn(1, 4, 7, requires_grad=True)
     labels = torch.full((1, 4), -100)
-    loss = scaled_step_loss(token_loss_sum(logits, labels), torch.tensor(10), world_size=2)
+    loss = scaled_step_loss(token_loss_sum(logits, labels), torch.tensor(10), gradient_divisor=2)
     assert loss.item() == 0.0
     loss.backward()
     assert torch.isfinite(logits.grad).all()
@@ -27,21 +27,21 @@ def test_zero_target_shard_contributes_zero_not_nan():
 def test_step_without_any_target_gives_zero_loss():
     logits = torch.randn(1, 4, 7, requires_grad=True)
     labels = torch.full((1, 4), -100)
-    loss = scaled_step_loss(token_loss_sum(logits, labels), torch.tensor(0), world_size=4)
+    loss = scaled_step_loss(token_loss_sum(logits, labels), torch.tensor(0), gradient_divisor=4)
     assert loss.item() == 0.0 and not math.isnan(loss.item())
 
 
 def test_scaling_gives_global_token_mean_over_ranks():
     # Two ranks with 3 and 1 targets: DDP's mean of the scaled losses is the global mean.
     sums = [torch.tensor(6.0), torch.tensor(2.0)]
-    scaled = [scaled_step_loss(s, torch.tensor(4), world_size=2) for s in sums]
+    scaled = [scaled_step_loss(s, torch.tensor(4), gradient_divisor=2) for s in sums]
     assert torch.isclose(sum(scaled) / 2, torch.tensor(8.0 / 4))
 
 
 def test_step_target_count_single_process_divides_by_cp():
-    assert step_target_count(torch.tensor(10), cp_size=1).item() == 10
+    assert step_target_count(torch.tensor(10), copies=1).item() == 10
     with pytest.raises(RuntimeError, match="same batches"):
-        step_target_count(torch.tensor(7), cp_size=2)
+        step_target_count(torch.tensor(7), copies=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

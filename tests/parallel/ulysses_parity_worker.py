@@ -34,7 +34,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.attention import check_layers_served, register_attention
-from cptune.parallel.backends.deepspeed_ulysses import (
+from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     CORE_ATTENTION_NAMES,
     DeepSpeedUlyssesBackend,
     UlyssesCollator,
@@ -42,10 +42,10 @@ from cptune.parallel.backends.deepspeed_ulysses import (
     gradient_divisor,
 )
 from cptune.parallel.backends.document_attention import register_document_attention
-from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch
-from cptune.patches.core import PatchSet
+from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
@@ -243,14 +243,14 @@ def main() -> None:
 
     out_dir, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
     recipe = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
-    with PatchSet([skip_shm_op_build_patch()]).applied(recipe):
+    with PatchSet([skip_shm_op_build_patch(ContextParallelWith(("deepspeed",)))]).applied(recipe):
         deepspeed.init_distributed(dist_backend="gloo")
     register_attention()
     register_document_attention()
     results = {}
     for case in cases:
         # DeepSpeed's wrapper must not wrap the previous case's wrapper.
-        with PatchSet([attention_registry_scope_patch()]).applied(recipe):
+        with PatchSet([attention_registry_scope_patch(ContextParallelWith(("deepspeed",)))]).applied(recipe):
             results[case["name"]] = run_case(case)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

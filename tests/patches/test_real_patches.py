@@ -24,7 +24,17 @@ import pytest
 import torch
 
 from cptune.errors import PatchError
-from cptune.patches import MISSING, Patch, PatchSet, Target, build_patch_set, ring_flash_attn_import_patch_set
+from cptune.parallel.backends.ring_flash_attn import RING_FLASH_ATTN
+from cptune.parallel.backends.table import BACKENDS
+from cptune.patches import (
+    MISSING,
+    ContextParallelWith,
+    Patch,
+    PatchSet,
+    Target,
+    build_patch_set,
+    import_patch_set,
+)
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
     accelerator_state_fsdp_on_cpu_patch,
@@ -38,6 +48,9 @@ RING = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn", is
 TORCH = SimpleNamespace(context_parallel_size=2, cp_backend="torch", is_fsdp=False)
 DEEPSPEED = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed", is_fsdp=False)
 NO_CP = SimpleNamespace(context_parallel_size=1, cp_backend="ring-flash-attn", is_fsdp=False)
+# The predicates the registry builds from the backend table.
+SELF_SHARDING = ContextParallelWith(("ring-flash-attn", "torch"))
+ON_DDP = ContextParallelWith(("ring-flash-attn", "torch"), plain_ddp=True)
 
 
 def _raw(target: str):
@@ -50,25 +63,25 @@ def _raw(target: str):
 
 
 def _selected(recipe) -> list[str]:
-    return [patch.name for patch in build_patch_set(recipe).plan(recipe).selected]
+    return [patch.name for patch in build_patch_set(recipe, BACKENDS.values()).plan(recipe).selected]
 
 
 def test_ring_plan_matches_installed_versions():
-    plan = build_patch_set(RING).plan(RING)
+    plan = build_patch_set(RING, BACKENDS.values()).plan(RING)
     assert plan.ok, plan.describe()
     assert len(plan.selected) == 5
     assert "torch-cp-cpu-sdpa-handlers" in [skipped.patch.name for skipped in plan.skipped]
 
 
 def test_torch_plan_matches_installed_versions():
-    plan = build_patch_set(TORCH).plan(TORCH)
+    plan = build_patch_set(TORCH, BACKENDS.values()).plan(TORCH)
     assert plan.ok, plan.describe()
     assert [patch.name for patch in plan.selected][-1] == "torch-cp-cpu-sdpa-handlers"
     assert len(plan.selected) == 6
 
 
 def test_import_compat_plan_matches_installed_versions():
-    assert ring_flash_attn_import_patch_set().plan().ok
+    assert import_patch_set(RING_FLASH_ATTN).plan().ok
 
 
 def test_selection_by_backend():
@@ -85,7 +98,7 @@ def test_selection_by_backend():
 
 
 def test_apply_then_revert_restores_identity():
-    patch_set = build_patch_set(TORCH)  # ring's patches and torch's CPU handlers
+    patch_set = build_patch_set(TORCH, BACKENDS.values())  # ring's patches and torch's CPU handlers
     before = {patch.target: _raw(patch.target) for patch in patch_set.plan(TORCH).selected}
     with patch_set.applied(TORCH):
         for target, original in before.items():
@@ -101,7 +114,7 @@ def test_trainer_inputs_pass_through_with_null_context():
     inputs = {"input_ids": torch.arange(8).view(1, 8), "labels": torch.arange(8).view(1, 8)}
     snapshot = {key: value.clone() for key, value in inputs.items()}
     trainer = SimpleNamespace(accelerator=None)  # the replacement must not look at the Trainer at all
-    with PatchSet([trainer_cp_inputs_patch()]).applied(RING):
+    with PatchSet([trainer_cp_inputs_patch(SELF_SHARDING)]).applied(RING):
         context, returned = Trainer._prepare_context_parallel_inputs(trainer, torch.nn.Linear(2, 2), inputs)
     assert context is contextlib.nullcontext
     assert returned is inputs
@@ -121,7 +134,12 @@ def test_prepare_cp_for_ring_returns_args_and_adds_no_hooks(monkeypatch):
     model.add_module("self_attn", torch.nn.Linear(2, 2))
     optimizer = object()
     accelerator = SimpleNamespace()  # no parallelism_config or mesh: the original would fail on it
-    patches = PatchSet([prepare_cp_patch("ring-flash-attn"), cp_context_guard_patch("ring-flash-attn")])
+    patches = PatchSet(
+        [
+            prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=False),
+            cp_context_guard_patch(SELF_SHARDING, drives_torch_cp=False),
+        ]
+    )
     with patches.applied(RING):
         returned = Accelerator._prepare_cp(accelerator, model, optimizer)
         with pytest.raises(PatchError, match="maybe_context_parallel"):
@@ -144,7 +162,12 @@ def test_prepare_cp_for_torch_checks_instead_of_dropping_masks(monkeypatch):
     model = torch.nn.Sequential()
     model.add_module("self_attn", torch.nn.Linear(2, 2))
     accelerator = SimpleNamespace()
-    with PatchSet([prepare_cp_patch("torch"), cp_context_guard_patch("torch")]).applied(TORCH):
+    with PatchSet(
+        [
+            prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=True),
+            cp_context_guard_patch(SELF_SHARDING, drives_torch_cp=True),
+        ]
+    ).applied(TORCH):
         returned = Accelerator._prepare_cp(accelerator, model)
         with pytest.raises(PatchError, match="would shard the batch a second time"):
             Accelerator._cp_context(accelerator, buffers=[], buffer_seq_dims=[], no_restore_buffers=set())
@@ -162,7 +185,9 @@ def test_prepare_cp_for_other_backends_calls_original():
         calls.append((self, args))
         return args
 
-    wrapper = prepare_cp_patch("deepspeed").replacement(original)
+    wrapper = prepare_cp_patch(SELF_SHARDING, shards_itself=False, drives_torch_cp=False).replacement(
+        original
+    )
     assert wrapper("acc", 1, 2) == (1, 2)
     assert calls == [("acc", (1, 2))]
 
@@ -184,7 +209,7 @@ def test_validate_accelerator_accepts_multi_cpu_for_cp_only():
 
     with pytest.raises(ValueError, match="MULTI_CPU"):  # upstream behaviour the patch exists for
         ParallelismConfig(cp_size=2)._validate_accelerator(_multi_cpu_accelerator())
-    with PatchSet([validate_accelerator_multi_cpu_patch()]).applied(RING):
+    with PatchSet([validate_accelerator_multi_cpu_patch(ON_DDP)]).applied(RING):
         ParallelismConfig(cp_size=2)._validate_accelerator(_multi_cpu_accelerator())
         # The original's other checks still run.
         with pytest.raises(ValueError, match="does not match"):
@@ -261,7 +286,7 @@ def test_state_init_upstream_standalone_escape_breaks_is_fsdp2(fake_multi_gpu_st
 
 def test_state_init_patch_keeps_ddp_for_cp_on_gpu(fake_multi_gpu_state):
     kwargs = _state_kwargs()
-    with PatchSet([accelerator_state_cp_without_fsdp_patch()]).applied(RING):
+    with PatchSet([accelerator_state_cp_without_fsdp_patch(ON_DDP)]).applied(RING):
         state = fake_multi_gpu_state(**kwargs)
     assert state.distributed_type == "MULTI_GPU"
     assert state.parallelism_config is kwargs["parallelism_config"]
@@ -271,7 +296,7 @@ def test_state_init_patch_keeps_ddp_for_cp_on_gpu(fake_multi_gpu_state):
 def test_state_init_patch_leaves_fsdp_runs_alone(fake_multi_gpu_state):
     fsdp_plugin = SimpleNamespace(fsdp_version=2, set_mixed_precision=lambda precision: None)
     kwargs = _state_kwargs(fsdp_plugin=fsdp_plugin)
-    with PatchSet([accelerator_state_cp_without_fsdp_patch()]).applied(RING):
+    with PatchSet([accelerator_state_cp_without_fsdp_patch(ON_DDP)]).applied(RING):
         state = fake_multi_gpu_state(**kwargs)
     assert state.distributed_type == "FSDP" and state.is_fsdp2 is True
     assert state.parallelism_config is kwargs["parallelism_config"]
@@ -315,7 +340,7 @@ def test_fsdp_recipes_get_the_fsdp_patch_and_not_the_plain_ddp_ones():
     assert "parallelism-config-allow-multi-cpu" not in selected
     assert "accelerator-prepare-cp-by-backend" in selected
     assert "accelerator-state-fsdp-on-cpu" not in _selected(RING)
-    assert build_patch_set(FSDP_RING).plan(FSDP_RING).ok
+    assert build_patch_set(FSDP_RING, BACKENDS.values()).plan(FSDP_RING).ok
 
 
 @contextlib.contextmanager
@@ -363,7 +388,7 @@ def test_import_compat_lets_ring_flash_attn_import():
     with _isolated_ring_flash_attn_import(), PatchSet(_flash_attn_stand_ins()).applied():
         with pytest.raises(ImportError, match="is_flash_attn_greater_or_equal_2_10"):
             import ring_flash_attn
-        with ring_flash_attn_import_patch_set().applied():
+        with import_patch_set(RING_FLASH_ATTN).applied():
             import ring_flash_attn
 
         assert ring_flash_attn.adapters.hf_adapter.is_flash_attn_greater_or_equal_2_10 is True
@@ -379,11 +404,13 @@ from accelerate.parallelism_config import ParallelismConfig
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
     accelerator_state_fsdp_on_cpu_patch, prepare_cp_patch, validate_accelerator_multi_cpu_patch)
-from cptune.patches.core import PatchSet
+from cptune.patches.core import ContextParallelWith, PatchSet
 
+ON_DDP = ContextParallelWith(("ring-flash-attn", "torch"), plain_ddp=True)
+SELF_SHARDING = ContextParallelWith(("ring-flash-attn", "torch"))
 recipe = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn")
-patches = PatchSet([accelerator_state_cp_without_fsdp_patch(), prepare_cp_patch("ring-flash-attn"),
-                    validate_accelerator_multi_cpu_patch()])
+patches = PatchSet([accelerator_state_cp_without_fsdp_patch(ON_DDP), prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=False),
+                    validate_accelerator_multi_cpu_patch(ON_DDP)])
 with patches.applied(recipe):
     accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))
     model = torch.nn.Sequential()

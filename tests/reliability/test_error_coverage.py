@@ -41,16 +41,9 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "a bug in cptune",
     ),
     (
-        "src/cptune/parallel/backends/select.py",
+        "src/cptune/parallel/backends/deepspeed_ulysses/__init__.py",
         "This is a bug in cptune's DeepSpeed setup: please report it.",
         "a bug in cptune",
-    ),
-    # Dormant: UNAVAILABLE_CP_BACKENDS is empty, every cp_backend the recipe accepts exists.
-    ("src/cptune/config/recipe.py", "is not available yet in this version of cptune", "no such backend now"),
-    (
-        "src/cptune/parallel/backends/select.py",
-        "is not available in this version of cptune",
-        "no such backend now",
     ),
     # Backstops behind a check that refuses the same input earlier (its entry is on the page).
     (

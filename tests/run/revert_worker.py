@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from cptune.config.loader import load_recipe
+from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import Target
 from cptune.patches.registry import build_patches
 from cptune.run import train as train_module
@@ -28,7 +29,9 @@ def raw_object(target: Target) -> object:
 
 
 def snapshot(recipe) -> dict[str, int]:
-    return {p.target: id(raw_object(Target.parse(p.target))) for p in build_patches(recipe)}
+    return {
+        p.target: id(raw_object(Target.parse(p.target))) for p in build_patches(recipe, BACKENDS.values())
+    }
 
 
 def main() -> None:

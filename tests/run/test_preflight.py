@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+# Imported while torch still says there is no GPU: the first import of transformers' Trainer imports
+# bitsandbytes, which probes CUDA's C functions when torch.cuda.is_available() is True (as these
+# tests pretend) and fails on a CPU build. Run alone, this file otherwise failed at that import.
+import transformers.trainer  # noqa: F401
+
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
 from cptune.run import preflight as preflight_module
@@ -27,7 +32,7 @@ def test_half_precision_ring_flash_attn_on_a_gpu_passes_the_check(write_recipe, 
     recipe = load_recipe(write_recipe(context_parallel_size=2, bf16=True))
     pretend_gpu_with_flash_attn(monkeypatch)
     monkeypatch.setattr(
-        "cptune.parallel.backends.ring_flash_attn.load_ring_flash_attn", lambda: None
+        "cptune.parallel.backends.ring_flash_attn.sharding.load_ring_flash_attn", lambda: None
     )  # not reached on a CPU machine with the real kernels; the check before it is what is tested
     preflight_module.preflight(recipe, world_size=2, prepare_data=False)
 

@@ -24,7 +24,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "see the padding. Rows of different lengths in one micro batch are padded: use "
         "`micro_batch_size: 1` (with more `gradient_accumulation_steps`), or `cp_backend: ring-flash-attn`, "
         "which masks padding and packed documents. Raised at the first such batch, in every rank.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
     ),
@@ -36,7 +36,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "Without a mask, torch cannot pad a row to split it over the ranks. Use rows whose length is a "
         "multiple of context_parallel_size, or `cp_backend: ring-flash-attn`. Raised at the first such "
         "batch, in every rank.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_bidirectional_needs_a_length_that_splits_without_padding",
     ),
@@ -49,7 +49,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "`sample_packing: true` with `cp_backend: torch` is refused before the run (see above); this is the "
         "same check on the batch itself, for recipes built without the recipe checks. Use "
         "`cp_backend: ring-flash-attn`, or `sample_packing: false`.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="it depends on the batches, so it is raised after the processes started",
         tested_by="tests/run/test_train_torch_cp.py::test_packed_and_padded_batches_stop_training_at_the_first_batch",
     ),

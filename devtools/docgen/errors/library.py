@@ -65,8 +65,8 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: torch on CPU in your own training loop without cptune's patch",
         "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers'",
         "`cptune train` applies the patch; in your own loop, apply "
-        "`cptune.patches.torch_patches.torch_cp_cpu_sdpa_patch()` with a `PatchSet` around it.",
-        raised_in="src/cptune/parallel/backends/torch_cp.py",
+        "`PatchSet(cptune.parallel.backends.torch_cp.TORCH_CP.training_patches())` around it.",
+        raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="only reachable from Python code that drives the backend itself",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_step_context_needs_the_cpu_patch_and_restores_torchs_globals",
     ),

@@ -34,7 +34,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: deepspeed needs DeepSpeed, which cannot be imported here",
         "Install it as the message says (`DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20'`, or the "
         "`cptune[deepspeed]` extra), or use another `cp_backend`. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/deepspeed_ulysses.py",
+        raised_in="src/cptune/parallel/backends/deepspeed_ulysses/sharding.py",
         why_not_in_catalogue="the catalogue runs where DeepSpeed is installed; the test shadows it with a "
         "package that fails to import",
         tested_by="tests/run/test_cli_errors.py::test_deepspeed_not_installed",
@@ -46,7 +46,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be imported here",
         "Install it as the message says (`pip install ring-flash-attn==0.1.8`; flash-attn itself is optional "
         "on CPU), or use another `cp_backend`. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/ring_flash_attn.py",
+        raised_in="src/cptune/parallel/backends/ring_flash_attn/sharding.py",
         why_not_in_catalogue="the catalogue runs where ring-flash-attn is installed; the test shadows it with "
         "a package that fails to import",
         tested_by="tests/run/test_cli_errors.py::test_ring_flash_attn_not_importable",
@@ -58,7 +58,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: ring-flash-attn runs flash-attn's CUDA kernels, which support bf16 and fp16 only",
         "Set `bf16: true` (or `fp16: true`). cptune's CPU kernels take fp32, so the same recipe dry-runs "
         "on a laptop. Checked before any process starts.",
-        raised_in="src/cptune/parallel/backends/select.py",
+        raised_in="src/cptune/parallel/backends/ring_flash_attn/kernel_choice.py",
         why_not_in_catalogue="only on a machine with a CUDA GPU and flash-attn",
         tested_by="tests/run/test_preflight.py::test_fp32_ring_flash_attn_on_a_gpu_is_refused_before_launching",
     ),

@@ -25,18 +25,16 @@ from cptune.config.compat import (
     TrainOnEos,
 )
 from cptune.config.compat_rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
+from cptune.parallel.backends.table import BACKENDS, CpBackendName, named_backend
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
-CpBackend = Literal["ring-flash-attn", "torch", "deepspeed"]
+# Exactly the values of CpBackendName, as a Literal: the field keeps pydantic's literal message
+# (and the loader's "did you mean"), and recipe.cp_backend stays the plain string.
+CpBackend = Literal[tuple(name.value for name in CpBackendName)]  # type: ignore[valid-type]
 RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
 UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
 CpCommStrategy = Literal["allgather", "alltoall"]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
-
-
-# Backends whose implementation has not landed yet. Validation refuses them
-# rather than falling back to another backend without a word.
-UNAVAILABLE_CP_BACKENDS: dict[str, str] = {}
 
 
 class _Frozen(BaseModel):
@@ -504,82 +502,17 @@ def _output(r: Recipe) -> Iterator[tuple[str, str]]:
 def _context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
     """Context parallelism.
 
-    - `ring_attn_func` applies only to `cp_backend: ring-flash-attn`.
-    - `ring_attn_func: batch_zigzag` is refused with `sample_packing: true` (it has no document
-      boundaries), with `causal: false` (causal only) and without `bf16: true` (ring-flash-attn 0.1.8
-      computes wrong zigzag gradients in fp32/fp16).
-    - `cp_comm_strategy` and `cp_load_balance` apply only to `cp_backend: torch`.
-    - With `cp_backend: torch` and `context_parallel_size > 1` (torch's attention takes no mask):
-      `sample_packing: true` is refused (packed samples would attend to each other); with
-      `causal: false`, `cp_load_balance: true` is refused (torch balances causal attention only) and
-      `pad_to_sequence_len: true` is refused (every token would attend to the padding).
     - `sequence_len` must hold at least one chunk per rank: `context_parallel_size` chunks, or twice
       that for `batch_zigzag` and for `cp_backend: torch` with load balancing.
+    - Each backend's own keys and combinations: the sections below.
     """
-    if r.cp_backend in UNAVAILABLE_CP_BACKENDS:
-        yield (
-            "cp_backend",
-            f"'{r.cp_backend}' is not available yet in this version of cptune (planned in "
-            f"{UNAVAILABLE_CP_BACKENDS[r.cp_backend]}). Use cp_backend: ring-flash-attn.",
-        )
-    if r.ring_attn_func is not None and r.cp_backend != "ring-flash-attn":
-        yield "ring_attn_func", "applies only to cp_backend: ring-flash-attn; remove it."
-    if r.resolved_ring_attn_func == "batch_zigzag":
-        if r.sample_packing:
-            yield (
-                "ring_attn_func",
-                "batch_zigzag cannot keep packed samples apart (it has no document boundaries); "
-                "use ring_attn_func: varlen_llama3 with sample_packing.",
-            )
-        if not r.causal:
-            yield "ring_attn_func", "batch_zigzag is causal only; use varlen_llama3 with causal: false."
-        if r.bf16 is not True:
-            yield (
-                "ring_attn_func",
-                "batch_zigzag needs bf16: true. ring-flash-attn 0.1.8 computes wrong gradients for "
-                "zigzag in fp32/fp16 (its fp32 accumulator aliases a kernel buffer). "
-                "Use bf16: true, or ring_attn_func: varlen_llama3, which is exact in fp32.",
-            )
-    if r.cp_backend != "torch":
-        for key in ("cp_comm_strategy", "cp_load_balance"):
-            if getattr(r, key) is not None:
-                yield key, "applies only to cp_backend: torch; remove it."
-    elif r.context_parallel_size > 1:
-        yield from _torch_context_parallel(r)
-    two_chunks = r.resolved_ring_attn_func == "batch_zigzag" or (
-        r.cp_backend == "torch" and r.resolved_cp_load_balance
-    )
-    chunks = r.context_parallel_size * (2 if two_chunks else 1)
+    chunks = r.context_parallel_size * named_backend(r).chunks_per_rank(r)
     if r.sequence_len < chunks:
         yield (
             "sequence_len",
             f"{r.sequence_len} tokens cannot be split into the {chunks} chunks that "
             f"context_parallel_size={r.context_parallel_size} needs; use a longer sequence_len "
             "or a smaller context_parallel_size.",
-        )
-
-
-def _torch_context_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
-    """torch's CP attention takes no mask: refuse recipes whose batches it would train wrong."""
-    if r.sample_packing:
-        yield (
-            "sample_packing",
-            "cp_backend: torch cannot keep packed samples apart (torch's context-parallel attention takes "
-            "no document mask), so they would attend to each other. Use cp_backend: ring-flash-attn, or "
-            "sample_packing: false.",
-        )
-    if not r.causal and r.cp_load_balance:
-        yield (
-            "cp_load_balance",
-            "torch's load balancing reorders tokens for causal attention only (it refuses it otherwise); "
-            "with causal: false set cp_load_balance: false, or remove it.",
-        )
-    if not r.causal and r.pad_to_sequence_len:
-        yield (
-            "pad_to_sequence_len",
-            "with cp_backend: torch and causal: false every token would attend to the padding (torch's "
-            "context-parallel attention takes no padding mask). Use cp_backend: ring-flash-attn, or "
-            "pad_to_sequence_len: false.",
         )
 
 
@@ -592,82 +525,11 @@ def _adapter(r: Recipe) -> Iterator[tuple[str, str]]:
         yield "lora_target_modules", "is empty; list module names or set lora_target_linear: true."
 
 
-def _deepspeed(r: Recipe) -> Iterator[tuple[str, str]]:
-    """DeepSpeed Ulysses.
-
-    Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong.
-
-    - `ulysses_attn_implementation`, `zero_stage` and `deepspeed` apply only to `cp_backend: deepspeed`
-      (ring-flash-attn and torch CP cannot run under DeepSpeed's engine: accelerate gives each rank of a
-      DeepSpeed run a batch of its own, so a CP group would split different sequences).
-    - `zero_stage` and `deepspeed` need `context_parallel_size > 1` (a cp=1 run trains with plain DDP).
-    - With `context_parallel_size > 1` and a core attention other than `cptune`: `causal: false` is
-      refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
-      with `flash_attention_2/3` needs `micro_batch_size: 1`.
-    """
-    if r.cp_backend != "deepspeed":
-        if r.ulysses_attn_implementation is not None:
-            yield "ulysses_attn_implementation", "applies only to cp_backend: deepspeed; remove it."
-        for key in ("zero_stage", "deepspeed"):
-            if getattr(r, key) is not None:
-                yield key, _deepspeed_needs_ulysses(r)
-        return
-    if r.context_parallel_size == 1:
-        for key in ("zero_stage", "deepspeed"):
-            if getattr(r, key) is not None:
-                yield (
-                    key,
-                    "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); "
-                    "remove it, or set context_parallel_size.",
-                )
-        return
-    attention = r.resolved_ulysses_attn_implementation
-    if attention == "cptune":
-        return
-    if not r.causal:
-        yield (
-            "ulysses_attn_implementation",
-            f"{attention} attends causally only here (DeepSpeed's Ulysses wrapper drops attention masks); "
-            "use ulysses_attn_implementation: cptune with causal: false.",
-        )
-    if r.sample_packing and attention == "sdpa":
-        yield (
-            "sample_packing",
-            "ulysses_attn_implementation: sdpa cannot keep packed samples apart (DeepSpeed's Ulysses wrapper "
-            "drops the mask and sdpa ignores position_ids), so the loss would be silently wrong. Use "
-            "ulysses_attn_implementation: cptune (or flash_attention_2 on GPUs), or sample_packing: false.",
-        )
-    elif r.sample_packing and r.micro_batch_size > 1:
-        yield (
-            "micro_batch_size",
-            f"{attention} finds packed samples from position_ids only in batches of one row "
-            "(transformers' _is_packed_sequence); with more rows they would attend to each other. Use "
-            "micro_batch_size: 1 with more gradient_accumulation_steps, or ulysses_attn_implementation: cptune.",
-        )
-
-
-def _deepspeed_needs_ulysses(r: Recipe) -> str:
-    if r.context_parallel_size == 1:
-        return (
-            "DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1 (a cp=1 run trains with "
-            "plain DDP); to shard model states without CP use fsdp_version: 2, or remove it."
-        )
-    # accelerate 1.15 (data_loader.py, prepare_data_loader): under DeepSpeed only a tp mesh axis makes ranks
-    # share batches, so the ranks of a CP group would each get a batch of their own.
-    return (
-        f"DeepSpeed's engine cannot run cp_backend: {r.cp_backend}: under DeepSpeed, accelerate gives every rank "
-        "a batch of its own (its data loader ignores the context-parallel axis), so the ranks of a CP group "
-        "would split different sequences. Set cp_backend: deepspeed (Ulysses, which runs under DeepSpeed's ZeRO "
-        f"stages), or shard model states with fsdp_version: 2 and keep cp_backend: {r.cp_backend}."
-    )
-
-
 def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
     """Sharding of model states (FSDP2).
 
     - `fsdp_version: 1` is refused: cptune shards with FSDP2 only.
     - `fsdp_config`, `dp_shard_size` and `dp_replicate_size` need `fsdp_version: 2`.
-    - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
     """
     if r.fsdp_version == 1:
         yield (
@@ -685,12 +547,6 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
                     "or remove it.",
                 )
         return
-    if r.cp_backend == "deepspeed":
-        yield (
-            "fsdp_version",
-            "cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP; use zero_stage: 3 "
-            "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
-        )
 
 
 def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
@@ -700,8 +556,7 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
       `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
       checkpointing keeps).
     - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
-    - `tiled_mlp` and `cut_cross_entropy` are refused with DeepSpeed ZeRO-3 (`zero_stage: 3`, or stage 3 in the
-      `deepspeed` JSON): they call modules again in the backward pass, after ZeRO-3 released their weights.
+    - `tiled_mlp` and `cut_cross_entropy` with DeepSpeed ZeRO-3: see the DeepSpeed Ulysses rules.
     """
     if r.activation_offloading == "disk":
         yield (
@@ -725,20 +580,6 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
             "tiled_mlp_use_original_mlp",
             "cptune always tiles the model's own MLP module (with its LoRA layers); remove the key or set it true.",
         )
-    if r.cp_backend == "deepspeed" and r.zero_stage == 3:
-        yield from zero3_memory_problems(r)
-
-
-def zero3_memory_problems(r: Recipe) -> Iterator[tuple[str, str]]:
-    """The memory features that DeepSpeed ZeRO-3 cannot serve yet (also checked for a `deepspeed` JSON's stage)."""
-    for key, on in (("tiled_mlp", r.tiled_mlp), ("cut_cross_entropy", r.resolved_head_loss)):
-        if on:
-            yield (
-                key,
-                "is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass, after "
-                "ZeRO-3 released their gathered weights. Use zero_stage 0-2, or remove it "
-                "(activation_offloading works with ZeRO-3).",
-            )
 
 
 RULES: tuple[Rule, ...] = (
@@ -747,7 +588,7 @@ RULES: tuple[Rule, ...] = (
     _evaluation,
     _output,
     _context_parallel,
-    _deepspeed,
+    *(backend.recipe_rules for backend in BACKENDS.values()),
     _fsdp,
     _adapter,
     *COMPAT_RULES,

@@ -115,11 +115,6 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         return rank // self.cp_size
 
-    def cp_group_ranks(self, dp_rank: int) -> list[int]:
-        """The global ranks that split one sequence together."""
-        start = dp_rank * self.cp_size
-        return list(range(start, start + self.cp_size))
-
     def describe(self) -> str:
         """One line for logs and ``cptune validate``, e.g. ``4 = 2 dp_shard × 2 cp; ...``."""
         if not self.sharded:

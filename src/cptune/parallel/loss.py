@@ -13,7 +13,7 @@ A rank whose shard holds no target contributes a zero sum — never ``0/0``.
 
 An engine that divides the gradient sum by something else passes that instead of
 ``world_size`` (DeepSpeed under Ulysses: the data-parallel size for ZeRO 0-2; see
-``backends.deepspeed_ulysses.gradient_divisor``); the Trainer then rescales the
+``backends.deepspeed_ulysses.sharding.gradient_divisor``); the Trainer then rescales the
 value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
 """
 
@@ -76,34 +76,36 @@ def count_targets(shift_labels: torch.Tensor) -> torch.Tensor:
 
 
 def step_target_count(
-    local_count: torch.Tensor, cp_size: int, group: dist.ProcessGroup | None = None
+    local_count: torch.Tensor, copies: int, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Target tokens of the whole optimizer step across all data-parallel groups.
 
-    ``local_count`` counts the full (unsharded) micro batches this rank received for
-    the step. Every rank of a CP group received the same batches, so the sum over
-    all ranks counts each token ``cp_size`` times.
+    ``local_count`` counts the micro batches this rank received for the step; the sum
+    over all ranks counts each token ``copies`` times: ``cp_size`` when every rank of a
+    CP group received the same full batches, 1 when each rank received its own shard.
     """
     total = all_reduce_sum(local_count.detach().to(torch.int64), group)
-    if total.item() % cp_size:
+    if total.item() % copies:
         raise RuntimeError(
             "the ranks of a context-parallel group did not receive the same batches "
-            f"(target count {total.item()} is not a multiple of cp_size={cp_size})"
+            f"(target count {total.item()} is not a multiple of the {copies} copies of each batch)"
         )
-    return total // cp_size
+    return total // copies
 
 
-def scaled_step_loss(loss_sum: torch.Tensor, step_targets: torch.Tensor, world_size: int) -> torch.Tensor:
+def scaled_step_loss(
+    loss_sum: torch.Tensor, step_targets: torch.Tensor, gradient_divisor: int
+) -> torch.Tensor:
     """The value to backpropagate for one micro batch on one rank (see module docstring).
 
-    ``world_size`` is what the gradient sum over all ranks is divided by: the world
+    ``gradient_divisor`` is what the gradient sum over all ranks is divided by: the world
     size under DDP, the engine's own divisor otherwise.
     """
     targets = step_targets.to(loss_sum.device)
     if int(targets) == 0:
         # No target anywhere in the step: a zero loss that keeps the graph alive.
         return loss_sum * 0.0
-    return loss_sum * (world_size / targets.to(loss_sum.dtype))
+    return loss_sum * (gradient_divisor / targets.to(loss_sum.dtype))
 
 
 def head_token_loss_sum(

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from cptune.parallel.backends.table import BACKENDS
+
 FP32 = 4
 
 
@@ -410,19 +412,12 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
 def _attention_buffers(shape: ModelShape, setup: ActivationSetup) -> float:
     """Per-token bytes of a CP backend's K/V buffers in one layer's forward (twice that in the backward).
 
-    From the buffer sizes in the backends' source (not measured): ring-flash-attn's varlen_llama3
-    all-gathers ``heads_k_stride`` KV heads of the whole sequence into two double buffers; torch's
-    all-gather strategy gathers all K/V of the sequence, its all-to-all rotates two blocks;
-    DeepSpeed Ulysses exchanges Q, K, V and the output for the whole sequence and 1/cp of the heads.
+    From the buffer sizes in the backends' source (not measured): each backend's
+    ``attention_buffer_bytes`` (:mod:`cptune.parallel.backends.table`).
     """
     if setup.cp_size <= 1 or setup.cp_backend is None:
         return 0.0
-    b, cp = setup.dtype_bytes, setup.cp_size
-    if setup.cp_backend == "ring-flash-attn":
-        return 2 * 2 * cp * setup.heads_k_stride * shape.head_dim * b
-    if setup.cp_backend == "torch":
-        return (2 * cp if setup.comm_strategy == "allgather" else 4) * shape.kv_width * b
-    return 2 * (2 * shape.heads * shape.head_dim + 2 * shape.kv_width) * b
+    return BACKENDS[setup.cp_backend].attention_buffer_bytes(shape, setup)
 
 
 def longest_tokens(

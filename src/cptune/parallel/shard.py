@@ -55,13 +55,12 @@ class TokenCoords:
 class Shard:
     """This rank's part of a batch, plus what attention needs to know about the whole.
 
-    ``cu_seqlens`` (int32) and ``max_seqlen`` describe the full varlen sequence that
-    the shard is a slice of; they are ``None`` for the zigzag layout.
+    ``cu_seqlens`` (int32) describes the full varlen sequence that the shard is a slice
+    of; it is ``None`` for the zigzag layout.
     """
 
     tokens: TokenBatch
     cu_seqlens: torch.Tensor | None
-    max_seqlen: int | None
     coords: TokenCoords
 
 
@@ -174,7 +173,6 @@ def shard_varlen(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
         pad_starts[0, 0] = True
         starts = torch.cat([starts, pad_starts], dim=-1)
     cu_seqlens = cu_seqlens_from_starts(starts[0])
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     local = _map(padded, lambda t: split_contiguous(t, cp_size, cp_rank))
     # The rows end to end: token g of the joined rows is token g % length of row g // length.
     rows, length = batch.shape
@@ -183,7 +181,7 @@ def shard_varlen(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
         rows=torch.where(joined < rows * length, joined // length, -1).unsqueeze(0),
         columns=(joined % length).unsqueeze(0),
     )
-    return Shard(tokens=local, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, coords=coords)
+    return Shard(tokens=local, cu_seqlens=cu_seqlens, coords=coords)
 
 
 def shard_zigzag(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: int) -> Shard:
@@ -195,17 +193,4 @@ def shard_zigzag(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
     padded = pad_tokens(batch, 2 * cp_size, pad_token_id)
     local = _map(padded, lambda t: split_zigzag(t, cp_size, cp_rank))
     coords = zigzag_coords(batch.shape, cp_size, cp_rank, device=batch.input_ids.device)
-    return Shard(tokens=local, cu_seqlens=None, max_seqlen=None, coords=coords)
-
-
-def unshard_contiguous(parts: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
-    """Inverse of :func:`split_contiguous` given every rank's part in rank order."""
-    return torch.cat(parts, dim=dim)
-
-
-def unshard_zigzag(parts: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
-    """Inverse of :func:`split_zigzag` given every rank's part in rank order."""
-    len(parts)
-    halves = [p.chunk(2, dim=dim) for p in parts]
-    ordered = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
-    return torch.cat(ordered, dim=dim)
+    return Shard(tokens=local, cu_seqlens=None, coords=coords)

@@ -16,7 +16,7 @@ from cptune.patches.core import (
     Target,
     always,
 )
-from cptune.patches.registry import build_patch_set, build_patches, ring_flash_attn_import_patch_set
+from cptune.patches.registry import build_patch_set, build_patches, import_patch_set
 
 __all__ = [
     "MISSING",
@@ -30,5 +30,5 @@ __all__ = [
     "always",
     "build_patch_set",
     "build_patches",
-    "ring_flash_attn_import_patch_set",
+    "import_patch_set",
 ]

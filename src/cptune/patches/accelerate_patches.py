@@ -18,17 +18,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from types import MappingProxyType
 from typing import Any
 
+from cptune import versions
 from cptune.errors import PatchError
-from cptune.patches.core import ContextParallelWith, Patch, ShardsModelStates
+from cptune.patches.core import Patch, Predicate, ShardsModelStates
 
-ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
+ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
 """The accelerate versions these patches were read against."""
-
-DDP_CP_BACKENDS = ("ring-flash-attn", "torch")
-"""cp_backend values that run CP next to plain DDP (deepspeed brings its own engine)."""
 
 
 def _torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
@@ -70,7 +67,7 @@ def _prepare_cp_for_torch(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any,
     The original's pre-hooks (big_modeling.py:828-831) replace every attention mask
     with ``is_causal=True``, so a padded or packed batch would train wrong without
     a word. cptune's torch backend checks each batch's documents instead
-    (``parallel/backends/torch_cp.py:check_batch``, which raises naming
+    (``parallel/backends/torch_cp/sharding.py:check_batch``, which raises naming
     ring-flash-attn) and its attention function refuses any mask. The rotate
     method is set around each micro batch by the backend and restored, rather
     than process-wide by ``set_rotate_method``; and ``_cp_context`` becomes a
@@ -81,15 +78,15 @@ def _prepare_cp_for_torch(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any,
     return args
 
 
-_PREPARE_CP_BY_BACKEND: MappingProxyType[str, Callable[[Any, tuple[Any, ...]], tuple[Any, ...]]] = (
-    MappingProxyType({"ring-flash-attn": _prepare_cp_for_ring, "torch": _prepare_cp_for_torch})
-)
-"""cp_backend → what ``Accelerator._prepare_cp`` does instead; backends not listed keep accelerate's."""
+def prepare_cp_patch(applies_to: Predicate, *, shards_itself: bool, drives_torch_cp: bool) -> Patch:
+    """``Accelerator._prepare_cp`` → backend-aware preparation, bound to the recipe's backend.
 
-
-def prepare_cp_patch(cp_backend: str) -> Patch:
-    """``Accelerator._prepare_cp`` → backend-aware preparation, bound to ``cp_backend``."""
-    handler = _PREPARE_CP_BY_BACKEND.get(cp_backend)
+    Args:
+        applies_to: The backends that shard inputs themselves, at cp > 1.
+        shards_itself: The recipe's backend shards inputs itself (else accelerate's runs unchanged).
+        drives_torch_cp: It drives torch's context-parallel dispatch itself (cp_backend: torch).
+    """
+    handler = (_prepare_cp_for_torch if drives_torch_cp else _prepare_cp_for_ring) if shards_itself else None
 
     def replacement(original: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
         @functools.wraps(original)  # keeps __wrapped__, so a re-plan checks the original's signature
@@ -113,16 +110,11 @@ def prepare_cp_patch(cp_backend: str) -> Patch:
         remove_when="accelerate's ParallelismConfig accepts a cp_backend that shards inputs itself.",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "args"),
-        applies_to=ContextParallelWith(tuple(_PREPARE_CP_BY_BACKEND)),
+        applies_to=applies_to,
     )
 
 
-_CP_CONTEXT_GUARDS: MappingProxyType[str, Callable[..., Any]] = MappingProxyType(
-    {"ring-flash-attn": _torch_cp_context_unavailable, "torch": _torch_cp_context_owned_by_backend}
-)
-
-
-def cp_context_guard_patch(cp_backend: str) -> Patch:
+def cp_context_guard_patch(applies_to: Predicate, *, drives_torch_cp: bool) -> Patch:
     """``Accelerator._cp_context`` → a guard that raises, for backends that shard the sequence themselves.
 
     ``Accelerator.maybe_context_parallel`` (accelerate/accelerator.py:4203-4210) enters
@@ -131,7 +123,7 @@ def cp_context_guard_patch(cp_backend: str) -> Patch:
     the patches are applied and deleted on revert, so no accelerator keeps it after a
     run (it once stayed on the instance).
     """
-    guard = _CP_CONTEXT_GUARDS.get(cp_backend, _torch_cp_context_unavailable)
+    guard = _torch_cp_context_owned_by_backend if drives_torch_cp else _torch_cp_context_unavailable
     return Patch(
         name="accelerator-cp-context-guard",
         target="accelerate.accelerator:Accelerator._cp_context",
@@ -143,7 +135,7 @@ def cp_context_guard_patch(cp_backend: str) -> Patch:
         ),
         remove_when="accelerator-prepare-cp-by-backend is removed.",
         requires=ACCELERATE_REQUIREMENT,
-        applies_to=ContextParallelWith(tuple(_PREPARE_CP_BY_BACKEND)),
+        applies_to=applies_to,
         create=True,
     )
 
@@ -160,7 +152,7 @@ class _MultiCpuAsMultiDevice:
         return getattr(self._accelerator, name)
 
 
-def validate_accelerator_multi_cpu_patch() -> Patch:
+def validate_accelerator_multi_cpu_patch(applies_to: Predicate) -> Patch:
     """``ParallelismConfig._validate_accelerator`` → accept ``MULTI_CPU`` for CP-only configs.
 
     The original (accelerate/parallelism_config.py:355, raising at :393-397)
@@ -198,7 +190,7 @@ def validate_accelerator_multi_cpu_patch() -> Patch:
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "accelerator"),
         # With FSDP2 the CPU run is an FSDP run (accelerator-state-fsdp-on-cpu), which the original accepts.
-        applies_to=ContextParallelWith(DDP_CP_BACKENDS, plain_ddp=True),
+        applies_to=applies_to,
     )
 
 
@@ -216,7 +208,7 @@ class _HiddenParallelismConfig:
         return False
 
 
-def accelerator_state_cp_without_fsdp_patch() -> Patch:
+def accelerator_state_cp_without_fsdp_patch(applies_to: Predicate) -> Patch:
     """``AcceleratorState.__init__`` → CP with plain DDP on GPUs, without an FSDP plugin.
 
     On MULTI_GPU-like setups accelerate/state.py:997-1016 raises "cp_size > 1
@@ -274,7 +266,7 @@ def accelerator_state_cp_without_fsdp_patch() -> Patch:
         remove_when="accelerate supports cp_size > 1 without FSDP (drops the 'TODO: Siro' check in state.py).",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "fsdp_plugin", "parallelism_config"),
-        applies_to=ContextParallelWith(DDP_CP_BACKENDS, plain_ddp=True),
+        applies_to=applies_to,
     )
 
 

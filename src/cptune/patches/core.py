@@ -33,6 +33,10 @@ from cptune.patches.targets import MISSING, Slot, Target, resolve
 logger = logging.getLogger("cptune.patches")
 
 
+Predicate = Callable[[Any], bool]
+"""When a patch applies, given the recipe (give it a readable ``str`` or ``__name__``)."""
+
+
 def always(recipe: Any) -> bool:
     """Default predicate: the patch applies to every recipe."""
     return True
@@ -175,7 +179,8 @@ class PatchPlan:
         )
 
 
-def _check_requirements(patch: Patch) -> list[str]:
+def _check_requirements(patch: Any) -> list[str]:
+    """Version problems of a :class:`Patch` (or an :class:`~cptune.patches.overrides.Override`)."""
     messages = []
     for dist, spec in patch.requires.items():
         try:
@@ -192,8 +197,8 @@ def _check_requirements(patch: Patch) -> list[str]:
     return messages
 
 
-def _check_target(patch: Patch, original: Any = MISSING) -> list[str]:
-    """Checks the target exists and has the expected parameters.
+def _check_target(patch: Any, original: Any = MISSING) -> list[str]:
+    """Checks the target of a :class:`Patch` (or an ``Override``) exists and has the expected parameters.
 
     ``original`` is given when this patch is installed already: the check must
     look at the object it replaced, not at cptune's own replacement.

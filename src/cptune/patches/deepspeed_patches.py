@@ -1,7 +1,7 @@
 """Patches that cp_backend: deepspeed needs, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
 
-They live together because they exist only for this backend: each applies when
-``context_parallel_size > 1`` and ``cp_backend: deepspeed``. Each function returns
+They live together because they exist only for this backend, which lists them
+(:mod:`cptune.parallel.backends.deepspeed_ulysses`) with the predicate they apply under. Each function returns
 one :class:`~cptune.patches.core.Patch`; nothing is imported or patched until a
 :class:`~cptune.patches.core.PatchSet` applies it, and the targets' modules
 (DeepSpeed's among them) are imported only when a recipe selects these patches.
@@ -14,16 +14,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from cptune.patches.core import ContextParallelWith, Patch
+from cptune import versions
+from cptune.patches.core import Patch, Predicate
 
-DEEPSPEED_REQUIREMENT = {"deepspeed": ">=0.19,<0.20"}
-ACCELERATE_REQUIREMENT = {"accelerate": ">=1.15,<1.16"}
-TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
-
-FOR_DEEPSPEED = ContextParallelWith(("deepspeed",))
+DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
+ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
+TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 
 
-def skip_shm_op_build_patch() -> Patch:
+def skip_shm_op_build_patch(applies_to: Predicate) -> Patch:
     """``deepspeed.comm.torch.build_shm_op`` → no shared-memory op on CPU.
 
     DeepSpeed's ``TorchBackend.__init__`` (deepspeed/comm/torch.py:207) JIT-compiles
@@ -57,7 +56,7 @@ def skip_shm_op_build_patch() -> Patch:
         remove_when="DeepSpeed builds the shared-memory op lazily, on first use by inference_all_reduce.",
         requires=DEEPSPEED_REQUIREMENT,
         signature=(),
-        applies_to=FOR_DEEPSPEED,
+        applies_to=applies_to,
     )
 
 
@@ -73,7 +72,7 @@ def _deepspeed_launch_without_device(cpu: bool) -> bool:
     )
 
 
-def deepspeed_cpu_backend_patch() -> Patch:
+def deepspeed_cpu_backend_patch(applies_to: Predicate) -> Patch:
     """``PartialState._prepare_backend`` → ``gloo`` for DeepSpeed processes on CPU.
 
     DeepSpeed on CPU needs ``use_cpu`` off (with it on, accelerate never selects
@@ -109,11 +108,11 @@ def deepspeed_cpu_backend_patch() -> Patch:
         remove_when="accelerate picks a backend for DeepSpeed processes on CPU-only machines.",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self", "cpu", "sagemaker_dp", "backend"),
-        applies_to=FOR_DEEPSPEED,
+        applies_to=applies_to,
     )
 
 
-def sp_attn_allows_cptune_patch() -> Patch:
+def sp_attn_allows_cptune_patch(applies_to: Predicate, document_attention: str) -> Patch:
     """``DeepSpeedSequenceParallelConfig.__post_init__`` → also accept cptune's core attention.
 
     accelerate/utils/dataclasses.py:2292-2309 accepts only ``flash_attention_2/3``,
@@ -127,10 +126,8 @@ def sp_attn_allows_cptune_patch() -> Patch:
     def replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
         @functools.wraps(original)
         def __post_init__(self: Any) -> None:
-            from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
-
             name = self.sp_attn_implementation
-            if name != DOCUMENT_ATTENTION_NAME:
+            if name != document_attention:
                 return original(self)
             self.sp_attn_implementation = "sdpa"
             try:
@@ -152,11 +149,11 @@ def sp_attn_allows_cptune_patch() -> Patch:
         remove_when="accelerate accepts any attention registered in transformers' AttentionInterface.",
         requires=ACCELERATE_REQUIREMENT,
         signature=("self",),
-        applies_to=FOR_DEEPSPEED,
+        applies_to=applies_to,
     )
 
 
-def attention_registry_scope_patch() -> Patch:
+def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
     """``ALL_ATTENTION_FUNCTIONS._local_mapping`` → a copy for the run, so DeepSpeed's wrapper goes away after.
 
     ``UlyssesSPAttentionHF.register_with_transformers`` installs its all-to-all
@@ -181,15 +178,20 @@ def attention_registry_scope_patch() -> Patch:
         ),
         remove_when="DeepSpeed undoes its attention registration (or registers under a name of its own).",
         requires={**TRANSFORMERS_REQUIREMENT, **DEEPSPEED_REQUIREMENT},
-        applies_to=FOR_DEEPSPEED,
+        applies_to=applies_to,
     )
 
 
-def deepspeed_patches() -> list[Patch]:
-    """Every patch of cp_backend: deepspeed, in the order they are applied."""
+def deepspeed_patches(applies_to: Predicate, document_attention: str) -> list[Patch]:
+    """Every patch of cp_backend: deepspeed, in the order they are applied.
+
+    Args:
+        applies_to: When they apply (the backend passes ``cp_backend: deepspeed`` at cp > 1).
+        document_attention: The name cptune's document-aware attention is registered under.
+    """
     return [
-        skip_shm_op_build_patch(),
-        deepspeed_cpu_backend_patch(),
-        sp_attn_allows_cptune_patch(),
-        attention_registry_scope_patch(),
+        skip_shm_op_build_patch(applies_to),
+        deepspeed_cpu_backend_patch(applies_to),
+        sp_attn_allows_cptune_patch(applies_to, document_attention),
+        attention_registry_scope_patch(applies_to),
     ]

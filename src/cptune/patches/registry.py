@@ -1,17 +1,23 @@
-"""The one list of patches cptune may apply.
+"""The one place that defines every set of patches cptune applies.
 
-Every patch cptune knows is built here, in a fixed order; each patch's own
-predicate decides whether a recipe needs it, so ``cptune validate`` can show
-what is applied and what is skipped. The patches that a recipe can need
-together touch different targets, so their order does not change the result;
-it only fixes the order of the log lines and of reverting. Two patches share
-``AcceleratorState.__init__`` (CP without FSDP on GPUs, FSDP2 on CPUs); their
-predicates exclude each other (``fsdp_version`` unset / set).
+A training run's set is the patches every CP backend that shards its own inputs shares
+(accelerate and the Trainer must not shard again), then each backend's own patches
+(:meth:`~cptune.parallel.backends.spec.CpBackend.training_patches`), in the order of the
+backend table; each patch's predicate decides whether a recipe needs it, so ``cptune validate``
+can show what is applied and what is skipped. The patches that a recipe can need together
+touch different targets, so their order does not change the result; it only fixes the order
+of the log lines and of reverting. Two patches share ``AcceleratorState.__init__`` (CP without
+FSDP on GPUs, FSDP2 on CPUs); their predicates exclude each other (``fsdp_version`` unset / set).
+A backend's import-time set is its :meth:`~cptune.parallel.backends.spec.CpBackend.import_patches`.
+
+The backends come in as data (:data:`cptune.parallel.backends.table.BACKENDS`, read through
+:class:`PatchingBackend`): ``patches`` imports nothing of ``parallel``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 from cptune.patches.accelerate_patches import (
     accelerator_state_cp_without_fsdp_patch,
@@ -20,39 +26,61 @@ from cptune.patches.accelerate_patches import (
     prepare_cp_patch,
     validate_accelerator_multi_cpu_patch,
 )
-from cptune.patches.core import Patch, PatchSet
-from cptune.patches.deepspeed_patches import deepspeed_patches
-from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
-from cptune.patches.transformers_patches import ring_flash_attn_import_compat_patch, trainer_cp_inputs_patch
+from cptune.patches.core import ContextParallelWith, Patch, PatchSet
+from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 
 
-def build_patches(recipe: Any) -> list[Patch]:
-    """All patches of a training run, bound to ``recipe``'s values where a wrapper needs them.
+class PatchingBackend(Protocol):
+    """What the registry reads of a CP backend (a part of :class:`cptune.parallel.backends.spec.CpBackend`)."""
+
+    name: Any
+    shards_inputs_itself: bool
+    drives_torch_cp: bool
+    runs_own_engine: bool
+
+    def training_patches(self) -> Sequence[Patch]: ...
+
+    def import_patches(self) -> Sequence[Patch]: ...
+
+
+def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patch]:
+    """All patches of a training run, bound to ``recipe``'s backend where a wrapper needs it.
+
+    Args:
+        recipe: The recipe (only ``cp_backend`` is read here; the predicates read more).
+        backends: Every backend of the table, in its order.
 
     Plan and apply the resulting set with the same recipe.
     """
-    return [
-        trainer_cp_inputs_patch(),
-        prepare_cp_patch(recipe.cp_backend),
-        cp_context_guard_patch(recipe.cp_backend),
-        validate_accelerator_multi_cpu_patch(),
-        accelerator_state_cp_without_fsdp_patch(),
+    backends = tuple(backends)
+    chosen = next(backend for backend in backends if backend.name == recipe.cp_backend)
+    self_sharding = ContextParallelWith(tuple(b.name for b in backends if b.shards_inputs_itself))
+    on_ddp = ContextParallelWith(tuple(b.name for b in backends if not b.runs_own_engine), plain_ddp=True)
+    patches = [
+        trainer_cp_inputs_patch(self_sharding),
+        prepare_cp_patch(
+            self_sharding, shards_itself=chosen.shards_inputs_itself, drives_torch_cp=chosen.drives_torch_cp
+        ),
+        cp_context_guard_patch(self_sharding, drives_torch_cp=chosen.drives_torch_cp),
+        validate_accelerator_multi_cpu_patch(on_ddp),
+        accelerator_state_cp_without_fsdp_patch(on_ddp),
         accelerator_state_fsdp_on_cpu_patch(),
-        torch_cp_cpu_sdpa_patch(),
-        *deepspeed_patches(),
     ]
+    for backend in backends:
+        patches += backend.training_patches()
+    return patches
 
 
-def build_patch_set(recipe: Any) -> PatchSet:
-    """The :class:`PatchSet` for a training run: ``with build_patch_set(r).applied(r): ...``."""
-    return PatchSet(build_patches(recipe))
+def build_patch_set(recipe: Any, backends: Iterable[PatchingBackend]) -> PatchSet:
+    """The :class:`PatchSet` for a training run: ``with build_patch_set(r, BACKENDS.values()).applied(r): ...``."""
+    return PatchSet(build_patches(recipe, backends))
 
 
-def ring_flash_attn_import_patch_set() -> PatchSet:
-    """Patches needed only while ``ring_flash_attn`` is imported; apply them around the import alone.
+def import_patch_set(backend: PatchingBackend) -> PatchSet:
+    """Patches needed only while the backend's library is imported; apply them around the import alone.
 
-    Kept apart from :func:`build_patch_set` because the value is copied into
-    ring_flash_attn's namespace at import time, so there is no reason to leave
-    it in transformers for the whole run.
+    Kept apart from :func:`build_patch_set` because the values are copied into the library's
+    namespace at import time, so there is no reason to leave them in place for the whole run.
+    Each patch's predicate (called with no recipe) says whether it is needed on this machine.
     """
-    return PatchSet([ring_flash_attn_import_compat_patch()])
+    return PatchSet(backend.import_patches())

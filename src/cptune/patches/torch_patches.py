@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from cptune.patches.core import ContextParallelWith, Patch
+from cptune import versions
+from cptune.patches.core import Patch, Predicate
 
-TORCH_REQUIREMENT = {"torch": ">=2.13,<2.14"}
+TORCH_REQUIREMENT = {"torch": versions.TORCH_PRIVATE_API}
 """The torch versions the handlers were read against (they call private ring templates)."""
 
 SEQ_DIM = 2
@@ -152,7 +153,7 @@ def _with_cpu_handlers(original: dict[Any, Any]) -> dict[Any, Any]:
     }
 
 
-def torch_cp_cpu_sdpa_patch() -> Patch:
+def torch_cp_cpu_sdpa_patch(applies_to: Predicate) -> Patch:
     """torch CP's ``custom_ops`` → the same dict plus handlers for the CPU SDPA op and its backward.
 
     A new dict is installed (the original is left untouched and put back on
@@ -176,5 +177,5 @@ def torch_cp_cpu_sdpa_patch() -> Patch:
             "(and its backward) itself."
         ),
         requires=TORCH_REQUIREMENT,
-        applies_to=ContextParallelWith(("torch",)),
+        applies_to=applies_to,
     )

@@ -11,13 +11,12 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from cptune.patches.core import MISSING, ContextParallelWith, Patch
+from cptune import versions
+from cptune.patches.core import MISSING, Patch, Predicate
+from cptune.patches.overrides import Override
 
-TRANSFORMERS_REQUIREMENT = {"transformers": ">=5.23,<5.24"}
+TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 """The transformers versions these patches were read against."""
-
-SELF_SHARDING_BACKENDS = ("ring-flash-attn", "torch")
-"""cp_backend values for which cptune's own Trainer shards the inputs (all but deepspeed)."""
 
 
 def _inputs_unchanged(
@@ -27,7 +26,7 @@ def _inputs_unchanged(
     return contextlib.nullcontext, inputs
 
 
-def trainer_cp_inputs_patch() -> Patch:
+def trainer_cp_inputs_patch(applies_to: Predicate) -> Patch:
     """``Trainer._prepare_context_parallel_inputs`` → return the inputs untouched with a null context.
 
     The Trainer calls it first thing in ``training_step`` and ``prediction_step``
@@ -55,7 +54,7 @@ def trainer_cp_inputs_patch() -> Patch:
         ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "model", "inputs"),
-        applies_to=ContextParallelWith(SELF_SHARDING_BACKENDS),
+        applies_to=applies_to,
     )
 
 
@@ -84,6 +83,83 @@ def ring_flash_attn_import_compat_patch() -> Patch:
             "transformers.modeling_flash_attention_utils and uses it as a bool at hf_adapter.py:129."
         ),
         remove_when="ring-flash-attn stops importing is_flash_attn_greater_or_equal_2_10 (after 0.1.8).",
-        requires={**TRANSFORMERS_REQUIREMENT, "ring-flash-attn": "==0.1.8"},
+        requires={**TRANSFORMERS_REQUIREMENT, "ring-flash-attn": versions.RING_FLASH_ATTN},
         create=True,
     )
+
+
+TRAINER = "transformers.trainer:Trainer"
+TRAINER_OVERRIDES: tuple[Override, ...] = (
+    Override(
+        name="CptuneTrainer._get_num_items_in_batch",
+        target=f"{TRAINER}._get_num_items_in_batch",
+        reason=(
+            "Counts the step's targets across CP ranks without counting a CP group's shared batch once per rank.\n"
+            "transformers/trainer.py:2298 sums the labels of the batches of a step (and gathers them over the "
+            "world); cptune's CP ranks hold the same batch, so the sum is divided by the copies."
+        ),
+        remove_when="the Trainer takes the step's target count from a documented hook.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "batch_samples", "device"),
+    ),
+    Override(
+        name="CptuneTrainer._get_output_dir",
+        target=f"{TRAINER}._get_output_dir",
+        reason=(
+            "Points the Trainer's checkpoint writing at cptune's staging folder while a checkpoint is written.\n"
+            "transformers/trainer.py:3336 gives the folder _save_checkpoint writes under."
+        ),
+        remove_when="the Trainer writes checkpoints atomically, or takes the checkpoint folder from an argument.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "trial"),
+    ),
+    Override(
+        name="CptuneTrainer._save_checkpoint",
+        target=f"{TRAINER}._save_checkpoint",
+        reason=(
+            "Writes each checkpoint into a staging folder and publishes it only when complete.\n"
+            "transformers/trainer.py:3355 writes the checkpoint folder in place, file by file."
+        ),
+        remove_when="the Trainer writes checkpoints atomically.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "model", "trial"),
+    ),
+    Override(
+        name="CptuneTrainer.save_model(_internal_call)",
+        target=f"{TRAINER}.save_model",
+        reason=(
+            "Tells the Trainer's own checkpoint saves (sharded with FSDP2) from the final save (gathered).\n"
+            "transformers/trainer.py:4077 passes the private _internal_call=True from its checkpoint code."
+        ),
+        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "output_dir", "_internal_call"),
+    ),
+    Override(
+        name="CptuneTrainer calls Trainer._wrap_model",
+        target=f"{TRAINER}._wrap_model",
+        reason="cptune's evaluation loop prepares the model as the Trainer's own loop does (trainer.py:2654).",
+        remove_when="the Trainer lets a subclass compute the evaluation loss per batch through a public hook.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "model", "training"),
+    ),
+    Override(
+        name="CptuneTrainer calls Trainer._prepare_inputs",
+        target=f"{TRAINER}._prepare_inputs",
+        reason="cptune's evaluation loop moves each batch to the device as the Trainer does (trainer.py:2379).",
+        remove_when="the Trainer lets a subclass compute the evaluation loss per batch through a public hook.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "inputs"),
+    ),
+    Override(
+        name="CptuneTrainer calls Trainer._save",
+        target=f"{TRAINER}._save",
+        reason="The final save of an FSDP2 model writes the gathered state dict (trainer.py:4131).",
+        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        requires=TRANSFORMERS_REQUIREMENT,
+        signature=("self", "output_dir", "state_dict"),
+    ),
+)
+"""The private members of transformers' Trainer that :class:`cptune.run.trainer.CptuneTrainer` overrides
+or calls: checked like patches when the Trainer is built, listed by ``cptune validate`` and on the
+patches page."""

@@ -16,6 +16,7 @@ import torch
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
+from cptune.parallel.backends.table import backend_for
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.memory import (
     ActivationSetup,
@@ -81,10 +82,9 @@ def state_layout(recipe: Recipe, dims: ParallelDims) -> StateLayout:
     """How this layout spreads the model states: FSDP2, DeepSpeed ZeRO (its JSON's stage), or whole."""
     if dims.sharded:
         return StateLayout("fsdp", dims.shard_group_size)
-    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
-        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config
-
-        return StateLayout("zero", dims.world_size, deepspeed_config(recipe)["zero_optimization"]["stage"])
+    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
+    if stage is not None:
+        return StateLayout("zero", dims.world_size, stage)
     return StateLayout()
 
 
@@ -242,7 +242,7 @@ def describe_activation_memory(
 
 
 def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
-    if recipe.cp_backend == "deepspeed" and cp > 1 and shape.heads % cp:
+    if backend_for(recipe, cp).splits_heads and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
     alone = ParallelDims(world_size=cp, cp_size=cp, fsdp=recipe.is_fsdp)  # one sequence on cp ranks
     states = states_per_rank(recipe, counts, state_layout(recipe, alone)).total

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import yaml
 
-from cptune.config.recipe import Recipe, zero3_memory_problems
+from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.select import check_model_config, check_prepared_rows, check_ring_precision
+from cptune.parallel.backends.select import check_model_config, check_prepared_rows
+from cptune.parallel.backends.table import backend_for
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
@@ -55,27 +56,7 @@ def preflight(
         from cptune.run.memory_plan import check_host_memory
 
         check_host_memory(recipe, config, processes_per_node or world_size)
-    if dims.cp_enabled and recipe.cp_backend == "deepspeed":
-        from cptune.parallel.backends import deepspeed_ulysses as ulysses
-
-        ulysses.load_deepspeed()
-        if training:
-            ulysses.check_resume_supported(recipe)
-        ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
-        stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]  # reads and checks the JSON
-        for key, _ in zero3_memory_problems(recipe) if stage == 3 else ():
-            raise CptuneError(
-                f"{key}: the DeepSpeed JSON {recipe.deepspeed} sets ZeRO stage 3, which frees each module's "
-                f"gathered weights after its forward pass, but {key} calls modules again in the backward pass "
-                "(not supported yet). Use a ZeRO stage below 3, or remove it."
-            )
-    elif dims.cp_enabled:
-        from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
-        from cptune.parallel.kernels import flash_attn_available
-
-        if recipe.cp_backend == "ring-flash-attn":
-            check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
-        load_ring_flash_attn()
+    backend_for(recipe, dims.cp_size).check_ready(recipe, training=training)
     if prepare_data:
         from cptune.data.prepare import highest_token_id, prepare_datasets
         from cptune.models.loading import check_token_ids, load_tokenizer
@@ -182,7 +163,9 @@ def describe_plan(
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
     """
     from cptune.config.compat_rules import axolotl_notes
-    from cptune.patches.registry import build_patch_set
+    from cptune.parallel.backends.select import run_patch_set
+    from cptune.patches.overrides import check_overrides
+    from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import (
         GpuMemory,
         activation_memory_lines,
@@ -214,39 +197,18 @@ def describe_plan(
         f"  tokenizer:  {recipe.tokenizer_path}",
         f"  processes:  {dims.describe()}",
     ]
-    if dims.cp_enabled:
-        attention = "causal" if recipe.causal else "bidirectional"
-        slow: str | None = None
-        if recipe.cp_backend == "torch":
-            balance = "load-balanced" if recipe.resolved_cp_load_balance else "contiguous"
-            detail = f"{recipe.resolved_cp_comm_strategy} ring, {balance}, {attention}"
-        elif recipe.cp_backend == "deepspeed":
-            detail = f"Ulysses all-to-all, core attention {recipe.resolved_ulysses_attn_implementation}, {attention}"
-        else:
-            from cptune.parallel.backends.select import describe_ring_kernels
-            from cptune.parallel.kernels import flash_attn_available
-
-            choice = describe_ring_kernels(
-                recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available()
-            )
-            detail = (
-                f"{recipe.resolved_ring_attn_func}, {attention}, heads_k_stride={recipe.heads_k_stride}, "
-                f"kernels: {choice.name}"
-            )
-            slow = choice.slow_warning
-        lines.append(f"  attention:  {recipe.cp_backend} / {detail}")
-        if slow is not None:
-            lines.append(f"  warning:    {slow}")
-    else:
-        lines.append(f"  attention:  single rank, {'causal' if recipe.causal else 'bidirectional'}")
+    lines += [f"  {line}" for line in backend_for(recipe, dims.cp_size).plan_lines(recipe)]
     lines += ["", *describe_state_memory(recipe, dims, config)]
     lines += ["", *activation_memory_lines(recipe, dims, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
-    plan = build_patch_set(recipe).plan(recipe)
+    plan = run_patch_set(recipe).plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
+    lines += ["", "Private Trainer members cptune's Trainer relies on (checked like patches):"]
+    lines += [f"  {override.name}: {override.target}" for override in TRAINER_OVERRIDES]
+    lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ from cptune.models.loading import (
 )
 from cptune.models.memory_features import install_memory_features
 from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
+from cptune.parallel.backends.table import backend_for
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
@@ -76,7 +77,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.tokens import fit_embeddings
-    from cptune.patches.registry import build_patch_set
+    from cptune.parallel.backends.select import run_patch_set
     from cptune.run.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
@@ -124,7 +125,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     resume = resume_checkpoint(recipe)
     if resume is not None and env.rank == 0:
         log.info("resuming from %s", resume)
-    with build_patch_set(recipe).applied(recipe):
+    with run_patch_set(recipe).applied(recipe):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, features.loss)
         for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)
@@ -138,32 +139,12 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
 
 
-def runs_under_deepspeed(recipe: Recipe, dims: ParallelDims) -> bool:
-    """Whether DeepSpeed's engine (Ulysses) trains this layout; at cp=1 the deepspeed backend is plain DDP."""
-    return dims.cp_enabled and recipe.cp_backend == "deepspeed"
-
-
 def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
     """The Trainer's arguments for this recipe and process layout."""
     from transformers import TrainingArguments
 
-    parallelism = deepspeed = None
-    if runs_under_deepspeed(recipe, dims):
-        from cptune.parallel.backends.deepspeed_ulysses import deepspeed_config, ulysses_parallelism_config
-
-        parallelism = ulysses_parallelism_config(recipe, dims.dp_size, dims.cp_size)
-        deepspeed = deepspeed_config(recipe)
-    elif dims.cp_enabled or dims.sharded:
-        from accelerate import ParallelismConfig
-
-        # One mesh, dp_replicate × dp_shard × cp (cp innermost). With FSDP2 the model states are
-        # sharded over dp_shard × cp. Without it (plain DDP) the data-parallel axis is declared as
-        # dp_shard, since accelerate refuses dp_replicate > 1 with cp > 1 unless sharding; the name
-        # then has no effect on the model. accelerate's data loader gives every rank of a CP group
-        # the same batch either way (rank // cp, accelerate/data_loader.py).
-        parallelism = ParallelismConfig(
-            dp_replicate_size=dims.dp_replicate_size, dp_shard_size=dims.dp_shard_size, cp_size=dims.cp_size
-        )
+    pieces = backend_for(recipe, dims.cp_size).trainer_parallelism(recipe, dims)
+    parallelism, deepspeed = pieces.parallelism, pieces.deepspeed
     warmup: float = 0
     if recipe.warmup_steps is not None:
         warmup = recipe.warmup_steps
@@ -228,7 +209,12 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
     from cptune.data.collator import PackedCollator
     from cptune.run.trainer import CptuneTrainer
 
-    if env.world_size > 1 and not torch.cuda.is_available() and not runs_under_deepspeed(recipe, dims):
+    if (
+        env.world_size > 1
+        and not torch.cuda.is_available()
+        and not backend_for(recipe, dims.cp_size).runs_own_engine
+    ):
+        # A backend's own engine (DeepSpeed) starts its process group itself.
         init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
     return CptuneTrainer(

@@ -1,7 +1,12 @@
 """cptune's Trainer: the Hugging Face Trainer with exact sharding and token-weighted loss.
 
-Uses the Trainer's documented extension points (``compute_loss``,
-``loss_is_scaled_for_ga``) rather than patches: every micro batch is sharded by the
+Where the Trainer has a documented extension point it uses it (``compute_loss``,
+``loss_is_scaled_for_ga``, ``training_step``, ``prediction_step``, callbacks). Where it has
+none it overrides or calls private members (the step's target count, the checkpoint folder
+and its writing, the evaluation loop's helpers): each is declared in
+:data:`cptune.patches.transformers_patches.TRAINER_OVERRIDES` and checked like a patch
+(transformers' version and the member's parameters) when the Trainer is built, and listed by
+``cptune validate`` and on the patches page. Every micro batch is sharded by the
 context-parallel backend, the loss is computed from this rank's logits and its
 pre-shifted targets, and scaled so that the optimizer step's gradient is that of
 the global token mean (see :mod:`cptune.parallel.loss`). Evaluation reports the
@@ -22,24 +27,19 @@ from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
-from cptune.parallel.backends.base import (
-    CpBackend,
-    batch_is_sharded,
-    batch_number,
-    gradient_divisor,
-    step_context,
-    wrap_collator,
-)
+from cptune.parallel.backends.base import BatchSharder, gradient_divisor
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
 from cptune.parallel.shard import TokenBatch, TokenCoords
+from cptune.patches.overrides import check_overrides
+from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.fsdp import gathered_state_dict
 
 # Builds the backend once the accelerator (and so the process groups) exists.
-BackendFactory = Callable[[Any], CpBackend]
+BackendFactory = Callable[[Any], BatchSharder]
 
 
 class CptuneTrainer(Trainer):
@@ -56,6 +56,7 @@ class CptuneTrainer(Trainer):
         shard_loss: ShardLoss = logits_loss,
         **kwargs: Any,
     ):
+        check_overrides(TRAINER_OVERRIDES).raise_for_problems()
         config = getattr(kwargs.get("model"), "config", None)
         use_cache = getattr(config, "use_cache", None)
         super().__init__(*args, **kwargs)
@@ -68,7 +69,7 @@ class CptuneTrainer(Trainer):
         self._shard_loss = shard_loss
         self.cp_size = cp_size
         self.cp_backend = backend_factory(self.accelerator)
-        self.data_collator = wrap_collator(self.cp_backend, self.data_collator)
+        self.data_collator = self.cp_backend.wrap_collator(self.data_collator)
         self._gradient_divisor = gradient_divisor(self.cp_backend, self.accelerator.num_processes)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
@@ -81,7 +82,7 @@ class CptuneTrainer(Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None):
         self._micro.next(self.state.global_step, self.args.gradient_accumulation_steps)
-        with step_context(self.cp_backend):
+        with self.cp_backend.step_context():
             loss = super().training_step(model, inputs, num_items_in_batch)
         # The Trainer logs the mean over processes of these values. Reported as if the
         # gradients were averaged over the world (as DDP does), it is the step's token
@@ -89,13 +90,13 @@ class CptuneTrainer(Trainer):
         return loss * (self.accelerator.num_processes / self._gradient_divisor)
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
-        with step_context(self.cp_backend):
+        with self.cp_backend.step_context():
             return super().prediction_step(model, inputs, *args, **kwargs)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = sum((count_targets(b["shift_labels"]) for b in batch_samples), torch.tensor(0))
         # Ranks that shard the batch themselves each count the whole batch of their CP group.
-        copies = 1 if batch_is_sharded(self.cp_backend) else self.cp_size
+        copies = 1 if self.cp_backend.batch_is_sharded else self.cp_size
         return step_target_count(local.to(device), copies)
 
     def compute_loss(
@@ -138,7 +139,7 @@ class CptuneTrainer(Trainer):
             )
         dp_size = self.accelerator.num_processes // self.cp_size
         dp_rank = self.accelerator.process_index // self.cp_size
-        number = batch_number(self.cp_backend, self._micro.index, dp_rank, dp_size)
+        number = self.cp_backend.batch_number(self._micro.index, dp_rank, dp_size)
         self._dropout_keys.set_coords(coords, first_row=number * self.args.per_device_train_batch_size)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -166,7 +167,7 @@ class CptuneTrainer(Trainer):
         # A backend whose training batches are split by its data loader (DeepSpeed Ulysses) turns
         # sequence parallelism off in eval, so each rank evaluates whole rows: every rank then
         # takes rows of its own, else the sums would count each row on every rank of its group.
-        split = 1 if batch_is_sharded(self.cp_backend) else self.cp_size
+        split = 1 if self.cp_backend.batch_is_sharded else self.cp_size
         return build_eval_dataloader(
             dataset,
             batch_size=self.args.eval_batch_size,
@@ -187,7 +188,7 @@ class CptuneTrainer(Trainer):
 
         def local_loss(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
             inputs = self._prepare_inputs(inputs)
-            with step_context(self.cp_backend), self.compute_loss_context_manager():
+            with self.cp_backend.step_context(), self.compute_loss_context_manager():
                 loss_sum, shift_labels, _ = self._shard_forward(model, inputs)
             return loss_sum, count_targets(shift_labels)
 

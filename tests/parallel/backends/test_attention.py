@@ -8,7 +8,7 @@ from cptune.parallel.backends.attention import (
     count_attention_layers,
     register_attention,
 )
-from cptune.parallel.backends.local import LocalBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
@@ -80,7 +80,7 @@ def test_bidirectional_local_attention_sees_the_future_within_a_document_only():
 
 def test_flash_attn_on_gpu_needs_half_precision():
     from cptune.config.loader import validate_recipe
-    from cptune.parallel.backends.select import check_ring_precision
+    from cptune.parallel.backends.ring_flash_attn.kernel_choice import check_ring_precision
 
     fp32 = validate_recipe({"base_model": "m", "datasets": [{"path": "d"}], "context_parallel_size": 2})
     with pytest.raises(CptuneError, match="bf16 and fp16 only"):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from cptune.data.collator import PackedCollator, shift_labels_within_documents
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall
-from cptune.parallel.backends.deepspeed_ulysses import (
+from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     DeepSpeedUlyssesBackend,
     UlyssesCollator,
     check_heads,
@@ -22,7 +22,7 @@ from cptune.parallel.backends.deepspeed_ulysses import (
     labels_for_plain_shift,
 )
 from cptune.parallel.backends.document_attention import dense_attend, document_attention_forward
-from cptune.parallel.backends.local import document_mask
+from cptune.parallel.backends.local.sharding import document_mask
 from cptune.parallel.shard import TokenBatch
 
 PACKED_POSITIONS = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from cptune.errors import CptuneError
-from cptune.parallel.backends.torch_cp import (
+from cptune.parallel.backends.torch_cp.sharding import (
     TorchCpBackend,
     UnmaskableBatchError,
     check_batch,
 )
 from cptune.parallel.shard import TokenBatch, zigzag_indices
-from cptune.patches.core import PatchSet
+from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from cptune.tokens import IGNORE_INDEX
 
@@ -140,7 +140,7 @@ def test_step_context_needs_the_cpu_patch_and_restores_torchs_globals():
     )
     cpu_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     with (
-        PatchSet([torch_cp_cpu_sdpa_patch()]).applied(TORCH_RECIPE),
+        PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))]).applied(TORCH_RECIPE),
         backend(0, causal=False, load_balance=False).step_context(),
     ):
         assert cpu_op in DTensor._op_dispatcher._custom_op_handlers
@@ -157,7 +157,7 @@ def test_cpu_patch_adds_handlers_to_a_new_dict_and_reverts():
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     original = _attention.custom_ops
-    patch_set = PatchSet([torch_cp_cpu_sdpa_patch()])
+    patch_set = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     assert patch_set.plan(TORCH_RECIPE).ok
     with patch_set.applied(TORCH_RECIPE):
         assert _attention.custom_ops is not original
@@ -171,7 +171,7 @@ def test_cpu_patch_adds_handlers_to_a_new_dict_and_reverts():
 
 
 def test_prepared_bidirectional_rows_are_checked_before_the_run():
-    from cptune.parallel.backends.torch_cp import check_bidirectional_rows
+    from cptune.parallel.backends.torch_cp.sharding import check_bidirectional_rows
 
     # Rows that split evenly, one per batch or all of one length: the batches will pass check_batch.
     check_bidirectional_rows([4, 8, 6], split="training", cp_size=2, micro_batch_size=1)

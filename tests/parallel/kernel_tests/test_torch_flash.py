@@ -356,7 +356,7 @@ def test_runs_needs_a_cuda_half_tensor(q, runs, monkeypatch):
 def test_llama3_layout_documents_shorter_than_a_shard_and_every_rank(monkeypatch):
     """ring-flash-attn's llama3 arithmetic (prepare_cu_seqlens) on 4 ranks, one process: the adapter
     per rank, with that rank's slice of the gathered keys, equals one attention over the whole row."""
-    from cptune.parallel.backends.ring_flash_attn import load_ring_flash_attn
+    from cptune.parallel.backends.ring_flash_attn.sharding import load_ring_flash_attn
 
     prepare = load_ring_flash_attn().prepare_cu_seqlens
     seq_lens, world = [5, 30, 3, 10], 4  # 48 tokens, 12 per rank: documents of 5, 3 and 10 tokens

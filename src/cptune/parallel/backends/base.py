@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -26,59 +26,76 @@ class ShardedInputs:
     coords: TokenCoords | None = None
 
 
-class CpBackend(Protocol):
-    """Turns a full batch into this rank's model inputs.
+@runtime_checkable
+class BatchSharder(Protocol):
+    """What a backend builds in each process once the accelerator exists: turns a full batch into this rank's inputs.
 
-    A backend may also define ``step_context() -> ContextManager``: the trainer
-    enters it around each micro batch's forward *and* backward (e.g. torch's
-    context-parallel dispatch must be active while autograd runs the backward).
-
-    A backend whose training batches are split by the data loader rather than by
-    ``shard`` (DeepSpeed's Ulysses adapter) says so with three more attributes,
-    read through the helpers below so other backends need not define them:
-    ``batch_is_sharded`` (True: each rank's batch is its own slice, so a target is
-    counted once across the world, not once per CP rank), ``gradient_divisor``
-    (what its engine divides the sum of all ranks' gradients by; DDP divides by the
-    world size), ``wrap_collator(collate) -> collate`` (fits batches to its loader)
-    and ``batch_number`` (the order its loader gives batches in; see :func:`batch_number`).
+    Every member is required (each backend defines all of them, even where it takes the
+    common answer), so the trainer calls them directly.
     """
 
     #: the ``attn_implementation`` the model must use with this backend
     attn_implementation: str
+    #: True when the data loader already gave this rank its own slice of the batch (DeepSpeed's
+    #: Ulysses adapter), so a target is counted once across the world, not once per CP rank
+    batch_is_sharded: bool
+    #: what the backend's engine divides the sum of all ranks' gradients by; None: DDP's world size
+    gradient_divisor: int | None
 
     def shard(self, batch: TokenBatch) -> ShardedInputs: ...
 
+    def step_context(self) -> AbstractContextManager:
+        """Entered around each micro batch's forward *and* backward (torch CP's dispatch must be on then)."""
+        ...
 
-def step_context(backend: CpBackend) -> AbstractContextManager:
-    """The backend's per-step context, or a null context when it needs none."""
-    make = getattr(backend, "step_context", None)
-    return make() if make is not None else nullcontext()
+    def wrap_collator(self, collate: Any) -> Any:
+        """The collator the backend's data loader needs (the given one for most backends)."""
+        ...
+
+    def batch_number(self, micro_index: int, dp_rank: int, dp_size: int) -> int:
+        """Which batch of the data loader's order a rank trains as its ``micro_index``-th micro batch."""
+        ...
 
 
-def batch_is_sharded(backend: CpBackend) -> bool:
-    """True when the data loader already gave this rank its own slice of the batch."""
-    return bool(getattr(backend, "batch_is_sharded", False))
+def step_context(backend: BatchSharder) -> AbstractContextManager:
+    """The backend's per-step context (kept as a function for the workers and benchmarks that call it)."""
+    return backend.step_context()
 
 
-def gradient_divisor(backend: CpBackend, world_size: int) -> int:
+def gradient_divisor(backend: BatchSharder, world_size: int) -> int:
     """What the sum of all ranks' gradients is divided by: the backend's engine's, else DDP's world size."""
-    divisor = getattr(backend, "gradient_divisor", None)
-    return world_size if divisor is None else int(divisor)
+    return world_size if backend.gradient_divisor is None else int(backend.gradient_divisor)
 
 
-def batch_number(backend: CpBackend, micro_index: int, dp_rank: int, dp_size: int) -> int:
-    """Which batch of the data loader's order a rank trains as its ``micro_index``-th micro batch.
+def batch_number(backend: BatchSharder, micro_index: int, dp_rank: int, dp_size: int) -> int:
+    """Which batch of the data loader's order a rank trains as its ``micro_index``-th micro batch."""
+    return int(backend.batch_number(micro_index, dp_rank, dp_size))
 
-    accelerate's loader hands batch ``i`` to data-parallel group ``i % dp_size``
+
+def accelerate_batch_number(micro_index: int, dp_rank: int, dp_size: int) -> int:
+    """accelerate's order: batch ``i`` goes to data-parallel group ``i % dp_size``.
+
     (``BatchSamplerShard``; the ranks of a CP group share it), so micro batch ``n`` of
-    group ``d`` is batch ``n·dp_size + d``; a backend whose loader orders batches
-    otherwise defines ``batch_number`` itself (DeepSpeed's Ulysses adapter).
+    group ``d`` is batch ``n·dp_size + d``.
     """
-    own = getattr(backend, "batch_number", None)
-    return micro_index * dp_size + dp_rank if own is None else int(own(micro_index, dp_rank, dp_size))
+    return micro_index * dp_size + dp_rank
 
 
-def wrap_collator(backend: CpBackend, collate: Any) -> Any:
-    """The collator the backend's data loader needs (the given one for most backends)."""
-    wrap = getattr(backend, "wrap_collator", None)
-    return collate if wrap is None else wrap(collate)
+class SameBatchForEveryCpRank:
+    """The members of :class:`BatchSharder` shared by backends that shard the batch themselves.
+
+    Mixed into the local, ring-flash-attn and torch sharders: each rank of a CP group gets the
+    same batch from accelerate's loader, DDP divides the gradients, the collator is kept.
+    """
+
+    batch_is_sharded = False
+    gradient_divisor: int | None = None
+
+    def step_context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def wrap_collator(self, collate: Any) -> Any:
+        return collate
+
+    def batch_number(self, micro_index: int, dp_rank: int, dp_size: int) -> int:
+        return accelerate_batch_number(micro_index, dp_rank, dp_size)

@@ -88,6 +88,7 @@ def flash_attn_shim_patches() -> list[Patch]:
     transformers compatibility patch, around ``import ring_flash_attn``. An entry already in
     ``sys.modules`` is kept as it is.
     """
+    from cptune import versions
     from cptune.patches.core import MISSING, Patch
 
     modules = shim_modules()
@@ -106,11 +107,22 @@ def flash_attn_shim_patches() -> list[Patch]:
             replacement=lambda original, module=module: module if original is MISSING else original,
             reason=reason,
             remove_when="ring-flash-attn runs without flash-attn, or cptune requires flash-attn everywhere.",
-            requires={"ring-flash-attn": "==0.1.8"},
+            requires={"ring-flash-attn": versions.RING_FLASH_ATTN},
             create=True,
+            applies_to=FlashAttnMissing(),
         )
         for name, module in modules.items()
     ]
+
+
+class FlashAttnMissing:
+    """Predicate of the shim patches: flash-attn is not installed (ignores the recipe)."""
+
+    def __call__(self, recipe: object) -> bool:
+        return not flash_attn_available()
+
+    def __str__(self) -> str:
+        return "flash-attn is not installed (CPU, and GPUs without flash-attn)"
 
 
 def _module(name: str, *, is_package: bool) -> ModuleType:

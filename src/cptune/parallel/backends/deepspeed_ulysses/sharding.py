@@ -29,12 +29,14 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
@@ -49,7 +51,7 @@ from cptune.parallel.backends.document_attention import (
 from cptune.parallel.shard import TokenBatch, TokenCoords, pad_tokens
 from cptune.tokens import IGNORE_INDEX
 
-INSTALL_HINT = "DS_BUILD_OPS=0 pip install 'deepspeed>=0.19,<0.20' (or the cptune[deepspeed] extra)"
+INSTALL_HINT = f"DS_BUILD_OPS=0 pip install 'deepspeed{versions.DEEPSPEED}' (or the cptune[deepspeed] extra)"
 
 
 CORE_ATTENTION_NAMES: Mapping[str, str] = {
@@ -289,6 +291,8 @@ class DeepSpeedUlyssesBackend:
 
     #: the loader hands each rank its shard (counted once across the world, not once per CP rank)
     batch_is_sharded = True
+    #: what DeepSpeed divides the sum of all ranks' gradients by (set per run from the ZeRO stage)
+    gradient_divisor: int | None = None
 
     def __init__(
         self,
@@ -341,6 +345,9 @@ class DeepSpeedUlyssesBackend:
 
     def wrap_collator(self, collate: Callable[[Any], dict[str, Any]]) -> UlyssesCollator:
         return UlyssesCollator(collate, self.cp_size, self.pad_token_id, self.fixed_length)
+
+    def step_context(self) -> AbstractContextManager:
+        return nullcontext()  # DeepSpeed's adapter needs nothing around the forward and backward
 
 
 def gloo_fixed_length(sequence_len: int, cp_size: int) -> int | None:

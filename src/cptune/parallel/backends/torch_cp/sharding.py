@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
-from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.shard import TokenBatch, contiguous_coords, pad_tokens, shard_zigzag, split_contiguous
 from cptune.tokens import IGNORE_INDEX, document_starts
 
@@ -141,7 +141,7 @@ def check_bidirectional_rows(lengths: list[int], *, split: str, cp_size: int, mi
         )
 
 
-class TorchCpBackend:
+class TorchCpBackend(SameBatchForEveryCpRank):
     """Shards batches for one CP group and attends with torch's context-parallel ring attention."""
 
     attn_implementation = ATTENTION_NAME
@@ -229,5 +229,5 @@ def _check_cpu_handlers(custom_ops: dict[Any, Any]) -> None:
         raise CptuneError(
             "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers' (torch has no "
             "context-parallel handler for the CPU attention op); it is applied by `cptune train`. Apply "
-            "cptune.patches.torch_patches.torch_cp_cpu_sdpa_patch() with a PatchSet around your own loop."
+            "PatchSet(cptune.parallel.backends.torch_cp.TORCH_CP.training_patches()) around your own loop."
         )

@@ -16,7 +16,7 @@ from cptune.parallel.backends.attention import (
     AttentionCall,
     sdpa_tokens_first,
 )
-from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.shard import TokenBatch, document_starts, full_coords
 
 
@@ -26,7 +26,7 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (doc_ids[:, :, None] == doc_ids[:, None, :]).unsqueeze(1)
 
 
-class LocalBackend:
+class LocalBackend(SameBatchForEveryCpRank):
     """Single-rank attention over whole rows."""
 
     def __init__(self, causal: bool):

@@ -24,12 +24,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
-from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
-INSTALL_HINT = "pip install ring-flash-attn==0.1.8 (flash-attn>=2.8 is optional on CUDA GPUs)"
+INSTALL_HINT = (
+    f"pip install ring-flash-attn{versions.RING_FLASH_ATTN} "
+    f"(flash-attn{versions.FLASH_ATTN.split(',')[0]} is optional on CUDA GPUs)"
+)
 
 
 @dataclass(frozen=True)
@@ -47,18 +51,15 @@ def load_ring_flash_attn() -> RingKernels:
     Raises:
         BackendUnavailableError: ring-flash-attn cannot be imported.
     """
-    from cptune.parallel.kernels import flash_attn_available, flash_attn_shim_patches
-    from cptune.patches.core import PatchSet
-    from cptune.patches.transformers_patches import ring_flash_attn_import_compat_patch
+    from cptune.parallel.backends.ring_flash_attn import RING_FLASH_ATTN
+    from cptune.patches.registry import import_patch_set
 
     if "ring_flash_attn" in sys.modules:
         module = sys.modules["ring_flash_attn"]
     else:
-        patches = [ring_flash_attn_import_compat_patch()]
-        if not flash_attn_available():
-            patches += flash_attn_shim_patches()
         try:
-            with PatchSet(patches).applied(None):
+            # The transformers compatibility patch, and the flash-attn stand-ins when flash-attn is absent.
+            with import_patch_set(RING_FLASH_ATTN).applied(None):
                 module = importlib.import_module("ring_flash_attn")
         except ImportError as err:
             raise BackendUnavailableError(
@@ -82,7 +83,7 @@ def check_heads_k_stride(num_key_value_heads: int, heads_k_stride: int) -> None:
         )
 
 
-class RingFlashAttnBackend:
+class RingFlashAttnBackend(SameBatchForEveryCpRank):
     """Shards batches and attends across one context-parallel group."""
 
     attn_implementation = ATTENTION_NAME

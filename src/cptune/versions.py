@@ -1,0 +1,25 @@
+"""The upstream versions cptune's patches and backends were written for, in one place.
+
+pyproject.toml states the same ranges for installing (``tests/test_versions.py`` checks they
+agree); torch is the exception: it installs from ``>=2.13,<2.15`` while the patch that calls
+torch's private ring attention is pinned to the minor version it was read against.
+"""
+
+from __future__ import annotations
+
+TRANSFORMERS = ">=5.23,<5.24"
+ACCELERATE = ">=1.15,<1.16"
+DEEPSPEED = ">=0.19,<0.20"
+RING_FLASH_ATTN = "==0.1.8"
+FLASH_ATTN = ">=2.8,<2.9"
+TORCH_PRIVATE_API = ">=2.13,<2.14"
+"""torch's private ``_templated_ring_attention`` (torch_patches.py) changes between minor versions."""
+
+SPECIFIERS: dict[str, str] = {
+    "transformers": TRANSFORMERS,
+    "accelerate": ACCELERATE,
+    "deepspeed": DEEPSPEED,
+    "ring-flash-attn": RING_FLASH_ATTN,
+    "flash-attn": FLASH_ATTN,
+}
+"""Distribution name → the range pyproject.toml installs."""

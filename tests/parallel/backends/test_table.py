@@ -1,0 +1,70 @@
+"""The backend table: every cp_backend the recipe accepts has one complete backend object."""
+
+from __future__ import annotations
+
+import sys
+from typing import get_args
+
+import pytest
+
+from cptune.config.loader import load_recipe
+from cptune.config.recipe import CpBackend as RecipeCpBackend
+from cptune.parallel.backends.base import BatchSharder
+from cptune.parallel.backends.deepspeed_ulysses.sharding import DeepSpeedUlyssesBackend
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend
+from cptune.parallel.backends.spec import CpBackend
+from cptune.parallel.backends.table import BACKENDS, LOCAL, CpBackendName, backend_for, named_backend
+from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
+
+
+def members(protocol: type) -> set[str]:
+    """The attributes and methods a protocol declares."""
+    declared = set(protocol.__annotations__) | {
+        name for name, value in vars(protocol).items() if callable(value)
+    }
+    return {name for name in declared if not name.startswith("_")}
+
+
+def test_the_recipe_accepts_exactly_the_table_s_names():
+    assert set(get_args(RecipeCpBackend)) == {name.value for name in CpBackendName} == set(BACKENDS)
+    assert list(BACKENDS) == list(CpBackendName)
+    with pytest.raises(TypeError):
+        BACKENDS["new"] = LOCAL  # type: ignore[index]  # the table is frozen
+
+
+def test_names_compare_and_print_as_the_recipe_s_strings():
+    name = CpBackendName.RING_FLASH_ATTN
+    assert name == "ring-flash-attn" and str(name) == f"{name}" == "ring-flash-attn"
+    assert BACKENDS["torch"] is BACKENDS[CpBackendName.TORCH]
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS.values(), LOCAL], ids=lambda b: str(b.name))
+def test_every_backend_implements_the_whole_protocol(backend):
+    assert isinstance(backend, CpBackend)
+    for member in members(CpBackend):
+        assert member in type(backend).__dict__, f"{type(backend).__name__} does not define {member} itself"
+    assert backend.name is None or BACKENDS[backend.name] is backend
+
+
+@pytest.mark.parametrize(
+    "sharder", [LocalBackend, RingFlashAttnBackend, TorchCpBackend, DeepSpeedUlyssesBackend]
+)
+def test_every_sharder_has_every_member(sharder):
+    missing = [m for m in members(BatchSharder) if m != "attn_implementation" and not hasattr(sharder, m)]
+    assert not missing
+
+
+def test_context_parallel_size_1_runs_the_local_backend(write_recipe):
+    recipe = load_recipe(write_recipe(cp_backend="torch"))
+    assert backend_for(recipe) is LOCAL and named_backend(recipe) is BACKENDS["torch"]
+    assert backend_for(recipe, 2) is BACKENDS["torch"]
+
+
+def test_preflight_of_cp_backend_torch_does_not_import_ring_flash_attn(write_recipe, monkeypatch):
+    """It once loaded ring-flash-attn for every cp > 1 that was not deepspeed."""
+    from cptune.run.preflight import preflight
+
+    monkeypatch.setitem(sys.modules, "ring_flash_attn", None)  # importing it now raises ImportError
+    recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="torch", sample_packing=False))
+    preflight(recipe, world_size=2, prepare_data=False)
