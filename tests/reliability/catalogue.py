@@ -1505,7 +1505,7 @@ CASES: tuple[Case, ...] = (
         "data-folder-without-files",
         DATA,
         "A dataset folder without data files",
-        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow)",
+        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow, and",
         "Point the dataset at a data file, or at a folder holding files of the listed types.",
         setup=_folder_without_data,
     ),
@@ -1540,7 +1540,8 @@ CASES: tuple[Case, ...] = (
         DATA,
         "A data file of a type cptune cannot read",
         "cannot read files of type .txt",
-        "Convert the data to one of the listed formats (JSON lines, JSON, CSV, TSV, Parquet, Arrow).",
+        "Convert the data to one of the listed formats (JSON lines, JSON, CSV, TSV, Parquet, Arrow; the text "
+        "formats may be compressed: .gz, .zst, .bz2, .xz).",
         setup=_text_file,
     ),
     Case(
@@ -1732,6 +1733,16 @@ CASES: tuple[Case, ...] = (
         "Give every message a role and a text content, or set `message_field_role` / "
         "`message_field_content` to the keys your data uses.",
         setup=lambda ws: _chat(ws, [{"messages": [{"content": "Hi"}, HELLO[1]]}]),
+    ),
+    Case(
+        "chat-reasoning-not-text",
+        DATA,
+        "A chat message whose reasoning is not text",
+        "row 0: field 'messages' message 1 has a 'reasoning_content' that is not text",
+        "Give the reasoning as text (or leave it out), or set `field_thinking` to the key your data keeps it in.",
+        setup=lambda ws: _chat(
+            ws, [{"messages": [HELLO[0], {**HELLO[1], "reasoning_content": ["step"]}]}], chat_template="qwen3"
+        ),
     ),
     Case(
         "chat-template-not-prefix-stable",
@@ -2034,20 +2045,30 @@ CASES: tuple[Case, ...] = (
         keys={"model_type": "AutoModel"},
     ),
     Case(
+        "lora-kernel-with-dropout",
+        RECIPE_KEYS,
+        "Axolotl's fused LoRA kernel with lora_dropout",
+        "Axolotl's kernel shares one dropout mask between q_proj, k_proj and v_proj, whereas peft's LoRA layers "
+        "(which cptune runs) draw a mask for each projection",
+        "Set `lora_dropout: 0` (what Axolotl's kernels are meant for), or `lora_qkv_kernel: false` to keep "
+        "peft's dropout, a mask per projection.",
+        keys={"adapter": "lora", "lora_dropout": 0.05, "lora_qkv_kernel": True},
+    ),
+    Case(
         "chat-template-not-built-in",
         RECIPE_KEYS,
         "A chat_template name cptune does not render itself",
-        "chat_template: 'qwen3' is not a chat template cptune renders itself",
-        "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (Qwen3's does), "
-        "one of the built-in names, or your own template in `chat_template_jinja`.",
-        keys={"chat_template": "qwen3"},
+        "chat_template: 'deepseek_v3' is not a chat template cptune renders itself",
+        "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (DeepSeek-V3's "
+        "does), one of the built-in names, or your own template in `chat_template_jinja`.",
+        keys={"chat_template": "deepseek_v3"},
     ),
     Case(
         "message-mappings-extra-key",
         RECIPE_KEYS,
         "message_property_mappings beyond role and content",
-        "maps name; cptune's chat rows have a role and a content only",
-        "Map `role` and `content` only (e.g. `{role: from, content: value}`).",
+        "maps name; cptune's chat messages have a role, a content and a reasoning_content only",
+        "Map `role`, `content` and (for reasoning) `reasoning_content` only (e.g. `{role: from, content: value}`).",
         setup=_chat_mapping_extra_key,
     ),
     Case(
@@ -2337,6 +2358,17 @@ DOCUMENTED: tuple[Documented, ...] = (
         why_not_in_catalogue="the catalogue runs where DeepSpeed is installed; the test shadows it with a "
         "package that fails to import",
         tested_by="tests/run/test_cli_errors.py::test_deepspeed_not_installed",
+    ),
+    Documented(
+        "zstandard-not-installed",
+        PACKAGES,
+        "A .zst data file without the zstandard package",
+        "is zstd-compressed and the zstandard package is not installed",
+        "cptune depends on zstandard, so this means a broken install: `pip install zstandard`, or decompress "
+        "the file (`zstd -d rows.jsonl.zst`) and point the dataset at the plain file.",
+        raised_in="src/cptune/data/compression.py",
+        why_not_in_catalogue="zstandard is installed wherever cptune is; the test hides it from the import",
+        tested_by="tests/data/test_sources.py::test_zstd_without_zstandard_says_how_to_decompress",
     ),
     Documented(
         "ring-flash-attn-not-installed",
