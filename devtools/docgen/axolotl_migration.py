@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from cptune.config.compat import AxolotlKeys
+from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES, AxolotlKeys
 from cptune.config.loader import validate_recipe
 from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe
 from cptune.errors import RecipeError
@@ -28,13 +28,15 @@ DIFFERENCES: dict[str, str] = {
     "optimizer": "any of the Trainer's optimizer names (transformers' OptimizerNames); refused before launching "
     "only where it cannot run (a package missing, TPU/NPU-only). Axolotl's own optimizers (muon, "
     "ao_adamw_8bit, ...) are refused.",
-    "chat_template": "built in (cptune's own renderings of each family's format): chatml, llama3, qwen_25, "
-    "mistral_v1, mistral_v2v3, mistral_v3_tekken, gemma, phi_3; also tokenizer_default and jinja. Other "
-    "names are refused.",
+    "chat_template": "built in (cptune's own renderings of each family's format): "
+    f"{', '.join(BUILT_IN_CHAT_TEMPLATES)}; also tokenizer_default and jinja. Other names are refused. qwen3 "
+    "renders every turn as it stands in the whole conversation (reasoning shown after the last user query only, "
+    "as Qwen3's template does) and trains those tokens.",
     "deepspeed": "only with `cp_backend: deepspeed` (Ulysses) and context_parallel_size > 1; with ring-flash-attn "
     "or torch CP it is refused (see the message).",
     "bf16": "`auto` is accepted; the default is false (fp32), not auto.",
-    "gradient_checkpointing": "true or false; `offload` is refused.",
+    "gradient_checkpointing": "true or false; `offload` means true with activation_offloading (Axolotl's "
+    "meaning).",
     "lora_model_dir": "starts training from the adapter in the folder (Axolotl also merges from it).",
     "resume_from_checkpoint": "also `true`: the newest complete checkpoint in output_dir.",
 }

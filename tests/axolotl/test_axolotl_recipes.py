@@ -35,10 +35,6 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
         "fsdp_config.cpu_ram_efficient_loading",
         "fsdp_config.sharding_strategy",
     },
-    # Qwen3's own chat template and Axolotl's LoRA kernels (`gradient_checkpointing: offload` maps onto
-    # activation offloading, Cut Cross Entropy onto the chunked loss).
-    "qwen3--32b-qlora.yaml": {"chat_template", "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel"},
-    "qwen3--8b-lora-fused-attn.yaml": {"fused_attn_kernel"},
 }
 ACCEPTED = [r for r in RECIPES if r.name not in EXPECTED_REFUSALS]
 

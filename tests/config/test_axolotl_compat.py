@@ -119,8 +119,9 @@ def test_optimizer_names_are_the_trainers():
 def test_chat_template_names_and_jinja():
     assert validate_recipe({**MINIMAL, "chat_template": "llama3"}).chat_template == "llama3"
     assert validate_recipe({**MINIMAL, "chat_template_jinja": "{{ messages }}"}).chat_template is None
-    found = problems({**MINIMAL, "chat_template": "qwen3"})
-    assert found["chat_template"].startswith("'qwen3' is not a chat template cptune renders itself")
+    assert validate_recipe({**MINIMAL, "chat_template": "qwen3"}).chat_template == "qwen3"
+    found = problems({**MINIMAL, "chat_template": "deepseek_v3"})
+    assert found["chat_template"].startswith("'deepseek_v3' is not a chat template cptune renders itself")
     assert "chat_template_jinja" in found["chat_template"]
 
 
@@ -224,3 +225,28 @@ def test_axolotls_cpu_offloading_modes_map_onto_cptunes_activation_offloading():
     assert not validate_recipe({**MINIMAL, "gradient_checkpointing": True}).offloads_activations
     found = problems({**MINIMAL, "gradient_checkpointing": True, "activation_offloading": "disk"})
     assert "'disk' (Axolotl's offloading to files) is not supported" in found["activation_offloading"]
+
+
+def test_axolotls_fused_kernels_are_accepted_with_a_note_and_refused_where_dropout_would_differ():
+    """lora_*_kernel and fused_attn_kernel compute what peft's layers compute, except for dropout masks."""
+    kernels = {
+        "lora_mlp_kernel": True,
+        "lora_qkv_kernel": True,
+        "lora_o_kernel": True,
+        "fused_attn_kernel": True,
+    }
+    lora = {**MINIMAL, "adapter": "lora", **kernels}
+    notes = "\n".join(axolotl_notes(validate_recipe(lora)))
+    assert "lora_mlp_kernel, lora_qkv_kernel, lora_o_kernel: cptune runs peft's LoRA layers" in notes
+    assert "fused_attn_kernel: cptune runs the model's own q/k RMSNorm and RoPE" in notes
+    # With dropout, the fused MLP and q/k/v kernels share one mask: refused where they would apply.
+    found = problems({**lora, "lora_dropout": 0.05})
+    assert set(found) == {"lora_mlp_kernel", "lora_qkv_kernel"}
+    assert found["lora_qkv_kernel"].startswith(
+        "with lora_dropout: 0.05 Axolotl's kernel shares one dropout mask between q_proj, k_proj and v_proj"
+    )
+    assert "Set lora_dropout: 0" in found["lora_mlp_kernel"]
+    # The MLP kernel fuses only where gate, up and down all carry the adapter (Axolotl's qwen3 32B recipe).
+    partial = {**lora, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "up_proj"]}
+    assert set(problems(partial)) == {"lora_qkv_kernel"}
+    assert validate_recipe({**lora, "lora_dropout": 0.05, "lora_qkv_kernel": False, "lora_mlp_kernel": False})

@@ -29,6 +29,9 @@ DOCUMENTED = {
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
     "qwen_25": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
+    # Qwen3: the last turn opens an (empty) thinking block; earlier assistant turns show their answer only.
+    "qwen3": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
+    "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n",
     "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|><|start_header_id|>user"
     "<|end_header_id|>\n\nU1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|>"
     "<|start_header_id|>user<|end_header_id|>\n\nU2<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
@@ -44,6 +47,7 @@ DOCUMENTED = {
 GENERATION_PROMPT = {
     "chatml": "<|im_start|>assistant\n",
     "qwen_25": "<|im_start|>assistant\n",
+    "qwen3": "<|im_start|>assistant\n",
     "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "mistral_v1": " [/INST]",
     "mistral_v2v3": "[/INST]",
@@ -55,6 +59,7 @@ GENERATION_PROMPT = {
 TRAINED = {
     "chatml": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen_25": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
+    "qwen3": ["It is 4.<|im_end|>", "<think>\n\n</think>\n\nYes, I am.<|im_end|>"],
     "llama3": ["It is 4.<|eot_id|>", "Yes, I am.<|eot_id|>"],
     "mistral_v1": [" It is 4.</s>", " Yes, I am.</s>"],
     "mistral_v2v3": [" It is 4.</s>", " Yes, I am.</s>"],
@@ -111,7 +116,7 @@ def test_template_trains_the_assistant_turns_and_their_end_token(
 
 
 def test_missing_marker_tokens_are_reported_not_refused(tokenizer: PreTrainedTokenizerFast, caplog):
-    with caplog.at_level(logging.WARNING, logger="cptune.data.formats"):
+    with caplog.at_level(logging.WARNING, logger="cptune.data.chat_templates"):
         sample = build(tokenizer, "llama3")({"messages": CHAT})
     assert "chat_template llama3 writes <|start_header_id|>, <|end_header_id|>, <|eot_id|>" in caplog.text
     # Written as text, the end-of-turn marker is still trained with the turn.
@@ -161,3 +166,86 @@ def test_chat_template_jinja_as_text_or_file(tokenizer: PreTrainedTokenizerFast,
     assert template_text("jinja", "{{ messages }}") == "{{ messages }}"
     with pytest.raises(DataError, match="chat_template_jinja: cannot read the template file"):
         template_text("jinja", str(tmp_path / "missing.jinja"))
+
+
+# --- qwen3: reasoning ------------------------------------------------------------------------------------
+
+THINKING = [
+    {"role": "user", "content": "What is 2 plus 2?"},
+    {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nIt is 4."},
+    {"role": "user", "content": "Are you sure?"},
+    {"role": "assistant", "content": "Yes, I am.", "reasoning_content": "Check again."},
+]
+# Qwen3's documented rendering: the reasoning of a turn before the last user query is not shown; the turns
+# after it show theirs in a <think> block (reasoning_content, or a <think>...</think> written in the content).
+QWEN3_THINKING = (
+    "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\nIt is 4.<|im_end|>\n"
+    "<|im_start|>user\nAre you sure?<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\nCheck again.\n</think>\n\nYes, I am.<|im_end|>\n"
+)
+
+
+def test_qwen3_shows_reasoning_after_the_last_user_query_only(tokenizer: PreTrainedTokenizerFast):
+    qwen3 = TEMPLATES["qwen3"]
+    assert tokenizer.apply_chat_template(THINKING, chat_template=qwen3, tokenize=False) == QWEN3_THINKING
+    # Alone, the first exchange ends the conversation, so its reasoning is shown: Qwen3's format is not
+    # prefix-stable. With the whole conversation in view the part renders as it does in the whole.
+    alone = tokenizer.apply_chat_template(THINKING[:2], chat_template=qwen3, tokenize=False)
+    assert alone == (
+        "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\nIt is 4.<|im_end|>\n"
+    )
+    part = tokenizer.apply_chat_template(
+        THINKING[:2], chat_template=qwen3, tokenize=False, all_messages=THINKING
+    )
+    assert not QWEN3_THINKING.startswith(alone) and QWEN3_THINKING.startswith(part)
+    prompt = tokenizer.apply_chat_template(
+        THINKING[:1], chat_template=qwen3, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_qwen3_trains_every_assistant_turn_as_the_whole_conversation_renders_it(
+    tokenizer: PreTrainedTokenizerFast,
+):
+    marked = with_markers(tokenizer)
+    sample = build(marked, "qwen3")({"messages": THINKING})
+    assert marked.decode(sample.input_ids) == QWEN3_THINKING
+    assert trained_text(marked, sample) == [
+        "It is 4.<|im_end|>",
+        "<think>\nCheck again.\n</think>\n\nYes, I am.<|im_end|>",
+    ]
+    # After the last query every assistant turn shows its reasoning; tool responses share one user turn.
+    tools = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "Call the tool."},
+        {"role": "tool", "content": "rain"},
+        {"role": "tool", "content": "12 C"},
+        {"role": "assistant", "content": "Rain, 12 C.", "reasoning_content": "Both came back."},
+    ]
+    sample = build(marked, "qwen3")({"messages": tools})
+    assert marked.decode(sample.input_ids) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nCall the tool.\n</think>\n\nLet me look.<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nrain\n</tool_response>\n<tool_response>\n12 C\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n<think>\nBoth came back.\n</think>\n\nRain, 12 C.<|im_end|>\n"
+    )
+    assert trained_text(marked, sample) == [
+        "<think>\nCall the tool.\n</think>\n\nLet me look.<|im_end|>",
+        "<think>\nBoth came back.\n</think>\n\nRain, 12 C.<|im_end|>",
+    ]
+
+
+def test_reasoning_key_by_field_thinking_or_mapping(tokenizer: PreTrainedTokenizerFast, caplog):
+    expected = build(tokenizer, "qwen3")({"messages": THINKING})
+    renamed = [{k.replace("reasoning_content", "thought"): v for k, v in m.items()} for m in THINKING]
+    assert build(tokenizer, "qwen3", field_thinking="thought")({"messages": renamed}) == expected
+    mapped = build(tokenizer, "qwen3", message_property_mappings={"reasoning_content": "thought"})
+    assert mapped({"messages": renamed}) == expected
+    # A template that does not show reasoning says so instead of dropping it unseen.
+    with caplog.at_level(logging.WARNING, logger="cptune.data.formats"):
+        sample = build(tokenizer, "chatml")({"messages": THINKING})
+    assert (
+        "messages carry reasoning ('reasoning_content') that the chat template does not show" in caplog.text
+    )
+    assert trained_text(tokenizer, sample)[-1] == "Yes, I am.<|im_end|>"

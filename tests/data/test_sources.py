@@ -113,3 +113,56 @@ def test_unreadable_file_type(tmp_path: Path) -> None:
     (tmp_path / "data.txt").write_text("hello")
     with pytest.raises(DataError, match=r"cannot read files of type \.txt"):
         resolve_source(DatasetConfig(path=str(tmp_path / "data.txt")), "test_datasets", 0)
+
+
+def compress(path: Path, suffix: str) -> Path:
+    """``path`` compressed next to it as ``path`` + ``suffix`` (the plain file removed)."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    raw = path.read_bytes()
+    packed = {
+        ".gz": gzip.compress,
+        ".zst": zstandard.ZstdCompressor().compress,
+        ".bz2": bz2.compress,
+        ".xz": lzma.compress,
+    }[suffix](raw)
+    target = path.with_name(path.name + suffix)
+    target.write_bytes(packed)
+    path.unlink()
+    return target
+
+
+@pytest.mark.parametrize(
+    "name", ["rows.jsonl.zst", "rows.json.zst", "rows.jsonl.gz", "rows.csv.xz", "rows.jsonl.bz2"]
+)
+def test_compressed_text_files_load_as_their_format(tmp_path: Path, name: str) -> None:
+    """Axolotl's ALST recipes read `data_files: [pretrain/rp_sub.jsonl.zst]`."""
+    plain, suffix = name.rsplit(".", 1)
+    path = compress(write(tmp_path / "hub" / "pretrain" / plain, ROWS), "." + suffix)
+    assert load(path, tmp_path)["text"] == [r["text"] for r in ROWS]
+    # In a folder, by data_files (the recipe's way) or found by the folder scan.
+    assert load(tmp_path / "hub", tmp_path, data_files=[f"pretrain/{name}"])["n"] == [0, 1, 2, 3, 4]
+    assert load(tmp_path / "hub", tmp_path)["n"] == [0, 1, 2, 3, 4]
+
+
+def test_compressed_files_are_checked_for_utf8_and_compressed_binaries_refused(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl\.zst' is not UTF-8 text \(line 2\)"):
+        load(compress(latin1, ".zst"), tmp_path)
+    parquet = compress(write(tmp_path / "rows.parquet", ROWS), ".gz")
+    with pytest.raises(DataError, match=r"cannot read files of type \.parquet\.gz\. Supported: .*\.jsonl"):
+        resolve_source(DatasetConfig(path=str(parquet)), "datasets", 0)
+
+
+def test_zstd_without_zstandard_says_how_to_decompress(tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    path = compress(write(tmp_path / "rows.jsonl", ROWS), ".zst")
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # import fails as when it is not installed
+    with pytest.raises(DataError, match=r"zstandard package is not installed: `pip install zstandard`, or "):
+        load(path, tmp_path)

@@ -41,7 +41,7 @@ ENTRIES: tuple[Entry, ...] = (
         "data-folder-without-files",
         SECTION,
         "A dataset folder without data files",
-        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow)",
+        "the folder holds no data files (.json, .jsonl, .ndjson, .csv, .tsv, .parquet, .arrow, and",
         "Point the dataset at a data file, or at a folder holding files of the listed types.",
     ),
     Entry(
@@ -72,7 +72,8 @@ ENTRIES: tuple[Entry, ...] = (
         SECTION,
         "A data file of a type cptune cannot read",
         "cannot read files of type .txt",
-        "Convert the data to one of the listed formats (JSON lines, JSON, CSV, TSV, Parquet, Arrow).",
+        "Convert the data to one of the listed formats (JSON lines, JSON, CSV, TSV, Parquet, Arrow; the text "
+        "formats may be compressed: .gz, .zst, .bz2, .xz).",
     ),
     Entry(
         "data-column-missing",
@@ -241,6 +242,13 @@ ENTRIES: tuple[Entry, ...] = (
         "row 0: field 'messages' message 0 has no text 'role'",
         "Give every message a role and a text content, or set `message_field_role` / "
         "`message_field_content` to the keys your data uses.",
+    ),
+    Entry(
+        "chat-reasoning-not-text",
+        SECTION,
+        "A chat message whose reasoning is not text",
+        "row 0: field 'messages' message 1 has a 'reasoning_content' that is not text",
+        "Give the reasoning as text (or leave it out), or set `field_thinking` to the key your data keeps it in.",
     ),
     Entry(
         "chat-template-not-prefix-stable",

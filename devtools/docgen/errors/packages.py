@@ -40,6 +40,17 @@ DOCUMENTED: tuple[Documented, ...] = (
         tested_by="tests/run/test_cli_errors.py::test_deepspeed_not_installed",
     ),
     Documented(
+        "zstandard-not-installed",
+        SECTION,
+        "A .zst data file without the zstandard package",
+        "is zstd-compressed and the zstandard package is not installed",
+        "cptune depends on zstandard, so this means a broken install: `pip install zstandard`, or decompress "
+        "the file (`zstd -d rows.jsonl.zst`) and point the dataset at the plain file.",
+        raised_in="src/cptune/data/compression.py",
+        why_not_in_catalogue="zstandard is installed wherever cptune is; the test hides it from the import",
+        tested_by="tests/data/test_sources.py::test_zstd_without_zstandard_says_how_to_decompress",
+    ),
+    Documented(
         "ring-flash-attn-not-installed",
         SECTION,
         "cp_backend: ring-flash-attn without ring-flash-attn installed",

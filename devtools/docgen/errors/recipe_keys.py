@@ -178,19 +178,28 @@ ENTRIES: tuple[Entry, ...] = (
         "Use `model_type: AutoModelForCausalLM` (or the model's `...ForCausalLM` class), or remove it.",
     ),
     Entry(
+        "lora-kernel-with-dropout",
+        SECTION,
+        "Axolotl's fused LoRA kernel with lora_dropout",
+        "Axolotl's kernel shares one dropout mask between q_proj, k_proj and v_proj, whereas peft's LoRA layers "
+        "(which cptune runs) draw a mask for each projection",
+        "Set `lora_dropout: 0` (what Axolotl's kernels are meant for), or `lora_qkv_kernel: false` to keep "
+        "peft's dropout, a mask per projection.",
+    ),
+    Entry(
         "chat-template-not-built-in",
         SECTION,
         "A chat_template name cptune does not render itself",
-        "chat_template: 'qwen3' is not a chat template cptune renders itself",
-        "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (Qwen3's does), "
-        "one of the built-in names, or your own template in `chat_template_jinja`.",
+        "chat_template: 'deepseek_v3' is not a chat template cptune renders itself",
+        "Use `chat_template: tokenizer_default` when the model's tokenizer ships its template (DeepSeek-V3's "
+        "does), one of the built-in names, or your own template in `chat_template_jinja`.",
     ),
     Entry(
         "message-mappings-extra-key",
         SECTION,
         "message_property_mappings beyond role and content",
-        "maps name; cptune's chat rows have a role and a content only",
-        "Map `role` and `content` only (e.g. `{role: from, content: value}`).",
+        "maps name; cptune's chat messages have a role, a content and a reasoning_content only",
+        "Map `role`, `content` and (for reasoning) `reasoning_content` only (e.g. `{role: from, content: value}`).",
     ),
     Entry(
         "activation-offloading-disk",

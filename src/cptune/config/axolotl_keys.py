@@ -14,9 +14,6 @@ _ATTENTION = "cptune chooses the attention implementation from cp_backend; remov
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself."
 _KERNELS = "fused kernels from Axolotl's integrations are not supported; remove it."
 _LIGER = "Liger kernels (Axolotl's LigerPlugin) are not available in cptune; remove it."
-_LORA_KERNELS = (
-    "Axolotl's fused LoRA kernels are not available in cptune (peft's LoRA layers run); remove it."
-)
 _MLFLOW = (
     "MLflow logging is not supported (cptune does not install MLflow, a heavy dependency); use W&B "
     "(wandb_project, wandb_mode: offline works without network) or report_to: tensorboard."
@@ -48,11 +45,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "liger_layer_norm": _LIGER,
     "liger_glu_activation": _LIGER,
     "liger_cross_entropy": _LIGER,
-    "lora_mlp_kernel": _LORA_KERNELS,
-    "lora_qkv_kernel": _LORA_KERNELS,
-    "lora_o_kernel": _LORA_KERNELS,
-    "lora_embedding_kernel": _LORA_KERNELS,
-    "fused_attn_kernel": "Axolotl's fused attention kernel is not available; cptune picks attention from cp_backend.",
     "use_mlflow": _MLFLOW,
     "mlflow_tracking_uri": _MLFLOW,
     "mlflow_experiment_name": _MLFLOW,

@@ -16,6 +16,7 @@ BUILT_IN_CHAT_TEMPLATES = (
     "chatml",
     "llama3",
     "qwen_25",
+    "qwen3",
     "mistral_v1",
     "mistral_v2v3",
     "mistral_v3_tekken",
@@ -30,6 +31,7 @@ ChatTemplateName = Literal[
     "chatml",
     "llama3",
     "qwen_25",
+    "qwen3",
     "mistral_v1",
     "mistral_v2v3",
     "mistral_v3_tekken",
@@ -313,6 +315,34 @@ class AxolotlKeys(BaseModel):
         None, ge=1, description="Drop samples shorter than this many tokens (counted in the data report)."
     )
     strict: bool | None = Field(None, description="Accepted; cptune always validates recipes strictly.")
+    # Axolotl's fused kernels compute what the layers they replace compute (within rounding); cptune runs
+    # those layers. Where a kernel drops LoRA inputs differently, compat_rules refuses the combination.
+    lora_mlp_kernel: bool | None = Field(
+        None,
+        description="Accepted: cptune runs peft's LoRA layers, the same result without Axolotl's fused MLP "
+        "kernel; refused with lora_dropout > 0 (the kernel shares one dropout mask between gate_proj and "
+        "up_proj and drops nothing before down_proj).",
+    )
+    lora_qkv_kernel: bool | None = Field(
+        None,
+        description="Accepted: cptune runs peft's LoRA layers, the same result without Axolotl's fused q/k/v "
+        "kernel; refused with lora_dropout > 0 (the kernel shares one dropout mask between q, k and v).",
+    )
+    lora_o_kernel: bool | None = Field(
+        None,
+        description="Accepted: cptune runs peft's LoRA layers, the same result without Axolotl's fused o_proj "
+        "kernel.",
+    )
+    lora_embedding_kernel: bool | None = Field(
+        None,
+        description="Accepted: cptune runs peft's LoRA embedding layer, the same result without Axolotl's fused "
+        "kernel.",
+    )
+    fused_attn_kernel: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention, the "
+        "same result without Axolotl's fused Triton kernel (which agrees within bf16 rounding).",
+    )
     # The properties below read keys of Recipe itself (eval_steps, num_epochs, ...).
 
     @property

@@ -127,7 +127,54 @@ def _axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
             yield f"plugins[{index}]", plugin_refusal(plugin)
 
 
-COMPAT_RULES: tuple[Rule, ...] = (_quantization, _adapter_extras, _chat_template, _axolotl_mapped)
+# Axolotl's LoRA kernels that fuse several projections into one autograd function (each only where every one of
+# its projections carries the adapter), and how the fused function drops the LoRA inputs
+# (axolotl/kernels/lora.py: apply_lora_mlp_swiglu, apply_lora_qkv).
+_SHARED_DROPOUT_KERNELS: dict[str, tuple[tuple[str, ...], str]] = {
+    "lora_mlp_kernel": (
+        ("gate_proj", "up_proj", "down_proj"),
+        "shares one dropout mask between gate_proj and up_proj and drops nothing before down_proj",
+    ),
+    "lora_qkv_kernel": (
+        ("q_proj", "k_proj", "v_proj"),
+        "shares one dropout mask between q_proj, k_proj and v_proj",
+    ),
+}
+
+
+def _targets(r: Recipe, projection: str) -> bool:
+    """Whether the adapter goes on ``projection`` (peft matches a module name or its dotted suffix)."""
+    if r.lora_target_modules is None:
+        return True  # every linear layer
+    return any(t == projection or t.endswith("." + projection) for t in r.lora_target_modules)
+
+
+def _lora_kernels(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Axolotl's fused LoRA kernels.
+
+    - `lora_mlp_kernel` and `lora_qkv_kernel` are refused with `lora_dropout` > 0 when the adapter covers every
+      projection they fuse (gate/up/down, q/k/v): there the kernel draws its dropout masks differently from
+      peft's LoRA layers, which cptune runs. Without dropout they compute the same, and are accepted.
+    """
+    if not (r.is_lora and r.lora_dropout):
+        return
+    for key, (projections, how) in _SHARED_DROPOUT_KERNELS.items():
+        if getattr(r, key) and all(_targets(r, p) for p in projections):
+            yield (
+                key,
+                f"with lora_dropout: {r.lora_dropout} Axolotl's kernel {how}, whereas peft's LoRA layers (which "
+                "cptune runs) draw a mask for each projection, so the model would train differently. Set "
+                f"lora_dropout: 0 (what Axolotl's kernels document) or {key}: false (peft's dropout).",
+            )
+
+
+COMPAT_RULES: tuple[Rule, ...] = (
+    _quantization,
+    _adapter_extras,
+    _chat_template,
+    _axolotl_mapped,
+    _lora_kernels,
+)
 """Rules over the keys of this module; :data:`cptune.config.recipe.RULES` includes them."""
 
 
@@ -147,6 +194,8 @@ def plugin_refusal(plugin: str) -> str:
 
 
 # --- notes ---------------------------------------------------------------------------
+
+_LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
 
 
 def axolotl_notes(r: Recipe) -> list[str]:
@@ -187,6 +236,17 @@ def axolotl_notes(r: Recipe) -> list[str]:
         notes.append(
             f"activation_offloading: {r.activation_offloading} runs cptune's own offloading: the layer inputs that "
             "gradient checkpointing keeps go to pinned host memory and come back on a side stream (exact)."
+        )
+    kernels = [k for k in _LORA_KERNEL_KEYS if getattr(r, k)]
+    if kernels:
+        notes.append(
+            f"{', '.join(kernels)}: cptune runs peft's LoRA layers: the same result, without Axolotl's fused "
+            "kernels." + ("" if r.is_lora else " (They apply to LoRA adapters only, in Axolotl too.)")
+        )
+    if r.fused_attn_kernel:
+        notes.append(
+            "fused_attn_kernel: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention: the "
+            "same result, without Axolotl's fused kernel."
         )
     if r.strict is not None:
         notes.append("strict is not used: cptune always refuses unknown keys.")

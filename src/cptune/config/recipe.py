@@ -62,10 +62,15 @@ class DatasetConfig(_Frozen):
         ("assistant",),
         description="chat_template: roles whose messages are trained (unless train_on_inputs).",
     )
+    field_thinking: str = Field(
+        "reasoning_content",
+        description="chat_template: key of an assistant message's reasoning, for templates that show it (qwen3 "
+        "writes it in a <think> block; it may also be written in the content as <think>...</think>).",
+    )
     message_property_mappings: dict[str, str] | None = Field(
         None,
         description="chat_template: Axolotl's way to name a message's keys, e.g. {role: from, content: value} "
-        "(the same as message_field_role and message_field_content).",
+        "(the same as message_field_role, message_field_content and, for reasoning_content, field_thinking).",
     )
     roles: dict[str, tuple[str, ...]] | None = Field(
         None,
@@ -89,11 +94,11 @@ class DatasetConfig(_Frozen):
     @field_validator("message_property_mappings")
     @classmethod
     def _role_and_content_only(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        other = sorted(set(value or {}) - {"role", "content"})
+        other = sorted(set(value or {}) - {"role", "content", "reasoning_content"})
         if other:
             raise ValueError(
-                f"maps {', '.join(other)}; cptune's chat rows have a role and a content only (map those two, "
-                "or set message_field_role and message_field_content)"
+                f"maps {', '.join(other)}; cptune's chat messages have a role, a content and a reasoning_content "
+                "only (map those, or set message_field_role, message_field_content and field_thinking)"
             )
         return value
 
@@ -104,6 +109,11 @@ class DatasetConfig(_Frozen):
         return mappings.get("role", self.message_field_role), mappings.get(
             "content", self.message_field_content
         )
+
+    @property
+    def resolved_reasoning_field(self) -> str:
+        """The key of a message's reasoning (message_property_mappings' reasoning_content wins over field_thinking)."""
+        return (self.message_property_mappings or {}).get("reasoning_content", self.field_thinking)
 
 
 class FsdpConfig(_Frozen):

@@ -3,10 +3,13 @@
 A recipe's ``chat_template`` names one of these (Axolotl's names), ``tokenizer_default`` for the
 tokenizer's own template, or ``jinja`` for ``chat_template_jinja``. Every template here is
 prefix-stable (the rendering of the first messages of a conversation is a prefix of the rendering
-of the whole), which is how cptune finds the tokens of each turn to train. The tokenizer's bos and
-eos tokens are written where the format has them, so the same template serves any tokenizer of the
-family; the family's other marker tokens are written as text and are single tokens only where the
-tokenizer has them (:func:`missing_marker_tokens` says which are not).
+of the whole), which is how cptune finds the tokens of each turn to train. Qwen3's format decides how
+an assistant turn looks from what follows it (reasoning is shown only after the last user query), so
+:data:`QWEN3` reads the whole conversation from ``all_messages`` when the formatter renders a part of
+it: each turn then renders as it does in the whole conversation, the text Qwen3's own template gives.
+The tokenizer's bos and eos tokens are written where the format has them, so the same template serves
+any tokenizer of the family; the family's other marker tokens are written as text and are single
+tokens only where the tokenizer has them (:func:`missing_marker_tokens` says which are not).
 
 Where a family's own template differs, it says so below: Mistral's and Gemma's formats have no
 system turn, so a system message is put before the first user message, separated by a blank line.
@@ -14,10 +17,13 @@ system turn, so a system message is put before the first user message, separated
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from cptune.errors import DataError
+
+logger = logging.getLogger(__name__)
 
 _SYSTEM_INTO_FIRST_USER = (
     "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none -%}"
@@ -104,9 +110,60 @@ PHI_3 = (
 )
 """Phi-3: ``<|{role}|>\\n{content}<|end|>\\n`` per turn after bos."""
 
+# Qwen3 decides how an assistant turn looks from where it stands in the whole conversation: its reasoning is
+# shown only after the last user query, and the conversation's last turn always opens a thinking block. The
+# formatter renders the parts of a conversation with the whole of it in view (``all_messages``), so a turn
+# renders the same in every part; without it (generation) the messages are the whole conversation.
+QWEN3 = (
+    "{%- set whole = all_messages if all_messages is defined else messages -%}"
+    "{%- set last = whole | length - 1 -%}"
+    # The last query: the last user message that is not a tool response (the whole conversation's last
+    # message when there is none).
+    "{%- set ns = namespace(query=last) -%}"
+    "{%- for m in whole -%}"
+    "{%- if m['role'] == 'user' and not (m['content'].startswith('<tool_response>') "
+    "and m['content'].endswith('</tool_response>')) %}{% set ns.query = loop.index0 %}{% endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- set i = loop.index0 -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    # Reasoning from reasoning_content, or from a <think>...</think> block written in the content.
+    "{%- set answer = message['content'] -%}"
+    "{%- set thought = '' -%}"
+    "{%- if message['reasoning_content'] is string %}{% set thought = message['reasoning_content'] -%}"
+    "{%- elif '</think>' in answer -%}"
+    "{%- set thought = answer.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}"
+    "{%- set answer = answer.split('</think>')[-1].lstrip('\n') -%}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if i > ns.query and (i == last or thought) -%}"
+    "{{ '<think>\n' + thought.strip('\n') + '\n</think>\n\n' + answer.lstrip('\n') }}"
+    "{%- else %}{{ answer }}{% endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    # Consecutive tool responses share one user turn.
+    "{%- if i == 0 or whole[i - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif -%}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if i == last or whole[i + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif -%}"
+    "{%- elif message['role'] in ['system', 'user'] -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- else -%}{{ raise_exception('Qwen3 chats have system, user, assistant and tool turns; got ' "
+    "+ message['role']) }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif -%}"
+    "{%- endif -%}"
+)
+"""Qwen3: ChatML without bos or default system message; an assistant turn after the last user query shows its
+reasoning as ``<think>\n{reasoning}\n</think>\n\n{answer}`` (the conversation's last turn always, with an empty
+block when it has none), earlier turns their answer only. ``enable_thinking: false`` closes an empty thinking
+block in the generation prompt."""
+
 TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
     "qwen_25": QWEN_25,
+    "qwen3": QWEN3,
     "llama3": LLAMA3,
     "mistral_v1": MISTRAL_V1,
     "mistral_v2v3": MISTRAL_V2V3,
@@ -119,6 +176,7 @@ TEMPLATES: dict[str, str] = {
 MARKERS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "qwen_25": ("<|im_start|>", "<|im_end|>"),
+    "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "mistral_v1": ("[INST]", "[/INST]"),
     "mistral_v2v3": ("[INST]", "[/INST]"),
@@ -154,3 +212,40 @@ def missing_marker_tokens(name: str, tokenizer: Any) -> list[str]:
     """The markers of template ``name`` that the tokenizer does not have as one token each."""
     vocab = tokenizer.get_vocab()
     return [marker for marker in MARKERS.get(name, ()) if marker not in vocab]
+
+
+def resolve_chat_template(
+    tokenizer: Any, chat_template: str | None, label: str, jinja: str | None = None
+) -> str | None:
+    """The template to render chats with: ``None`` means the tokenizer's own.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        chat_template: The recipe's ``chat_template``: None or ``tokenizer_default`` (the tokenizer's),
+            a built-in name (:mod:`cptune.data.chat_templates`), or ``jinja``.
+        label: Names the dataset in messages.
+        jinja: The recipe's ``chat_template_jinja`` (used when chat_template is ``jinja`` or unset).
+
+    Raises:
+        DataError: If the tokenizer's template is asked for and it has none.
+    """
+    if jinja is not None and chat_template in (None, "jinja"):
+        return template_text("jinja", jinja)
+    if chat_template not in (None, "tokenizer_default"):
+        missing = missing_marker_tokens(chat_template, tokenizer)
+        if missing:
+            logger.warning(
+                "%s: chat_template %s writes %s, which the tokenizer does not have as tokens; they are "
+                "tokenized as text (add them with tokens: or special_tokens: to make them single tokens).",
+                label,
+                chat_template,
+                ", ".join(missing),
+            )
+        return template_text(chat_template)
+    if not tokenizer.chat_template:
+        raise DataError(
+            f"{label} has type chat_template, but the tokenizer has no chat template. Set "
+            "chat_template: chatml (or another built-in name such as llama3) in the recipe to use one of "
+            "cptune's templates, or use a tokenizer that ships a template (tokenizer_config)."
+        )
+    return None

@@ -17,7 +17,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig
-from cptune.data.chat_templates import CHATML, missing_marker_tokens, template_text
+from cptune.data.chat_templates import CHATML, resolve_chat_template
 from cptune.data.labels import IGNORE_INDEX
 from cptune.errors import DataError
 
@@ -193,43 +193,6 @@ def _pretokenized(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> 
     return format_row
 
 
-def resolve_chat_template(
-    tokenizer: PreTrainedTokenizerBase, chat_template: str | None, label: str, jinja: str | None = None
-) -> str | None:
-    """The template to render chats with: ``None`` means the tokenizer's own.
-
-    Args:
-        tokenizer: The model's tokenizer.
-        chat_template: The recipe's ``chat_template``: None or ``tokenizer_default`` (the tokenizer's),
-            a built-in name (:mod:`cptune.data.chat_templates`), or ``jinja``.
-        label: Names the dataset in messages.
-        jinja: The recipe's ``chat_template_jinja`` (used when chat_template is ``jinja`` or unset).
-
-    Raises:
-        DataError: If the tokenizer's template is asked for and it has none.
-    """
-    if jinja is not None and chat_template in (None, "jinja"):
-        return template_text("jinja", jinja)
-    if chat_template not in (None, "tokenizer_default"):
-        missing = missing_marker_tokens(chat_template, tokenizer)
-        if missing:
-            logger.warning(
-                "%s: chat_template %s writes %s, which the tokenizer does not have as tokens; they are "
-                "tokenized as text (add them with tokens: or special_tokens: to make them single tokens).",
-                label,
-                chat_template,
-                ", ".join(missing),
-            )
-        return template_text(chat_template)
-    if not tokenizer.chat_template:
-        raise DataError(
-            f"{label} has type chat_template, but the tokenizer has no chat template. Set "
-            "chat_template: chatml (or another built-in name such as llama3) in the recipe to use one of "
-            "cptune's templates, or use a tokenizer that ships a template (tokenizer_config)."
-        )
-    return None
-
-
 def _role_names(config: DatasetConfig) -> dict[str, str]:
     """Data role name -> template role (Axolotl's ``roles``; by default human -> user, gpt -> assistant)."""
     roles = config.roles if config.roles is not None else DEFAULT_ROLES
@@ -242,6 +205,7 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     if value is None:
         raise _field_problem(name, "is missing")
     role_key, content_key = config.resolved_message_fields
+    reasoning_key = config.resolved_reasoning_field
     role_names = _role_names(config)
     if isinstance(value, Mapping) and isinstance(value.get(role_key), list):
         # datasets' legacy Sequence-of-struct feature decodes to a dict of lists.
@@ -257,7 +221,13 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
             raise _field_problem(name, f"message {turn} has no text {role_key!r}")
         if not isinstance(content, str):
             raise _field_problem(name, f"message {turn} has no text {content_key!r}")
-        messages.append({"role": role_names.get(role, role), "content": content})
+        converted = {"role": role_names.get(role, role), "content": content}
+        reasoning = message.get(reasoning_key)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise _field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
+            converted["reasoning_content"] = reasoning
+        messages.append(converted)
     return messages
 
 
@@ -282,8 +252,15 @@ def _chat(
     }
     trained_roles = set(config.roles_to_train)
     eos_policy = config.train_on_eos
+    # A template that never names reasoning_content cannot show it: say so once rather than drop it unseen.
+    shows_reasoning = "reasoning_content" in (template or tokenizer.chat_template or "")
+    warned = False
 
-    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def render(
+        messages: list[dict[str, str]], whole: list[dict[str, str]], add_generation_prompt: bool
+    ) -> list[int]:
+        # ``all_messages``: the whole conversation, for templates whose rendering of a turn depends on what
+        # follows it (qwen3 shows reasoning only after the last user query); the others ignore it.
         try:
             ids = tokenizer.apply_chat_template(
                 messages,
@@ -291,6 +268,7 @@ def _chat(
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                all_messages=whole,
             )
         except Exception as error:  # a template's raise_exception() is a row problem
             raise RowProblem(f"the chat template rejected the messages ({error})") from error
@@ -310,8 +288,8 @@ def _chat(
         # The turn's tokens are what rendering it adds to the conversation before it
         # (plus the assistant header, which is the prompt).
         header = messages[turn]["role"] == "assistant"
-        before = render(messages[:turn], add_generation_prompt=header) if turn or header else []
-        through = render(messages[: turn + 1], add_generation_prompt=False)
+        before = render(messages[:turn], messages, add_generation_prompt=header) if turn or header else []
+        through = render(messages[: turn + 1], messages, add_generation_prompt=False)
         if through[: len(before)] != before:
             raise not_prefix_stable(
                 turn, f"messages[:{turn}] does not render to a token prefix of messages[:{turn + 1}]"
@@ -324,13 +302,23 @@ def _chat(
         return len(before), len(before) + eot_start, len(before) + eot_end
 
     def format_row(row: Mapping[str, Any]) -> Sample:
+        nonlocal warned
         messages = _messages(row, config)
+        if not (shows_reasoning or warned) and any(m.get("reasoning_content") for m in messages):
+            warned = True
+            logger.warning(
+                "%s: messages carry reasoning (%r) that the chat template does not show, so it is not "
+                "trained; use chat_template: qwen3 (or a template that writes reasoning_content), or put the "
+                "reasoning in the content.",
+                config.path,
+                config.resolved_reasoning_field,
+            )
         turns = [i for i, m in enumerate(messages) if m["role"] in trained_roles]
         if not turns:
             raise RowProblem(
                 f"no message with a role in roles_to_train {list(config.roles_to_train)}",
             )
-        full = render(messages, add_generation_prompt=False)
+        full = render(messages, messages, add_generation_prompt=False)
         labels = list(full) if train_on_inputs else [IGNORE_INDEX] * len(full)
         if train_on_inputs:
             return Sample(full, labels)

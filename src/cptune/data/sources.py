@@ -1,7 +1,7 @@
 """Find and load the rows of one ``datasets:`` entry of a recipe.
 
 A ``path`` is, in this order: a local data file (json, jsonl, csv, tsv,
-parquet, arrow), a local folder written by ``Dataset.save_to_disk`` /
+parquet, arrow; the text formats also compressed, :mod:`cptune.data.compression`), a local folder written by ``Dataset.save_to_disk`` /
 ``DatasetDict.save_to_disk``, a local folder of data files, or a Hugging Face
 hub dataset id. Relative local paths are relative to the working directory.
 Resolving (which files, which loader) is kept apart from loading so that the
@@ -20,6 +20,7 @@ from typing import Any, Literal
 import datasets
 
 from cptune.config.recipe import DatasetConfig
+from cptune.data.compression import COMPRESSIONS, compression, format_suffix, open_decompressed
 from cptune.errors import DataError
 
 __all__ = ["DATA_FILE_BUILDERS", "ResolvedSource", "load_source", "resolve_source", "source_label"]
@@ -34,6 +35,25 @@ DATA_FILE_BUILDERS: dict[str, tuple[str, dict[str, str]]] = {
     ".arrow": ("arrow", {}),
 }
 """Local data file extensions cptune reads, and the ``datasets`` builder (with options) for each."""
+
+# Builders that read text: their files must be UTF-8 (the json reader takes other bytes and
+# fails later, deep inside the tokenizing loop, with a traceback). Only these may be compressed
+# (parquet and arrow compress inside the file).
+_TEXT_BUILDERS = ("json", "csv")
+
+
+def _readable(path: Path) -> bool:
+    builder = DATA_FILE_BUILDERS.get(format_suffix(path))
+    return builder is not None and (compression(path) is None or builder[0] in _TEXT_BUILDERS)
+
+
+def _supported() -> str:
+    text = [s for s, (builder, _) in DATA_FILE_BUILDERS.items() if builder in _TEXT_BUILDERS]
+    return (
+        f"{', '.join(DATA_FILE_BUILDERS)}, and {', '.join(text)} compressed "
+        f"({', '.join(COMPRESSIONS)}, e.g. rows.jsonl.zst)"
+    )
+
 
 # A hub id is "name" or "owner/name"; anything else that does not exist locally
 # is reported as a missing local path rather than sent to the hub.
@@ -84,20 +104,20 @@ def _is_saved_dataset(folder: Path) -> bool:
 
 
 def _builder_for(files: list[Path], label: str, key: str) -> tuple[str, dict[str, str]]:
-    unknown = sorted({f.suffix or f.name for f in files if f.suffix.lower() not in DATA_FILE_BUILDERS})
+    unknown = sorted({format_suffix(f) + (compression(f) or "") or f.name for f in files if not _readable(f)})
     if unknown:
         raise DataError(
-            f"{label}: cannot read files of type {', '.join(unknown)}. Supported: "
-            f"{', '.join(DATA_FILE_BUILDERS)}. Convert the files, or select readable ones with {key}.data_files."
+            f"{label}: cannot read files of type {', '.join(unknown)}. Supported: {_supported()}. "
+            f"Convert the files, or select readable ones with {key}.data_files."
         )
     # One builder per dataset entry: json and csv rows cannot share a loader call.
-    builders = {(DATA_FILE_BUILDERS[f.suffix.lower()][0], f.suffix.lower() == ".tsv") for f in files}
+    builders = {(DATA_FILE_BUILDERS[format_suffix(f)][0], format_suffix(f) == ".tsv") for f in files}
     if len(builders) != 1:
         raise DataError(
-            f"{label}: the files mix formats ({', '.join(sorted({f.suffix for f in files}))}). "
+            f"{label}: the files mix formats ({', '.join(sorted({format_suffix(f) for f in files}))}). "
             f"Put one format per dataset entry, or select files with {key}.data_files."
         )
-    name, kwargs = DATA_FILE_BUILDERS[files[0].suffix.lower()]
+    name, kwargs = DATA_FILE_BUILDERS[format_suffix(files[0])]
     return name, dict(kwargs)
 
 
@@ -108,12 +128,12 @@ def _folder_files(folder: Path, config: DatasetConfig, label: str, key: str) -> 
             p
             for p in folder.rglob("*")
             if p.is_file()
-            and p.suffix.lower() in DATA_FILE_BUILDERS
+            and _readable(p)
             and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         )
         if not found:
             raise DataError(
-                f"{label}: the folder holds no data files ({', '.join(DATA_FILE_BUILDERS)}). "
+                f"{label}: the folder holds no data files ({_supported()}). "
                 f"Point {key}.path at a data file or a folder of them."
             )
         return found
@@ -162,7 +182,7 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
         return ResolvedSource("files", label, entry, tuple(files_list), name, kwargs)
     looks_local = (
         config.path.startswith((".", "/", "~"))
-        or Path(config.path).suffix.lower() in DATA_FILE_BUILDERS
+        or format_suffix(Path(config.path)) in DATA_FILE_BUILDERS
         or not _HUB_ID.match(config.path)
     )
     if looks_local:
@@ -173,14 +193,9 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
     return ResolvedSource("hub", label, entry)
 
 
-# Builders that read text: their files must be UTF-8 (the json reader takes other bytes and
-# fails later, deep inside the tokenizing loop, with a traceback).
-_TEXT_BUILDERS = ("json", "csv")
-
-
 def _first_non_utf8_line(path: Path) -> int | None:
-    """The number of the first line of ``path`` that is not UTF-8, or None."""
-    with path.open("rb") as lines:
+    """The number of the first line of ``path`` (decompressed) that is not UTF-8, or None."""
+    with open_decompressed(path) as lines:
         for number, line in enumerate(lines, start=1):
             try:
                 line.decode("utf-8")

@@ -153,6 +153,12 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: _chat(ws, [{"messages": [{"content": "Hi"}, HELLO[1]]}]),
     ),
     Case(
+        "chat-reasoning-not-text",
+        setup=lambda ws: _chat(
+            ws, [{"messages": [HELLO[0], {**HELLO[1], "reasoning_content": ["step"]}]}], chat_template="qwen3"
+        ),
+    ),
+    Case(
         "chat-template-not-prefix-stable",
         setup=_chat_template_counting,
     ),

@@ -99,8 +99,12 @@ CASES: tuple[Case, ...] = (
         keys={"model_type": "AutoModel"},
     ),
     Case(
+        "lora-kernel-with-dropout",
+        keys={"adapter": "lora", "lora_dropout": 0.05, "lora_qkv_kernel": True},
+    ),
+    Case(
         "chat-template-not-built-in",
-        keys={"chat_template": "qwen3"},
+        keys={"chat_template": "deepseek_v3"},
     ),
     Case(
         "message-mappings-extra-key",
