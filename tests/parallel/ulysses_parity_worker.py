@@ -150,6 +150,28 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
     return losses, step0_grads
 
 
+def compare_grads(engine: object, ref_grads: dict) -> tuple[float, str]:
+    """The largest relative difference of the engine's reduced gradients from the reference, and their digest."""
+    from deepspeed.utils import safe_get_full_grad
+
+    mine = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    grad_rel = max(
+        float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        for n, g in ref_grads.items()
+    )
+    return grad_rel, grads_digest(mine)
+
+
+def case_result(ref_losses: list, ref_grads: dict, losses: list, grad_rel: float, grad_sha: str) -> dict:
+    return {
+        "ref_losses": ref_losses,
+        "cp_losses": losses,
+        "grad_rel": grad_rel,
+        "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
+        "grad_sha": grad_sha,
+    }
+
+
 def cp_backend_under_zero(case: dict) -> object:
     """cptune's ring-flash-attn or torch backend over this rank's CP group (consecutive ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -178,7 +200,7 @@ def cp_backend_under_zero(case: dict) -> object:
 def run_ring_under_zero(case: dict, steps: list, ref_grads: dict) -> tuple[list[float], float, str]:
     """cptune's ring or torch backend on DeepSpeed's engine (no mpu): the CP group shares each batch."""
     import deepspeed
-    from deepspeed.utils import groups, safe_get_full_grad
+    from deepspeed.utils import groups
 
     # No sequence-parallel group: DeepSpeed keeps an earlier Ulysses case's mpu for good, and through it
     # would divide by world / cp (a process of cptune runs one training, with or without Ulysses).
@@ -217,14 +239,7 @@ def run_ring_under_zero(case: dict, steps: list, ref_grads: dict) -> tuple[list[
                 engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item() * world / divisor  # CptuneTrainer.training_step
             if t == 0 and i == ga - 1:
-                mine = {
-                    n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad
-                }
-                grad_rel = max(
-                    float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                    for n, g in ref_grads.items()
-                )
-                grad_sha = grads_digest(mine)
+                grad_rel, grad_sha = compare_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)
@@ -238,7 +253,6 @@ def run_case(case: dict) -> dict:
         UlyssesSPAttentionHF,
         UlyssesSPDataLoaderAdapter,
     )
-    from deepspeed.utils import safe_get_full_grad
 
     rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
     dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
@@ -249,14 +263,7 @@ def run_case(case: dict) -> dict:
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
     ref_losses, ref_grads = reference_run(case, steps)
     if case.get("ring"):
-        losses, grad_rel, grad_sha = run_ring_under_zero(case, steps, ref_grads)
-        return {
-            "ref_losses": ref_losses,
-            "cp_losses": losses,
-            "grad_rel": grad_rel,
-            "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
-            "grad_sha": grad_sha,
-        }
+        return case_result(ref_losses, ref_grads, *run_ring_under_zero(case, steps, ref_grads))
 
     model = build_model(case, CORE_ATTENTION_NAMES[core])
     loss_fn = install_case_features(model, case)
@@ -317,24 +324,11 @@ def run_case(case: dict) -> dict:
             engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item() * world / backend.gradient_divisor  # CptuneTrainer.training_step
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
-                mine = {
-                    n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad
-                }
-                grad_rel = max(
-                    float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                    for n, g in ref_grads.items()
-                )
-                grad_sha = grads_digest(mine)
+                grad_rel, grad_sha = compare_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
-    return {
-        "ref_losses": ref_losses,
-        "cp_losses": losses,
-        "grad_rel": grad_rel,
-        "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
-        "grad_sha": grad_sha,
-    }
+    return case_result(ref_losses, ref_grads, losses, grad_rel, grad_sha)
 
 
 def main() -> None:

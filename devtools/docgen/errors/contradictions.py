@@ -134,8 +134,8 @@ ENTRIES: tuple[Entry, ...] = (
         "deepspeed-zero-without-cp",
         SECTION,
         "deepspeed (a ZeRO config) in a recipe without context parallelism",
-        "deepspeed: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); to shard "
-        "model states without CP use fsdp_version: 2",
+        "deepspeed: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
+        "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2)",
         "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed with context parallelism only (Ulysses, "
         "or ring-flash-attn / torch CP under ZeRO). To shard model states without CP use `fsdp_version: 2`; "
         "otherwise remove `deepspeed`.",

@@ -64,13 +64,7 @@ class DeepSpeedUlysses:
         if r.zero_stage == 3:
             yield from zero.zero3_memory_problems(r)
         if r.context_parallel_size == 1:
-            for key in ("zero_stage", "deepspeed"):
-                if getattr(r, key) is not None:
-                    yield (
-                        key,
-                        "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); "
-                        "remove it, or set context_parallel_size.",
-                    )
+            yield from _deepspeed_at_cp1(r)
             return
         attention = r.resolved_ulysses_attn_implementation
         if attention == "cptune":
@@ -189,16 +183,20 @@ class DeepSpeedUlysses:
         return zero.deepspeed_stage(recipe)  # zero_stage, or the JSON's
 
 
+def _deepspeed_at_cp1(r: Any) -> Iterator[tuple[str, str]]:
+    for key in ("zero_stage", "deepspeed"):
+        if getattr(r, key) is not None:
+            yield (
+                key,
+                "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
+                "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2).",
+            )
+
+
 def _zero_under_cptune_sharding(r: Any) -> Iterator[tuple[str, str]]:
     """`zero_stage` / `deepspeed` with ring-flash-attn or torch CP (or any backend at cp=1)."""
     if r.context_parallel_size == 1:
-        for key in ("zero_stage", "deepspeed"):
-            if getattr(r, key) is not None:
-                yield (
-                    key,
-                    "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); to "
-                    "shard model states without CP use fsdp_version: 2, or remove it.",
-                )
+        yield from _deepspeed_at_cp1(r)
         return
     if r.fsdp_version is not None:
         yield (
