@@ -32,8 +32,9 @@ DIFFERENCES: dict[str, str] = {
     f"{', '.join(BUILT_IN_CHAT_TEMPLATES)}; also tokenizer_default and jinja. Other names are refused. qwen3 "
     "renders every turn as it stands in the whole conversation (reasoning shown after the last user query only, "
     "as Qwen3's template does) and trains those tokens.",
-    "deepspeed": "only with `cp_backend: deepspeed` (Ulysses) and context_parallel_size > 1; with ring-flash-attn "
-    "or torch CP it is refused (see the message).",
+    "deepspeed": "at context_parallel_size > 1: ZeRO for every cp_backend (Ulysses, or ring-flash-attn / torch CP "
+    "under DeepSpeed's engine, each CP group sharing a batch); at cp=1 refused (use fsdp_version: 2). The "
+    "optimizer and scheduler come from the recipe.",
     "bf16": "`auto` is accepted; the default is false (fp32), not auto.",
     "gradient_checkpointing": "true or false; `offload` means true with activation_offloading (Axolotl's "
     "meaning).",

@@ -5,7 +5,8 @@ and license: ``recipes/ORIGIN.md``; a file named ``llama-3--lora-1b.yml`` is Axo
 ``examples/llama-3/lora-1b.yml``). :func:`localised` changes what a user moving to a machine without
 the hub would change: ``base_model`` becomes a local model folder, and every dataset ``path`` a local
 file in the recipe's row format (``data_files``, which selects files inside a hub dataset, goes with
-it). Every other key is left as Axolotl wrote it.
+it), and a relative ``deepspeed`` config path is read from ``recipes/`` (which holds the one config the
+recipes name, copied from Axolotl's repository root). Every other key is left as Axolotl wrote it.
 """
 
 from __future__ import annotations
@@ -67,4 +68,6 @@ def localised(recipe: Path, model_dir: Path | dict[str, Path]) -> dict[str, Any]
         for dataset in data.get(key) or ():
             dataset["path"] = str(local_data(dataset))
             dataset.pop("data_files", None)
+    if data.get("deepspeed") and not Path(data["deepspeed"]).is_absolute():
+        data["deepspeed"] = str(RECIPES_DIR / data["deepspeed"])
     return data

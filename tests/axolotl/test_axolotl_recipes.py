@@ -20,10 +20,6 @@ from tests.axolotl.recipes import RECIPES, RECIPES_DIR, localised
 
 # Refused keys, by recipe; every other recipe validates.
 EXPECTED_REFUSALS: dict[str, set[str]] = {
-    # Ring attention under DeepSpeed ZeRO cannot work (each DeepSpeed rank gets a batch of its own):
-    # cp_backend: deepspeed (Ulysses) or FSDP2 instead. (Its tiled MLP, `activation_offloading: legacy` and
-    # Cut Cross Entropy map onto cptune's memory features, as in the FSDP2 ALST recipe, which validates.)
-    "alst--llama3-8b-deepspeed-alst.yaml": {"deepspeed"},
     # Tensor parallelism.
     "distributed-parallel--qwen3-8b-fsdp-tp-cp.yaml": {"tensor_parallel_size"},
     # FSDP1 and its settings.
@@ -53,6 +49,12 @@ def test_copies_are_axolotls_files_unchanged():
     assert set(listed) == {r.name for r in RECIPES}
     for recipe in RECIPES:
         assert git_blob_id(recipe.read_bytes()) == listed[recipe.name], recipe.name
+    # The DeepSpeed config the ALST recipe names (deepspeed_configs/ at the root of Axolotl's repository).
+    config = "deepspeed_configs/zero3_bf16_cpuoffload_all.json"
+    (blob,) = re.findall(
+        rf"\| `{config}` \| `{config}` \| `([0-9a-f]{{40}})` \|", (RECIPES_DIR / "ORIGIN.md").read_text()
+    )
+    assert git_blob_id((RECIPES_DIR / config).read_bytes()) == blob
 
 
 def test_the_set_covers_what_the_issue_names():
@@ -85,6 +87,12 @@ def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_pat
     assert "Plan:" in done.stdout and "Notes:" in done.stdout
     if "attn_implementation" in data or "flash_attention" in data:
         assert "is not what picks the attention in cptune" in done.stdout
+    if data.get("deepspeed"):  # ALST's ring attention under ZeRO-3 (the JSON's stage)
+        assert "model states: DeepSpeed ZeRO-3 over all 8 ranks" in done.stdout
+        # Its tiled MLP and Cut Cross Entropy run modules again in the backward pass, which ZeRO-3 does not
+        # serve yet (issue 19): validate says what `cptune train` would refuse.
+        assert "cptune train refuses: tiled_mlp: the DeepSpeed JSON" in done.stdout
+        assert "cptune train refuses: cut_cross_entropy" in done.stdout
     if data.get("adapter") == "qlora":
         assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
         assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so

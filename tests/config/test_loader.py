@@ -8,6 +8,8 @@ from cptune.config.loader import (
     validate_recipe,
 )
 from cptune.errors import RecipeError
+from cptune.parallel.backends.table import backend_for
+from cptune.parallel.backends.zero import trains_on_deepspeed
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
 
@@ -105,19 +107,30 @@ def test_deepspeed_refuses_what_its_core_attention_would_train_wrong():
     assert ok.resolved_ulysses_attn_implementation == "cptune"
 
 
-def test_deepspeed_keys_need_the_deepspeed_backend_with_cp():
+def test_deepspeed_keys_need_cp_and_run_every_backend_under_zero():
     found = problems(
         {**MINIMAL, "zero_stage": 2, "ulysses_attn_implementation": "sdpa", "deepspeed": "ds.json"}
     )
     assert found["ulysses_attn_implementation"] == "applies only to cp_backend: deepspeed; remove it."
     for key in ("zero_stage", "deepspeed"):
-        assert "DeepSpeed runs only as cp_backend: deepspeed" in found[key]
+        assert "DeepSpeed runs only with context_parallel_size > 1" in found[key]
         assert "fsdp_version: 2" in found[key]
-    # With ring-flash-attn CP (Axolotl's `deepspeed: zero3.json` next to context_parallel_size): refused,
-    # with the reason (accelerate hands every DeepSpeed rank a batch of its own) and both alternatives.
-    found = problems({**MINIMAL, "context_parallel_size": 2, "deepspeed": "zero3.json"})
-    assert "a batch of its own" in found["deepspeed"]
-    assert "cp_backend: deepspeed" in found["deepspeed"] and "fsdp_version: 2" in found["deepspeed"]
+    # Ring-flash-attn or torch CP under ZeRO (Axolotl's `deepspeed: zero3.json` next to context_parallel_size)
+    # runs on DeepSpeed's engine; with FSDP2 as well it is refused: one engine shards the model states.
+    for backend in ("ring-flash-attn", "torch"):
+        recipe = validate_recipe(
+            {**MINIMAL, "context_parallel_size": 2, "cp_backend": backend, "zero_stage": 2}
+        )
+        assert (
+            trains_on_deepspeed(backend_for(recipe), recipe) and backend_for(recipe).zero_stage(recipe) == 2
+        )
+    plain = validate_recipe({**MINIMAL, "context_parallel_size": 2})
+    assert not trains_on_deepspeed(backend_for(plain), plain) and backend_for(plain).zero_stage(plain) is None
+    found = problems({**MINIMAL, "context_parallel_size": 2, "deepspeed": "zero3.json", "fsdp_version": 2})
+    assert set(found) == {"fsdp_version"} and "choose one" in found["fsdp_version"]
+    # ZeRO-3 cannot serve tiled_mlp under ring attention either.
+    found = problems({**MINIMAL, "context_parallel_size": 2, "zero_stage": 3, "tiled_mlp": True})
+    assert set(found) == {"tiled_mlp"} and "ZeRO-3" in found["tiled_mlp"]
     found = problems({**MINIMAL, "cp_backend": "deepspeed", "zero_stage": 2})
     assert "context_parallel_size > 1" in found["zero_stage"]
     recipe = validate_recipe(

@@ -1,5 +1,8 @@
 """cp_backend: deepspeed parity on CPU: DeepSpeed Ulysses + ZeRO runs equal the cp=1 run (invariants 1-5).
 
+Two cases run cptune's ring-flash-attn (ZeRO-3) and torch (ZeRO-2) backends under DeepSpeed's engine
+instead of Ulysses (``ring`` in the worker).
+
 Each case runs 3 optimizer steps (SGD) on the tiny Llama (4 query heads) through
 DeepSpeed's own Ulysses attention wrapper, data-loader adapter and engine, with
 cptune's collator wrapper, backend, target count and loss scale, and compares
@@ -46,6 +49,9 @@ CP2_CASES = [
     case("zero3-ga2-packed-lora", stage=3, ga=2),
     # QLoRA (4-bit NF4 base, bitsandbytes) under ZeRO-3 (issue 20).
     case("qlora-zero3-ga2-packed", stage=3, ga=2, qlora=True),
+    # cp_backend ring-flash-attn / torch under DeepSpeed's ZeRO, as Axolotl's ALST recipe (issue 20).
+    case("ring-zero3-ga2-packed-lora", stage=3, ga=2, ring="ring-flash-attn"),
+    case("torch-zero2-unpacked-full", stage=2, packed=False, lora=False, ring="torch"),
     # Memory features on (tests/parallel/case_features.py), off in the cp=1 reference; the offload case
     # repeats packed-causal-lora and must match it bit for bit.
     case("packed-causal-lora+offload", features={"offload": True}),

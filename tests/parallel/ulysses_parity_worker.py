@@ -15,6 +15,12 @@ reduction, and the losses of 3 optimizer steps.
 Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel
 groups); DeepSpeed's sequence-parallel groups are built anew for every case.
 
+A case with ``ring: ring-flash-attn`` (or ``torch``) runs that cptune backend under DeepSpeed's engine
+instead (Axolotl's ``deepspeed: zero3.json`` next to ``context_parallel_size``): no sequence-parallel
+group, every rank of a CP group trains the same batch (what cptune's loader patch gives it,
+``patches/zero_ring_patches.py``), and DeepSpeed averages over all ranks, as DDP does
+(``parallel.backends.base.gradient_divisor`` of the backend).
+
 Usage: ulysses_parity_worker.py OUT_DIR CASES_JSON
 """
 
@@ -33,7 +39,9 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 )
 
 from cptune.data.collator import shift_labels_within_documents
-from cptune.parallel.backends.attention import check_layers_served, register_attention
+from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
+from cptune.parallel.backends.base import gradient_divisor as backend_divisor
+from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     CORE_ATTENTION_NAMES,
     DeepSpeedUlyssesBackend,
@@ -47,6 +55,7 @@ from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_co
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
+from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97
@@ -141,6 +150,102 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
     return losses, step0_grads
 
 
+def compare_grads(engine: object, ref_grads: dict) -> tuple[float, str]:
+    """The largest relative difference of the engine's reduced gradients from the reference, and their digest."""
+    from deepspeed.utils import safe_get_full_grad
+
+    mine = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    grad_rel = max(
+        float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        for n, g in ref_grads.items()
+    )
+    return grad_rel, grads_digest(mine)
+
+
+def case_result(ref_losses: list, ref_grads: dict, losses: list, grad_rel: float, grad_sha: str) -> dict:
+    return {
+        "ref_losses": ref_losses,
+        "cp_losses": losses,
+        "grad_rel": grad_rel,
+        "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
+        "grad_sha": grad_sha,
+    }
+
+
+def cp_backend_under_zero(case: dict) -> object:
+    """cptune's ring-flash-attn or torch backend over this rank's CP group (consecutive ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+    from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
+
+    world, cp, causal = dist.get_world_size(), case["cp"], case.get("causal", True)
+    cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+    if case["ring"] == "torch":
+        return TorchCpBackend(
+            causal=causal, load_balance=causal, comm_strategy="allgather", cp_mesh=cp_mesh, pad_token_id=0
+        )
+    return RingFlashAttnBackend(
+        func="varlen_llama3",
+        causal=causal,
+        heads_k_stride=1,
+        cp_size=cp,
+        cp_rank=cp_mesh.get_local_rank(),
+        group=cp_mesh.get_group(),
+        pad_token_id=0,
+        kernels=load_ring_flash_attn(),
+    )
+
+
+def run_ring_under_zero(case: dict, steps: list, ref_grads: dict) -> tuple[list[float], float, str]:
+    """cptune's ring or torch backend on DeepSpeed's engine (no mpu): the CP group shares each batch."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    # No sequence-parallel group: DeepSpeed keeps an earlier Ulysses case's mpu for good, and through it
+    # would divide by world / cp (a process of cptune runs one training, with or without Ulysses).
+    groups.mpu = None
+
+    rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
+    dp_rank, ga = rank // cp, case["ga"]
+    model = build_model(case, ATTENTION_NAME)
+    loss_fn = install_case_features(model, case)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    config = {
+        "train_micro_batch_size_per_gpu": case["mbs"],
+        "gradient_accumulation_steps": ga,
+        "train_batch_size": case["mbs"] * ga * world,  # DeepSpeed's data-parallel world: every rank
+        "zero_optimization": {"stage": case.get("stage", 0)},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config
+    )
+    backend = cp_backend_under_zero(case)
+    divisor = backend_divisor(backend, world)  # as CptuneTrainer: DDP's, the world
+    losses, grad_rel, grad_sha = [], 0.0, ""
+    for t, step in enumerate(steps):
+        micro = step[dp_rank]  # the whole batches of this rank's data-parallel group
+        local_targets = sum((count_targets(b.shift_labels) for b in micro), torch.tensor(0))
+        step_targets = step_target_count(local_targets, cp)  # each CP rank counted the whole batch
+        logged = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(micro):
+            with step_context(backend):  # torch's CP dispatcher, around forward and backward
+                sharded = backend.shard(batch)
+                loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
+                check_layers_served(sharded.call, 2)
+                loss = scaled_step_loss(loss_sum, step_targets, divisor)
+                engine.backward(loss, scale_wrt_gas=False)
+            logged += loss.item() * world / divisor  # CptuneTrainer.training_step
+            if t == 0 and i == ga - 1:
+                grad_rel, grad_sha = compare_grads(engine, ref_grads)
+            engine.step()
+        dist.all_reduce(logged)
+        losses.append(float(logged) / world)
+    return losses, grad_rel, grad_sha
+
+
 def run_case(case: dict) -> dict:
     import deepspeed
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
@@ -148,7 +253,6 @@ def run_case(case: dict) -> dict:
         UlyssesSPAttentionHF,
         UlyssesSPDataLoaderAdapter,
     )
-    from deepspeed.utils import safe_get_full_grad
 
     rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
     dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
@@ -158,6 +262,8 @@ def run_case(case: dict) -> dict:
     generator = torch.Generator().manual_seed(case["seed"])
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
     ref_losses, ref_grads = reference_run(case, steps)
+    if case.get("ring"):
+        return case_result(ref_losses, ref_grads, *run_ring_under_zero(case, steps, ref_grads))
 
     model = build_model(case, CORE_ATTENTION_NAMES[core])
     loss_fn = install_case_features(model, case)
@@ -218,24 +324,11 @@ def run_case(case: dict) -> dict:
             engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item() * world / backend.gradient_divisor  # CptuneTrainer.training_step
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
-                mine = {
-                    n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad
-                }
-                grad_rel = max(
-                    float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                    for n, g in ref_grads.items()
-                )
-                grad_sha = grads_digest(mine)
+                grad_rel, grad_sha = compare_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
-    return {
-        "ref_losses": ref_losses,
-        "cp_losses": losses,
-        "grad_rel": grad_rel,
-        "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
-        "grad_sha": grad_sha,
-    }
+    return case_result(ref_losses, ref_grads, losses, grad_rel, grad_sha)
 
 
 def main() -> None:
@@ -248,9 +341,12 @@ def main() -> None:
     register_attention()
     register_document_attention()
     results = {}
+    torch_cp = SimpleNamespace(context_parallel_size=2, cp_backend="torch")  # torch's CP on CPU (gloo)
+    torch_cpu = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     for case in cases:
         # DeepSpeed's wrapper must not wrap the previous case's wrapper.
-        with PatchSet([attention_registry_scope_patch(ContextParallelWith(("deepspeed",)))]).applied(recipe):
+        scope = PatchSet([attention_registry_scope_patch(ContextParallelWith(("deepspeed",)))])
+        with scope.applied(recipe), torch_cpu.applied(torch_cp):
             results[case["name"]] = run_case(case)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -10,13 +10,16 @@ from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import (
+    OnDeepSpeedEngine,
     attention_registry_scope_patch,
     deepspeed_cpu_backend_patch,
-    deepspeed_patches,
+    deepspeed_engine_patches,
     skip_shm_op_build_patch,
     sp_attn_allows_cptune_patch,
+    ulysses_patches,
 )
 from cptune.patches.registry import build_patches
+from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
 
 DEEPSPEED = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
 RING = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn")
@@ -25,12 +28,17 @@ FOR_DEEPSPEED = ContextParallelWith(("deepspeed",))
 
 def test_selected_for_deepspeed_only_and_fit_the_installed_libraries():
     pytest.importorskip("deepspeed")
-    names = {p.name for p in deepspeed_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME)}
-    assert names <= {p.name for p in build_patches(DEEPSPEED, BACKENDS.values())}
-    plan = PatchSet(deepspeed_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME)).plan(DEEPSPEED)
+    ours = [
+        *deepspeed_engine_patches(FOR_DEEPSPEED),
+        *ulysses_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME),
+    ]
+    names = {p.name for p in ours}
+    plan = PatchSet(build_patches(DEEPSPEED, BACKENDS.values())).plan(DEEPSPEED)
     assert plan.ok, plan.describe()
-    assert {p.name for p in plan.selected} == names
-    assert not PatchSet(deepspeed_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME)).plan(RING).selected
+    assert names <= {p.name for p in plan.selected}
+    assert "accelerate-deepspeed-loader-cp-batches" not in {p.name for p in plan.selected}
+    assert not PatchSet(ours).plan(RING).selected
+    assert not {p.name for p in PatchSet(build_patches(RING, BACKENDS.values())).plan(RING).selected} & names
 
 
 def test_deepspeed_on_cpu_gets_the_real_world_size(monkeypatch):
@@ -88,3 +96,82 @@ def test_shared_memory_op_is_not_built_on_cpu():
     with PatchSet([skip_shm_op_build_patch(FOR_DEEPSPEED)]).applied(DEEPSPEED):
         assert comm_torch.build_shm_op() is None  # instead of a ~40 s g++ build
     assert comm_torch.build_shm_op is original
+
+
+# --- ring-flash-attn / torch CP under DeepSpeed's ZeRO ----------------------------------------------------
+
+
+def _zero(backend: str, **keys: object) -> SimpleNamespace:
+    return SimpleNamespace(
+        **{"context_parallel_size": 2, "cp_backend": backend, "deepspeed": None, "zero_stage": None, **keys}
+    )
+
+
+def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_ones():
+    pytest.importorskip("deepspeed")
+    for recipe in (_zero("ring-flash-attn", zero_stage=3), _zero("torch", deepspeed="zero2.json")):
+        plan = PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe)
+        assert plan.ok, plan.describe()
+        selected = {p.name for p in plan.selected}
+        assert {
+            "deepspeed-skip-cpu-shm-op",
+            "accelerate-deepspeed-cpu-world-size",
+            "accelerate-deepspeed-loader-cp-batches",
+            "accelerator-prepare-cp-by-backend",  # accelerate's torch CP context stays off, as next to DDP
+        } <= selected, recipe
+        assert not selected & {"accelerate-sp-attn-allow-cptune", "attention-registry-run-scope"}
+    # Ulysses has no cp mesh axis (its adapter shares batches), DDP's loader already shares them, and at
+    # cp=1 no engine runs (the recipe rules refuse the keys there).
+    at_cp1 = _zero("ring-flash-attn", zero_stage=3, context_parallel_size=1)
+    for recipe in (DEEPSPEED, _zero("ring-flash-attn"), _zero("torch"), at_cp1):
+        selected = {p.name for p in PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe).selected}
+        assert "accelerate-deepspeed-loader-cp-batches" not in selected, recipe
+    # The predicate the registry builds, as `cptune validate` prints it.
+    assert str(OnDeepSpeedEngine(("deepspeed",), ("ring-flash-attn", "torch"))) == (
+        "context_parallel_size > 1 and (cp_backend in (deepspeed), or cp_backend in (ring-flash-attn, torch) "
+        "with deepspeed or zero_stage set)"
+    )
+
+
+class _Mesh:
+    """The parts of a (dp_shard, cp) DeviceMesh accelerate's prepare_data_loader reads."""
+
+    mesh_dim_names = ("dp_shard", "cp")
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(size=lambda: 2)
+
+
+def test_under_deepspeed_the_ranks_of_a_cp_group_load_the_same_batches(monkeypatch):
+    """accelerate's DeepSpeed branch reads no cp axis (data_loader.py:1130): each rank got its own batches."""
+    import accelerate.accelerator
+    import accelerate.data_loader
+    import accelerate.state
+    from accelerate.utils import DistributedType
+    from torch.utils.data import DataLoader
+
+    state = SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED, num_processes=4, process_index=0, device="cpu"
+    )
+    for module in (accelerate.state, accelerate.data_loader):
+        monkeypatch.setattr(module, "PartialState", lambda: state)
+
+    def batches(rank: int) -> list[int]:
+        loader = accelerate.accelerator.prepare_data_loader(
+            DataLoader(list(range(8)), batch_size=1),
+            num_processes=4,
+            process_index=rank,
+            put_on_device=False,
+            torch_device_mesh=_Mesh(),
+        )
+        return [int(b) for b in loader]
+
+    # Upstream: 4 data-parallel ranks, so the two ranks of CP group 1 (ranks 2, 3) split different rows.
+    assert (batches(2), batches(3)) == ([2, 6], [3, 7])
+    ring_zero = _zero("ring-flash-attn", zero_stage=3)
+    with PatchSet([loader_shares_cp_batches_patch(OnDeepSpeedEngine((), ("ring-flash-attn",)))]).applied(
+        ring_zero
+    ):
+        # Patched: 2 data-parallel groups; both ranks of a group get the group's batches, as without DeepSpeed.
+        assert batches(2) == batches(3) == [1, 3, 5, 7]
+        assert batches(0) == batches(1) == [0, 2, 4, 6]

@@ -120,23 +120,25 @@ ENTRIES: tuple[Entry, ...] = (
         "A DeepSpeed option with another cp_backend",
         "ulysses_attn_implementation: applies only to cp_backend: deepspeed; remove it.",
         "`ulysses_attn_implementation` configures `cp_backend: deepspeed`; remove it or change `cp_backend`. "
-        "(`zero_stage` and `deepspeed` with another backend: see the next entries.)",
+        "(`zero_stage` and `deepspeed` run every backend under DeepSpeed's ZeRO at `context_parallel_size` > 1.)",
     ),
     Entry(
         "deepspeed-without-cp",
         SECTION,
         "zero_stage or deepspeed with context_parallel_size: 1",
         "zero_stage: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP)",
-        "cptune uses DeepSpeed for Ulysses context parallelism only. Set `context_parallel_size`, or remove "
-        "the DeepSpeed keys.",
+        "cptune uses DeepSpeed with context parallelism only (Ulysses, or ring-flash-attn / torch CP under "
+        "ZeRO). Set `context_parallel_size`, or remove the DeepSpeed keys.",
     ),
     Entry(
         "deepspeed-zero-without-cp",
         SECTION,
         "deepspeed (a ZeRO config) in a recipe without context parallelism",
-        "deepspeed: DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1",
-        "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed for Ulysses context parallelism only. "
-        "To shard model states without CP use `fsdp_version: 2`; otherwise remove `deepspeed`.",
+        "deepspeed: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
+        "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2)",
+        "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed with context parallelism only (Ulysses, "
+        "or ring-flash-attn / torch CP under ZeRO). To shard model states without CP use `fsdp_version: 2`; "
+        "otherwise remove `deepspeed`.",
     ),
     Entry(
         "ulysses-core-bidirectional",
@@ -266,14 +268,12 @@ ENTRIES: tuple[Entry, ...] = (
         "alone.",
     ),
     Entry(
-        "deepspeed-with-ring-cp",
+        "deepspeed-with-fsdp",
         SECTION,
-        "deepspeed (ZeRO) with ring-flash-attn or torch context parallelism",
-        "deepspeed: DeepSpeed's engine cannot run cp_backend: ring-flash-attn: under DeepSpeed, accelerate gives "
-        "every rank a batch of its own",
-        "Axolotl runs ring attention under ZeRO; cptune cannot (the ranks of a CP group must see the same "
-        "batch). Set `cp_backend: deepspeed` (Ulysses, with ZeRO from `deepspeed` or `zero_stage`), or keep "
-        "ring-flash-attn and shard model states with `fsdp_version: 2`.",
+        "deepspeed (ZeRO) together with fsdp_version",
+        "fsdp_version: shards model states with FSDP2, and deepspeed / zero_stage with DeepSpeed's ZeRO: choose one",
+        "Shard with one engine: remove `fsdp_version` to run under DeepSpeed's ZeRO (ring-flash-attn and torch CP "
+        "run there too), or remove `deepspeed` and `zero_stage` to shard with FSDP2.",
     ),
     Entry(
         "activation-offloading-without-checkpointing",

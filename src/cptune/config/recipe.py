@@ -367,10 +367,14 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
         "default cptune (keeps packed documents apart, runs anywhere).",
     )
     zero_stage: Literal[0, 1, 2, 3] | None = Field(
-        None, description="cp_backend: deepspeed: ZeRO stage; default 0 (or the stage in `deepspeed`)."
+        None,
+        description="DeepSpeed ZeRO stage at context_parallel_size > 1: with cp_backend: deepspeed (default 0, or the "
+        "stage in `deepspeed`), or ring-flash-attn / torch CP under DeepSpeed's engine.",
     )
     deepspeed: str | None = Field(
-        None, description="cp_backend: deepspeed: a DeepSpeed JSON config for anything beyond zero_stage."
+        None,
+        description="A DeepSpeed JSON config (ZeRO and more) at context_parallel_size > 1: Ulysses with cp_backend: "
+        "deepspeed, or ring-flash-attn / torch CP under DeepSpeed's engine.",
     )
 
     @field_validator("report_to", "lora_target_modules", "plugins", mode="before")
@@ -566,7 +570,7 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
       `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
       checkpointing keeps).
     - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
-    - `tiled_mlp` and `cut_cross_entropy` with DeepSpeed ZeRO-3: see the DeepSpeed Ulysses rules.
+    - `tiled_mlp` and `cut_cross_entropy` with DeepSpeed ZeRO-3: see the DeepSpeed rules.
     """
     if r.activation_offloading == "disk":
         yield (

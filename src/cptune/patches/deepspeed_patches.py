@@ -1,7 +1,10 @@
-"""Patches that cp_backend: deepspeed needs, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
+"""Patches that runs on DeepSpeed's engine need, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
 
-They live together because they exist only for this backend, which lists them
-(:mod:`cptune.parallel.backends.deepspeed_ulysses`) with the predicate they apply under. Each function returns
+Two concern DeepSpeed on CPU whatever computes the attention (:func:`deepspeed_engine_patches`: the
+patch registry adds them for every run on DeepSpeed's engine, Ulysses or ring / torch CP under ZeRO,
+with an :class:`OnDeepSpeedEngine` predicate); two exist only for Ulysses
+(:func:`ulysses_patches`, listed by :mod:`cptune.parallel.backends.deepspeed_ulysses` with the
+predicate they apply under). Each function returns
 one :class:`~cptune.patches.core.Patch`; nothing is imported or patched until a
 :class:`~cptune.patches.core.PatchSet` applies it, and the targets' modules
 (DeepSpeed's among them) are imported only when a recipe selects these patches.
@@ -12,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cptune import versions
@@ -20,6 +24,41 @@ from cptune.patches.core import Patch, Predicate
 DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
 ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
 TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
+
+
+@dataclass(frozen=True)
+class OnDeepSpeedEngine:
+    """Predicate: ``context_parallel_size > 1`` and DeepSpeed's engine trains the run.
+
+    That is: ``cp_backend`` in ``always`` (a backend that runs its own engine, Ulysses), or in
+    ``under_zero`` with ``deepspeed`` or ``zero_stage`` set (ring / torch CP under ZeRO). The
+    registry fills both from the backends' ``runs_own_engine`` and ``runs_under_zero``.
+    """
+
+    always: tuple[str, ...]
+    under_zero: tuple[str, ...]
+
+    def __call__(self, recipe: Any) -> bool:
+        if recipe.context_parallel_size <= 1:
+            return False
+        if recipe.cp_backend in self.always:
+            return True
+        asks = (
+            getattr(recipe, "deepspeed", None) is not None or getattr(recipe, "zero_stage", None) is not None
+        )
+        return recipe.cp_backend in self.under_zero and asks
+
+    def __str__(self) -> str:
+        conditions = []
+        if self.always:
+            conditions.append(f"cp_backend in ({', '.join(self.always)})")
+        if self.under_zero:
+            conditions.append(
+                f"cp_backend in ({', '.join(self.under_zero)}) with deepspeed or zero_stage set"
+            )
+        if len(conditions) > 1:
+            return f"context_parallel_size > 1 and ({', or '.join(conditions)})"
+        return f"context_parallel_size > 1 and {conditions[0] if conditions else 'never'}"
 
 
 def skip_shm_op_build_patch(applies_to: Predicate) -> Patch:
@@ -182,16 +221,23 @@ def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
     )
 
 
-def deepspeed_patches(applies_to: Predicate, document_attention: str) -> list[Patch]:
-    """Every patch of cp_backend: deepspeed, in the order they are applied.
+def deepspeed_engine_patches(applies_to: Predicate) -> list[Patch]:
+    """The patches of DeepSpeed's engine on CPU, whatever computes the attention, in the order they are applied.
+
+    Args:
+        applies_to: When they apply (the registry passes an :class:`OnDeepSpeedEngine`).
+    """
+    return [skip_shm_op_build_patch(applies_to), deepspeed_cpu_backend_patch(applies_to)]
+
+
+def ulysses_patches(applies_to: Predicate, document_attention: str) -> list[Patch]:
+    """The patches only cp_backend: deepspeed (Ulysses) needs, in the order they are applied.
 
     Args:
         applies_to: When they apply (the backend passes ``cp_backend: deepspeed`` at cp > 1).
         document_attention: The name cptune's document-aware attention is registered under.
     """
     return [
-        skip_shm_op_build_patch(applies_to),
-        deepspeed_cpu_backend_patch(applies_to),
         sp_attn_allows_cptune_patch(applies_to, document_attention),
         attention_registry_scope_patch(applies_to),
     ]

@@ -1,7 +1,10 @@
 """The one place that defines every set of patches cptune applies.
 
 A training run's set is the patches every CP backend that shards its own inputs shares
-(accelerate and the Trainer must not shard again), then each backend's own patches
+(accelerate and the Trainer must not shard again), the DeepSpeed engine's patches for every
+run on DeepSpeed's engine (a backend that ``runs_own_engine``, or one that ``runs_under_zero`` with
+``deepspeed`` / ``zero_stage`` set, which also gets the loader patch that gives a CP group one batch),
+then each backend's own patches
 (:meth:`~cptune.parallel.backends.spec.CpBackend.training_patches`), in the order of the
 backend table; each patch's predicate decides whether a recipe needs it, so ``cptune validate``
 can show what is applied and what is skipped. The patches that a recipe can need together
@@ -27,7 +30,9 @@ from cptune.patches.accelerate_patches import (
     validate_accelerator_multi_cpu_patch,
 )
 from cptune.patches.core import ContextParallelWith, Patch, PatchSet
+from cptune.patches.deepspeed_patches import OnDeepSpeedEngine, deepspeed_engine_patches
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
+from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
 
 
 class PatchingBackend(Protocol):
@@ -37,6 +42,7 @@ class PatchingBackend(Protocol):
     shards_inputs_itself: bool
     drives_torch_cp: bool
     runs_own_engine: bool
+    runs_under_zero: bool
 
     def training_patches(self) -> Sequence[Patch]: ...
 
@@ -56,6 +62,8 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
     chosen = next(backend for backend in backends if backend.name == recipe.cp_backend)
     self_sharding = ContextParallelWith(tuple(b.name for b in backends if b.shards_inputs_itself))
     on_ddp = ContextParallelWith(tuple(b.name for b in backends if not b.runs_own_engine), plain_ddp=True)
+    under_zero = tuple(b.name for b in backends if b.runs_under_zero)
+    on_deepspeed = OnDeepSpeedEngine(tuple(b.name for b in backends if b.runs_own_engine), under_zero)
     patches = [
         trainer_cp_inputs_patch(self_sharding),
         prepare_cp_patch(
@@ -65,6 +73,8 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
         validate_accelerator_multi_cpu_patch(on_ddp),
         accelerator_state_cp_without_fsdp_patch(on_ddp),
         accelerator_state_fsdp_on_cpu_patch(),
+        *deepspeed_engine_patches(on_deepspeed),
+        loader_shares_cp_batches_patch(OnDeepSpeedEngine((), under_zero)),
     ]
     for backend in backends:
         patches += backend.training_patches()

@@ -20,6 +20,7 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.parallel.backends.select import check_model_config, check_prepared_rows
 from cptune.parallel.backends.table import backend_for
+from cptune.parallel.backends.zero import zero3_json_problems
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
@@ -195,13 +196,16 @@ def describe_plan(
         "Plan:",
         f"  model:      {recipe.base_model} ({training})",
         f"  tokenizer:  {recipe.tokenizer_path}",
-        f"  processes:  {dims.describe()}",
+        f"  processes:  {_describe_processes(recipe, dims)}",
     ]
     lines += [f"  {line}" for line in backend_for(recipe, dims.cp_size).plan_lines(recipe)]
     lines += ["", *describe_state_memory(recipe, dims, config)]
     lines += ["", *activation_memory_lines(recipe, dims, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
+    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
+    if stage is not None:
+        notes += [f"cptune train refuses: {problem}" for problem in zero3_json_problems(recipe, stage)]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     plan = run_patch_set(recipe).plan(recipe)
@@ -211,6 +215,17 @@ def describe_plan(
     lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
     return "\n".join(lines)
+
+
+def _describe_processes(recipe: Recipe, dims: ParallelDims) -> str:
+    """The layout line of the plan; under DeepSpeed's engine, the ZeRO stage that holds the model states."""
+    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
+    if stage is None:
+        return dims.describe()
+    return (
+        f"{dims.world_size} = {dims.dp_size} data-parallel × {dims.cp_size} context-parallel; model states: "
+        f"DeepSpeed ZeRO-{stage} over all {dims.world_size} ranks"
+    )
 
 
 def _data_status(recipe: Recipe) -> str:

@@ -33,6 +33,7 @@ from cptune.models.loading import (
 from cptune.models.memory_features import install_memory_features
 from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
 from cptune.parallel.backends.table import backend_for
+from cptune.parallel.backends.zero import trains_on_deepspeed
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
@@ -212,9 +213,9 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
     if (
         env.world_size > 1
         and not torch.cuda.is_available()
-        and not backend_for(recipe, dims.cp_size).runs_own_engine
+        and not trains_on_deepspeed(backend_for(recipe, dims.cp_size), recipe)
     ):
-        # A backend's own engine (DeepSpeed) starts its process group itself.
+        # DeepSpeed's engine (Ulysses, or ring / torch CP under ZeRO) starts its process group itself.
         init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
     return CptuneTrainer(

@@ -166,8 +166,8 @@ CASES: tuple[Case, ...] = (
         keys={"bfloat16": True},
     ),
     Case(
-        "deepspeed-with-ring-cp",
-        keys={"context_parallel_size": 2, "deepspeed": "zero3.json"},
+        "deepspeed-with-fsdp",
+        keys={"context_parallel_size": 2, "deepspeed": "zero3.json", "fsdp_version": 2},
     ),
     Case(
         "activation-offloading-without-checkpointing",

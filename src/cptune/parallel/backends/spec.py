@@ -68,6 +68,9 @@ class CpBackend(Protocol):
     drives_torch_cp: bool
     #: the backend's engine (DeepSpeed) trains the model, not DDP/FSDP2
     runs_own_engine: bool
+    #: with ``deepspeed`` or ``zero_stage`` set, DeepSpeed's ZeRO engine trains the model while the
+    #: backend shards each batch over its CP group (:mod:`cptune.parallel.backends.zero`)
+    runs_under_zero: bool
     #: cptune's attention computes every layer over the whole context: refuse sliding-window and
     #: chunked layers (``check_full_attention``); False where the core attention checks its own
     attends_whole_layers: bool
@@ -129,7 +132,7 @@ class CpBackend(Protocol):
 
     def zero_stage(self, recipe: Any) -> int | None:
         """The DeepSpeed ZeRO stage that shards the model states (``zero_stage`` or the ``deepspeed`` JSON's;
-        reads the JSON), None when DDP/FSDP2 holds them."""
+        reads the JSON), None when DDP/FSDP2 holds them: not None exactly when DeepSpeed's engine trains."""
         ...
 
 

@@ -11,22 +11,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cptune.errors import CptuneError
+from cptune.parallel.backends import zero
 from cptune.parallel.backends.spec import BackendPlan, CpBackendName, TrainerParallelism
 
 if TYPE_CHECKING:
     from cptune.patches.core import Patch
-
-
-def zero3_memory_problems(r: Any) -> Iterator[tuple[str, str]]:
-    """The memory features that DeepSpeed ZeRO-3 cannot serve yet (also checked for a `deepspeed` JSON's stage)."""
-    for key, on in (("tiled_mlp", r.tiled_mlp), ("cut_cross_entropy", r.resolved_head_loss)):
-        if on:
-            yield (
-                key,
-                "is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass, after "
-                "ZeRO-3 released their gathered weights. Use zero_stage 0-2, or remove it "
-                "(activation_offloading works with ZeRO-3).",
-            )
 
 
 class DeepSpeedUlysses:
@@ -37,33 +26,34 @@ class DeepSpeedUlysses:
     shards_inputs_itself = False
     drives_torch_cp = False
     runs_own_engine = True
+    runs_under_zero = False  # its own engine is DeepSpeed's, whatever the recipe says
     attends_whole_layers = False
     splits_heads = True
 
     def recipe_rules(self, recipe: Any) -> Iterator[tuple[str, str]]:
-        """DeepSpeed Ulysses.
+        """DeepSpeed: Ulysses, and ZeRO under ring-flash-attn or torch CP.
 
         Ulysses hands the core attention whole rows without a mask: refuse what it would train wrong.
+        `zero_stage` and `deepspeed` also run ring-flash-attn and torch CP under DeepSpeed's ZeRO engine
+        (each CP group shares one batch, as next to DDP).
 
-        - `ulysses_attn_implementation`, `zero_stage` and `deepspeed` apply only to `cp_backend: deepspeed`
-          (ring-flash-attn and torch CP cannot run under DeepSpeed's engine: accelerate gives each rank of a
-          DeepSpeed run a batch of its own, so a CP group would split different sequences).
+        - `ulysses_attn_implementation` applies only to `cp_backend: deepspeed`.
         - `zero_stage` and `deepspeed` need `context_parallel_size > 1` (a cp=1 run trains with plain DDP).
+        - `zero_stage` and `deepspeed` are refused with `fsdp_version` (one engine shards the model states).
         - With `context_parallel_size > 1` and a core attention other than `cptune`: `causal: false` is
           refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
           with `flash_attention_2/3` needs `micro_batch_size: 1`.
         - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
-        - `tiled_mlp` and `cut_cross_entropy` are refused with `zero_stage: 3` (they call modules again in
-          the backward pass, after ZeRO-3 released their weights; a `deepspeed` JSON's stage is checked
-          before launching).
+        - `tiled_mlp` and `cut_cross_entropy` are refused with `zero_stage: 3`, for every backend (they call
+          modules again in the backward pass, after ZeRO-3 released their weights; a `deepspeed` JSON's stage
+          is checked before launching).
         """
         r = recipe
         if r.cp_backend != self.name:
             if r.ulysses_attn_implementation is not None:
                 yield "ulysses_attn_implementation", "applies only to cp_backend: deepspeed; remove it."
-            for key in ("zero_stage", "deepspeed"):
-                if getattr(r, key) is not None:
-                    yield key, _deepspeed_needs_ulysses(r)
+            if zero.asks_for_zero(r):
+                yield from _zero_under_cptune_sharding(r)
             return
         if r.fsdp_version is not None:
             yield (
@@ -72,15 +62,9 @@ class DeepSpeedUlysses:
                 "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
             )
         if r.zero_stage == 3:
-            yield from zero3_memory_problems(r)
+            yield from zero.zero3_memory_problems(r)
         if r.context_parallel_size == 1:
-            for key in ("zero_stage", "deepspeed"):
-                if getattr(r, key) is not None:
-                    yield (
-                        key,
-                        "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP); "
-                        "remove it, or set context_parallel_size.",
-                    )
+            yield from _deepspeed_at_cp1(r)
             return
         attention = r.resolved_ulysses_attn_implementation
         if attention == "cptune":
@@ -116,13 +100,7 @@ class DeepSpeedUlysses:
         if training:
             ulysses.check_resume_supported(recipe)
         ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
-        stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]  # reads and checks the JSON
-        for key, _ in zero3_memory_problems(recipe) if stage == 3 else ():
-            raise CptuneError(
-                f"{key}: the DeepSpeed JSON {recipe.deepspeed} sets ZeRO stage 3, which frees each module's "
-                f"gathered weights after its forward pass, but {key} calls modules again in the backward pass "
-                "(not supported yet). Use a ZeRO stage below 3, or remove it."
-            )
+        zero.check_engine_ready(recipe)
 
     def check_model(self, recipe: Any, cp_size: int, text_config: Any) -> None:
         # DeepSpeed's core attention has its own check, as flash_attention_2 keeps windows there.
@@ -189,9 +167,10 @@ class DeepSpeedUlysses:
     def training_patches(self) -> Sequence[Patch]:
         from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
         from cptune.patches.core import ContextParallelWith
-        from cptune.patches.deepspeed_patches import deepspeed_patches
+        from cptune.patches.deepspeed_patches import ulysses_patches
 
-        return deepspeed_patches(ContextParallelWith((self.name,)), DOCUMENT_ATTENTION_NAME)
+        # DeepSpeed's engine patches come from its runs_own_engine (the registry adds them).
+        return ulysses_patches(ContextParallelWith((self.name,)), DOCUMENT_ATTENTION_NAME)
 
     def import_patches(self) -> Sequence[Patch]:
         return ()
@@ -201,25 +180,32 @@ class DeepSpeedUlysses:
         return 2 * (2 * shape.heads * shape.head_dim + 2 * shape.kv_width) * setup.dtype_bytes
 
     def zero_stage(self, recipe: Any) -> int | None:
-        from cptune.parallel.backends.deepspeed_ulysses.sharding import deepspeed_config
-
-        return int(deepspeed_config(recipe)["zero_optimization"]["stage"])  # zero_stage, or the JSON's
+        return zero.deepspeed_stage(recipe)  # zero_stage, or the JSON's
 
 
-def _deepspeed_needs_ulysses(r: Any) -> str:
+def _deepspeed_at_cp1(r: Any) -> Iterator[tuple[str, str]]:
+    for key in ("zero_stage", "deepspeed"):
+        if getattr(r, key) is not None:
+            yield (
+                key,
+                "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
+                "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2).",
+            )
+
+
+def _zero_under_cptune_sharding(r: Any) -> Iterator[tuple[str, str]]:
+    """`zero_stage` / `deepspeed` with ring-flash-attn or torch CP (or any backend at cp=1)."""
     if r.context_parallel_size == 1:
-        return (
-            "DeepSpeed runs only as cp_backend: deepspeed with context_parallel_size > 1 (a cp=1 run trains with "
-            "plain DDP); to shard model states without CP use fsdp_version: 2, or remove it."
+        yield from _deepspeed_at_cp1(r)
+        return
+    if r.fsdp_version is not None:
+        yield (
+            "fsdp_version",
+            "shards model states with FSDP2, and deepspeed / zero_stage with DeepSpeed's ZeRO: choose one (remove "
+            "fsdp_version, or deepspeed and zero_stage).",
         )
-    # accelerate 1.15 (data_loader.py, prepare_data_loader): under DeepSpeed only a tp mesh axis makes ranks
-    # share batches, so the ranks of a CP group would each get a batch of their own.
-    return (
-        f"DeepSpeed's engine cannot run cp_backend: {r.cp_backend}: under DeepSpeed, accelerate gives every rank "
-        "a batch of its own (its data loader ignores the context-parallel axis), so the ranks of a CP group "
-        "would split different sequences. Set cp_backend: deepspeed (Ulysses, which runs under DeepSpeed's ZeRO "
-        f"stages), or shard model states with fsdp_version: 2 and keep cp_backend: {r.cp_backend}."
-    )
+    if r.zero_stage == 3:
+        yield from zero.zero3_memory_problems(r)
 
 
 DEEPSPEED_ULYSSES = DeepSpeedUlysses()

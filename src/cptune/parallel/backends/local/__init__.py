@@ -29,6 +29,7 @@ class Local:
     shards_inputs_itself = True
     drives_torch_cp = False
     runs_own_engine = False
+    runs_under_zero = False
     attends_whole_layers = True
     splits_heads = False
 

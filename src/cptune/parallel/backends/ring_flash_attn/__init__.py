@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cptune.parallel.backends.spec import (
-    BackendPlan,
-    CpBackendName,
-    TrainerParallelism,
-    accelerate_parallelism,
-)
+from cptune.parallel.backends import zero
+from cptune.parallel.backends.spec import BackendPlan, CpBackendName, TrainerParallelism
 
 if TYPE_CHECKING:
     from cptune.patches.core import Patch
@@ -29,6 +25,7 @@ class RingFlashAttn:
     shards_inputs_itself = True
     drives_torch_cp = False
     runs_own_engine = False
+    runs_under_zero = True
     attends_whole_layers = True
     splits_heads = False
 
@@ -72,6 +69,7 @@ class RingFlashAttn:
 
         check_ring_precision(recipe, cuda=torch.cuda.is_available(), flash_attn=flash_attn_available())
         load_ring_flash_attn()
+        zero.check_ready_under_zero(recipe)
 
     def check_model(self, recipe: Any, cp_size: int, text_config: Any) -> None:
         if recipe.resolved_ring_attn_func == "varlen_llama3":
@@ -108,7 +106,7 @@ class RingFlashAttn:
         return lines
 
     def trainer_parallelism(self, recipe: Any, dims: Any) -> TrainerParallelism:
-        return accelerate_parallelism(dims)
+        return zero.parallelism_under_zero(recipe, dims)
 
     def plan(self, recipe: Any, dims: Any, pad_token_id: int) -> BackendPlan:
         import logging
@@ -149,7 +147,7 @@ class RingFlashAttn:
         return BackendPlan(ATTENTION_NAME, build)
 
     def training_patches(self) -> Sequence[Patch]:
-        return ()  # the patches it shares with torch come from its shards_inputs_itself
+        return ()  # those it shares with torch come from its shards_inputs_itself and runs_under_zero
 
     def import_patches(self) -> Sequence[Patch]:
         from cptune.parallel.kernels import flash_attn_shim_patches
@@ -162,7 +160,7 @@ class RingFlashAttn:
         return 2 * 2 * setup.cp_size * setup.heads_k_stride * shape.head_dim * setup.dtype_bytes
 
     def zero_stage(self, recipe: Any) -> int | None:
-        return None
+        return zero.stage_under_zero(recipe)
 
 
 RING_FLASH_ATTN = RingFlashAttn()

@@ -10,12 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cptune.parallel.backends.spec import (
-    BackendPlan,
-    CpBackendName,
-    TrainerParallelism,
-    accelerate_parallelism,
-)
+from cptune.parallel.backends import zero
+from cptune.parallel.backends.spec import BackendPlan, CpBackendName, TrainerParallelism
 
 if TYPE_CHECKING:
     from cptune.patches.core import Patch
@@ -29,6 +25,7 @@ class TorchCp:
     shards_inputs_itself = True
     drives_torch_cp = True
     runs_own_engine = False
+    runs_under_zero = True
     attends_whole_layers = True
     splits_heads = False
 
@@ -74,7 +71,8 @@ class TorchCp:
         return 2 if recipe.resolved_cp_load_balance else 1
 
     def check_ready(self, recipe: Any, *, training: bool) -> None:
-        return None  # torch's context parallelism ships with torch; the recipe rules cover the rest
+        # torch's context parallelism ships with torch; the recipe rules cover the rest.
+        zero.check_ready_under_zero(recipe)
 
     def check_model(self, recipe: Any, cp_size: int, text_config: Any) -> None:
         return None  # the common checks (select.check_model_config) are all it needs
@@ -113,7 +111,7 @@ class TorchCp:
         return [f"attention:  {self.name} / {recipe.resolved_cp_comm_strategy} ring, {balance}, {attention}"]
 
     def trainer_parallelism(self, recipe: Any, dims: Any) -> TrainerParallelism:
-        return accelerate_parallelism(dims)
+        return zero.parallelism_under_zero(recipe, dims)
 
     def plan(self, recipe: Any, dims: Any, pad_token_id: int) -> BackendPlan:
         from cptune.parallel.backends.attention import ATTENTION_NAME
@@ -145,7 +143,7 @@ class TorchCp:
         return blocks * shape.kv_width * setup.dtype_bytes
 
     def zero_stage(self, recipe: Any) -> int | None:
-        return None
+        return zero.stage_under_zero(recipe)
 
 
 TORCH_CP = TorchCp()
