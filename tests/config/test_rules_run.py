@@ -39,6 +39,13 @@ def _recipes() -> list[tuple[str, Path, tuple[str, ...]]]:
             "zero_stage=3",
         ),
         "ring-cp1": ("context_parallel_size=1",),
+        "ring-zero3-cp2": ("context_parallel_size=2", "zero_stage=3"),
+        "torch-zero2-cp2": (
+            "cp_backend=torch",
+            "ring_attn_func=null",
+            "sample_packing=false",
+            "zero_stage=2",
+        ),
     }.items():
         cases.append((f"quickstart+{name}", quickstart, overrides))
     return cases
