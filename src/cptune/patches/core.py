@@ -64,6 +64,26 @@ class ContextParallelWith:
 
 
 @dataclass(frozen=True)
+class WithoutCuda:
+    """Predicate: ``inner`` holds and this machine has no CUDA GPU (for patches that only CPU runs need).
+
+    A GPU node's ranks train on CUDA tensors, where upstream code has its own handling; a CPU-only
+    patch there would be applied for nothing, and its version gate would refuse a torch it was not
+    written for.
+    """
+
+    inner: Predicate
+
+    def __call__(self, recipe: Any) -> bool:
+        import torch
+
+        return self.inner(recipe) and not torch.cuda.is_available()
+
+    def __str__(self) -> str:
+        return f"{self.inner} on a machine without a CUDA GPU"
+
+
+@dataclass(frozen=True)
 class ShardsModelStates:
     """Predicate: the recipe shards model states with FSDP2 (``fsdp_version: 2``)."""
 

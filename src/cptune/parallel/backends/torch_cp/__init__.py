@@ -129,10 +129,11 @@ class TorchCp:
         return BackendPlan(ATTENTION_NAME, build)
 
     def training_patches(self) -> Sequence[Patch]:
-        from cptune.patches.core import ContextParallelWith
+        from cptune.patches.core import ContextParallelWith, WithoutCuda
         from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 
-        return (torch_cp_cpu_sdpa_patch(ContextParallelWith((self.name,))),)
+        # On CUDA torch's context parallelism has handlers for the GPU attention ops itself.
+        return (torch_cp_cpu_sdpa_patch(WithoutCuda(ContextParallelWith((self.name,)))),)
 
     def import_patches(self) -> Sequence[Patch]:
         return ()
