@@ -4,6 +4,7 @@ import pytest
 
 from cptune.config.compat_rules import axolotl_notes
 from cptune.config.loader import validate_recipe
+from cptune.config.recipe import Recipe
 from tests.config.test_loader import MINIMAL, problems
 
 # The fsdp block of Axolotl's examples/qwen2/qlora-fsdp.yaml (tests/axolotl/recipes/qwen2--qlora-fsdp.yaml).
@@ -111,6 +112,15 @@ def test_contradictions_name_both_keys():
     assert found["fsdp_config.offload_params"] == (
         "is false, but fsdp: [full_shard, offload] asks for offload; keep one of them."
     )
+
+
+def test_an_empty_fsdp_is_not_set():
+    for empty in (None, "", []):
+        for recipe in (
+            validate_recipe({**MINIMAL, "fsdp": empty}),
+            Recipe.model_validate({**MINIMAL, "fsdp": empty}),
+        ):
+            assert not recipe.is_fsdp and recipe.fsdp is None and recipe.fsdp_version is None
 
 
 def test_agreeing_keys_and_unknown_options():

@@ -94,7 +94,7 @@ class Fsdp1Keys(BaseModel):
     def _fsdp_means_fsdp2(cls, data: Any) -> Any:
         if not isinstance(data, dict) or "fsdp" not in data:
             return data
-        if data["fsdp"] in ("", [], ()):
+        if data["fsdp"] in (None, "", [], ()):
             return {k: v for k, v in data.items() if k != "fsdp"}
         if data.get("fsdp_version") is None:
             return {**data, "fsdp_version": 2}

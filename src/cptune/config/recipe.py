@@ -583,7 +583,7 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
     - `fsdp_version: 1` is refused: cptune shards with FSDP2 only.
     - `fsdp_config`, `dp_shard_size` and `dp_replicate_size` need `fsdp_version: 2`.
     """
-    if r.fsdp_version == 1:
+    if r.fsdp_version == 1 and not r.fsdp:  # with Axolotl's fsdp list: fsdp1_rules names both keys
         yield (
             "fsdp_version",
             "FSDP1 is not supported (transformers deprecates it); use fsdp_version: 2, which shards the same "
