@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES, AxolotlKeys
+from cptune.config.fsdp1 import FSDP1_CONFIG_KEYS, Fsdp1Keys
 from cptune.config.loader import validate_recipe
 from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe
 from cptune.errors import RecipeError
@@ -62,6 +63,12 @@ what to do, and notes keys that it accepts with a meaning of its own.
   kernels too), with every `cp_backend`; a cp=2 QLoRA run equals the cp=1 run on CPU (parity tests:
   ring-flash-attn, and DeepSpeed Ulysses under ZeRO-3). `cptune merge-lora` merges a QLoRA adapter
   into the dequantized 4-bit base, so the merged model computes what the trained one did.
+- **FSDP**: Axolotl's FSDP1 form (`fsdp: [full_shard, auto_wrap]`, `fsdp_config.fsdp_sharding_strategy`,
+  `fsdp_offload_params`, ...) runs with FSDP2 (`fsdp_version: 2`); FSDP1-only settings
+  (`limit_all_gathers`, `use_orig_params`, `sync_module_states`, `cpu_ram_efficient_loading`) are
+  accepted and `cptune validate` says what each means here. A QLoRA base trains under FSDP2: its 4-bit
+  weights, stored in the training dtype, are sharded with the rest (stored in `uint8`, each rank
+  holds them whole); an 8-bit base is refused under FSDP2.
 - **Optimizers** are the Trainer's by name: `adamw_bnb_8bit`, `adamw_8bit`, `paged_adamw_8bit`,
   `adamw_torch_8bit` (torchao), `lion_8bit`, ...
 - **Weights & Biases**: `wandb_project` (or `use_wandb`) turns it on through the Trainer's
@@ -150,7 +157,9 @@ def _accepted(key: str) -> str:
     if found is None:
         return "mapped: accepted when empty or false (not set)"
     model, name = found
-    if model is Recipe and name in AxolotlKeys.model_fields:
+    if (model is Recipe and name in {**AxolotlKeys.model_fields, **Fsdp1Keys.model_fields}) or (
+        model is FsdpConfig and name in FSDP1_CONFIG_KEYS
+    ):
         return f"mapped: {model.model_fields[name].description}"
     if name in DIFFERENCES:
         return f"mapped: {DIFFERENCES[name]}"

@@ -76,7 +76,7 @@ def render_recipe_reference() -> str:
 def recipe_sections() -> list[tuple[str, list[str]]]:
     """(section, field names) in source order, from the ``# --- name ---`` comments of :class:`Recipe`.
 
-    The recipe's own fields come first, then those of its mixins (:mod:`cptune.config.compat`), each
+    The recipe's own fields come first, then those of its mixins (:mod:`cptune.config.compat`, :mod:`cptune.config.fsdp1`), each
     in the order of its source. A field that no comment precedes lands in a section called
     "general"; every field appears once.
     """
@@ -84,7 +84,10 @@ def recipe_sections() -> list[tuple[str, list[str]]]:
     current = "general"
     seen: set[str] = set()
     classes = [
-        c for c in Recipe.__mro__ if c is Recipe or (issubclass(c, BaseModel) and "compat" in c.__module__)
+        c
+        for c in Recipe.__mro__
+        if c is Recipe
+        or (issubclass(c, BaseModel) and c.__module__.rsplit(".", 1)[-1] in ("compat", "fsdp1"))
     ]
     lines = [line for c in classes for line in inspect.getsource(c).splitlines()]
     for line in lines:

@@ -50,8 +50,12 @@ def local_data(dataset: dict[str, Any]) -> Path:
 
 
 def model_family(recipe: Path) -> str:
-    """The architecture of the recipe's base model: ``mistral`` for Axolotl's Mistral recipes, else ``llama``."""
-    return "mistral" if recipe.name.startswith("mistral--") else "llama"
+    """The architecture of the recipe's base model: ``mistral``/``qwen2`` for Axolotl's Mistral/Qwen2 recipes,
+    else ``llama``."""
+    for family in ("mistral", "qwen2"):
+        if recipe.name.startswith(f"{family}--"):
+            return family
+    return "llama"
 
 
 def localised(recipe: Path, model_dir: Path | dict[str, Path]) -> dict[str, Any]:

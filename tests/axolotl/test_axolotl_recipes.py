@@ -22,15 +22,6 @@ from tests.axolotl.recipes import RECIPES, RECIPES_DIR, localised
 EXPECTED_REFUSALS: dict[str, set[str]] = {
     # Tensor parallelism.
     "distributed-parallel--qwen3-8b-fsdp-tp-cp.yaml": {"tensor_parallel_size"},
-    # FSDP1 and its settings.
-    "qwen2--qlora-fsdp.yaml": {
-        "fsdp",
-        "fsdp_config.limit_all_gathers",
-        "fsdp_config.sync_module_states",
-        "fsdp_config.use_orig_params",
-        "fsdp_config.cpu_ram_efficient_loading",
-        "fsdp_config.sharding_strategy",
-    },
 }
 ACCEPTED = [r for r in RECIPES if r.name not in EXPECTED_REFUSALS]
 
@@ -93,6 +84,21 @@ def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_pat
         # serve yet (issue 19): validate says what `cptune train` would refuse.
         assert "cptune train refuses: tiled_mlp: the DeepSpeed JSON" in done.stdout
         assert "cptune train refuses: cut_cross_entropy" in done.stdout
+    if data.get("fsdp"):  # Axolotl's FSDP1 form (qwen2/qlora-fsdp): each key's meaning under FSDP2
+        assert (
+            "fsdp: [full_shard, auto_wrap] is Axolotl's FSDP1 form; cptune runs it with FSDP2" in done.stdout
+        )
+        for key in (
+            "limit_all_gathers",
+            "use_orig_params",
+            "sync_module_states",
+            "cpu_ram_efficient_loading",
+        ):
+            assert f"fsdp_config.{key} is not used:" in done.stdout
+        assert (
+            "fsdp_config.sharding_strategy: FULL_SHARD is FSDP1's; with FSDP2 it is reshard_after_forward"
+            in (done.stdout)
+        )
     if data.get("adapter") == "qlora":
         assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
         assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so

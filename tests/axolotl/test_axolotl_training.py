@@ -1,4 +1,4 @@
-"""Two of Axolotl's example recipes train at cp=2 on the tiny model, in one launch of two processes.
+"""Three of Axolotl's example recipes train at cp=2 on the tiny models, in one launch of two processes.
 
 - ``llama-3/qlora-1b.yml`` (QLoRA: 4-bit NF4 base, adamw_bnb_8bit): its adapter loads in plain peft
   on the quantized base, and ``cptune merge-lora`` merges it into the dequantized base so the merged
@@ -6,11 +6,12 @@
   tests/parallel/test_parity.py and test_ulysses_parity.py.)
 - ``llama-3/lora-1b.yml`` (LoRA, adamw_8bit) with W&B in offline mode: the run folder W&B writes
   holds the losses the run logged, with no network, and the adapter loads in plain peft.
+- ``qwen2/qlora-fsdp.yaml`` (QLoRA with Axolotl's FSDP1 keys, run as FSDP2 on a tiny Qwen2), and the same
+  recipe without its fsdp keys: the sharded run equals the unsharded one (losses, grad norms, adapter).
 
-Both run through ``cptune.run.train.train`` one after the other in the same two gloo processes
+All run through ``cptune.run.train.train`` one after the other in the same two gloo processes
 (``train_worker.py``): process start-up dominates such short runs. Overrides keep them short
-(steps, sequence length); everything else is Axolotl's recipe.
-"""
+(steps, sequence length); everything else is Axolotl's recipe."""
 
 from __future__ import annotations
 
@@ -22,27 +23,38 @@ from unittest import mock
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from tests.axolotl.recipes import RECIPES_DIR, localised
-from tests.conftest import logged_losses
+from tests.conftest import logged, logged_losses, max_rel_diff
 from tests.dist_utils import run_ranks
 
 pytest.importorskip("bitsandbytes", reason="the quantization extra is not installed")
 pytest.importorskip("wandb", reason="the wandb extra is not installed")
 
 WORKER = Path(__file__).with_name("train_worker.py")
-QLORA, LORA = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml"
+QLORA, LORA, QWEN2_FSDP = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml", "qwen2--qlora-fsdp.yaml"
+# The qwen2 recipe once more without its fsdp keys: the reference its FSDP2 run must equal; and resumed
+# from the FSDP2 run's sharded checkpoint of step 2 (4-bit base weights sharded in it).
+QWEN2_NO_FSDP, QWEN2_RESUMED = "qwen2--qlora-no-fsdp.yaml", "qwen2--qlora-fsdp-resumed.yaml"
 SHORT = {"max_steps": 3, "sequence_len": 256, "context_parallel_size": 2}
+# FSDP2 against the same run whole on every rank (fp32, gloo, AdamW). Measured: losses equal, grad norms
+# 8.0e-8 relative, adapter weights 4.3e-6 (relative to each tensor's largest) after 3 steps.
+LOSS_TOL, GRAD_NORM_TOL, ADAPTER_TOL = 1e-6, 1e-5, 1e-4
 WANDB = {"wandb_project": "cptune-axolotl", "wandb_name": "lora-1b-cp2", "wandb_mode": "offline"}
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """Output folders of the two recipes, trained at cp=2 in one launch."""
+def trained(tiny_models, tmp_path_factory) -> dict[str, Path]:
+    """Output folders of the recipes, trained at cp=2 in one launch."""
     root = tmp_path_factory.mktemp("axolotl-cp2")
     paths, outputs = [], {}
-    for name, extra in ((QLORA, {}), (LORA, WANDB)):
-        data = localised(RECIPES_DIR / name, tiny_model_dir)
+    resumed = {"resume_from_checkpoint": str(root / "qlora-fsdp" / "checkpoint-2")}
+    runs = ((QLORA, {}), (LORA, WANDB), (QWEN2_FSDP, {}), (QWEN2_NO_FSDP, {}), (QWEN2_RESUMED, resumed))
+    for name, extra in runs:
+        data = localised(RECIPES_DIR / (QWEN2_FSDP if name.startswith("qwen2--") else name), tiny_models)
+        if name == QWEN2_NO_FSDP:
+            del data["fsdp"], data["fsdp_config"]
         outputs[name] = root / name.split("--")[1].split(".")[0]
         data.update(
             SHORT, **extra, output_dir=str(outputs[name]), dataset_prepared_path=str(root / "prepared")
@@ -62,7 +74,7 @@ def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     with mock.patch.dict(os.environ, env):
         ranks = run_ranks(WORKER, 2, root / "ranks", *map(str, paths))
     assert ranks[0] == ranks[1]  # every rank logs the same (global) losses
-    for name in (QLORA, LORA):
+    for name in outputs:
         (losses,) = [v for k, v in ranks[0].items() if k.endswith(name)]
         assert losses == logged_losses(outputs[name]) and len(losses) == 3 and len(set(losses)) == 3
     return outputs
@@ -78,6 +90,19 @@ def load_in_peft(adapter: Path, base_dir: Path, **quantization) -> torch.nn.Modu
     return PeftModel.from_pretrained(base, adapter)
 
 
+def nf4():
+    """The 4-bit NF4 quantization a QLoRA recipe trains its base in (Axolotl's defaults, fp32 on CPU)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_quant_storage=torch.float32,
+    )
+
+
 def prompt_ids(adapter: Path) -> torch.Tensor:
     from transformers import AutoTokenizer
 
@@ -90,7 +115,7 @@ def prompt_ids(adapter: Path) -> torch.Tensor:
 def test_qlora_recipe_adapter_loads_in_peft_and_merges_into_the_dequantized_base(
     trained, tiny_model_dir, tmp_path, cptune_in_process
 ):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     adapter = trained[QLORA]
     history = json.loads((adapter / "train_log.json").read_text())
@@ -104,14 +129,7 @@ def test_qlora_recipe_adapter_loads_in_peft_and_merges_into_the_dequantized_base
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     standalone = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
 
-    quantized = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-        bnb_4bit_quant_storage=torch.float32,
-    )
-    model = load_in_peft(adapter, tiny_model_dir, quantization_config=quantized)
+    model = load_in_peft(adapter, tiny_model_dir, quantization_config=nf4())
     model.train()  # bitsandbytes' exact path (its CPU inference kernel computes in bf16) ...
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -146,6 +164,42 @@ def test_lora_recipe_logs_to_wandb_offline_and_its_adapter_loads_in_peft(trained
         logits = model(input_ids=prompt_ids(out)).logits
     assert torch.isfinite(logits).all()
     # The trained adapter is not the zero initialisation.
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(p.abs().max() > 0 for p in lora_b)
+
+
+@pytest.mark.distributed
+def test_qwen2_qlora_fsdp_recipe_trains_as_without_fsdp_and_its_adapter_loads_in_peft(trained, tiny_models):
+    """Axolotl's FSDP1 recipe (``fsdp: [full_shard, auto_wrap]``, QLoRA) runs as FSDP2 over the two ranks of
+    its cp=2 ring: the adapter, the norms, the embeddings and the 4-bit base (stored in fp32, so FSDP2
+    shards it too) are split over both ranks. It equals the same recipe without its fsdp keys (whole on
+    every rank), step by step; resumed from its sharded checkpoint it continues exactly; and its adapter,
+    gathered at the end (FULL_STATE_DICT), loads in plain peft.
+    """
+    sharded, whole = trained[QWEN2_FSDP], trained[QWEN2_NO_FSDP]
+    for key, tolerance in (("loss", LOSS_TOL), ("grad_norm", GRAD_NORM_TOL)):
+        assert len(logged(whole, key)) == 3
+        assert max_rel_diff(logged(sharded, key), logged(whole, key)) <= tolerance, key
+    adapters = [load_file(out / "adapter_model.safetensors") for out in (sharded, whole)]
+    # peft's own save adds the pad-resized embeddings and head (frozen) of the unsharded run; the sharded
+    # run's gathered adapter holds the trained LoRA weights only (the same on both sides).
+    lora = {name for name in adapters[1] if ".lora_" in name}
+    assert set(adapters[0]) == lora and lora
+    for name in lora:
+        expected = adapters[1][name]
+        scale = expected.abs().max().clamp_min(1e-12)
+        assert ((adapters[0][name] - expected).abs().max() / scale) <= ADAPTER_TOL, name
+
+    # Resumed from the sharded checkpoint of step 2, step 3 is the uninterrupted run's.
+    resumed = trained[QWEN2_RESUMED]
+    for key in ("loss", "grad_norm"):
+        assert logged(resumed, key)[3] == pytest.approx(logged(sharded, key)[3], rel=1e-6, abs=0)
+
+    model = load_in_peft(sharded, tiny_models["qwen2"], quantization_config=nf4())
+    assert type(model.get_base_model()).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        logits = model(input_ids=prompt_ids(sharded)).logits
+    assert torch.isfinite(logits).all()
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert lora_b and any(p.abs().max() > 0 for p in lora_b)
 

@@ -173,10 +173,10 @@ def test_refusals_of_nested_sections_are_reported_with_other_key_errors():
             **MINIMAL,
             "typo_key": 1,
             "fsdp_version": 2,
-            "fsdp_config": {"state_dict_type": "FULL_STATE_DICT", "sharding_strategy": "FULL_SHARD"},
+            "fsdp_config": {"state_dict_type": "FULL_STATE_DICT", "backward_prefetch": "BACKWARD_PRE"},
         }
     )
-    assert set(found) == {"typo_key", "fsdp_config.sharding_strategy"}
+    assert set(found) == {"typo_key", "fsdp_config.backward_prefetch"}
 
 
 def test_mapped_keys_get_notes_where_cptune_means_something_else():

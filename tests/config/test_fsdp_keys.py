@@ -57,21 +57,17 @@ def test_full_state_dict_is_accepted_since_cptune_always_gathers_the_final_model
     assert recipe.resolved_fsdp_config.state_dict_type == "FULL_STATE_DICT"
 
 
-def test_fsdp1_settings_and_typos_inside_fsdp_config():
+def test_fsdp1_only_settings_and_typos_inside_fsdp_config():
     found = problems(
         {
             **MINIMAL,
             "fsdp_version": 2,
-            "fsdp_config": {
-                "fsdp_sharding_strategy": "FULL_SHARD",
-                "cpu_ram_efficient_loading": True,
-                "reshard_after_foward": True,
-            },
+            "fsdp_config": {"fsdp_backward_prefetch": "BACKWARD_PRE", "reshard_after_foward": True},
         }
     )
-    assert found["fsdp_config.sharding_strategy"].startswith("is an Axolotl key that cptune does not support")
-    assert "reshard_after_forward" in found["fsdp_config.sharding_strategy"]
-    assert "not supported yet" in found["fsdp_config.cpu_ram_efficient_loading"]
+    assert found["fsdp_config.backward_prefetch"] == (
+        "is an Axolotl key that cptune does not support: an FSDP1 setting with no FSDP2 counterpart; remove it."
+    )
     assert (
         found["fsdp_config.reshard_after_foward"]
         == "is not a known key. Did you mean 'reshard_after_forward'?"
@@ -86,8 +82,3 @@ def test_the_same_key_with_and_without_prefix_is_refused():
         "'fsdp_offload_params' and 'offload_params' are the same key (with and without the fsdp_ prefix); "
         "keep one of them."
     )
-
-
-def test_old_axolotl_fsdp_list_points_to_fsdp2():
-    found = problems({**MINIMAL, "fsdp": ["full_shard", "auto_wrap"]})
-    assert "fsdp_version: 2" in found["fsdp"]

@@ -103,6 +103,26 @@ def test_a_quantized_base_takes_its_quantized_bytes_in_every_layout():
     assert StateLayout("zero", 4, 3).describe() == "ZeRO-3 over 4 ranks"
 
 
+def test_fsdp2_shards_4bit_weights_stored_in_a_float_dtype_and_not_those_stored_in_uint8():
+    """accelerate's fsdp2_prepare_model leaves frozen non-float Params4bit out of fully_shard (ignored_params)."""
+    common = {
+        "total": 1_001_000,
+        "trainable": 1_000,
+        "optimizer": OptimizerState(2_000),
+        "dtype_bytes": 2,
+        "lora": True,
+        "quantized": 900_000,
+        "quantized_bytes": 0.5,
+        "layout": StateLayout("fsdp", 4),
+    }
+    # The rest (100,000 bf16 weights, the fp32 adapter) is sharded over the 4 ranks either way.
+    rest = -(-(100_000 * 2 + 1_000 * 4) // 4)
+    assert state_memory(**common, quantized_sharded=False).weights == rest + 450_000
+    sharded = state_memory(**common).weights
+    assert sharded == -(-(1_001_000 * 2 - 1_000 * 2 + 1_000 * 4) // 4) - (900_000 * 2 - 450_000) // 4
+    assert abs(sharded - (rest + 450_000 // 4)) <= 1
+
+
 def test_zero_stages_shard_one_more_state_each():
     kwargs = {"total": 100, "trainable": 100, "optimizer": OptimizerState(200), "dtype_bytes": 2, "ranks": 4}
     # Half precision: the optimizer state holds the fp32 moments and an fp32 master copy.

@@ -224,12 +224,60 @@ ENTRIES: tuple[Entry, ...] = (
         "Set `load_in_4bit: true` with `adapter: qlora` (or `load_in_8bit`), or remove `bnb_config_kwargs`.",
     ),
     Entry(
-        "quantized-with-fsdp2",
+        "8bit-with-fsdp2",
         SECTION,
-        "A quantized base with fsdp_version: 2",
-        "fsdp_version: cptune does not shard bitsandbytes-quantized weights with FSDP2",
-        "Remove `fsdp_version`: a QLoRA run keeps the 4-bit base whole on every rank (a quarter of bf16's "
-        "memory) and trains with plain data parallelism and any `cp_backend`.",
+        "An 8-bit base under FSDP2",
+        "load_in_8bit: an 8-bit base cannot be trained under FSDP2",
+        "Use `load_in_4bit: true` with `adapter: qlora`: under FSDP2 cptune keeps the 4-bit base whole on every "
+        "rank and shards the adapter. Or remove `fsdp_version` / `fsdp` and train the 8-bit base with plain "
+        "data parallelism.",
+    ),
+    Entry(
+        "fsdp1-list-with-version-1",
+        SECTION,
+        "Axolotl's fsdp list with fsdp_version: 1",
+        "fsdp_version: is 1, but fsdp: [full_shard, auto_wrap] asks for sharding that cptune runs with FSDP2 only",
+        "Remove `fsdp_version` (the `fsdp` list implies `fsdp_version: 2`) or set it to 2.",
+    ),
+    Entry(
+        "fsdp1-two-strategies",
+        SECTION,
+        "Two sharding strategies in Axolotl's fsdp list",
+        "fsdp: [full_shard, shard_grad_op] lists 2 sharding strategies; keep one.",
+        "Keep `full_shard` (free each layer's gathered weights after its forward, less memory) or "
+        "`shard_grad_op` (keep them for the backward, fewer all-gathers).",
+    ),
+    Entry(
+        "fsdp1-no-shard",
+        SECTION,
+        "fsdp: no_shard (or sharding_strategy: NO_SHARD)",
+        "fsdp: no_shard is plain data parallelism (every rank holds the whole model), which cptune runs without "
+        "FSDP",
+        "Remove `fsdp`, `fsdp_config` and `fsdp_version`: without them cptune trains with plain data parallelism.",
+    ),
+    Entry(
+        "fsdp1-hybrid-without-replicas",
+        SECTION,
+        "fsdp: hybrid_shard (or HYBRID_SHARD) without dp_replicate_size",
+        "fsdp: hybrid_shard shards within a group of ranks and replicates across groups; in cptune's FSDP2 that "
+        "is dp_replicate_size",
+        "Set `dp_replicate_size` to the number of copies (for example the number of nodes); each copy is sharded "
+        "over processes / (dp_replicate_size × context_parallel_size) ranks.",
+    ),
+    Entry(
+        "fsdp1-strategy-disagrees",
+        SECTION,
+        "fsdp / sharding_strategy / reshard_after_forward disagree",
+        "fsdp_config.reshard_after_forward: false disagrees with fsdp: full_shard",
+        "`full_shard` (`FULL_SHARD`) is `reshard_after_forward: true`, `shard_grad_op` (`SHARD_GRAD_OP`) is "
+        "`false`: keep one of the keys, or make them agree.",
+    ),
+    Entry(
+        "fsdp1-offload-disagrees",
+        SECTION,
+        "offload in Axolotl's fsdp list with offload_params: false",
+        "fsdp_config.offload_params: is false, but fsdp: [full_shard, offload] asks for offload",
+        "Remove `offload` from `fsdp` or `offload_params: false` from `fsdp_config`.",
     ),
     Entry(
         "jinja-without-template",

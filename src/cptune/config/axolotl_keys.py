@@ -50,7 +50,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "mlflow_experiment_name": _MLFLOW,
     "mlflow_run_name": _MLFLOW,
     "hf_mlflow_log_artifacts": _MLFLOW,
-    "fsdp": "Axolotl's FSDP1 switch; shard with FSDP2 instead: fsdp_version: 2 (settings under fsdp_config).",
     "tensor_parallel_size": "tensor parallelism is not supported; shard model states with fsdp_version: 2.",
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
@@ -91,20 +90,9 @@ UNSUPPORTED_DATASET_KEYS: dict[str, str] = {
 _FSDP1_ONLY = "an FSDP1 setting with no FSDP2 counterpart; remove it."
 
 UNSUPPORTED_FSDP_KEYS: dict[str, str] = {
-    "sharding_strategy": (
-        "an FSDP1 setting; with FSDP2 use reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP), and "
-        "dp_replicate_size at the top level for HYBRID_SHARD."
-    ),
     "backward_prefetch": _FSDP1_ONLY,
     "forward_prefetch": _FSDP1_ONLY,
-    "use_orig_params": _FSDP1_ONLY,
-    "sync_module_states": _FSDP1_ONLY,
-    "limit_all_gathers": _FSDP1_ONLY,
     "min_num_params": "size-based wrapping is not supported: every decoder layer is its own FSDP unit; remove it.",
-    "cpu_ram_efficient_loading": (
-        "not supported yet: every process loads the base model before it is sharded, so the host needs memory "
-        "for one copy per process on the node; remove it."
-    ),
     "version": "set fsdp_version at the top level of the recipe.",
     "activation_checkpointing_reentrant": "cptune's gradient checkpointing is non-reentrant; remove it.",
 }

@@ -108,7 +108,9 @@ class BnbConfig(BaseModel):
         None, description="dtype of the 4-bit matmuls; default: the training dtype (bf16/fp16/fp32)."
     )
     bnb_4bit_quant_storage: TorchDtypeName | Literal["uint8"] | None = Field(
-        None, description="dtype the packed 4-bit weights are stored in; default: the training dtype."
+        None,
+        description="dtype the packed 4-bit weights are stored in; default: the training dtype. Under FSDP2 a "
+        "float dtype is sharded with the other weights; uint8 is kept whole on every rank.",
     )
     llm_int8_threshold: float = Field(6.0, ge=0, description="8-bit: outlier threshold of LLM.int8().")
     llm_int8_skip_modules: tuple[str, ...] | None = Field(

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
+from cptune.config.fsdp1 import fsdp1_notes
+
 if TYPE_CHECKING:
     from cptune.config.recipe import Recipe
 
@@ -25,7 +27,8 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
     - `adapter: qlora` needs `load_in_4bit: true`, and `load_in_4bit: true` needs `adapter: qlora`.
     - `load_in_8bit: true` needs `adapter: lora` (LoRA on an 8-bit base).
     - `bnb_config_kwargs` needs `load_in_4bit` or `load_in_8bit`.
-    - A quantized base is refused with `fsdp_version: 2` (cptune does not shard bitsandbytes weights).
+    - An 8-bit base is refused under FSDP2 (FSDP2 would shard bitsandbytes' 8-bit weights and lose their
+      scales); a 4-bit base is kept whole on every rank, out of FSDP2's sharding, and its LoRA is sharded.
     """
     if r.adapter == "qlora" and not r.load_in_4bit:
         yield (
@@ -44,11 +47,12 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
         yield "load_in_8bit", f"an 8-bit base model is trained through adapter: lora ({why}); or remove it."
     if r.bnb_config_kwargs is not None and not (r.load_in_4bit or r.load_in_8bit):
         yield "bnb_config_kwargs", "applies only with load_in_4bit or load_in_8bit; remove it."
-    if (r.load_in_4bit or r.load_in_8bit) and r.fsdp_version is not None:
+    if r.load_in_8bit and r.is_fsdp:
         yield (
-            "fsdp_version",
-            "cptune does not shard bitsandbytes-quantized weights with FSDP2; train a quantized base with plain "
-            "data parallelism (remove fsdp_version) and any cp_backend, or use adapter: lora without quantization.",
+            "load_in_8bit",
+            "an 8-bit base cannot be trained under FSDP2 (fsdp_version: 2 or fsdp): bitsandbytes' 8-bit weights "
+            "lose their scales when FSDP2 shards them. Use load_in_4bit with adapter: qlora (its 4-bit base is "
+            "kept whole on every rank), or train without FSDP.",
         )
 
 
@@ -232,6 +236,7 @@ def axolotl_notes(r: Recipe) -> list[str]:
             "the adapter) into a standard Hugging Face folder in output_dir, as Axolotl does, but always writes "
             "checkpoints sharded (each rank its own part; resume with the same number of processes)."
         )
+    notes += fsdp1_notes(r)
     if r.activation_offloading in ("legacy", "hidden_states"):
         notes.append(
             f"activation_offloading: {r.activation_offloading} runs cptune's own offloading: the layer inputs that "

@@ -25,6 +25,13 @@ from cptune.config.compat import (
     TrainOnEos,
 )
 from cptune.config.compat_rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
+from cptune.config.fsdp1 import (
+    Fsdp1Keys,
+    ShardingStrategy,
+    fsdp1_rules,
+    resolved_fsdp_config,
+    sharding_strategy_name,
+)
 from cptune.parallel.backends.table import BACKENDS, CpBackendName, named_backend
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
@@ -144,6 +151,29 @@ class FsdpConfig(_Frozen):
         "part) and the final model is gathered into a standard Hugging Face folder, which is what "
         "FULL_STATE_DICT gives in Axolotl (`cptune validate` says so).",
     )
+    # FSDP1 keys of Axolotl's recipes (cptune.config.fsdp1 maps them onto FSDP2, `cptune validate` says how).
+    sharding_strategy: ShardingStrategy | None = Field(
+        None,
+        description="FSDP1's strategy, mapped onto FSDP2: FULL_SHARD (1) is reshard_after_forward: true, "
+        "SHARD_GRAD_OP (2) false; HYBRID_SHARD (4) and _HYBRID_SHARD_ZERO2 (5) need dp_replicate_size; "
+        "NO_SHARD (3) is refused.",
+    )
+    limit_all_gathers: bool | None = Field(
+        None, description="FSDP1 only: FSDP2 needs no all-gather rate limiter (accepted, not used)."
+    )
+    use_orig_params: bool | None = Field(
+        None, description="FSDP1 only: FSDP2 always keeps the original parameters (accepted, not used)."
+    )
+    sync_module_states: bool | None = Field(
+        None,
+        description="FSDP1 only: every process loads the same base weights, so none are broadcast (accepted, "
+        "not used).",
+    )
+    cpu_ram_efficient_loading: bool | None = Field(
+        None,
+        description="Accepted, not used: every process loads the base model before it is sharded (host memory "
+        "for one copy per process on the node).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -163,6 +193,11 @@ class FsdpConfig(_Frozen):
             renamed[plain], written[plain] = value, key
         return renamed
 
+    @field_validator("sharding_strategy", mode="before")
+    @classmethod
+    def _strategy_name(cls, value: Any) -> Any:
+        return sharding_strategy_name(value)
+
     @field_validator("transformer_layer_cls_to_wrap", mode="before")
     @classmethod
     def _one_or_many_layers(cls, value: Any) -> Any:
@@ -170,7 +205,9 @@ class FsdpConfig(_Frozen):
         return tuple(v.strip() for v in value.split(",") if v.strip()) if isinstance(value, str) else value
 
 
-class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKeys, AxolotlKeys, _Frozen):
+class Recipe(
+    QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKeys, AxolotlKeys, Fsdp1Keys, _Frozen
+):
     """A validated training recipe (reference: ``docs/reference/recipe.md``, generated from this class)."""
 
     # --- model -----------------------------------------------------------
@@ -394,7 +431,8 @@ class Recipe(QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKe
 
     @property
     def resolved_fsdp_config(self) -> FsdpConfig:
-        return self.fsdp_config or FsdpConfig()
+        """``fsdp_config`` with what Axolotl's FSDP1 keys ask for (:mod:`cptune.config.fsdp1`)."""
+        return resolved_fsdp_config(self, self.fsdp_config or FsdpConfig())
 
     @property
     def offloads_activations(self) -> bool:
@@ -545,7 +583,7 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
     - `fsdp_version: 1` is refused: cptune shards with FSDP2 only.
     - `fsdp_config`, `dp_shard_size` and `dp_replicate_size` need `fsdp_version: 2`.
     """
-    if r.fsdp_version == 1:
+    if r.fsdp_version == 1 and not r.fsdp:  # with Axolotl's fsdp list: fsdp1_rules names both keys
         yield (
             "fsdp_version",
             "FSDP1 is not supported (transformers deprecates it); use fsdp_version: 2, which shards the same "
@@ -604,6 +642,7 @@ RULES: tuple[Rule, ...] = (
     _context_parallel,
     *(backend.recipe_rules for backend in BACKENDS.values()),
     _fsdp,
+    fsdp1_rules,
     _adapter,
     *COMPAT_RULES,
     _memory,

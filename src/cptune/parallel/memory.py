@@ -125,6 +125,7 @@ def state_memory(
     lora: bool = False,
     quantized: int = 0,
     quantized_bytes: float = 0.0,
+    quantized_sharded: bool = True,
 ) -> StateMemory:
     """Per-rank bytes for weights, gradients and optimizer state: the one estimate cptune reports.
 
@@ -139,8 +140,16 @@ def state_memory(
             optimizer state are fp32 too.
         quantized: Base weights stored quantized (bitsandbytes) instead of in the training dtype.
         quantized_bytes: Bytes per quantized weight (:func:`quantized_bytes_per_weight`).
+        quantized_sharded: Under FSDP2, the quantized weights are sharded like the others (4-bit weights
+            stored in a float dtype, cptune's default); false when they are stored in uint8, which
+            accelerate leaves out of FSDP2 (every rank holds them whole).
     """
     common = {"total": total, "trainable": trainable, "optimizer": optimizer, "dtype_bytes": dtype_bytes}
+    if layout.sharding == "fsdp" and quantized and not quantized_sharded:
+        # accelerate keeps 4-bit weights stored in uint8 out of FSDP2 (ignored_params): each rank holds them whole.
+        common["total"] = total - quantized
+        memory = fsdp_state_memory(**common, shard_ranks=layout.ranks)
+        return replace(memory, weights=memory.weights + math.ceil(quantized * quantized_bytes))
     if layout.sharding == "fsdp":
         memory = fsdp_state_memory(**common, shard_ranks=layout.ranks)
         weight_ranks = layout.ranks

@@ -105,6 +105,10 @@ def states_per_rank(recipe: Recipe, counts: Any, layout: StateLayout) -> StateMe
         lora=recipe.is_lora,
         quantized=counts.quantized,
         quantized_bytes=quantized_bytes,
+        quantized_sharded=not (
+            recipe.load_in_8bit
+            or (recipe.bnb_config_kwargs and recipe.bnb_config_kwargs.bnb_4bit_quant_storage == "uint8")
+        ),
     )
 
 

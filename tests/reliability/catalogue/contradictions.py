@@ -142,8 +142,32 @@ CASES: tuple[Case, ...] = (
         keys={"bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
     ),
     Case(
-        "quantized-with-fsdp2",
-        keys={"adapter": "qlora", "load_in_4bit": True, "fsdp_version": 2},
+        "8bit-with-fsdp2",
+        keys={"adapter": "lora", "load_in_8bit": True, "fsdp_version": 2},
+    ),
+    Case(
+        "fsdp1-list-with-version-1",
+        keys={"fsdp": ["full_shard", "auto_wrap"], "fsdp_version": 1},
+    ),
+    Case(
+        "fsdp1-two-strategies",
+        keys={"fsdp": ["full_shard", "shard_grad_op"]},
+    ),
+    Case(
+        "fsdp1-no-shard",
+        keys={"fsdp": "no_shard"},
+    ),
+    Case(
+        "fsdp1-hybrid-without-replicas",
+        keys={"fsdp": ["hybrid_shard", "auto_wrap"]},
+    ),
+    Case(
+        "fsdp1-strategy-disagrees",
+        keys={"fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_reshard_after_forward": False}},
+    ),
+    Case(
+        "fsdp1-offload-disagrees",
+        keys={"fsdp": ["full_shard", "offload"], "fsdp_config": {"offload_params": False}},
     ),
     Case(
         "jinja-without-template",
