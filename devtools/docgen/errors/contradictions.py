@@ -228,8 +228,8 @@ ENTRIES: tuple[Entry, ...] = (
         SECTION,
         "An 8-bit base under FSDP2",
         "load_in_8bit: an 8-bit base cannot be trained under FSDP2",
-        "Use `load_in_4bit: true` with `adapter: qlora`: under FSDP2 cptune keeps the 4-bit base whole on every "
-        "rank and shards the adapter. Or remove `fsdp_version` / `fsdp` and train the 8-bit base with plain "
+        "Use `load_in_4bit: true` with `adapter: qlora`: FSDP2 shards its 4-bit weights with the others (stored in "
+        "the training dtype by default; `bnb_4bit_quant_storage: uint8` keeps them whole on every rank). Or remove `fsdp_version` / `fsdp` and train the 8-bit base with plain "
         "data parallelism.",
     ),
     Entry(

@@ -28,7 +28,8 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
     - `load_in_8bit: true` needs `adapter: lora` (LoRA on an 8-bit base).
     - `bnb_config_kwargs` needs `load_in_4bit` or `load_in_8bit`.
     - An 8-bit base is refused under FSDP2 (FSDP2 would shard bitsandbytes' 8-bit weights and lose their
-      scales); a 4-bit base is kept whole on every rank, out of FSDP2's sharding, and its LoRA is sharded.
+      scales); a 4-bit base is sharded with the other weights when its packed weights are stored in a float
+      dtype (`bnb_4bit_quant_storage`, default the training dtype), and kept whole on every rank when uint8.
     """
     if r.adapter == "qlora" and not r.load_in_4bit:
         yield (
@@ -51,8 +52,8 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
         yield (
             "load_in_8bit",
             "an 8-bit base cannot be trained under FSDP2 (fsdp_version: 2 or fsdp): bitsandbytes' 8-bit weights "
-            "lose their scales when FSDP2 shards them. Use load_in_4bit with adapter: qlora (its 4-bit base is "
-            "kept whole on every rank), or train without FSDP.",
+            "lose their scales when FSDP2 shards them. Use load_in_4bit with adapter: qlora (FSDP2 shards its 4-bit "
+            "weights), or train without FSDP.",
         )
 
 
