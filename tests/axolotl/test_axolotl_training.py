@@ -1,4 +1,4 @@
-"""Two of Axolotl's example recipes train at cp=2 on the tiny model, in one launch of two processes.
+"""Three of Axolotl's example recipes train at cp=2 on the tiny model, in one launch of two processes.
 
 - ``llama-3/qlora-1b.yml`` (QLoRA: 4-bit NF4 base, adamw_bnb_8bit): its adapter loads in plain peft
   on the quantized base, and ``cptune merge-lora`` merges it into the dequantized base so the merged
@@ -7,9 +7,15 @@
 - ``llama-3/lora-1b.yml`` (LoRA, adamw_8bit) with W&B in offline mode: the run folder W&B writes
   holds the losses the run logged, with no network, and the adapter loads in plain peft.
 
-Both run through ``cptune.run.train.train`` one after the other in the same two gloo processes
+- ``alst/llama3-8b-deepspeed-alst`` (ALST: ring-flash-attn CP under DeepSpeed ZeRO-3 with parameters and
+  optimizer offloaded to the CPU, tiled MLP, the chunked loss of the CutCrossEntropyPlugin, activation
+  offloading): it trains, with ZeRO-3 partitioning every weight and both memory features hooked in. (The
+  same combination equals the cp=1 run without ZeRO: tests/parallel/test_ulysses_parity.py.)
+
+All run through ``cptune.run.train.train`` one after the other in the same two gloo processes
 (``train_worker.py``): process start-up dominates such short runs. Overrides keep them short
-(steps, sequence length); everything else is Axolotl's recipe.
+(steps, sequence length; for ALST also ``min_sample_len``, and ``optimizer: adamw_torch`` for its
+``adamw_torch_8bit``, which needs torchao); everything else is Axolotl's recipe.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -31,19 +38,22 @@ pytest.importorskip("bitsandbytes", reason="the quantization extra is not instal
 pytest.importorskip("wandb", reason="the wandb extra is not installed")
 
 WORKER = Path(__file__).with_name("train_worker.py")
-QLORA, LORA = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml"
+QLORA, LORA, ALST = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml", "alst--llama3-8b-deepspeed-alst.yaml"
 SHORT = {"max_steps": 3, "sequence_len": 256, "context_parallel_size": 2}
 WANDB = {"wandb_project": "cptune-axolotl", "wandb_name": "lora-1b-cp2", "wandb_mode": "offline"}
+# ALST's recipe keeps samples of 200,000 tokens and more; its optimizer (adamw_torch_8bit) needs torchao.
+ALST_SHORT = {"min_sample_len": 16, "optimizer": "adamw_torch"}
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """Output folders of the two recipes, trained at cp=2 in one launch."""
+def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Any]:
+    """Output folders of the three recipes, trained at cp=2 in one launch (the DeepSpeed one last), and
+    under ``NAME:setup`` what each trained with (``train_worker.Setup``)."""
     root = tmp_path_factory.mktemp("axolotl-cp2")
     paths, outputs = [], {}
-    for name, extra in ((QLORA, {}), (LORA, WANDB)):
+    for name, extra in ((QLORA, {}), (LORA, WANDB), (ALST, ALST_SHORT)):
         data = localised(RECIPES_DIR / name, tiny_model_dir)
-        outputs[name] = root / name.split("--")[1].split(".")[0]
+        outputs[name] = root / name.split("--")[1].rsplit(".", 1)[0]
         data.update(
             SHORT, **extra, output_dir=str(outputs[name]), dataset_prepared_path=str(root / "prepared")
         )
@@ -62,9 +72,11 @@ def trained(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     with mock.patch.dict(os.environ, env):
         ranks = run_ranks(WORKER, 2, root / "ranks", *map(str, paths))
     assert ranks[0] == ranks[1]  # every rank logs the same (global) losses
-    for name in (QLORA, LORA):
-        (losses,) = [v for k, v in ranks[0].items() if k.endswith(name)]
+    for name in (QLORA, LORA, ALST):
+        (run,) = [v for k, v in ranks[0].items() if k.endswith(name)]
+        losses = run["losses"]
         assert losses == logged_losses(outputs[name]) and len(losses) == 3 and len(set(losses)) == 3
+        outputs[name + ":setup"] = run
     return outputs
 
 
@@ -168,3 +180,20 @@ def wandb_records(path: Path, record_type):
             record.ParseFromString(parts)
             parts = b""
             yield record
+
+
+@pytest.mark.distributed
+def test_alst_deepspeed_recipe_trains_ring_attention_under_zero3_with_tiled_mlp_and_chunked_loss(trained):
+    run, out = trained[ALST + ":setup"], trained[ALST]
+    # ZeRO-3 partitioned every weight; the tiny model's 2 MLPs are tiled, and the chunked loss hooks
+    # the decoder and the output layer.
+    assert run["zero3_partitioned"] and run["tiled_mlp_modules"] == 2 and run["head_loss_modules"] == 2
+    history = json.loads((out / "train_log.json").read_text())
+    norms = [e["grad_norm"] for e in history if "grad_norm" in e]
+    assert len(norms) == 3 and all(0 < n < 100 for n in norms)
+    # A full fine-tune saved whole (gather_16bit_weights_on_model_save), loadable without DeepSpeed.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=prompt_ids(out)).logits).all()
