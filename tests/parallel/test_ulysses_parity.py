@@ -53,11 +53,8 @@ CP2_CASES = [
     case("qlora-zero3-ga2-packed", stage=3, ga=2, qlora=True),
     # cp_backend ring-flash-attn / torch under DeepSpeed's ZeRO, as Axolotl's ALST recipe (issue 20), with
     # its tiled MLP and chunked loss: both call modules again in the backward pass, after ZeRO-3 freed
-    # their weights (the full fine-tune case reduces the MLP's and the output layer's weight gradients).
+    # their weights (the dp2xcp2 ZeRO-3 case below reduces the MLP's and the output layer's weights too).
     case("ring-zero3-ga2-packed-lora+tiles+head-loss", stage=3, ga=2, ring="ring-flash-attn", features=ALST),
-    case(
-        "ring-zero3-packed-full+tiles+head-loss", stage=3, lora=False, ring="ring-flash-attn", features=ALST
-    ),
     case("torch-zero2-unpacked-full", stage=2, packed=False, lora=False, ring="torch"),
     # Memory features on (tests/parallel/case_features.py), off in the cp=1 reference; the offload case
     # repeats packed-causal-lora and must match it bit for bit.
@@ -77,7 +74,7 @@ CP4_CASES = [
 ]
 DP2_CP2_CASES = [
     case("dp2xcp2-mbs2-ga2-packed-lora", mbs=2, ga=2),
-    # Ulysses with ZeRO-3 and the tiled MLP and chunked loss (issue 20).
+    # Ulysses with ZeRO-3, the tiled MLP and the chunked loss, full fine-tune (issue 20).
     case(
         "dp2xcp2-zero3-ga2-unpacked-full-sdpa+tiles+head-loss",
         packed=False,
