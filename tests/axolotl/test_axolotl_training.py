@@ -1,4 +1,4 @@
-"""Three of Axolotl's example recipes train at cp=2 on the tiny models, in one launch of two processes.
+"""Four of Axolotl's example recipes train at cp=2 on the tiny models, in one launch of two processes.
 
 - ``llama-3/qlora-1b.yml`` (QLoRA: 4-bit NF4 base, adamw_bnb_8bit): its adapter loads in plain peft
   on the quantized base, and ``cptune merge-lora`` merges it into the dequantized base so the merged
@@ -8,16 +8,23 @@
   holds the losses the run logged, with no network, and the adapter loads in plain peft.
 - ``qwen2/qlora-fsdp.yaml`` (QLoRA with Axolotl's FSDP1 keys, run as FSDP2 on a tiny Qwen2), and the same
   recipe without its fsdp keys: the sharded run equals the unsharded one (losses, grad norms, adapter).
+- ``alst/llama3-8b-deepspeed-alst`` (ALST: ring-flash-attn CP under DeepSpeed ZeRO-3 with parameters and
+  optimizer offloaded to the CPU, tiled MLP, the chunked loss of the CutCrossEntropyPlugin, activation
+  offloading): it trains, with ZeRO-3 partitioning every weight and both memory features hooked in. (The
+  same combination equals the cp=1 run without ZeRO: tests/parallel/test_ulysses_parity.py.)
 
 All run through ``cptune.run.train.train`` one after the other in the same two gloo processes
 (``train_worker.py``): process start-up dominates such short runs. Overrides keep them short
-(steps, sequence length); everything else is Axolotl's recipe."""
+(steps, sequence length; for ALST also ``min_sample_len``, and ``optimizer: adamw_torch`` for its
+``adamw_torch_8bit``, which needs torchao); everything else is Axolotl's recipe. The DeepSpeed run goes
+last: DeepSpeed keeps process-wide state after a run."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -37,20 +44,31 @@ QLORA, LORA, QWEN2_FSDP = "llama-3--qlora-1b.yml", "llama-3--lora-1b.yml", "qwen
 # The qwen2 recipe once more without its fsdp keys: the reference its FSDP2 run must equal; and resumed
 # from the FSDP2 run's sharded checkpoint of step 2 (4-bit base weights sharded in it).
 QWEN2_NO_FSDP, QWEN2_RESUMED = "qwen2--qlora-no-fsdp.yaml", "qwen2--qlora-fsdp-resumed.yaml"
+ALST = "alst--llama3-8b-deepspeed-alst.yaml"
 SHORT = {"max_steps": 3, "sequence_len": 256, "context_parallel_size": 2}
 # FSDP2 against the same run whole on every rank (fp32, gloo, AdamW). Measured: losses equal, grad norms
 # 8.0e-8 relative, adapter weights 4.3e-6 (relative to each tensor's largest) after 3 steps.
 LOSS_TOL, GRAD_NORM_TOL, ADAPTER_TOL = 1e-6, 1e-5, 1e-4
 WANDB = {"wandb_project": "cptune-axolotl", "wandb_name": "lora-1b-cp2", "wandb_mode": "offline"}
+# ALST's recipe keeps samples of 200,000 tokens and more; its optimizer (adamw_torch_8bit) needs torchao.
+ALST_SHORT = {"min_sample_len": 16, "optimizer": "adamw_torch"}
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_models, tmp_path_factory) -> dict[str, Path]:
-    """Output folders of the recipes, trained at cp=2 in one launch."""
+def trained(tiny_models, tmp_path_factory) -> dict[str, Any]:
+    """Output folders of the recipes, trained at cp=2 in one launch (the DeepSpeed one last), and under
+    ``NAME:setup`` what each trained with (``train_worker.Setup``)."""
     root = tmp_path_factory.mktemp("axolotl-cp2")
     paths, outputs = [], {}
     resumed = {"resume_from_checkpoint": str(root / "qlora-fsdp" / "checkpoint-2")}
-    runs = ((QLORA, {}), (LORA, WANDB), (QWEN2_FSDP, {}), (QWEN2_NO_FSDP, {}), (QWEN2_RESUMED, resumed))
+    runs = (
+        (QLORA, {}),
+        (LORA, WANDB),
+        (QWEN2_FSDP, {}),
+        (QWEN2_NO_FSDP, {}),
+        (QWEN2_RESUMED, resumed),
+        (ALST, ALST_SHORT),
+    )
     for name, extra in runs:
         data = localised(RECIPES_DIR / (QWEN2_FSDP if name.startswith("qwen2--") else name), tiny_models)
         if name == QWEN2_NO_FSDP:
@@ -74,9 +92,11 @@ def trained(tiny_models, tmp_path_factory) -> dict[str, Path]:
     with mock.patch.dict(os.environ, env):
         ranks = run_ranks(WORKER, 2, root / "ranks", *map(str, paths))
     assert ranks[0] == ranks[1]  # every rank logs the same (global) losses
-    for name in outputs:
-        (losses,) = [v for k, v in ranks[0].items() if k.endswith(name)]
+    for name in list(outputs):
+        (run,) = [v for k, v in ranks[0].items() if k.endswith(name)]
+        losses = run["losses"]
         assert losses == logged_losses(outputs[name]) and len(losses) == 3 and len(set(losses)) == 3
+        outputs[name + ":setup"] = run
     return outputs
 
 
@@ -222,3 +242,20 @@ def wandb_records(path: Path, record_type):
             record.ParseFromString(parts)
             parts = b""
             yield record
+
+
+@pytest.mark.distributed
+def test_alst_deepspeed_recipe_trains_ring_attention_under_zero3_with_tiled_mlp_and_chunked_loss(trained):
+    run, out = trained[ALST + ":setup"], trained[ALST]
+    # ZeRO-3 partitioned every weight; the tiny model's 2 MLPs are tiled, and the chunked loss hooks
+    # the decoder and the output layer.
+    assert run["zero3_partitioned"] and run["tiled_mlp_modules"] == 2 and run["head_loss_modules"] == 2
+    history = json.loads((out / "train_log.json").read_text())
+    norms = [e["grad_norm"] for e in history if "grad_norm" in e]
+    assert len(norms) == 3 and all(0 < n < 100 for n in norms)
+    # A full fine-tune saved whole (gather_16bit_weights_on_model_save), loadable without DeepSpeed.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=prompt_ids(out)).logits).all()

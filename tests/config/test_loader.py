@@ -128,9 +128,11 @@ def test_deepspeed_keys_need_cp_and_run_every_backend_under_zero():
     assert not trains_on_deepspeed(backend_for(plain), plain) and backend_for(plain).zero_stage(plain) is None
     found = problems({**MINIMAL, "context_parallel_size": 2, "deepspeed": "zero3.json", "fsdp_version": 2})
     assert set(found) == {"fsdp_version"} and "choose one" in found["fsdp_version"]
-    # ZeRO-3 cannot serve tiled_mlp under ring attention either.
-    found = problems({**MINIMAL, "context_parallel_size": 2, "zero_stage": 3, "tiled_mlp": True})
-    assert set(found) == {"tiled_mlp"} and "ZeRO-3" in found["tiled_mlp"]
+    # The tiled MLP and the chunked loss run under ZeRO-3 (tests/parallel/test_ulysses_parity.py), for every backend.
+    for backend in ("ring-flash-attn", "deepspeed"):
+        keys = {"cp_backend": backend, "zero_stage": 3, "tiled_mlp": True, "cut_cross_entropy": True}
+        recipe = validate_recipe({**MINIMAL, "context_parallel_size": 2, **keys})
+        assert recipe.tiled_mlp and recipe.resolved_head_loss and recipe.zero_stage == 3
     found = problems({**MINIMAL, "cp_backend": "deepspeed", "zero_stage": 2})
     assert "context_parallel_size > 1" in found["zero_stage"]
     recipe = validate_recipe(

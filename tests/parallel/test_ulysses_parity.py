@@ -1,7 +1,7 @@
 """cp_backend: deepspeed parity on CPU: DeepSpeed Ulysses + ZeRO runs equal the cp=1 run (invariants 1-5).
 
-Two cases run cptune's ring-flash-attn (ZeRO-3) and torch (ZeRO-2) backends under DeepSpeed's engine
-instead of Ulysses (``ring`` in the worker).
+Three cases run cptune's ring-flash-attn (ZeRO-3, with the tiled MLP and the chunked loss) and torch
+(ZeRO-2) backends under DeepSpeed's engine instead of Ulysses (``ring`` in the worker).
 
 Each case runs 3 optimizer steps (SGD) on the tiny Llama (4 query heads) through
 DeepSpeed's own Ulysses attention wrapper, data-loader adapter and engine, with
@@ -31,6 +31,8 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 
 WORKER = Path(__file__).with_name("ulysses_parity_worker.py")
 
+# Axolotl's ALST recipe's memory features: tiled MLP (3 tiles) and the chunked loss (CutCrossEntropyPlugin).
+ALST = {"tiles": 3, "head_loss": True}
 BASE = {"cp": 2, "packed": True, "causal": True, "lora": True, "mbs": 1, "ga": 1, "seq_len": 24, "seed": 11}
 
 
@@ -49,8 +51,10 @@ CP2_CASES = [
     case("zero3-ga2-packed-lora", stage=3, ga=2),
     # QLoRA (4-bit NF4 base, bitsandbytes) under ZeRO-3 (issue 20).
     case("qlora-zero3-ga2-packed", stage=3, ga=2, qlora=True),
-    # cp_backend ring-flash-attn / torch under DeepSpeed's ZeRO, as Axolotl's ALST recipe (issue 20).
-    case("ring-zero3-ga2-packed-lora", stage=3, ga=2, ring="ring-flash-attn"),
+    # cp_backend ring-flash-attn / torch under DeepSpeed's ZeRO, as Axolotl's ALST recipe (issue 20), with
+    # its tiled MLP and chunked loss: both call modules again in the backward pass, after ZeRO-3 freed
+    # their weights (the dp2xcp2 ZeRO-3 case below reduces the MLP's and the output layer's weights too).
+    case("ring-zero3-ga2-packed-lora+tiles+head-loss", stage=3, ga=2, ring="ring-flash-attn", features=ALST),
     case("torch-zero2-unpacked-full", stage=2, packed=False, lora=False, ring="torch"),
     # Memory features on (tests/parallel/case_features.py), off in the cp=1 reference; the offload case
     # repeats packed-causal-lora and must match it bit for bit.
@@ -70,7 +74,16 @@ CP4_CASES = [
 ]
 DP2_CP2_CASES = [
     case("dp2xcp2-mbs2-ga2-packed-lora", mbs=2, ga=2),
-    case("dp2xcp2-zero3-ga2-unpacked-full-sdpa", packed=False, lora=False, core="sdpa", stage=3, ga=2),
+    # Ulysses with ZeRO-3, the tiled MLP and the chunked loss, full fine-tune (issue 20).
+    case(
+        "dp2xcp2-zero3-ga2-unpacked-full-sdpa+tiles+head-loss",
+        packed=False,
+        lora=False,
+        core="sdpa",
+        stage=3,
+        ga=2,
+        features={"tiles": 2, "head_loss": True},
+    ),
 ]
 
 

@@ -103,22 +103,6 @@ ENTRIES: tuple[Entry, ...] = (
         "Use `ulysses_attn_implementation: cptune` (the default, exact everywhere), or install flash-attn on "
         "a CUDA machine (`pip install 'cptune[flash-attn]'`).",
     ),
-    Entry(
-        "tiled-mlp-with-zero3",
-        SECTION,
-        "tiled_mlp or cut_cross_entropy with zero_stage: 3",
-        "tiled_mlp: is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass",
-        "Use `zero_stage` 0-2 (or FSDP2 with another `cp_backend`), or remove the feature; "
-        "`activation_offloading` works with ZeRO-3.",
-    ),
-    Entry(
-        "cut-cross-entropy-with-zero3-json",
-        SECTION,
-        "cut_cross_entropy or tiled_mlp with stage 3 in the DeepSpeed JSON",
-        "sets ZeRO stage 3, which frees each module's gathered weights after its forward pass, but "
-        "cut_cross_entropy calls modules again",
-        "Use a ZeRO stage below 3 in the JSON, or remove the feature.",
-    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = ()

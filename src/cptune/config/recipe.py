@@ -608,7 +608,6 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
       `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
       checkpointing keeps).
     - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
-    - `tiled_mlp` and `cut_cross_entropy` with DeepSpeed ZeRO-3: see the DeepSpeed rules.
     """
     if r.activation_offloading == "disk":
         yield (

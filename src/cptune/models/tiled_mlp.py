@@ -13,9 +13,12 @@ a forward pre-hook hands the MLP's own ``forward`` an empty slice of the tokens 
 untiled computation does no work) and keeps the input; the forward hook replaces the
 (empty) result by the tiled one. The MLP's submodules are called as usual, so peft's
 LoRA layers on ``gate_proj``/``up_proj``/``down_proj`` and the hooks of FSDP2 or
-DeepSpeed on them work unchanged. The trained parameters' gradients are summed over
+DeepSpeed on them work unchanged (under ZeRO-3 each submodule call in the backward's
+recomputation gathers its weights). The trained parameters' gradients are summed over
 the tiles and handed to autograd once per backward (as an untiled MLP does), so DDP
-and the other engines see one gradient per parameter.
+and the other engines see one gradient per parameter. A ZeRO-3 partitioned parameter
+gets its sum inside the backward while it is gathered (:func:`_accumulate_gathered`):
+ZeRO-3 frees it again before autograd would accumulate what the Function returns.
 
 Exactness: the output and the input's gradient are the same per token whatever the
 tiling; a weight's gradient is a sum over tokens, which the tiles add in a different
@@ -31,19 +34,28 @@ from typing import Any
 
 import torch
 
+from cptune.parallel.backends.zero3_params import gathered, is_partitioned, partitioned
 from cptune.parallel.memory import mlp_tiles
 
 
 class _TiledMlpFunction(torch.autograd.Function):
-    """``apply(run, x, tiles, *params)``: ``run`` over ``tiles`` tiles of ``x``'s sequence dimension.
+    """``apply(run, x, tiles, zero3, *params)``: ``run`` over ``tiles`` tiles of ``x``'s sequence dimension.
 
     The parameters are inputs so that their gradients reach autograd (and DDP's hooks) once,
-    summed over the tiles.
+    summed over the tiles; ``zero3`` lists the trained parameters DeepSpeed ZeRO-3 partitions,
+    which get their sums in the backward instead (:func:`_accumulate_gathered`).
     """
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int, *params):
-        ctx.run, ctx.tiles = run, tiles
+    def forward(
+        ctx: Any,
+        run: Callable[[torch.Tensor], torch.Tensor],
+        x: torch.Tensor,
+        tiles: int,
+        zero3: list,
+        *params,
+    ):
+        ctx.run, ctx.tiles, ctx.zero3 = run, tiles, zero3
         ctx.save_for_backward(x, *params)
         ctx.rng_states = []
         outputs = []
@@ -55,8 +67,8 @@ class _TiledMlpFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):
         x, *params = ctx.saved_tensors
-        needed = ctx.needs_input_grad[3:]
-        trained = [p for p, need in zip(params, needed, strict=True) if need]
+        needed = ctx.needs_input_grad[4:]
+        trained = [p for p, need in zip(params, needed, strict=True) if need] + ctx.zero3
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[1] else None
         sums: list[torch.Tensor | None] = [None] * len(trained)
         start = 0
@@ -77,8 +89,24 @@ class _TiledMlpFunction(torch.autograd.Function):
             for i, grad in enumerate(grads):
                 if grad is not None:
                     sums[i] = grad if sums[i] is None else sums[i].add_(grad)
+        if ctx.zero3:
+            _accumulate_gathered(ctx.zero3, sums[len(sums) - len(ctx.zero3) :])
         summed = iter(sums)
-        return (None, grad_x, None, *(next(summed) if need else None for need in needed))
+        return (None, grad_x, None, None, *(next(summed) if need else None for need in needed))
+
+
+def _accumulate_gathered(params: list, grads: list) -> None:
+    """Hand ZeRO-3 partitioned parameters their gradients summed over the tiles, while they are gathered.
+
+    They are no inputs of the Function: autograd would accumulate what it returned once the backward
+    returned, when ZeRO-3 has freed them again (an empty ``data`` that the whole gradient does not
+    fit), and would run their gradient accumulators (and ZeRO-3's reduce hooks) even for a None.
+    Here each one's accumulator runs once, with the sum over all tiles, and fires the hook once.
+    """
+    owed = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    if owed:
+        with gathered([p for p, _ in owed]), torch.enable_grad():
+            torch.autograd.backward([p.view_as(p) for p, _ in owed], [g for _, g in owed])
 
 
 def tiled_mlp(
@@ -95,7 +123,10 @@ def tiled_mlp(
     tiles = max(1, min(tiles, x.shape[-2]))
     if not torch.is_grad_enabled():
         return torch.cat([run(tile) for tile in x.tensor_split(tiles, dim=-2)], dim=-2)
-    return _TiledMlpFunction.apply(run, x, tiles, *params)
+    # ZeRO-3 partitioned parameters get their gradients from the backward itself (_accumulate_gathered).
+    zero3 = partitioned(params)
+    plain = [p for p in params if not is_partitioned(p)] if zero3 else params
+    return _TiledMlpFunction.apply(run, x, tiles, zero3, *plain)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from cptune.parallel.backends.zero3_params import any_partitioned
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.shard import IGNORE_INDEX
 
@@ -143,7 +144,13 @@ def head_token_loss_sum(
         rows.requires_grad or any(p.requires_grad for p in getattr(head, "parameters", tuple)())
     )
     if recompute:
-        parts = [checkpoint(_head_cross_entropy_sum, head, x, y, use_reentrant=False) for x, y in chunks]
+        # ZeRO-3 frees the head's gathered weight after each call, before the recomputation's saved
+        # tensors are compared with the forward's; its backward hooks gather the weight again for use.
+        check = "none" if any_partitioned(head) else "default"
+        parts = [
+            checkpoint(_head_cross_entropy_sum, head, x, y, use_reentrant=False, determinism_check=check)
+            for x, y in chunks
+        ]
     else:
         parts = [_head_cross_entropy_sum(head, x, y) for x, y in chunks]
     return torch.stack(parts).sum()

@@ -20,7 +20,6 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.parallel.backends.select import check_model_config, check_prepared_rows
 from cptune.parallel.backends.table import backend_for
-from cptune.parallel.backends.zero import zero3_json_problems
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
@@ -203,9 +202,6 @@ def describe_plan(
     lines += ["", *activation_memory_lines(recipe, dims, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
-    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
-    if stage is not None:
-        notes += [f"cptune train refuses: {problem}" for problem in zero3_json_problems(recipe, stage)]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     plan = run_patch_set(recipe).plan(recipe)

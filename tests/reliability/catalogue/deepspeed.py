@@ -77,13 +77,4 @@ CASES: tuple[Case, ...] = (
         keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "flash_attention_2", "sample_packing": False},
         skip_if=_with_flash_attn,
     ),
-    Case(
-        "tiled-mlp-with-zero3",
-        keys={**DEEPSPEED_CP, "zero_stage": 3, "tiled_mlp": True},
-    ),
-    Case(
-        "cut-cross-entropy-with-zero3-json",
-        setup=lambda ws: _deepspeed_json(ws, '{"zero_optimization": {"stage": 3}}', cut_cross_entropy=True),
-        skip_if=_without_deepspeed,
-    ),
 )

@@ -13,15 +13,13 @@ Two things differ from DDP:
   divisor; cptune's loss scaling needs nothing else.
 
 The engine-level DeepSpeed patches (CPU world size, no shared-memory op build) apply to every run on
-DeepSpeed's engine. Imports no torch (the recipe's validation reads :func:`zero3_memory_problems`).
+DeepSpeed's engine. Imports no torch (the recipe's validation reads it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from cptune.errors import CptuneError
 from cptune.parallel.backends.spec import TrainerParallelism, accelerate_parallelism
 
 
@@ -42,37 +40,12 @@ def deepspeed_stage(recipe: Any) -> int:
     return int(deepspeed_config(recipe)["zero_optimization"]["stage"])
 
 
-def zero3_memory_problems(r: Any) -> Iterator[tuple[str, str]]:
-    """The memory features that DeepSpeed ZeRO-3 cannot serve yet (also checked for a `deepspeed` JSON's stage)."""
-    for key, on in (("tiled_mlp", r.tiled_mlp), ("cut_cross_entropy", r.resolved_head_loss)):
-        if on:
-            yield (
-                key,
-                "is not supported with DeepSpeed ZeRO-3 yet: it calls modules again in the backward pass, after "
-                "ZeRO-3 released their gathered weights. Use zero_stage 0-2, or remove it "
-                "(activation_offloading works with ZeRO-3).",
-            )
-
-
-def zero3_json_problems(recipe: Any, stage: int) -> list[str]:
-    """Memory features a ZeRO-3 ``stage`` cannot serve, as messages (the recipe rules see ``zero_stage`` only)."""
-    if stage != 3:
-        return []
-    return [
-        f"{key}: the DeepSpeed JSON {recipe.deepspeed} sets ZeRO stage 3, which frees each module's "
-        f"gathered weights after its forward pass, but {key} calls modules again in the backward pass "
-        "(not supported yet). Use a ZeRO stage below 3, or remove it."
-        for key, _ in zero3_memory_problems(recipe)
-    ]
-
-
 def check_engine_ready(recipe: Any) -> None:
     """DeepSpeed is installed, and its config (``zero_stage`` / the ``deepspeed`` JSON) fits the recipe."""
     from cptune.parallel.backends.deepspeed_ulysses.sharding import load_deepspeed
 
     load_deepspeed()
-    for problem in zero3_json_problems(recipe, deepspeed_stage(recipe)):  # reads and checks the JSON
-        raise CptuneError(problem)
+    deepspeed_stage(recipe)  # reads and checks the JSON
 
 
 def check_ready_under_zero(recipe: Any) -> None:

@@ -44,9 +44,6 @@ class DeepSpeedUlysses:
           refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
           with `flash_attention_2/3` needs `micro_batch_size: 1`.
         - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
-        - `tiled_mlp` and `cut_cross_entropy` are refused with `zero_stage: 3`, for every backend (they call
-          modules again in the backward pass, after ZeRO-3 released their weights; a `deepspeed` JSON's stage
-          is checked before launching).
         """
         r = recipe
         if r.cp_backend != self.name:
@@ -61,8 +58,6 @@ class DeepSpeedUlysses:
                 "cp_backend: deepspeed shards model states with DeepSpeed's ZeRO stages, not FSDP; use zero_stage: 3 "
                 "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
             )
-        if r.zero_stage == 3:
-            yield from zero.zero3_memory_problems(r)
         if r.context_parallel_size == 1:
             yield from _deepspeed_at_cp1(r)
             return
@@ -204,8 +199,6 @@ def _zero_under_cptune_sharding(r: Any) -> Iterator[tuple[str, str]]:
             "shards model states with FSDP2, and deepspeed / zero_stage with DeepSpeed's ZeRO: choose one (remove "
             "fsdp_version, or deepspeed and zero_stage).",
         )
-    if r.zero_stage == 3:
-        yield from zero.zero3_memory_problems(r)
 
 
 DEEPSPEED_ULYSSES = DeepSpeedUlysses()
