@@ -51,7 +51,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "mlflow_run_name": _MLFLOW,
     "hf_mlflow_log_artifacts": _MLFLOW,
     "fsdp": "Axolotl's FSDP1 switch; shard with FSDP2 instead: fsdp_version: 2 (settings under fsdp_config).",
-    "tensor_parallel_size": "tensor parallelism is not supported; shard model states with fsdp_version: 2.",
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
     "push_dataset_to_hub": _HUB,
