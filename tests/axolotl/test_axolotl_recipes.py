@@ -20,8 +20,6 @@ from tests.axolotl.recipes import RECIPES, RECIPES_DIR, localised
 
 # Refused keys, by recipe; every other recipe validates.
 EXPECTED_REFUSALS: dict[str, set[str]] = {
-    # Tensor parallelism.
-    "distributed-parallel--qwen3-8b-fsdp-tp-cp.yaml": {"tensor_parallel_size"},
     # FSDP1 and its settings.
     "qwen2--qlora-fsdp.yaml": {
         "fsdp",
@@ -65,7 +63,7 @@ def test_the_set_covers_what_the_issue_names():
     assert sum(bool(d.get("context_parallel_size")) for d in data.values()) >= 3
     families = {name.split("--")[0].split("-")[0] for name in data}
     assert {"llama", "mistral", "qwen2", "qwen3", "alst"} <= families
-    assert len(ACCEPTED) >= 11
+    assert len(ACCEPTED) >= 12
 
 
 @pytest.mark.parametrize("path", sorted(EXPECTED_REFUSALS), ids=str)
@@ -93,6 +91,15 @@ def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_pat
         # serve yet (issue 19): validate says what `cptune train` would refuse.
         assert "cptune train refuses: tiled_mlp: the DeepSpeed JSON" in done.stdout
         assert "cptune train refuses: cut_cross_entropy" in done.stdout
+    if data.get("tensor_parallel_size"):  # distributed-parallel/qwen3-8b-fsdp-tp-cp
+        assert (
+            "processes:  8 = 2 dp_shard × 2 cp × 2 tp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp), "
+            "each weight first split over 2 tp ranks" in done.stdout
+        )
+        assert "apply accelerate-prepare-tp-passthrough" in done.stdout
+        assert (
+            "  FSDP2 over 4 ranks × 2 tp  " in done.stdout
+        )  # the memory estimate splits weights over tp too
     if data.get("adapter") == "qlora":
         assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
         assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so

@@ -105,9 +105,10 @@ class ParallelDims:
         )
         if recipe.dp_shard_size is not None and recipe.dp_shard_size != dims.dp_shard_size:
             wanted = recipe.default_process_count
+            tp = " × tensor_parallel_size" if dims.tp_size > 1 else ""
             raise LaunchError(
                 f"dp_shard_size={recipe.dp_shard_size} needs dp_replicate_size × dp_shard_size × "
-                f"context_parallel_size × tensor_parallel_size = {wanted} processes, but {world_size} were asked for. Launch "
+                f"context_parallel_size{tp} = {wanted} processes, but {world_size} were asked for. Launch "
                 f"{wanted} (e.g. --nproc-per-node {wanted}), or change dp_shard_size (or remove it: it "
                 "then follows from the number of processes)."
             )
