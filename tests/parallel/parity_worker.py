@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,7 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
-    model = build_tiny_model(config, seed=1234)
+    model = tiny_qwen3(config) if case.get("arch") == "qwen3" else build_tiny_model(config, seed=1234)
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     model.to(dtype)
     model.set_attn_implementation(attn_implementation)
@@ -127,6 +128,25 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         )
         model = get_peft_model(model, config)
     return model
+
+
+def tiny_qwen3(llama: Any) -> torch.nn.Module:
+    """A Qwen3 of the tiny Llama's sizes: per-head q_norm/k_norm, which tensor parallelism keeps whole
+    on every rank and whose gradients it sums over the tp ranks (``replicated_with_grad_allreduce``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    names += (
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    )
+    config = Qwen3Config(**{name: getattr(llama, name) for name in names})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return Qwen3ForCausalLM(config).to(torch.float32)
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

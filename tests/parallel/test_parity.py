@@ -69,6 +69,8 @@ TP2_CP2_CASES = [
     case("tp2-unpacked-bidirectional-full", tp=2, packed=False, causal=False, lora=False),
     # Axolotl's fsdp-tp-cp recipe loads CutCrossEntropyPlugin: the chunked loss through the split head.
     case("tp2-packed-causal-full+head-loss", tp=2, lora=False, features={"head_loss": True}),
+    # Qwen3 (the recipe's family): per-head q_norm/k_norm, whose gradients are summed over the tp ranks.
+    case("tp2-qwen3-packed-causal-full-mbs2-ga2", tp=2, arch="qwen3", lora=False, mbs=2, ga=2),
 ]
 ZIGZAG_CASES = [
     case("zigzag-bf16-causal-lora", packed=False, func="batch_zigzag", bf16=True, seq_len=22),
