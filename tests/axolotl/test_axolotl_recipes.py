@@ -1,8 +1,8 @@
 """Axolotl's own example recipes through `cptune validate`, with only base_model and dataset paths changed.
 
-The recipes are byte-for-byte copies (``recipes/ORIGIN.md``). Each either validates and gets a plan, or
-is refused for exactly the keys listed here, each with its reason (``docs/migrating-from-axolotl.md``
-shows every message). Two of them train at cp=2 in ``test_axolotl_training.py``.
+The recipes are byte-for-byte copies (``recipes/ORIGIN.md``). Every one validates and gets a plan, with
+a note for each key that means something different in cptune (``docs/migrating-from-axolotl.md`` shows
+every key's status). Four of them train at cp=2 in ``test_axolotl_training.py``.
 """
 
 from __future__ import annotations
@@ -14,16 +14,7 @@ import re
 import pytest
 import yaml
 
-from cptune.config.loader import validate_recipe
-from cptune.errors import RecipeError
 from tests.axolotl.recipes import RECIPES, RECIPES_DIR, localised
-
-# Refused keys, by recipe; every other recipe validates.
-EXPECTED_REFUSALS: dict[str, set[str]] = {
-    # Tensor parallelism.
-    "distributed-parallel--qwen3-8b-fsdp-tp-cp.yaml": {"tensor_parallel_size"},
-}
-ACCEPTED = [r for r in RECIPES if r.name not in EXPECTED_REFUSALS]
 
 
 def git_blob_id(data: bytes) -> str:
@@ -56,18 +47,10 @@ def test_the_set_covers_what_the_issue_names():
     assert sum(bool(d.get("context_parallel_size")) for d in data.values()) >= 3
     families = {name.split("--")[0].split("-")[0] for name in data}
     assert {"llama", "mistral", "qwen2", "qwen3", "alst"} <= families
-    assert len(ACCEPTED) >= 11
+    assert len(RECIPES) == 16
 
 
-@pytest.mark.parametrize("path", sorted(EXPECTED_REFUSALS), ids=str)
-def test_refused_recipes_name_exactly_the_keys_cptune_cannot_take(path, tiny_models):
-    with pytest.raises(RecipeError) as error:
-        validate_recipe(localised(RECIPES_DIR / path, tiny_models))
-    assert {p.key for p in error.value.problems} == EXPECTED_REFUSALS[path]
-    assert all(len(p.message) > 30 for p in error.value.problems)  # a reason, not just a name
-
-
-@pytest.mark.parametrize("path", ACCEPTED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_path, cptune_in_process):
     data = localised(path, tiny_models)
     data["output_dir"] = str(tmp_path / "out")  # Axolotl's ./outputs/... would land in the working folder
@@ -97,6 +80,15 @@ def test_recipe_validates_with_only_its_paths_changed(path, tiny_models, tmp_pat
             "fsdp_config.sharding_strategy: FULL_SHARD is FSDP1's; with FSDP2 it is reshard_after_forward"
             in (done.stdout)
         )
+    if data.get("tensor_parallel_size"):  # distributed-parallel/qwen3-8b-fsdp-tp-cp
+        assert (
+            "processes:  8 = 2 dp_shard × 2 cp × 2 tp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp), "
+            "each weight first split over 2 tp ranks" in done.stdout
+        )
+        assert "apply accelerate-prepare-tp-passthrough" in done.stdout
+        assert (
+            "  FSDP2 over 4 ranks × 2 tp  " in done.stdout
+        )  # the memory estimate splits weights over tp too
     if data.get("adapter") == "qlora":
         assert "on a 4-bit NF4 base (bitsandbytes)" in done.stdout
         assert "base weights in 4 bits" in done.stdout  # the memory estimate counts them so

@@ -5,7 +5,9 @@ cp=1 reference itself (single process, whole rows, ``LocalBackend``). It then ru
 its shard of its data-parallel group's batches through the case's backend
 (``backend``: ring-flash-attn, the default, or torch) with the token-weighted
 loss, inside the backend's step context as the trainer does, averages gradients
-over the world as DDP does, and reports, per case: the step-0 loss of both
+over the world as DDP does (a ``tp`` case: splits the model over ``tp`` ranks with
+cptune's tensor parallelism and shards it with FSDP2 over dp_shard × cp, as
+``cptune train`` does, on a dp_shard × cp × tp mesh), and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
 steps (SGD) of both paths; in bf16 also those of a cp=1 reorder baseline (``run_case``).
 
@@ -20,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.models.head_loss import logits_loss
@@ -39,6 +43,7 @@ from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
+from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
@@ -102,7 +107,7 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
-    model = build_tiny_model(config, seed=1234)
+    model = tiny_qwen3(config) if case.get("arch") == "qwen3" else build_tiny_model(config, seed=1234)
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     model.to(dtype)
     model.set_attn_implementation(attn_implementation)
@@ -125,8 +130,32 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     return model
 
 
+def tiny_qwen3(llama: Any) -> torch.nn.Module:
+    """A Qwen3 of the tiny Llama's sizes: per-head q_norm/k_norm, which tensor parallelism keeps whole
+    on every rank and whose gradients it sums over the tp ranks (``replicated_with_grad_allreduce``)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    names += (
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    )
+    config = Qwen3Config(**{name: getattr(llama, name) for name in names})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return Qwen3ForCausalLM(config).to(torch.float32)
+
+
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Every trained parameter's gradient, whole (a sharded one is gathered: a collective)."""
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def run_step(
@@ -161,6 +190,35 @@ class Groups:
     cp_rank: int
     cp_group: dist.ProcessGroup
     cp_mesh: DeviceMesh
+    #: tensor-parallel cases: the dp_shard × cp × tp mesh (dp_shard_cp flattened), else None
+    tp_mesh: DeviceMesh | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp_mesh is None else self.tp_mesh["tp"].size()
+
+
+def tensor_parallel_groups(world: int, cp_size: int, tp_size: int) -> Groups:
+    """The layout of a tp case: tp innermost, then cp, as accelerate's mesh lays out ``cptune train``'s ranks."""
+    dp_size = world // (cp_size * tp_size)
+    mesh = init_device_mesh("cpu", (dp_size, cp_size, tp_size), mesh_dim_names=("dp_shard", "cp", "tp"))
+    mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    cp_mesh = mesh["cp"]
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    return Groups(
+        world, dp_size, dp_rank, cp_size, cp_mesh.get_local_rank(), cp_mesh.get_group(), cp_mesh, mesh
+    )
+
+
+def shard_with_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """cptune's tensor parallelism on ``tp``, then FSDP2 over ``dp_shard_cp`` as accelerate's
+    ``fsdp2_prepare_model`` wraps a model (each decoder layer, then the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    apply_tensor_parallel(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard_cp"])
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
 
 
 def make_backend(case: dict, groups: Groups, kernels):
@@ -223,6 +281,15 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
     ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
     loss_fn = install_case_features(model, case)
+    result: dict = {}
+    if groups.tp_mesh is not None:
+        shard_with_tensor_parallel(model, groups.tp_mesh)
+        attention = model.model.layers[0].self_attn
+        # How the weights are laid out over (dp_shard_cp, tp): the test checks that tp split them.
+        result["placements"] = {
+            name: [str(p) for p in getattr(attention, name).weight.placements]
+            for name in ("q_proj", "o_proj")
+        }
     local = LocalBackend(causal=case["causal"])
     backend = make_backend(case, groups, kernels)
     optimizers = [
@@ -231,7 +298,6 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         if m is not None
     ]
     ref_losses, cp_losses, twin_losses = [], [], []
-    result: dict = {}
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
@@ -243,11 +309,14 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         if twin is not None:
             twin_losses.append(run_step(twin, local, ref_batches, 1, targets))
         mine_batches = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
-        loss = torch.tensor(run_step(model, backend, mine_batches, world, targets, keys, loss_fn))
+        # As CptuneTrainer counts: every rank of a TP group counts its batch too, so the count is tp
+        # times the step's, as the world size the loss is scaled by is while FSDP2 averages over world / tp.
+        counted = targets * groups.tp_size
+        loss = torch.tensor(run_step(model, backend, mine_batches, world, counted, keys, loss_fn))
         dist.all_reduce(loss)
         cp_losses.append(loss.item() / world)
         for p in model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and groups.tp_mesh is None:
                 dist.all_reduce(p.grad)  # DDP: mean over the world
                 p.grad /= world
         if step == 0:
@@ -275,12 +344,17 @@ def main() -> None:
     # cptune's rank layout (cp innermost), so this rank's "cp" submesh holds the ranks of cp_groups[dp_rank].
     cp_mesh = init_device_mesh("cpu", (dp_size, cp_size), mesh_dim_names=("dp", "cp"))["cp"]
     groups = Groups(world, dp_size, dp_rank, cp_size, cp_rank, cp_groups[dp_rank], cp_mesh)
+    tp_sizes = sorted({c["tp"] for c in cases if c.get("tp")})
+    assert len(tp_sizes) <= 1, "one tensor-parallel size per launch"
+    tp_groups = tensor_parallel_groups(world, cp_size, tp_sizes[0]) if tp_sizes else None
     kernels = load_ring_flash_attn() if any(c.get("backend") != "torch" for c in cases) else None
     register_attention()
     # What `cptune train` applies for cp_backend: torch (the CPU SDPA op's CP handlers).
     torch_patches = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     with torch_patches.applied(SimpleNamespace(context_parallel_size=cp_size, cp_backend="torch")):
-        results = {case["name"]: run_case(case, groups, kernels) for case in cases}
+        results = {
+            case["name"]: run_case(case, tp_groups if case.get("tp") else groups, kernels) for case in cases
+        }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -59,3 +59,49 @@ def test_recipe_dp_shard_size_must_match_the_processes():
     assert ParallelDims.from_recipe(recipe, 4).dp_shard_size == 2
     with pytest.raises(LaunchError, match=r"dp_shard_size=2 needs .* = 4 processes, but 2 were asked for"):
         ParallelDims.from_recipe(recipe, 2)
+
+
+def test_tensor_parallel_is_innermost_as_in_accelerates_mesh():
+    import torch
+    from accelerate import ParallelismConfig
+
+    dims = ParallelDims(world_size=8, cp_size=2, fsdp=True, tp_size=2)
+    assert (dims.dp_size, dims.dp_shard_size, dims.batch_group_size, dims.shard_group_size) == (2, 2, 4, 8)
+    # accelerate's mesh (dp_shard, cp, tp): a rank's coordinates are those ParallelDims gives it.
+    names, shape = ParallelismConfig(dp_shard_size=2, cp_size=2, tp_size=2)._get_mesh()
+    assert names == ("dp_shard", "cp", "tp")
+    grid = torch.arange(8).reshape(shape)
+    for rank in range(8):
+        shard, cp, tp = (int(i) for i in (grid == rank).nonzero()[0])
+        assert (dims.dp_rank(rank), dims.cp_rank(rank), rank % 2) == (shard, cp, tp)
+    assert dims.describe() == (
+        "8 = 2 dp_shard × 2 cp × 2 tp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp), "
+        "each weight first split over 2 tp ranks"
+    )
+
+
+def test_tensor_parallel_layouts_that_cannot_work():
+    with pytest.raises(LaunchError, match="tensor_parallel_size applies only with fsdp_version: 2"):
+        ParallelDims(world_size=4, cp_size=2, tp_size=2)
+    with pytest.raises(
+        LaunchError,
+        match=r"context_parallel_size=2 × tensor_parallel_size=2 = 4 does not divide the number of processes \(6\)",
+    ):
+        ParallelDims(world_size=6, cp_size=2, fsdp=True, tp_size=2)
+    # accelerate's FSDP2 needs a dp_shard × cp axis of 2 or more ranks to shard over.
+    with pytest.raises(LaunchError, match=r"leaves FSDP2 no ranks to shard over .* Launch 4 processes"):
+        ParallelDims(world_size=2, cp_size=1, fsdp=True, tp_size=2)
+
+
+def test_recipe_process_count_includes_tensor_parallel_ranks():
+    from cptune.config.loader import validate_recipe
+
+    keys = {"base_model": "m", "datasets": [{"path": "d"}], "fsdp_version": 2, "context_parallel_size": 2}
+    recipe = validate_recipe({**keys, "dp_shard_size": 2, "tensor_parallel_size": 2})
+    assert recipe.default_process_count == 8
+    assert ParallelDims.from_recipe(recipe, 8).tp_size == 2
+    with pytest.raises(
+        LaunchError, match=r"dp_shard_size=2 needs .* tensor_parallel_size = 8 processes, but 4"
+    ):
+        ParallelDims.from_recipe(recipe, 4)
+    assert validate_recipe({**keys, "tensor_parallel_size": 2}).default_process_count == 4

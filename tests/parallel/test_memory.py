@@ -29,6 +29,10 @@ def test_full_finetune_of_8b_in_bf16_needs_sharding():
     common = {"total": P, "trainable": P, "optimizer": adam, "dtype_bytes": 2}
     assert state_memory(**common, layout=WHOLE) == ddp
     assert state_memory(**common, layout=StateLayout("fsdp", 8)) == fsdp
+    # Tensor parallelism splits each weight over 2 tp ranks before FSDP2 shards it over 4.
+    tp = StateLayout("fsdp", 4, tp_size=2)
+    assert state_memory(**common, layout=tp) == fsdp
+    assert tp.describe() == "FSDP2 over 4 ranks × 2 tp"
 
 
 def test_lora_shards_the_frozen_base_too():

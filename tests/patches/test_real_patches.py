@@ -474,3 +474,20 @@ def test_two_cpu_processes_get_a_cp_mesh():
             "same_model": True,
             "hooks": 0,
         }
+
+
+def test_tensor_parallel_recipes_pass_accelerates_prepare_tp_through():
+    from accelerate import Accelerator
+
+    tp = SimpleNamespace(**{**vars(FSDP_RING), "tensor_parallel_size": 2})
+    assert "accelerate-prepare-tp-passthrough" in _selected(tp)
+    assert "accelerate-prepare-tp-passthrough" not in _selected(FSDP_RING)
+    patch_set = build_patch_set(tp, BACKENDS.values())
+    assert patch_set.plan(tp).ok
+    model, optimizer = torch.nn.Linear(2, 2), object()
+    with patch_set.applied(tp):
+        # cptune split the model itself; FSDP2's preparation then prepares every object once.
+        assert Accelerator._prepare_tp(SimpleNamespace(), model, optimizer) == (model, optimizer)
+    # Why: under FSDP2 the original imports a class that transformers 5.23 no longer has.
+    with pytest.raises(ImportError):
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401

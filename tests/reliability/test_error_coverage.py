@@ -48,8 +48,13 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
     # Backstops behind a check that refuses the same input earlier (its entry is on the page).
     (
         "src/cptune/parallel/layout.py",
-        "context_parallel_size and dp_replicate_size must be positive",
+        "dp_replicate_size and tensor_parallel_size must be positive",
         "the recipe (ge=1) and the CLI (nproc-zero) refuse these first",
+    ),
+    (
+        "src/cptune/parallel/layout.py",
+        "tensor_parallel_size applies only with fsdp_version: 2.",
+        "the recipe rule _tensor_parallel refuses it first (tp-without-fsdp)",
     ),
     (
         "src/cptune/parallel/layout.py",

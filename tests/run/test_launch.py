@@ -327,6 +327,12 @@ def test_default_processes_one_per_gpu():
     assert default_nproc_per_node(hsdp, gpu_count=8) == 8
     fixed = recipe(context_parallel_size=2, fsdp_version=2, dp_shard_size=2)
     assert default_nproc_per_node(fixed, gpu_count=8) == 4  # the layout the recipe fixes
+    tp = recipe(context_parallel_size=2, fsdp_version=2, tensor_parallel_size=2)
+    assert default_nproc_per_node(tp, gpu_count=8) == 8  # 2 data-parallel groups of cp 2 × tp 2
+    with pytest.raises(
+        LaunchError, match=r"groups of context_parallel_size × dp_replicate_size × tensor_parallel"
+    ):
+        default_nproc_per_node(tp, gpu_count=6)
     with pytest.raises(LaunchError) as error:
         default_nproc_per_node(recipe(context_parallel_size=3), gpu_count=8)
     assert str(error.value).startswith(

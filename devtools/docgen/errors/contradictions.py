@@ -338,6 +338,39 @@ ENTRIES: tuple[Entry, ...] = (
         "tiled_mlp_num_shards: applies only with tiled_mlp: true",
         "Add `tiled_mlp: true`, or remove `tiled_mlp_num_shards`.",
     ),
+    Entry(
+        "tp-without-fsdp",
+        SECTION,
+        "tensor_parallel_size without fsdp_version: 2",
+        "tensor_parallel_size: tensor_parallel_size=2 needs fsdp_version: 2",
+        "Tensor parallelism runs under FSDP2, which shards the tensor-parallel pieces over the dp_shard × cp "
+        "ranks and averages their gradients. Add `fsdp_version: 2`, or remove `tensor_parallel_size`.",
+    ),
+    Entry(
+        "tp-with-adapter",
+        SECTION,
+        "tensor_parallel_size with a LoRA adapter",
+        "adapter: lora with tensor_parallel_size=2 is not supported",
+        "cptune splits full fine-tunes only: LoRA layers are not split over tensor-parallel ranks. Train the "
+        "adapter with `context_parallel_size` and FSDP2 alone, or remove `adapter` for a full fine-tune.",
+    ),
+    Entry(
+        "tp-with-other-backend",
+        SECTION,
+        "tensor_parallel_size with cp_backend torch or deepspeed",
+        "cp_backend: torch with tensor_parallel_size=2 is not supported; use cp_backend: ring-flash-attn",
+        "Tensor parallelism is built and parity-tested with ring-flash-attn, which rings over each "
+        "tensor-parallel rank's own heads. Use `cp_backend: ring-flash-attn` (the default).",
+    ),
+    Entry(
+        "tp-with-deepspeed",
+        SECTION,
+        "tensor_parallel_size with DeepSpeed",
+        "zero_stage: DeepSpeed with tensor_parallel_size=2 is not supported (cptune's tensor parallelism runs "
+        "under FSDP2)",
+        "cptune's tensor parallelism runs under FSDP2, not DeepSpeed's engine: remove `deepspeed` / "
+        "`zero_stage` and set `fsdp_version: 2`.",
+    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = ()

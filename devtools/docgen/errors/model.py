@@ -239,6 +239,39 @@ ENTRIES: tuple[Entry, ...] = (
         "or remove `activation_offloading`. `cptune validate` prints the host RAM a recipe needs. Checked "
         "before anything is loaded.",
     ),
+    Entry(
+        "tp-not-dividing",
+        SECTION,
+        "context_parallel_size × tensor_parallel_size does not divide the number of processes",
+        "context_parallel_size=2 × tensor_parallel_size=2 = 4 does not divide the number of processes (6)",
+        "Launch a multiple of dp_replicate_size × context_parallel_size × tensor_parallel_size processes, or "
+        "change `tensor_parallel_size`.",
+    ),
+    Entry(
+        "tp-nothing-to-shard",
+        SECTION,
+        "tensor_parallel_size uses every process",
+        "tensor_parallel_size=2 uses every process, which leaves FSDP2 no ranks to shard over",
+        "FSDP2 shards over dp_shard × context_parallel_size ranks, which must be 2 or more next to the "
+        "tensor-parallel ranks. Launch twice the processes, or set `context_parallel_size: 2`.",
+    ),
+    Entry(
+        "tp-heads-not-dividing",
+        SECTION,
+        "tensor_parallel_size does not divide the model's heads",
+        "tensor_parallel_size: 3 does not divide the model's num_attention_heads (4)",
+        "Each tensor-parallel rank computes whole attention heads: choose a `tensor_parallel_size` that "
+        "divides both the attention heads and the key/value heads. Checked before anything is loaded.",
+    ),
+    Entry(
+        "tp-model-without-plan",
+        SECTION,
+        "A model without a tensor-parallel plan",
+        "has no tensor-parallel plan in transformers (config.base_model_tp_plan)",
+        "cptune splits a model as transformers' plan for its architecture says (Llama, Qwen2/3, Mistral and "
+        "most dense decoders have one). Remove `tensor_parallel_size` and shard with FSDP2 and "
+        "`context_parallel_size` alone.",
+    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = (

@@ -50,7 +50,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "mlflow_experiment_name": _MLFLOW,
     "mlflow_run_name": _MLFLOW,
     "hf_mlflow_log_artifacts": _MLFLOW,
-    "tensor_parallel_size": "tensor parallelism is not supported; shard model states with fsdp_version: 2.",
     "hub_model_id": _HUB,
     "hub_strategy": _HUB,
     "push_dataset_to_hub": _HUB,

@@ -381,6 +381,12 @@ class Recipe(
         description="With FSDP2: copies of the sharded model (HSDP: shard within a group, e.g. a node, "
         "replicate across groups); default 1.",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="With FSDP2: ranks that split each weight of the model's tensor-parallel plan (attention "
+        "heads, MLP columns) and see the same tokens; full fine-tunes with cp_backend: ring-flash-attn.",
+    )
 
     # --- context parallelism --------------------------------------------------
     context_parallel_size: int = Field(1, ge=1, description="Processes that split each sequence.")
@@ -470,9 +476,10 @@ class Recipe(
     @property
     def default_process_count(self) -> int:
         """Processes to start on one node when the command line does not say (``--nproc-per-node``)."""
+        group = self.resolved_dp_replicate_size * self.context_parallel_size * self.tensor_parallel_size
         if self.dp_shard_size is not None:
-            return self.resolved_dp_replicate_size * self.dp_shard_size * self.context_parallel_size
-        return self.resolved_dp_replicate_size * self.context_parallel_size
+            return group * self.dp_shard_size
+        return group
 
     @property
     def resolved_ring_attn_func(self) -> RingAttnFunc:
@@ -601,6 +608,46 @@ def _fsdp(r: Recipe) -> Iterator[tuple[str, str]]:
         return
 
 
+def _tensor_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Tensor parallelism.
+
+    - `tensor_parallel_size` > 1 needs `fsdp_version: 2` (the tensor-parallel pieces are sharded and their
+      gradients averaged by FSDP2).
+    - It trains full fine-tunes only (no `adapter`) with `cp_backend: ring-flash-attn`; DeepSpeed
+      (`deepspeed`, `zero_stage`) is refused with it.
+    - The model's attention heads and key/value heads must divide by it (checked when the model's config is
+      read).
+    """
+    if r.tensor_parallel_size == 1:
+        return
+    size = f"tensor_parallel_size={r.tensor_parallel_size}"
+    if r.fsdp_version != 2:
+        yield (
+            "tensor_parallel_size",
+            f"{size} needs fsdp_version: 2 (FSDP2 shards the tensor-parallel pieces and averages their "
+            "gradients); set it, or remove tensor_parallel_size.",
+        )
+    if r.adapter is not None:
+        yield (
+            "adapter",
+            f"{r.adapter} with {size} is not supported (LoRA layers are not split over tensor-parallel ranks); "
+            "train the adapter with context_parallel_size and FSDP2 alone, or remove tensor_parallel_size.",
+        )
+    if r.context_parallel_size > 1 and r.cp_backend != "ring-flash-attn":
+        yield (
+            "cp_backend",
+            f"{r.cp_backend} with {size} is not supported; use cp_backend: ring-flash-attn, which rings over "
+            "each tensor-parallel rank's own heads.",
+        )
+    for key in ("deepspeed", "zero_stage"):
+        if getattr(r, key) is not None:
+            yield (
+                key,
+                f"DeepSpeed with {size} is not supported (cptune's tensor parallelism runs under FSDP2); "
+                "shard with fsdp_version: 2 instead.",
+            )
+
+
 def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
     """Memory for long sequences.
 
@@ -642,6 +689,7 @@ RULES: tuple[Rule, ...] = (
     *(backend.recipe_rules for backend in BACKENDS.values()),
     _fsdp,
     fsdp1_rules,
+    _tensor_parallel,
     _adapter,
     *COMPAT_RULES,
     _memory,

@@ -1,13 +1,14 @@
-"""Process layout: world = dp_replicate × dp_shard × cp, as pure arithmetic.
+"""Process layout: world = dp_replicate × dp_shard × cp × tp, as pure arithmetic.
 
-Vocabulary: an *axis* is a mesh axis (``dp_replicate``, ``dp_shard``, ``cp``); a
-*dim* is a tensor dimension. Ranks are laid out with cp innermost,
-``rank = (replica * dp_shard + shard) * cp + cp_rank``, the order accelerate's
-device mesh uses, so the ranks of one CP group are consecutive and share a
-data-loader shard. Without FSDP there is one data-parallel axis (``dp_size``
-groups of ``cp_size`` ranks); with FSDP2 the model states are sharded over the
-``dp_shard × cp`` ranks of a replica and replicated across ``dp_replicate``
-replicas (HSDP).
+Vocabulary: an *axis* is a mesh axis (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``);
+a *dim* is a tensor dimension. Ranks are laid out with tp innermost, then cp,
+``rank = ((replica * dp_shard + shard) * cp + cp_rank) * tp + tp_rank``, the order
+accelerate's device mesh uses, so the ranks of one CP × TP group are consecutive
+and share a data-loader shard. Without FSDP there is one data-parallel axis
+(``dp_size`` groups of ``cp_size`` ranks); with FSDP2 the model states are
+sharded over the ``dp_shard × cp`` ranks of a replica and replicated across
+``dp_replicate`` replicas (HSDP). Tensor parallelism (FSDP2 only) splits each
+weight over the ``tp`` ranks first; FSDP2 shards those pieces.
 """
 
 from __future__ import annotations
@@ -31,20 +32,26 @@ class ParallelDims:
         dp_replicate_size: Replicas of the sharded model (FSDP2 only; 1 otherwise).
         fsdp: The recipe asks for FSDP2; the states are sharded only when there is more
             than one process (see :attr:`sharded`).
+        tp_size: Ranks that split each weight (tensor parallelism, FSDP2 only); they see the
+            same tokens.
     """
 
     world_size: int
     cp_size: int
     dp_replicate_size: int = 1
     fsdp: bool = False
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.cp_size < 1 or self.dp_replicate_size < 1:
+        if min(self.world_size, self.cp_size, self.dp_replicate_size, self.tp_size) < 1:
             raise LaunchError(
-                f"world size ({self.world_size}), context_parallel_size and dp_replicate_size must be positive."
+                f"world size ({self.world_size}), context_parallel_size, dp_replicate_size and "
+                "tensor_parallel_size must be positive."
             )
         if self.dp_replicate_size > 1 and not self.fsdp:
             raise LaunchError("dp_replicate_size applies only with fsdp_version: 2.")
+        if self.tp_size > 1:
+            self._check_tensor_parallel()
         if self.world_size % self.cp_size != 0:
             raise LaunchError(
                 f"context_parallel_size={self.cp_size} does not divide the number of processes "
@@ -67,6 +74,25 @@ class ParallelDims:
                 "states over every rank."
             )
 
+    def _check_tensor_parallel(self) -> None:
+        if not self.fsdp:
+            raise LaunchError("tensor_parallel_size applies only with fsdp_version: 2.")
+        unit = self.cp_size * self.tp_size * self.dp_replicate_size
+        if self.world_size % unit != 0:
+            raise LaunchError(
+                f"dp_replicate_size={self.dp_replicate_size} × context_parallel_size={self.cp_size} × "
+                f"tensor_parallel_size={self.tp_size} = {unit} does not divide the number of processes "
+                f"({self.world_size}). Launch a multiple of {unit} processes (e.g. --nproc-per-node {unit}), "
+                "or change tensor_parallel_size."
+            )
+        if self.world_size == self.tp_size * self.dp_replicate_size:
+            # accelerate's FSDP2 shards over the joint dp_shard × cp axis (parallelism_config.py:379).
+            raise LaunchError(
+                f"tensor_parallel_size={self.tp_size} uses every process, which leaves FSDP2 no ranks to shard "
+                f"over (dp_shard × context_parallel_size = 1). Launch {2 * self.world_size} processes, or set "
+                "context_parallel_size: 2."
+            )
+
     @classmethod
     def from_recipe(cls, recipe: Recipe, world_size: int) -> ParallelDims:
         """The layout of ``world_size`` processes for ``recipe``, checked against its ``dp_shard_size``."""
@@ -75,12 +101,14 @@ class ParallelDims:
             cp_size=recipe.context_parallel_size,
             dp_replicate_size=recipe.resolved_dp_replicate_size,
             fsdp=recipe.is_fsdp,
+            tp_size=recipe.tensor_parallel_size,
         )
         if recipe.dp_shard_size is not None and recipe.dp_shard_size != dims.dp_shard_size:
             wanted = recipe.default_process_count
+            tp = " × tensor_parallel_size" if dims.tp_size > 1 else ""
             raise LaunchError(
                 f"dp_shard_size={recipe.dp_shard_size} needs dp_replicate_size × dp_shard_size × "
-                f"context_parallel_size = {wanted} processes, but {world_size} were asked for. Launch "
+                f"context_parallel_size{tp} = {wanted} processes, but {world_size} were asked for. Launch "
                 f"{wanted} (e.g. --nproc-per-node {wanted}), or change dp_shard_size (or remove it: it "
                 "then follows from the number of processes)."
             )
@@ -89,7 +117,12 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         """Data-parallel groups: each sees its own batches (dp_replicate × dp_shard)."""
-        return self.world_size // self.cp_size
+        return self.world_size // self.batch_group_size
+
+    @property
+    def batch_group_size(self) -> int:
+        """Ranks that see the same batches: the cp × tp ranks of one data-parallel group."""
+        return self.cp_size * self.tp_size
 
     @property
     def dp_shard_size(self) -> int:
@@ -106,14 +139,19 @@ class ParallelDims:
 
     @property
     def shard_group_size(self) -> int:
-        """Ranks that hold one copy of the model states between them (1: every rank holds them whole)."""
-        return self.dp_shard_size * self.cp_size if self.sharded else 1
+        """Ranks that hold one copy of the model states between them (1: every rank holds them whole).
+
+        With tensor parallelism each weight is split over the tp ranks, and FSDP2 shards the
+        pieces over dp_shard × cp: the layers in the model's TP plan over all of them (the
+        weights outside the plan, such as norms, only over dp_shard × cp).
+        """
+        return self.dp_shard_size * self.cp_size * self.tp_size if self.sharded else 1
 
     def cp_rank(self, rank: int) -> int:
-        return rank % self.cp_size
+        return rank // self.tp_size % self.cp_size
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.cp_size
+        return rank // self.batch_group_size
 
     def describe(self) -> str:
         """One line for logs and ``cptune validate``, e.g. ``4 = 2 dp_shard × 2 cp; ...``."""
@@ -125,8 +163,13 @@ class ParallelDims:
         axes = [f"{self.dp_shard_size} dp_shard", f"{self.cp_size} cp"]
         if self.dp_replicate_size > 1:
             axes.insert(0, f"{self.dp_replicate_size} dp_replicate")
-        return (
-            f"{self.world_size} = {' × '.join(axes)}; model states sharded (FSDP2) over "
-            f"{self.shard_group_size} ranks (dp_shard × cp)"
-            + (f", replicated {self.dp_replicate_size}×" if self.dp_replicate_size > 1 else "")
+        shards = f"{self.shard_group_size} ranks (dp_shard × cp)"
+        if self.tp_size > 1:
+            axes.append(f"{self.tp_size} tp")
+            shards = (
+                f"{self.dp_shard_size * self.cp_size} ranks (dp_shard × cp), each weight first split over "
+                f"{self.tp_size} tp ranks"
+            )
+        return f"{self.world_size} = {' × '.join(axes)}; model states sharded (FSDP2) over {shards}" + (
+            f", replicated {self.dp_replicate_size}×" if self.dp_replicate_size > 1 else ""
         )

@@ -101,15 +101,18 @@ class StateLayout:
             ``"zero"`` (DeepSpeed ZeRO).
         ranks: Ranks the states are sharded over (1 for ``"whole"``).
         zero_stage: The ZeRO stage (0-3), for ``"zero"``.
+        tp_size: Tensor-parallel ranks that split each weight before FSDP2 shards it (the estimate
+            splits every weight so; those outside the model's TP plan, such as norms, are not).
     """
 
     sharding: Literal["whole", "fsdp", "zero"] = "whole"
     ranks: int = 1
     zero_stage: int = 0
+    tp_size: int = 1
 
     def describe(self) -> str:
         if self.sharding == "fsdp":
-            return f"FSDP2 over {self.ranks} ranks"
+            return f"FSDP2 over {self.ranks} ranks" + (f" × {self.tp_size} tp" if self.tp_size > 1 else "")
         if self.sharding == "zero":
             return f"ZeRO-{self.zero_stage} over {self.ranks} ranks"
         return "every rank whole (plain DDP)"
@@ -151,8 +154,8 @@ def state_memory(
         memory = fsdp_state_memory(**common, shard_ranks=layout.ranks)
         return replace(memory, weights=memory.weights + math.ceil(quantized * quantized_bytes))
     if layout.sharding == "fsdp":
-        memory = fsdp_state_memory(**common, shard_ranks=layout.ranks)
-        weight_ranks = layout.ranks
+        memory = fsdp_state_memory(**common, shard_ranks=layout.ranks * layout.tp_size)
+        weight_ranks = layout.ranks * layout.tp_size
     elif layout.sharding == "zero":
         memory = zero_state_memory(**common, stage=layout.zero_stage, ranks=layout.ranks)
         weight_ranks = layout.ranks if layout.zero_stage >= 3 else 1

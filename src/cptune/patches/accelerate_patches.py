@@ -314,3 +314,36 @@ def accelerator_state_fsdp_on_cpu_patch() -> Patch:
         signature=("self", "fsdp_plugin", "parallelism_config"),
         applies_to=ShardsModelStates(),
     )
+
+
+def _prepare_tp_passthrough(accelerator: Any, *args: Any) -> tuple[Any, ...]:
+    """``_prepare_tp`` when cptune split the model itself: leave every object to ``_prepare_fsdp2``."""
+    return args
+
+
+def prepare_tp_passthrough_patch(applies_to: Predicate) -> Patch:
+    """``Accelerator._prepare_tp`` → nothing to do: cptune applied the model's TP plan before ``prepare``.
+
+    accelerate/accelerator.py:1532 calls ``_prepare_tp`` whenever the parallelism config has
+    ``tp_size > 1``. Under FSDP2 its original (accelerator.py:1581-1657) imports
+    ``transformers.integrations.tensor_parallel.ReplicateParallel``, which transformers 5.23 no
+    longer defines (ImportError), to turn every weight outside the TP plan into a DTensor
+    replicated over ``tp``; it also prepares the data loaders and optimizer once more before
+    ``_prepare_fsdp2`` prepares them again. FSDP2 shards plain and tensor-parallel weights side
+    by side (measured: tp=2 × cp=2 equals one process to 1e-6, :mod:`cptune.parallel.tensor_parallel`),
+    so the replacement returns the objects unchanged and ``prepare`` goes on to ``_prepare_fsdp2``.
+    """
+    return Patch(
+        name="accelerate-prepare-tp-passthrough",
+        target="accelerate.accelerator:Accelerator._prepare_tp",
+        replacement=lambda original: _prepare_tp_passthrough,
+        reason=(
+            "cptune applies the model's tensor-parallel plan itself; FSDP2 then prepares everything.\n"
+            "accelerate/accelerator.py:1622 imports transformers.integrations.tensor_parallel.ReplicateParallel "
+            "under FSDP2, which transformers 5.23 removed, and prepares loaders and optimizer twice."
+        ),
+        remove_when="accelerate's _prepare_tp works with transformers' DTensor tensor-parallel styles under FSDP2.",
+        requires=ACCELERATE_REQUIREMENT,
+        signature=("self", "args"),
+        applies_to=applies_to,
+    )

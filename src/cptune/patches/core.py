@@ -94,6 +94,16 @@ class ShardsModelStates:
         return "fsdp_version: 2"
 
 
+class SplitsTensors:
+    """Predicate: the recipe splits weights over tensor-parallel ranks (``tensor_parallel_size`` > 1)."""
+
+    def __call__(self, recipe: Any) -> bool:
+        return int(getattr(recipe, "tensor_parallel_size", 1) or 1) > 1
+
+    def __str__(self) -> str:
+        return "tensor_parallel_size > 1"
+
+
 @dataclass(frozen=True, eq=False)
 class Patch:
     """One reversible replacement of an object inside an upstream library.

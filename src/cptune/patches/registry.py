@@ -27,9 +27,10 @@ from cptune.patches.accelerate_patches import (
     accelerator_state_fsdp_on_cpu_patch,
     cp_context_guard_patch,
     prepare_cp_patch,
+    prepare_tp_passthrough_patch,
     validate_accelerator_multi_cpu_patch,
 )
-from cptune.patches.core import ContextParallelWith, Patch, PatchSet
+from cptune.patches.core import ContextParallelWith, Patch, PatchSet, SplitsTensors
 from cptune.patches.deepspeed_patches import OnDeepSpeedEngine, deepspeed_engine_patches
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
@@ -73,6 +74,7 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
         validate_accelerator_multi_cpu_patch(on_ddp),
         accelerator_state_cp_without_fsdp_patch(on_ddp),
         accelerator_state_fsdp_on_cpu_patch(),
+        prepare_tp_passthrough_patch(SplitsTensors()),
         *deepspeed_engine_patches(on_deepspeed),
         loader_shares_cp_batches_patch(OnDeepSpeedEngine((), under_zero)),
     ]

@@ -85,7 +85,8 @@ def default_nproc_per_node(recipe: Any, gpu_count: int) -> int:
     On a GPU node: one per visible GPU, as ``axolotl train`` and ``accelerate launch`` do, so that the
     GPUs beyond the context-parallel group train data-parallel (dp = GPUs / cp); a recipe that fixes
     its layout with ``dp_shard_size`` gets exactly that layout. Without GPUs: the recipe's layout
-    (``dp_replicate_size × dp_shard_size × context_parallel_size``, 1 × 1 × cp by default).
+    (``dp_replicate_size × dp_shard_size × context_parallel_size × tensor_parallel_size``, 1 × 1 × cp × 1
+    by default).
 
     Args:
         recipe: The validated recipe.
@@ -96,11 +97,12 @@ def default_nproc_per_node(recipe: Any, gpu_count: int) -> int:
     """
     if gpu_count <= 0 or recipe.dp_shard_size is not None:
         return recipe.default_process_count
-    group = recipe.context_parallel_size * recipe.resolved_dp_replicate_size
+    group = recipe.context_parallel_size * recipe.resolved_dp_replicate_size * recipe.tensor_parallel_size
     if gpu_count % group:
+        tp = " × tensor_parallel_size" if recipe.tensor_parallel_size > 1 else ""
         raise LaunchError(
             f"{gpu_count} GPU(s) are visible, which cannot be split into groups of context_parallel_size × "
-            f"dp_replicate_size = {group}: cptune starts one process per GPU. Give --nproc-per-node (a multiple "
+            f"dp_replicate_size{tp} = {group}: cptune starts one process per GPU. Give --nproc-per-node (a multiple "
             f"of {group}), or choose the GPUs with CUDA_VISIBLE_DEVICES."
         )
     return gpu_count

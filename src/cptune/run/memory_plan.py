@@ -81,7 +81,7 @@ def activation_setup(recipe: Recipe, cp_size: int) -> ActivationSetup:
 def state_layout(recipe: Recipe, dims: ParallelDims) -> StateLayout:
     """How this layout spreads the model states: FSDP2, DeepSpeed ZeRO (its JSON's stage), or whole."""
     if dims.sharded:
-        return StateLayout("fsdp", dims.shard_group_size)
+        return StateLayout("fsdp", dims.shard_group_size // dims.tp_size, tp_size=dims.tp_size)
     stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
     if stage is not None:
         return StateLayout("zero", dims.world_size, stage)

@@ -227,6 +227,7 @@ def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factor
         processing_class=tokenizer,
         backend_factory=backend_factory,
         cp_size=dims.cp_size,
+        tp_size=dims.tp_size,
         shard_loss=shard_loss,
     )
 

@@ -32,6 +32,7 @@ from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
 from cptune.parallel.shard import TokenBatch, TokenCoords
+from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run.checkpoints import save_checkpoint_atomically
@@ -54,6 +55,7 @@ class CptuneTrainer(Trainer):
         backend_factory: BackendFactory,
         cp_size: int,
         shard_loss: ShardLoss = logits_loss,
+        tp_size: int = 1,
         **kwargs: Any,
     ):
         check_overrides(TRAINER_OVERRIDES).raise_for_problems()
@@ -68,6 +70,11 @@ class CptuneTrainer(Trainer):
             self.model.config.use_cache = use_cache
         self._shard_loss = shard_loss
         self.cp_size = cp_size
+        # Ranks that see the same batches: a CP group, times the tensor-parallel ranks of each of its ranks.
+        self.batch_group_size = cp_size * tp_size
+        if tp_size > 1:
+            # On the tp axis of accelerate's own mesh, which FSDP2 shards over (cptune.parallel.tensor_parallel).
+            apply_tensor_parallel(self.model, self.accelerator.torch_device_mesh["tp"])
         self.cp_backend = backend_factory(self.accelerator)
         self.data_collator = self.cp_backend.wrap_collator(self.data_collator)
         self._gradient_divisor = gradient_divisor(self.cp_backend, self.accelerator.num_processes)
@@ -95,7 +102,10 @@ class CptuneTrainer(Trainer):
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = sum((count_targets(b["shift_labels"]) for b in batch_samples), torch.tensor(0))
-        # Ranks that shard the batch themselves each count the whole batch of their CP group.
+        # Ranks that shard the batch themselves each count the whole batch of their CP group. The
+        # tensor-parallel ranks count it once more each: the count comes out tp times the step's, as
+        # does the world size the loss is scaled by while FSDP2 averages over world / tp ranks, so the
+        # two cancel and the logged loss (a mean over every rank) is the step's token mean.
         copies = 1 if self.cp_backend.batch_is_sharded else self.cp_size
         return step_target_count(local.to(device), copies)
 
@@ -137,8 +147,8 @@ class CptuneTrainer(Trainer):
             raise RuntimeError(
                 f"{type(self.cp_backend).__name__} gives no token coordinates for exact dropout"
             )
-        dp_size = self.accelerator.num_processes // self.cp_size
-        dp_rank = self.accelerator.process_index // self.cp_size
+        dp_size = self.accelerator.num_processes // self.batch_group_size
+        dp_rank = self.accelerator.process_index // self.batch_group_size
         number = self.cp_backend.batch_number(self._micro.index, dp_rank, dp_size)
         self._dropout_keys.set_coords(coords, first_row=number * self.args.per_device_train_batch_size)
 
@@ -167,7 +177,7 @@ class CptuneTrainer(Trainer):
         # A backend whose training batches are split by its data loader (DeepSpeed Ulysses) turns
         # sequence parallelism off in eval, so each rank evaluates whole rows: every rank then
         # takes rows of its own, else the sums would count each row on every rank of its group.
-        split = 1 if self.cp_backend.batch_is_sharded else self.cp_size
+        split = 1 if self.cp_backend.batch_is_sharded else self.batch_group_size
         return build_eval_dataloader(
             dataset,
             batch_size=self.args.eval_batch_size,
@@ -241,7 +251,7 @@ class CptuneTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
             # Every rank logs training steps together, so this collective is matched.
-            tokens_per_second = self._throughput.rate(self.cp_size)
+            tokens_per_second = self._throughput.rate(self.batch_group_size)
             if tokens_per_second is not None:
                 logs["tokens_per_second"] = round(tokens_per_second, 1)
                 logs["tokens_per_second_per_process"] = round(
@@ -304,12 +314,12 @@ class Throughput:
         """Leave ``seconds`` (e.g. an evaluation) out of the current interval."""
         self._since += seconds
 
-    def rate(self, cp_size: int) -> float | None:
-        """Tokens per second since the last call; every rank of a CP group counted the same batches."""
+    def rate(self, batch_group_size: int) -> float | None:
+        """Tokens per second since the last call; every rank of a CP (× TP) group counted the same batches."""
         # On the process group's device: NCCL refuses the CPU tensor this count starts as.
         total = all_reduce_sum(torch.tensor(self._tokens, dtype=torch.int64))
         now = time.perf_counter()
         elapsed, self._since, self._tokens = now - self._since, now, 0
         if elapsed <= 0:
             return None
-        return int(total) / cp_size / elapsed
+        return int(total) / batch_group_size / elapsed

@@ -201,4 +201,27 @@ CASES: tuple[Case, ...] = (
         "tiled-mlp-shards-without-tiled-mlp",
         keys={"tiled_mlp_num_shards": 4},
     ),
+    Case(
+        "tp-without-fsdp",
+        keys={"tensor_parallel_size": 2, "context_parallel_size": 2, "adapter": DELETE},
+    ),
+    Case(
+        "tp-with-adapter",
+        keys={"tensor_parallel_size": 2, "context_parallel_size": 2, "fsdp_version": 2},
+    ),
+    Case(
+        "tp-with-other-backend",
+        keys={
+            "tensor_parallel_size": 2,
+            "context_parallel_size": 2,
+            "fsdp_version": 2,
+            "adapter": DELETE,
+            "cp_backend": "torch",
+            "sample_packing": False,
+        },
+    ),
+    Case(
+        "tp-with-deepspeed",
+        keys={"tensor_parallel_size": 2, "context_parallel_size": 2, "zero_stage": 2, "adapter": DELETE},
+    ),
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.reliability.catalogue.framework import Case
+from tests.reliability.catalogue.framework import DELETE, Case
 from tests.reliability.catalogue.setups import (
     _bloom_model,
     _dropout_model,
@@ -140,5 +140,24 @@ CASES: tuple[Case, ...] = (
         "activation-offloading-host-ram",
         keys={"activation_offloading": True, "gradient_checkpointing": True, "sequence_len": 1 << 40},
         command="validate",
+    ),
+    Case(
+        "tp-not-dividing",
+        keys={"fsdp_version": 2, "context_parallel_size": 2, "tensor_parallel_size": 2, "adapter": DELETE},
+        args=("--nproc-per-node", "6"),
+    ),
+    Case(
+        "tp-nothing-to-shard",
+        keys={"fsdp_version": 2, "tensor_parallel_size": 2, "adapter": DELETE},
+    ),
+    Case(
+        "tp-heads-not-dividing",
+        keys={"fsdp_version": 2, "context_parallel_size": 2, "tensor_parallel_size": 3, "adapter": DELETE},
+        args=("--nproc-per-node", "6"),
+    ),
+    Case(
+        "tp-model-without-plan",
+        keys={"fsdp_version": 2, "context_parallel_size": 2, "tensor_parallel_size": 2, "adapter": DELETE},
+        setup=_bloom_model,
     ),
 )

@@ -13,6 +13,7 @@ from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attent
 from cptune.parallel.backends.spec import BackendPlan
 from cptune.parallel.backends.table import BACKENDS, backend_for
 from cptune.parallel.layout import ParallelDims
+from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 
 __all__ = [
     "BackendPlan",
@@ -102,6 +103,7 @@ def check_model_config(recipe: Any, dims: ParallelDims, config: Any, model_class
     """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
     text = config.get_text_config()
     backend = backend_for(recipe, dims.cp_size)
+    check_tensor_parallel_model(config, model_class, dims.tp_size)
     if not dims.cp_enabled and recipe.causal:
         return  # transformers' own attention (sdpa) runs: nothing of cptune's to refuse
     computed_by = backend.label  # what computes the attention, for the messages

@@ -139,8 +139,9 @@ class CpBackend(Protocol):
 def accelerate_parallelism(dims: Any) -> TrainerParallelism:
     """accelerate's mesh for cptune's own sharding next to plain DDP or FSDP2 (None when neither needs one).
 
-    One mesh, dp_replicate × dp_shard × cp (cp innermost). With FSDP2 the model states are
-    sharded over dp_shard × cp. Without it (plain DDP) the data-parallel axis is declared as
+    One mesh, dp_replicate × dp_shard × cp × tp (tp innermost). With FSDP2 the model states are
+    sharded over dp_shard × cp; with tensor parallelism, accelerate's data loader gives the tp
+    ranks the same batch too (``process_index // (tp · cp)``). Without it (plain DDP) the data-parallel axis is declared as
     dp_shard, since accelerate refuses dp_replicate > 1 with cp > 1 unless sharding; the name
     then has no effect on the model. accelerate's data loader gives every rank of a CP group
     the same batch either way (rank // cp, accelerate/data_loader.py).
@@ -151,6 +152,9 @@ def accelerate_parallelism(dims: Any) -> TrainerParallelism:
 
     return TrainerParallelism(
         ParallelismConfig(
-            dp_replicate_size=dims.dp_replicate_size, dp_shard_size=dims.dp_shard_size, cp_size=dims.cp_size
+            dp_replicate_size=dims.dp_replicate_size,
+            dp_shard_size=dims.dp_shard_size,
+            cp_size=dims.cp_size,
+            tp_size=dims.tp_size,
         )
     )
