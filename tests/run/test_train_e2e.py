@@ -1,4 +1,4 @@
-"""`cptune train` end to end, as a user runs it: cp=4 and dp=2×cp=2 equal cp=1 through the Trainer."""
+"""`cptune train` end to end: cp=4 and dp=2×cp=2 (one launch of 4 processes) equal cp=1 through the Trainer."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import torch
 
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
 from tests.conftest import logged, logged_losses, max_rel_diff, run_cptune
+from tests.dist_utils import run_ranks
+from tests.run.test_resume import WORKER
 
 
 @pytest.mark.distributed
@@ -19,15 +21,7 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_mod
     AdamW would hide it (its update does not change when the gradient is scaled).
     ``lora_dropout: 0.1``: each rank must draw its slice of the masks cp=1 draws.
     """
-    runs = {
-        "cp1": ["--context_parallel_size=1"],
-        "cp4": ["--context_parallel_size=4"],
-        # dp=2 groups of micro batch 1: the rows the cp=1 run trains as micro batch 2.
-        "dp2xcp2": ["--context_parallel_size=2", "--micro_batch_size=1", "--nproc-per-node", "4"],
-    }
-    # 5 steps logged every 2: the last step is not a logging step, so the run's train_loss includes
-    # a loss that the Trainer does not average over the ranks unless cptune logs the last step.
-    recipe = write_recipe(
+    common = dict(
         max_steps=5,
         logging_steps=2,
         optimizer="sgd",
@@ -37,13 +31,29 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_mod
         val_set_size=5,  # 5 rows over 2 data-parallel groups: one group evaluates a filler row
         eval_steps=5,
     )
-    logs = {}
-    for name, extra in runs.items():
-        out = tmp_path / name
-        done = run_cptune("train", str(recipe), f"--output_dir={out}", *extra)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "Traceback" not in done.stderr
-        logs[name] = {key: logged(out, key) for key in ("loss", "grad_norm", "eval_loss", "train_loss")}
+    # 5 steps logged every 2: the last step is not a logging step, so the run's train_loss includes
+    # a loss that the Trainer does not average over the ranks unless cptune logs the last step.
+    recipe = write_recipe(**common)
+    cp1 = tmp_path / "cp1"
+    done = run_cptune("train", str(recipe), f"--output_dir={cp1}", "--context_parallel_size=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    # cp=4, and dp=2 groups of micro batch 1 (the rows the cp=1 run trains as micro batch 2): both
+    # world size 4, so one launch of 4 processes trains them one after the other. `cptune train`'s
+    # own launch of 4 processes is run by tests/run/test_train_torch_cp.py and test_deepspeed_e2e.py.
+    layouts = {
+        "cp4": {"context_parallel_size": 4},
+        "dp2xcp2": {"context_parallel_size": 2, "micro_batch_size": 1},
+    }
+    recipes = [
+        write_recipe(f"{name}.yaml", **common, **keys, output_dir=str(tmp_path / name))
+        for name, keys in layouts.items()
+    ]
+    run_ranks(WORKER, 4, tmp_path / "launch", *map(str, recipes))
+    logs = {
+        name: {key: logged(tmp_path / name, key) for key in ("loss", "grad_norm", "eval_loss", "train_loss")}
+        for name in ("cp1", *layouts)
+    }
     expected = logs["cp1"]
     # Logged after steps 1 (the first), 2, 4 and 5 (the last).
     assert sorted(expected["loss"]) == [1, 2, 4, 5] and len(set(expected["loss"].values())) > 1
@@ -77,8 +87,6 @@ def assert_adapter_loads_with_peft(out, tiny_model_dir) -> None:
 @pytest.mark.distributed
 def test_train_reverts_every_patch_after_success_and_failure(write_recipe, tmp_path):
     from pathlib import Path
-
-    from tests.dist_utils import run_ranks
 
     recipe = write_recipe(max_steps=1, context_parallel_size=2)
     worker = Path(__file__).with_name("revert_worker.py")

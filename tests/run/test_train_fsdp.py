@@ -84,17 +84,30 @@ def weight_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
     return {k: float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected}
 
 
-@pytest.fixture(scope="module")
-def full_runs(tmp_path_factory):
-    """The CPU example's full fine-tune (SGD, 4 steps), sharded on 4 processes and in one process.
+def train_in_one_launch(world_size: int, launch_dir: Path, *recipes: Path) -> dict[str, list[dict]]:
+    """Train ``recipes`` one after the other in one launch of ``world_size`` processes.
 
-    Gradient accumulation 2 (the example's). Evaluated at the end on 5 held-out samples,
-    which pack into rows that do not split evenly over the 2 data-parallel groups: every
-    sharded forward gathers weights from all 4 ranks, so the ranks must still run the same
-    number of evaluation forwards. This is also the run of ``examples/cpu/fsdp2.yaml`` that
-    tests/test_examples.py counts on.
+    Returns each recipe's output_dir name → the reports of its ranks (tests/run/train_worker.py).
     """
-    root = tmp_path_factory.mktemp("fsdp-full")
+    ranks = run_ranks(WORKER, world_size, launch_dir, *map(str, recipes))
+    names = [yaml.safe_load(recipe.read_text())["output_dir"] for recipe in recipes]
+    return {Path(name).name: [rank["runs"][i] for rank in ranks] for i, name in enumerate(names)}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory, tiny_model_dir):
+    """The 4-process runs (dp_shard=2 × cp=2) of this module, in one launch, and their one-process references.
+
+    ``sharded``: the CPU example's full fine-tune (SGD, 4 steps). Gradient accumulation 2
+    (the example's). Evaluated at the end on 5 held-out samples, which pack into rows that
+    do not split evenly over the 2 data-parallel groups: every sharded forward gathers
+    weights from all 4 ranks, so the ranks must still run the same number of evaluation
+    forwards. This is also the run of ``examples/cpu/fsdp2.yaml`` that
+    tests/test_examples.py counts on.
+
+    ``lora``: a LoRA run of the tiny model (SGD, gradient accumulation 2).
+    """
+    root = tmp_path_factory.mktemp("fsdp-4")
     example = yaml.safe_load(EXAMPLE.read_text())
     keys = {
         **example,
@@ -110,13 +123,38 @@ def full_runs(tmp_path_factory):
         "val_set_size": 5,
         "eval_steps": MAX_STEPS,
     }
-    recipe = root / "sharded.yaml"
-    recipe.write_text(yaml.safe_dump(keys))
+    full = root / "sharded.yaml"
+    full.write_text(yaml.safe_dump(keys))
+    lora_keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
+    lora = write_recipe(root, tiny_model_dir, "lora", gradient_accumulation_steps=2, **lora_keys)
     with auditing(root / "collectives") as audit:
-        ranks = run_ranks(WORKER, 4, root / "sharded", str(recipe))
-    reference = one_process_reference(recipe, root / "reference")
+        ranks = train_in_one_launch(4, root / "launch", full, lora)
     audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
-    return root / "sharded", ranks, reference
+    references = {
+        "sharded": one_process_reference(full, root / "reference"),
+        "lora": one_process_reference(lora, root / "lora-reference"),
+    }
+    return root, ranks, references
+
+
+@pytest.fixture(scope="module")
+def full_runs(four_rank_runs):
+    """The full fine-tune's output_dir, its ranks' reports and its one-process reference."""
+    root, ranks, references = four_rank_runs
+    return root / "sharded", ranks["sharded"], references["sharded"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, tiny_model_dir):
+    """The 2-process runs (cp=2, FSDP2 over both ranks) of this module, in one launch.
+
+    ``uninterrupted``: AdamW, a checkpoint every SAVE_STEPS, the reference of the resume test.
+    ``bf16``: LoRA in bf16, 2 steps.
+    """
+    root = tmp_path_factory.mktemp("fsdp-2")
+    uninterrupted = write_recipe(root, tiny_model_dir, "uninterrupted", save_steps=SAVE_STEPS)
+    bf16 = write_recipe(root, tiny_model_dir, "bf16", adapter="lora", lora_r=8, bf16=True, max_steps=2)
+    return root, train_in_one_launch(2, root / "launch", uninterrupted, bf16)
 
 
 @pytest.mark.distributed
@@ -168,16 +206,20 @@ def test_each_of_4_ranks_holds_a_quarter_of_the_weights(full_runs):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_resume_from_a_sharded_checkpoint_continues_the_loss_curve_exactly(tmp_path, tiny_model_dir):
+def test_resume_from_a_sharded_checkpoint_continues_the_loss_curve_exactly(
+    two_rank_runs, tmp_path, tiny_model_dir
+):
     # AdamW, so the sharded moments must come back exactly; cp=2 on 2 processes, FSDP2 over both.
     keys = {"save_steps": SAVE_STEPS}
-    uninterrupted = write_recipe(tmp_path, tiny_model_dir, "uninterrupted", **keys)
-    ranks = run_ranks(WORKER, 2, tmp_path / "uninterrupted", str(uninterrupted))
-    for rank in ranks:
+    root, runs = two_rank_runs
+    for rank in runs["uninterrupted"]:
         # Each rank holds half of the Adam moments (2 per weight).
         assert rank["optimizer_bytes"] == pytest.approx(rank["model_weight_bytes"], rel=0.01)
 
-    recipe = write_recipe(tmp_path, tiny_model_dir, "interrupted", **keys)
+    # The data the uninterrupted run prepared (the same recipe but for output_dir).
+    recipe = write_recipe(
+        tmp_path, tiny_model_dir, "interrupted", dataset_prepared_path=str(root / "prepared"), **keys
+    )
     interrupted = tmp_path / "interrupted"
     checkpoint = interrupted / f"checkpoint-{SAVE_STEPS}"
     with auditing(tmp_path / "collectives") as audit:
@@ -195,38 +237,33 @@ def test_resume_from_a_sharded_checkpoint_continues_the_loss_curve_exactly(tmp_p
     audit.check(STEP_TARGETS, THROUGHPUT)
     succeeded(done)
     assert f"resuming from {checkpoint}" in done.stderr
-    expected, resumed = step_logs(tmp_path / "uninterrupted", "loss"), step_logs(interrupted, "loss")
+    expected, resumed = step_logs(root / "uninterrupted", "loss"), step_logs(interrupted, "loss")
     after = [step for step in expected if step > SAVE_STEPS]
     assert after and all(step in resumed for step in after)
     diffs = [rel(resumed[step], expected[step]) for step in after]
     print("resumed vs uninterrupted losses after the checkpoint:", diffs)
     assert max(diffs) <= 1e-6
     final = load_file(interrupted / "model.safetensors")
-    assert (
-        max(weight_diffs(final, load_file(tmp_path / "uninterrupted" / "model.safetensors")).values()) <= 1e-6
-    )
+    assert max(weight_diffs(final, load_file(root / "uninterrupted" / "model.safetensors")).values()) <= 1e-6
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(tmp_path, tiny_model_dir):
+def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(four_rank_runs, tiny_model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
-    recipe = write_recipe(tmp_path, tiny_model_dir, "sharded", gradient_accumulation_steps=2, **keys)
-    ranks = run_ranks(WORKER, 4, tmp_path / "sharded", str(recipe))
-    reference = one_process_reference(recipe, tmp_path / "reference")
+    root, runs, references = four_rank_runs
+    ranks, reference, sharded = runs["lora"], references["lora"], root / "lora"
     expected = logged_losses(reference)
     losses = max(rel(a, b) for rank in ranks for a, b in zip(rank["losses"], expected, strict=True))
     print("losses, dp_shard=2 x cp=2 vs one process:", losses)
     assert losses <= LOSS_TOL, (ranks, expected)
-    grad_norm = max_rel_diff(logged(tmp_path / "sharded", "grad_norm"), logged(reference, "grad_norm"))
+    grad_norm = max_rel_diff(logged(sharded, "grad_norm"), logged(reference, "grad_norm"))
     print("LoRA, dp_shard=2 x cp=2 vs one process, gradient norms:", grad_norm)
     # Measured: 1.0e-7.
     assert grad_norm <= 1e-6
 
-    sharded = tmp_path / "sharded"
     assert not (sharded / "model.safetensors").exists(), "a LoRA run saves the adapter only"
     adapter = load_file(sharded / "adapter_model.safetensors")
     diffs = weight_diffs(adapter, load_file(reference / "adapter_model.safetensors"))
@@ -241,10 +278,9 @@ def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(tmp_path, t
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(tmp_path, tiny_model_dir):
-    keys = {"adapter": "lora", "lora_r": 8, "bf16": True, "max_steps": 2}
-    recipe = write_recipe(tmp_path, tiny_model_dir, "sharded", **keys)
-    ranks = run_ranks(WORKER, 2, tmp_path / "sharded", str(recipe))
+def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_runs, tmp_path):
+    root, runs = two_rank_runs
+    recipe, ranks = root / "bf16.yaml", runs["bf16"]
     for rank in ranks:
         # The frozen base stays in bf16; the trained adapter is kept in fp32 and cast to bf16 for compute.
         assert rank["frozen_dtypes"] == ["torch.bfloat16"] and rank["trained_dtypes"] == ["torch.float32"]
@@ -260,7 +296,7 @@ def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(tmp_path, 
     print("bf16, FSDP2 cp=2 vs one process, first loss:", diff)
     assert diff <= 5e-4, (ranks[0]["losses"], expected)
     # The saved adapter holds the fp32 weights it trained.
-    assert {str(t.dtype) for t in load_file(tmp_path / "sharded" / "adapter_model.safetensors").values()} == {
+    assert {str(t.dtype) for t in load_file(root / "bf16" / "adapter_model.safetensors").values()} == {
         "torch.float32"
     }
 

@@ -1,14 +1,16 @@
-"""One rank of a cptune training run for the checkpoint tests.
+"""One rank of a launch that trains one or more cptune recipes, for the checkpoint and FSDP tests.
 
-Usage: train_worker.py OUT_DIR RECIPE [--crash-saving-step N]
+Usage: train_worker.py OUT_DIR RECIPE [RECIPE ...] [--crash-saving-step N]
 
-Runs ``cptune.run.train.train(recipe)``. Without ``--crash-saving-step``, rank 0
-then writes the trained model's logits for a fixed input, computed with the
-unwrapped model in a plain forward over the whole input (no CP; every rank joins
-in when the model is sharded with FSDP2), to ``OUT_DIR/logits.pt``.
-With it, every rank kills itself with SIGKILL while the Trainer is writing
-checkpoint N (after the model files, before the optimizer state), like a
-machine that goes down mid-save.
+Runs ``cptune.run.train.train`` on each recipe in turn, in the same processes (process
+start-up dominates short CPU runs: one launch, not one per recipe). Without
+``--crash-saving-step``, rank 0 then writes each trained model's logits for a fixed
+input, computed with the unwrapped model in a plain forward over the whole input (no CP;
+every rank joins in when the model is sharded with FSDP2), to ``logits.pt`` in that
+recipe's output_dir. Each rank writes ``OUT_DIR/rank{r}.json``: ``{"runs": [report per
+recipe]}``. With ``--crash-saving-step``, every rank kills itself with SIGKILL while the
+Trainer is writing checkpoint N (after the model files, before the optimizer state), like
+a machine that goes down mid-save.
 """
 
 from __future__ import annotations
@@ -33,12 +35,19 @@ def fixed_input_ids(tokenizer) -> torch.Tensor:
 
 
 def main() -> None:
-    out_dir, recipe_path = Path(sys.argv[1]), sys.argv[2]
-    crash_step = (
-        int(sys.argv[sys.argv.index("--crash-saving-step") + 1])
-        if "--crash-saving-step" in sys.argv
-        else None
-    )
+    args = sys.argv[1:]
+    crash_step = None
+    if "--crash-saving-step" in args:
+        at = args.index("--crash-saving-step")
+        crash_step = int(args[at + 1])
+        del args[at : at + 2]
+    out_dir, recipes = Path(args[0]), args[1:]
+    reports = [train_one(recipe, crash_step) for recipe in recipes]
+    (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps({"runs": reports}))
+
+
+def train_one(recipe_path: str, crash_step: int | None) -> dict:
+    """Train ``recipe_path``; rank 0 saves the trained model's logits in its output_dir; returns the report."""
     built = {}
     build = train_module._build_trainer
 
@@ -57,7 +66,10 @@ def main() -> None:
         return trainer
 
     train_module._build_trainer = build_and_keep
-    result = train_module.train(load_recipe(recipe_path))
+    try:
+        result = train_module.train(load_recipe(recipe_path))
+    finally:
+        train_module._build_trainer = build
     rank = read_dist_env().rank
     trainer = built["trainer"]
     # Measured before the forward below: FSDP2 keeps the root's and the output layer's weights
@@ -72,8 +84,8 @@ def main() -> None:
         with torch.no_grad():
             logits = model(input_ids=fixed_input_ids(trainer.processing_class)).logits
         if rank == 0:
-            torch.save(logits, out_dir / "logits.pt")
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+            torch.save(logits, Path(result.output_dir) / "logits.pt")
+    return report
 
 
 def state_bytes(trainer) -> dict[str, int]:

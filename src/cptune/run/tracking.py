@@ -10,17 +10,16 @@ The run's files go under ``output_dir/wandb`` unless ``WANDB_DIR`` says otherwis
 
 from __future__ import annotations
 
+# transformers' Trainer modules are not imported here: preflight (in the launcher process, which
+# never trains) checks the trackers, and importing transformers.trainer_callback imports peft and,
+# through it, bitsandbytes, which compiles functions with torch.compile at import. The loss
+# watchdog callback lives in cptune.run.watchdog.
 import importlib.util
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import TrainerCallback
-
 from cptune.config.recipe import Recipe
 from cptune.errors import BackendUnavailableError
-
-log = logging.getLogger("cptune.train")
 
 WANDB_INSTALL_HINT = "pip install 'cptune[wandb]'"
 
@@ -53,40 +52,10 @@ def tracker_environment(recipe: Recipe, environ: Mapping[str, str]) -> dict[str,
     return env
 
 
-class LossWatchdog(TrainerCallback):
-    """Stop training when the logged loss stays above a threshold (Axolotl's ``loss_watchdog_*``).
-
-    Every rank sees the same logged loss (the Trainer averages it over processes), so every rank
-    stops at the same step; the run then ends as a finished run does, saving the model.
-    """
-
-    def __init__(self, threshold: float, patience: int):
-        self.threshold = threshold
-        self.patience = patience
-        self.violations = 0
-
-    def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **kwargs: Any
-    ):
-        loss = (logs or {}).get("loss")
-        if loss is None:
-            return control
-        self.violations = self.violations + 1 if loss > self.threshold else 0
-        if self.violations >= self.patience:
-            if state.is_world_process_zero:
-                log.warning(
-                    "loss_watchdog: the loss was above %s for %d logs in a row (last %.4f); stopping at step %d",
-                    self.threshold,
-                    self.violations,
-                    loss,
-                    state.global_step,
-                )
-            control.should_training_stop = True
-        return control
-
-
 def recipe_callbacks(recipe: Recipe) -> list[Any]:
     """The Trainer callbacks the recipe's keys ask for."""
     if recipe.loss_watchdog_threshold is None:
         return []
+    from cptune.run.watchdog import LossWatchdog
+
     return [LossWatchdog(recipe.loss_watchdog_threshold, recipe.loss_watchdog_patience)]
