@@ -41,6 +41,11 @@ DIFFERENCES: dict[str, str] = {
     "meaning).",
     "lora_model_dir": "starts training from the adapter in the folder (Axolotl also merges from it).",
     "resume_from_checkpoint": "also `true`: the newest complete checkpoint in output_dir.",
+    "plugins": "CutCrossEntropyPlugin and LigerPlugin turn on cptune's chunked loss (cut_cross_entropy); other "
+    "plugins are refused, one line each.",
+    "tensor_parallel_size": "full fine-tunes with fsdp_version: 2 and cp_backend: ring-flash-attn (the model's "
+    "transformers TP plan on the tp axis of the mesh); adapters, the torch and deepspeed backends and DeepSpeed "
+    "ZeRO are refused with it.",
 }
 
 HEADER = """# Migrating from Axolotl
@@ -80,7 +85,15 @@ what to do, and notes keys that it accepts with a meaning of its own.
   lm_head]` (validate says so).
 - **Launching**: on a GPU node `cptune train` starts one process per visible GPU, as `axolotl train`
   does ([launching](launching.md)).
-- **Plugins and kernels** (`plugins`, `liger_*`, `lora_*_kernel`) are refused one line each.
+- **DeepSpeed ZeRO** (`deepspeed: zero3.json` or `zero_stage`) runs with every `cp_backend`,
+  ring-flash-attn and torch CP included, and with the tiled MLP and the chunked loss at ZeRO-3 (the
+  ALST recipes).
+- **Tensor parallelism** (`tensor_parallel_size`) splits each weight by the model's own
+  transformers plan, next to CP and FSDP2, for full fine-tunes with `cp_backend: ring-flash-attn`;
+  other combinations are refused with the reason.
+- **Plugins and kernels**: `CutCrossEntropyPlugin` and `LigerPlugin` become cptune's chunked loss,
+  and `lora_*_kernel` runs peft's LoRA layers (validate notes each); other plugins and the `liger_*`
+  switches are refused one line each.
 
 ## What cptune does with the keys of Axolotl's examples
 
@@ -105,8 +118,9 @@ FOOTER = """
   evaluation set.
 - **`ring_attn_func: batch_ring` is not available**: `varlen_llama3` (default) handles packed and
   unpacked rows with any `micro_batch_size`; `batch_zigzag` balances causal work on unpacked rows.
-- **FSDP1** (`fsdp: [full_shard, auto_wrap]` and its `fsdp_config` settings) is refused: use
-  `fsdp_version: 2`. The full key list, with types and defaults: [recipe reference](reference/recipe.md).
+- **FSDP1 recipes run with FSDP2**: there is no FSDP1 in cptune, so the FSDP1-only settings do
+  nothing (validate says so for each). The full key list, with types and defaults:
+  [recipe reference](reference/recipe.md).
 """
 
 
