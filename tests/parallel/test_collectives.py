@@ -37,7 +37,7 @@ def one_process_group(backend: str) -> Iterator[None]:
 
 
 CPTUNE_COLLECTIVES: dict[str, Callable[[], object]] = {
-    "Throughput.rate": lambda: Throughput().rate(cp_size=1),
+    "Throughput.rate": lambda: Throughput().rate(batch_group_size=1),
     "all_reduce_totals": lambda: all_reduce_totals(torch.tensor(2.0), torch.tensor(1)),
     "step_target_count": lambda: step_target_count(torch.tensor(4), copies=1),
     "all_reduce_sum": lambda: all_reduce_sum(torch.tensor(1)),
@@ -64,7 +64,7 @@ def test_groups_that_serve_the_cpu_get_cpu_tensors_and_the_sum_comes_back_where_
         assert total.tolist() == [1.5, 2.0] and total.dtype == torch.float64
         throughput = Throughput()
         throughput.add(10)
-        assert throughput.rate(cp_size=1) > 0
+        assert throughput.rate(batch_group_size=1) > 0
         assert step_target_count(torch.tensor(6), copies=2).item() == 3
     with one_process_group("cpu:gloo,cuda:gloo"):
         assert group_device() == torch.device("cpu")  # tiny tensors need no copy to the GPU
