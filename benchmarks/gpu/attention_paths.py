@@ -120,6 +120,10 @@ def measure_length(model, optimizer, found, seq_len, args, device) -> dict[str, 
                 optimizer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
                 continue
+            except Exception as err:  # noqa: BLE001 - recorded; the other paths still run
+                failed[name] = f"{type(err).__name__}: {str(err).strip()[:300]}"
+                optimizer.zero_grad(set_to_none=True)
+                continue
             if index >= args.warmup:
                 times[name].append(time.perf_counter() - started)
             if device == "cuda":

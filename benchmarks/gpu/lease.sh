@@ -1,83 +1,92 @@
 #!/usr/bin/env bash
-# cptune's GPU checks for one lent single-GPU machine (benchmarks/gpu/LEASE.md says how to run it).
+# cptune's GPU checks in one device call (benchmarks/gpu/LEASE.md says how to run it).
 #
-#   bash benchmarks/gpu/lease.sh setup kernels multirank   # device call 1, ~6 min
-#   bash benchmarks/gpu/lease.sh setup paths               # device call 2, ~8 min
-#   bash benchmarks/gpu/lease.sh --dry-run all             # on CPU here: every phase, tiny sizes
+#   bash benchmarks/gpu/lease.sh              # on the GPU machine: every phase, <= LEASE_SECONDS (560)
+#   bash benchmarks/gpu/lease.sh --dry-run    # here, on CPU, in the image-like environment
 #
-# Phases run in the order given; a failing phase is reported and the next one still runs (exit 1
-# at the end). Results: $OUT/{env,kernels,multirank,paths}.json and a log per phase.
+# Phases, in order of value, each under a hard limit (timeout -k 10 ends its whole process
+# group, spawned ranks included) that is also cut to the time the lease has left:
+#   setup     <=  30 s  carried wheels into $SITE, env.json (GPU, driver, CUDA, versions, commit)
+#   kernels   <=  90 s  torch's FlashAttention-2 through cptune's adapter vs float64, bf16/fp16;
+#                       kernel time vs fused SDPA at 16K (JSON written before the timing)
+#   multirank <= 150 s  cp=2 (then cp=4 if time is left) of the real multi-rank code on one GPU
+#                       against cp=1, attention and LoRA models (JSON after each cp size)
+#   paths     <= 220 s  tokens/s, 8B-shaped LoRA at cp=1: ring-flash-attn on torch's kernels vs
+#                       SDPA at 8K, 16K, 32K (JSON after each length)
+#   features  the rest  (if >= 90 s are left) tokens/s and peak at 64K, today's settings vs every
+#                       memory feature (JSON after each setting)
+# Files in $OUT: env.json kernels.json multirank.json paths.json features.json lease.log (6).
+# A failing phase is logged and the next one still runs; exit 1 if any failed.
 set -uo pipefail
 
-OUT=${OUT:-outputs/gpu-lease}
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-PHASES=("$@")
-if [ "${PHASES[*]:-}" = "all" ] || [ ${#PHASES[@]} -eq 0 ]; then PHASES=(setup kernels multirank paths report); fi
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && [ "$DRY" = 1 ] && echo .venv/bin/python || echo python3)}
+OUT=${OUT:-outputs/gpu-lease}
+LEASE_SECONDS=${LEASE_SECONDS:-560}
 SITE=${SITE:-/tmp/cptune-site}
+IMAGE_ENV=${IMAGE_ENV:-/tmp/cptune-image-env}
+if [ "$DRY" = 1 ]; then
+    PYTHON=${PYTHON:-$IMAGE_ENV/bin/python}
+    if [ ! -x "$PYTHON" ]; then
+        echo "lease.sh --dry-run: no image-like environment at $IMAGE_ENV; run bash benchmarks/gpu/image_env.sh first" >&2
+        exit 2
+    fi
+else
+    PYTHON=${PYTHON:-python3}
+fi
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/lease.log
+: > "$LOG"
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export CPTUNE_COMMIT=${CPTUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+START=$SECONDS
+failed=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# phase NAME CAP_SECONDS MIN_SECONDS COMMAND...: run under min(cap, time left - 5 s), if MIN is left.
+phase() {
+    local name=$1 cap=$2 need=$3; shift 3
+    local left=$((LEASE_SECONDS - (SECONDS - START) - 5))
+    local limit=$((cap < left ? cap : left))
+    if [ "$limit" -lt "$need" ]; then
+        say "=== $name: skipped (${left} s left of the lease, needs ${need} s)"
+        return
+    fi
+    say "=== $name (limit ${limit} s, $((SECONDS - START)) s into the lease)"
+    local began=$SECONDS
+    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    local status=${PIPESTATUS[0]}
+    [ "$status" = 124 ] || [ "$status" = 137 ] && say "=== $name: stopped at its ${limit} s limit"
+    say "=== $name: exit $status after $((SECONDS - began)) s"
+    [ "$status" = 0 ] || failed+=("$name")
+}
 
 setup() {
-    # transformers 5.23 / peft 0.21 / ring-flash-attn 0.1.8 as wheels (benchmarks/gpu/wheels.sh); the
-    # image's torch, accelerate and the rest stay as they are (env.json records every version).
     if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
         "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || return 1
-        export PYTHONPATH="$PYTHONPATH:$SITE"
     fi
-    "$PYTHON" - "$OUT/env.json" <<'PY'
-import datetime, json, sys
-from importlib import metadata
-import torch
-def version(name):
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-env = {
-    "date": datetime.date.today().isoformat(),
-    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)",
-    "gpus": torch.cuda.device_count(),
-    "torch": torch.__version__,
-    "cuda": torch.version.cuda,
-    **{name: version(name) for name in ("transformers", "accelerate", "peft", "ring-flash-attn")},
-    "flash_attn": version("flash-attn"),
+    PYTHONPATH="$PYTHONPATH:$SITE" "$PYTHON" -m benchmarks.gpu.lease_env "$OUT/env.json"
 }
-json.dump(env, open(sys.argv[1], "w"), indent=1)
-print(env)
-PY
-}
+export -f setup  # timeout runs it in a child bash
+export PYTHON SITE OUT
 
-kernels() {
-    if [ "$DRY" = 1 ]; then "$PYTHON" -m benchmarks.gpu.check_kernels --dry-run --out "$OUT/kernels.json"
-    else "$PYTHON" -m benchmarks.gpu.check_kernels --time --out "$OUT/kernels.json"; fi
-}
-
-multirank() {
-    if [ "$DRY" = 1 ]; then "$PYTHON" -m benchmarks.gpu.multirank --device cpu --tiny --cp-sizes 2,4 --out "$OUT/multirank.json"
-    else "$PYTHON" -m benchmarks.gpu.multirank --cp-sizes 2,4 --out "$OUT/multirank.json"; fi
-}
-
-paths() {
-    if [ "$DRY" = 1 ]; then "$PYTHON" -m benchmarks.gpu.attention_paths --dry-run --out "$OUT/paths.json"
-    else "$PYTHON" -m benchmarks.gpu.attention_paths --lengths 8192,16384,32768,65536 --out "$OUT/paths.json"; fi
-}
-
-report() {
-    "$PYTHON" -m benchmarks.gpu.lease_report "$OUT" > "$OUT/entry.json" && echo "entry: $OUT/entry.json"
-}
-
-failed=()
-for phase in "${PHASES[@]}"; do
-    case "$phase" in setup|kernels|multirank|paths|report) ;; *) echo "unknown phase: $phase" >&2; exit 2 ;; esac
-    started=$SECONDS
-    echo "=== $phase"
-    if [ "$phase" = setup ]; then setup 2>&1 | tee "$OUT/$phase.log"; status=${PIPESTATUS[0]}
-        [ -d "$SITE" ] && export PYTHONPATH="$PYTHONPATH:$SITE"
-    else "$phase" 2>&1 | tee "$OUT/$phase.log"; status=${PIPESTATUS[0]}; fi
-    echo "=== $phase: exit $status after $((SECONDS - started)) s"
-    [ "$status" = 0 ] || failed+=("$phase")
-done
-if [ ${#failed[@]} -gt 0 ]; then echo "failed phases: ${failed[*]}"; exit 1; fi
-echo "all phases passed"
+if [ "$DRY" = 1 ]; then
+    phase setup 120 5 bash -c setup   # pip on 2 cores is slower than on the GPU machine
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+    phase kernels 90 20 "$PYTHON" -m benchmarks.gpu.check_kernels --dry-run --time --out "$OUT/kernels.json"
+    phase multirank 150 30 "$PYTHON" -m benchmarks.gpu.multirank --device cpu --tiny --cp-sizes 2,4 --budget 140 --out "$OUT/multirank.json"
+    phase paths 220 30 "$PYTHON" -m benchmarks.gpu.attention_paths --dry-run --out "$OUT/paths.json"
+    phase features 200 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --out "$OUT/features.json"
+else
+    phase setup 30 5 bash -c setup
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+    phase kernels 90 20 "$PYTHON" -m benchmarks.gpu.check_kernels --time --out "$OUT/kernels.json"
+    phase multirank 150 30 "$PYTHON" -m benchmarks.gpu.multirank --cp-sizes 2,4 --budget 140 --out "$OUT/multirank.json"
+    phase paths 220 60 "$PYTHON" -m benchmarks.gpu.attention_paths --lengths 8192,16384,32768 --out "$OUT/paths.json"
+    phase features 600 90 "$PYTHON" -m benchmarks.gpu.feature_speed --length 65536 --out "$OUT/features.json"
+fi
+say "=== lease: $((SECONDS - START)) s; files: $(cd "$OUT" && ls | tr '\n' ' ')"
+if [ ${#failed[@]} -gt 0 ]; then say "failed phases: ${failed[*]}"; exit 1; fi
+say "all phases passed"

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu import reference
-from cptune.data.collator import shift_labels_within_documents
+from cptune.tokens import shift_labels_within_documents
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend

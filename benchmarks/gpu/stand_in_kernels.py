@@ -25,13 +25,14 @@ def median_seconds(step: Callable[[], object], repeats: int = 5) -> float:
     """Median CUDA-synchronised seconds of ``step`` over ``repeats`` runs after one warm-up."""
     import torch
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     step()
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         started = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - started)
     return sorted(times)[len(times) // 2]
 

@@ -35,3 +35,34 @@ def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
     return starts
+
+
+def shift_labels_within_documents(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets computed per document: ``out[i] = labels[i + 1]`` inside a document, else -100.
+
+    Build these from the full row before splitting it across context-parallel
+    ranks: a rank that holds token i may not hold token i + 1. The last token of
+    every document (and of the row) gets -100, so no document is trained to
+    predict the start of the next one.
+
+    Args:
+        labels: Integer tensor ``(..., seq)`` with -100 where a token is not trained.
+        position_ids: Integer tensor of the same shape; positions restart at 0 per document.
+
+    Returns:
+        A new tensor shaped like ``labels``; use it with logits unshifted
+        (``loss = cross_entropy(logits[..., i, :], out[..., i])``).
+
+    Raises:
+        ValueError: If the shapes differ.
+    """
+    import torch
+
+    if labels.shape != position_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} and position_ids {tuple(position_ids.shape)} differ")
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    if labels.shape[-1] < 2:
+        return shifted
+    next_starts_new_document = document_starts(position_ids)[..., 1:]
+    shifted[..., :-1] = labels[..., 1:].masked_fill(next_starts_new_document, IGNORE_INDEX)
+    return shifted
