@@ -59,8 +59,8 @@ def build(args: argparse.Namespace, device: str):
     return model
 
 
-def paths(device: str) -> dict[str, Any]:
-    """name -> (attn_implementation, backend) for every path that can run here."""
+def paths(device: str, strides: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """name -> (attn_implementation, backend) for every path that can run here (one ring path per stride)."""
     import torch.distributed as dist
 
     from cptune.parallel.backends.attention import register_attention
@@ -69,9 +69,12 @@ def paths(device: str) -> dict[str, Any]:
     from cptune.parallel.kernels import flash_attn_available
 
     register_attention()
-    ring = RingFlashAttnBackend(func="varlen_llama3", causal=True, heads_k_stride=1, cp_size=1, cp_rank=0,
-                                group=dist.group.WORLD, pad_token_id=0, kernels=load_ring_flash_attn())  # fmt: skip
-    found = {RING: ("cptune", ring), SDPA: ("sdpa", LocalBackend(causal=True))}
+    found = {}
+    for stride in strides:
+        ring = RingFlashAttnBackend(func="varlen_llama3", causal=True, heads_k_stride=stride, cp_size=1, cp_rank=0,
+                                    group=dist.group.WORLD, pad_token_id=0, kernels=load_ring_flash_attn())  # fmt: skip
+        found[RING if stride == 1 else f"{RING}, heads_k_stride={stride}"] = ("cptune", ring)
+    found[SDPA] = ("sdpa", LocalBackend(causal=True))
     if flash_attn_available() and device == "cuda":
         found[FLASH_ATTN] = ("flash_attention_2", LocalBackend(causal=True))
     return found
@@ -152,6 +155,36 @@ def measure_length(model, optimizer, found, seq_len, args, device) -> dict[str, 
     return rows
 
 
+def profile(model, optimizer, found, seq_len: int, device: str, top: int = 12) -> dict[str, Any]:
+    """Per path, one warm step under torch's profiler: total device time and the ``top`` kernels by it."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from benchmarks.gpu.multirank_cases import make_batch
+
+    batch = make_batch(0, seq_len, model.config.vocab_size, packed=False, device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    table = {}
+    for name, (implementation, backend) in found.items():
+        model.set_attn_implementation(implementation)
+        step(model, optimizer, backend, batch)  # warm
+        with torch_profile(activities=activities) as prof:
+            step(model, optimizer, backend, batch)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device == "cuda" else "CPU")]
+        key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+        events.sort(key=lambda e: getattr(e, key, 0), reverse=True)
+        total = sum(getattr(e, key, 0) for e in events)
+        table[name] = {"total_ms": total / 1e3, "top": [
+            {"kernel": e.key[:120], "ms": getattr(e, key, 0) / 1e3, "calls": e.count} for e in events[:top]]}  # fmt: skip
+        print(f"[profile] {name} S={seq_len}: {total / 1e3:.1f} ms of device time", flush=True)
+        for row in table[name]["top"]:
+            print(f"    {row['ms']:9.2f} ms {row['calls']:6d}x  {row['kernel']}", flush=True)
+    return table
+
+
 def kernels_used(device: str) -> str:
     import torch
 
@@ -176,6 +209,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layers", type=int, default=LLAMA_31_8B.layers, help="of the in-memory 8B-shaped model"
     )
     parser.add_argument("--base-model", help="load this local model instead of building one")
+    parser.add_argument("--heads-k-strides", type=ints, default=[1],
+                        help="one ring-flash-attn path per value (KV heads its llama3 code takes at a time)")
+    parser.add_argument("--profile", action="store_true",
+                        help="first, one profiled step per path at the first length: the top CUDA kernels")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu-paths/paths.json"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny Llama, 2 short lengths")
     return parser.parse_args(argv)
@@ -197,13 +234,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = build(args, device)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        found = paths(device)
+        found = paths(device, tuple(args.heads_k_strides))
         results: dict[str, Any] = {
             "kernels": kernels_used(device),
             "paths": list(found),
             "settings": vars(args) | {"out": str(args.out)},
             "lengths": {},
         }
+        if args.profile:
+            results["profile"] = profile(model, optimizer, found, args.lengths[0], device)
+            args.out.write_text(json.dumps(results, indent=1))
         for seq_len in args.lengths:
             print(f"[paths] S={seq_len} ...", flush=True)
             results["lengths"][str(seq_len)] = measure_length(model, optimizer, found, seq_len, args, device)
