@@ -77,7 +77,7 @@ def main() -> None:
         fgrads = aten._scaled_dot_product_flash_attention_backward(do, q, k, v, fo, fl, fq[2], fq[3], fq[4], fq[5], 0.0, True, fq[6], fq[7])
         # cuDNN backward fed FlashAttention-2's out and LSE (as a ring feeds the merged ones)
         cgrads = aten._scaled_dot_product_cudnn_attention_backward(do, q, k, v, fo, fl.reshape(cl.shape).contiguous() if fl.numel() == cl.numel() else fl,
-                                                                   r[6], r[7], torch.empty(0, device="cuda"), r[2], r[3], r[4], r[5], 0.0, True)
+                                                                   r[6], r[7], torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16), r[2], r[3], r[4], r[5], 0.0, True)
         return {f"d{n}_rel_to_flash": rel(c, f) for n, c, f in zip("qkv", cgrads, fgrads[:3])}
 
     probe("backward_given_lse", given_lse)
@@ -116,9 +116,11 @@ def main() -> None:
         def fa2():
             r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
             aten._scaled_dot_product_flash_attention_backward(do, q, k, v, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, True, r[6], r[7])
-        def cd():
-            r = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
-            aten._scaled_dot_product_cudnn_attention_backward(do, q, k, v, r[0], r[1], r[6], r[7], torch.empty(0, device="cuda"), r[2], r[3], r[4], r[5], 0.0, True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        def cd():  # through SDPA's autograd, as transformers' SDPA path runs it
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(do)
         a, b = [], []
         for _ in range(2):
             a.append(median(fa2)); b.append(median(cd))
