@@ -123,7 +123,7 @@ def measure_length(model, optimizer, found, seq_len, args, device) -> dict[str, 
                 optimizer.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
                 continue
-            except Exception as err:  # noqa: BLE001 - recorded; the other paths still run
+            except Exception as err:
                 failed[name] = f"{type(err).__name__}: {str(err).strip()[:300]}"
                 optimizer.zero_grad(set_to_none=True)
                 continue
@@ -173,7 +173,9 @@ def profile(model, optimizer, found, seq_len: int, device: str, top: int = 12) -
             step(model, optimizer, backend, batch)
             if device == "cuda":
                 torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device == "cuda" else "CPU")]
+        events = [
+            e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device == "cuda" else "CPU")
+        ]
         key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
         events.sort(key=lambda e: getattr(e, key, 0), reverse=True)
         total = sum(getattr(e, key, 0) for e in events)
@@ -209,8 +211,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--layers", type=int, default=LLAMA_31_8B.layers, help="of the in-memory 8B-shaped model"
     )
     parser.add_argument("--base-model", help="load this local model instead of building one")
-    parser.add_argument("--heads-k-strides", type=ints, default=[1],
-                        help="one ring-flash-attn path per value (KV heads its llama3 code takes at a time)")
+    parser.add_argument(
+        "--heads-k-strides",
+        type=ints,
+        default=[1],
+        help="one ring-flash-attn path per value (KV heads its llama3 code takes at a time)",
+    )
     parser.add_argument("--profile", action="store_true",
                         help="first, one profiled step per path at the first length: the top CUDA kernels")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu-paths/paths.json"))

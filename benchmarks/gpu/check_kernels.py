@@ -108,7 +108,7 @@ def run_checks(
     """
     import torch
 
-    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+    from cptune.parallel.kernels import torch_flash
     from cptune.parallel.kernels.varlen import varlen_attention
 
     reason = torch_flash.unavailable_reason()
@@ -135,22 +135,7 @@ def run_checks(
             q, dout = randn(2, sq, h, head_dim, dtype=dtype), randn(2, sq, h, head_dim, dtype=dtype)
             k, v = randn(2, sk, hk, head_dim, dtype=dtype), randn(2, sk, hk, head_dim, dtype=dtype)
 
-            def dense_case(case=case, q=q, k=k, v=v, dout=dout, causal=causal, sq=sq, sk=sk):
-                expected = _reference(
-                    lambda a, b, c: reference.attention(a, b, c, causal=causal), q, k, v, dout
-                )
-                got = _dense(torch_flash, q, k, v, dout, _mask(causal))
-                row = _compare(case, name, got, _dense(flash_attn_cpu, q, k, v, dout, _mask(causal)), expected)
-                if sq > sk:  # the first sq - sk queries see no key
-                    blind = slice(0, sq - sk)
-                    row["no_key_rows_zero"] = bool(
-                        (got["out"][:, blind] == 0).all() and (got["dq"][:, blind] == 0).all()
-                    )
-                    row["no_key_rows_lse_inf"] = bool((got["lse"][:, :, blind] == float("-inf")).all())
-                    row["ok"] &= row["no_key_rows_zero"] and row["no_key_rows_lse_inf"]
-                return row
-
-            rows.append(_guarded(case, name, dense_case))
+            rows.append(_guarded(case, name, _dense_case, case, name, q, k, v, dout, causal))
         # Packed documents: a document of 5 tokens, one longer than the rest, keys > queries in one.
         bounds_q = [0, *_cumsum([n(37), n(700), 5, n(290), n(512)])]
         bounds_k = [0, *_cumsum([n(37), n(900), 5, n(290), n(512)])]
@@ -169,33 +154,57 @@ def run_checks(
                 randn(bounds_k[-1], hk, head_dim, dtype=dtype),
                 randn(bounds_k[-1], hk, head_dim, dtype=dtype),
             )
-            mask = {"causal": causal, "window": window}
-
-            def varlen_case(case=case, q=q, k=k, v=v, dout=dout, mask=mask, causal=causal, window=window):
-                expected = _reference(
-                    lambda a, b, c: reference.varlen_attention(a, b, c, bounds_q, bounds_k, **mask), q, k, v, dout
-                )
-                got = _varlen(torch_flash, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
-                stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
-                return _compare(case, name, got, stand_in, expected)
-
-            rows.append(_guarded(case, name, varlen_case))
+            packed = (bounds_q, bounds_k, cu_q, cu_k)
+            rows.append(_guarded(case, name, _varlen_case, case, name, q, k, v, dout, packed, causal, window))
         rows.append(_guarded("merged-LSE backward of one key block", name,
-                             lambda: _merged_lse_case(randn, dtype, name, n, head_dim)))  # fmt: skip
+                             _merged_lse_case, randn, dtype, name, n, head_dim))  # fmt: skip
         rows.append(_guarded("varlen_attention autograd (document attention)", name,
-                             lambda: _autograd_case(varlen_attention, randn, dtype, name, bounds_q, device, head_dim)))  # fmt: skip
+                             _autograd_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
         if on_row is not None:
             on_row(rows)
     return rows
 
 
-def _guarded(case: str, dtype: str, check) -> dict[str, Any]:
-    """One case's row; a case that raises is a failed row with its error, and the next case still runs."""
+def _guarded(case: str, dtype: str, check, *args) -> dict[str, Any]:
+    """``check(*args)``, one case's row; a case that raises is a failed row with its error, and the next runs."""
     try:
-        return check()
-    except Exception as err:  # noqa: BLE001 - every failure is recorded, none stops the lease
+        return check(*args)
+    except Exception as err:
         text = str(err).strip().splitlines()
-        return {"case": case, "dtype": dtype, "ok": False, "error": f"{type(err).__name__}: {text[0] if text else ''}"}
+        return {
+            "case": case,
+            "dtype": dtype,
+            "ok": False,
+            "error": f"{type(err).__name__}: {text[0] if text else ''}",
+        }
+
+
+def _dense_case(case, dtype, q, k, v, dout, causal) -> dict[str, Any]:
+    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+
+    expected = _reference(lambda a, b, c: reference.attention(a, b, c, causal=causal), q, k, v, dout)
+    got = _dense(torch_flash, q, k, v, dout, _mask(causal))
+    row = _compare(case, dtype, got, _dense(flash_attn_cpu, q, k, v, dout, _mask(causal)), expected)
+    sq, sk = q.shape[1], k.shape[1]
+    if sq > sk:  # the first sq - sk queries see no key: output and dq 0, LSE -inf
+        blind = slice(0, sq - sk)
+        row["no_key_rows_zero"] = bool((got["out"][:, blind] == 0).all() and (got["dq"][:, blind] == 0).all())
+        row["no_key_rows_lse_inf"] = bool((got["lse"][:, :, blind] == float("-inf")).all())
+        row["ok"] &= row["no_key_rows_zero"] and row["no_key_rows_lse_inf"]
+    return row
+
+
+def _varlen_case(case, dtype, q, k, v, dout, packed, causal, window) -> dict[str, Any]:
+    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+
+    bounds_q, bounds_k, cu_q, cu_k = packed
+    mask = {"causal": causal, "window": window}
+    expected = _reference(
+        lambda a, b, c: reference.varlen_attention(a, b, c, bounds_q, bounds_k, **mask), q, k, v, dout
+    )
+    got = _varlen(torch_flash, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
+    stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu_q, cu_k, _mask(causal, window))
+    return _compare(case, dtype, got, stand_in, expected)
 
 
 def _cumsum(lengths: list[int]) -> list[int]:
@@ -320,7 +329,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         floor = max(r.get(f"{x}_stand_in", 0.0) for x in ("out", *GRADS))
         errors = " | ".join(f"{r[x]:.1e}" if x in r else "" for x in ("out", "lse", *GRADS))
-        lines.append(f"| {r['case']} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |")
+        lines.append(
+            f"| {r['case']} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -359,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.time:
             try:  # the dry run times 128 tokens on the CPU (the float64 op in torch's place): plumbing only
                 results["timing"] = time_against_sdpa(128, 2, "cpu") if args.dry_run else time_against_sdpa()
-            except Exception as err:  # noqa: BLE001 - recorded; the checks above are kept
+            except Exception as err:
                 results["timing"] = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
             save()
             t = results["timing"]

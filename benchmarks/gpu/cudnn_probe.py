@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 
@@ -37,7 +36,7 @@ def main() -> None:
     def probe(name, fn):
         try:
             out[name] = fn()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             out[name] = {"error": f"{type(err).__name__}: {str(err).strip()[:400]}"}
         print(name, json.dumps(out[name], default=str)[:600], flush=True)
         save()
@@ -63,22 +62,46 @@ def main() -> None:
         fo, fl = flash()
         r = cudnn()
         co, cl = r[0], r[1]
-        return {"out_rel_to_flash": rel(co, fo), "lse_shape": list(cl.shape), "lse_stride": list(cl.stride()),
-                "lse_dtype": str(cl.dtype), "flash_lse_shape": list(fl.shape),
-                "lse_rel_to_flash": rel(cl.reshape(fl.shape), fl), "out_stride": list(co.stride())}
+        return {
+            "out_rel_to_flash": rel(co, fo),
+            "lse_shape": list(cl.shape),
+            "lse_stride": list(cl.stride()),
+            "lse_dtype": str(cl.dtype),
+            "flash_lse_shape": list(fl.shape),
+            "lse_rel_to_flash": rel(cl.reshape(fl.shape), fl),
+            "out_stride": list(co.stride()),
+        }
 
     probe("dense_forward", dense)
 
     def given_lse():
         fo, fl = flash()
         r = cudnn()
-        co, cl = r[0], r[1]
+        cl = r[1]
         fq = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
-        fgrads = aten._scaled_dot_product_flash_attention_backward(do, q, k, v, fo, fl, fq[2], fq[3], fq[4], fq[5], 0.0, True, fq[6], fq[7])
-        # cuDNN backward fed FlashAttention-2's out and LSE (as a ring feeds the merged ones)
-        cgrads = aten._scaled_dot_product_cudnn_attention_backward(do, q, k, v, fo, fl.reshape(cl.shape).contiguous() if fl.numel() == cl.numel() else fl,
-                                                                   r[6], r[7], torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16), r[2], r[3], r[4], r[5], 0.0, True)
-        return {f"d{n}_rel_to_flash": rel(c, f) for n, c, f in zip("qkv", cgrads, fgrads[:3])}
+        fgrads = aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, fo, fl, fq[2], fq[3], fq[4], fq[5], 0.0, True, fq[6], fq[7]
+        )
+        # cuDNN backward fed FlashAttention-2's out and LSE (as a ring feeds the merged ones). The raw
+        # op takes no empty bias from Python (it asks for 2-4 dims), so a zero (1, 1, 1, 1) bias.
+        cgrads = aten._scaled_dot_product_cudnn_attention_backward(
+            do,
+            q,
+            k,
+            v,
+            fo,
+            fl.reshape(cl.shape).contiguous() if fl.numel() == cl.numel() else fl,
+            r[6],
+            r[7],
+            torch.zeros(1, 1, 1, 1, device="cuda", dtype=torch.bfloat16),
+            r[2],
+            r[3],
+            r[4],
+            r[5],
+            0.0,
+            True,
+        )
+        return {f"d{n}_rel_to_flash": rel(c, f) for n, c, f in zip("qkv", cgrads, fgrads[:3], strict=True)}
 
     probe("backward_given_lse", given_lse)
 
@@ -92,39 +115,53 @@ def main() -> None:
                     qq, kk, vv = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (total, h, d)
                 else:
                     qq, kk, vv = q, k, v
-                r = aten._cudnn_attention_forward(qq, kk, vv, None, cu, cu, max(lengths), max(lengths), True, 0.0, True, False)
+                r = aten._cudnn_attention_forward(
+                    qq, kk, vv, None, cu, cu, max(lengths), max(lengths), True, 0.0, True, False
+                )
                 o = r[0]
                 ref = []
-                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-                    ref.append(aten._scaled_dot_product_flash_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, False)[0])
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+                    ref.append(
+                        aten._scaled_dot_product_flash_attention(
+                            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, False
+                        )[0]
+                    )
                 ref = torch.cat(ref, dim=2)
                 got = o if layout == "bhsd" else o.transpose(0, 1)[None]
-                results[layout] = {"out_shape": list(o.shape), "lse_shape": list(r[1].shape), "out_rel_to_per_document_flash": rel(got.reshape(ref.shape), ref)}
-            except Exception as err:  # noqa: BLE001
+                results[layout] = {
+                    "out_shape": list(o.shape),
+                    "lse_shape": list(r[1].shape),
+                    "out_rel_to_per_document_flash": rel(got.reshape(ref.shape), ref),
+                }
+            except Exception as err:
                 results[layout] = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
         return results
 
     probe("varlen_forward", varlen)
 
     def timing():
-        def median(fn, n=10):
-            fn(); torch.cuda.synchronize()
-            ts = []
-            for _ in range(n):
-                torch.cuda.synchronize(); t = time.perf_counter(); fn(); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
-            return sorted(ts)[n // 2] * 1e3
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from benchmarks.gpu.stand_in_kernels import median_seconds
+
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
         def fa2():
             r = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
-            aten._scaled_dot_product_flash_attention_backward(do, q, k, v, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, True, r[6], r[7])
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        def cd():  # through SDPA's autograd, as transformers' SDPA path runs it
+            aten._scaled_dot_product_flash_attention_backward(
+                do, q, k, v, r[0], r[1], r[2], r[3], r[4], r[5], 0.0, True, r[6], r[7]
+            )
+
+        def cudnn_sdpa():  # through SDPA's autograd, as transformers' SDPA path runs it
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True).backward(do)
-        a, b = [], []
-        for _ in range(2):
-            a.append(median(fa2)); b.append(median(cd))
-        return {"tokens": s, "heads": h, "fa2_ms": min(a), "cudnn_ms": min(b), "ratio_cudnn_to_fa2": min(b) / min(a), "runs": [a, b]}
+
+        fa2_runs, cudnn_runs = [], []
+        for _ in range(2):  # alternated, so a clock drift hits both
+            fa2_runs.append(median_seconds(fa2, 10) * 1e3)
+            cudnn_runs.append(median_seconds(cudnn_sdpa, 10) * 1e3)
+        return {"tokens": s, "heads": h, "fa2_ms": min(fa2_runs), "cudnn_ms": min(cudnn_runs),
+                "ratio_cudnn_to_fa2": min(cudnn_runs) / min(fa2_runs), "runs": [fa2_runs, cudnn_runs]}  # fmt: skip
 
     probe("timing_fwd_bwd", timing)
 

@@ -58,12 +58,14 @@ cache (`python -m benchmarks.gpu.random_model DIR` saves a Llama-3.1-8B-shaped m
 weights: memory and speed depend on the shapes only). Without flash-attn, ring-flash-attn runs on
 PyTorch's own FlashAttention-2 (bf16/fp16 on CUDA; `cptune validate` names the kernels).
 
-On a single lent GPU, `bash benchmarks/gpu/lease.sh` runs, in one lease: the kernel checks
-(`benchmarks/gpu/check_kernels.py`: forward, LSE and gradients of PyTorch's FlashAttention-2 through
-cptune's adapter against float64), cp=2 and cp=4 of the real multi-rank code on the one GPU
-(`benchmarks/gpu/multirank.py`, ranks joined by gloo on host copies since NCCL takes one GPU per rank)
-and the attention paths side by side at cp=1 (`benchmarks/gpu/attention_paths.py`); its results are
-added below with `python -m benchmarks.gpu.lease_report`.
+On a single lent GPU, `bash benchmarks/gpu/lease.sh` runs in one call of at most 560 s, each phase
+under a hard limit (`benchmarks/gpu/LEASE.md`): the kernel checks (`benchmarks/gpu/check_kernels.py`:
+forward, LSE and gradients of PyTorch's FlashAttention-2 through cptune's adapter against float64),
+cp=2 and cp=4 of the real multi-rank code on the one GPU (`benchmarks/gpu/multirank.py`, ranks joined
+by gloo on host copies since NCCL takes one GPU per rank), the attention paths side by side at cp=1
+(`benchmarks/gpu/attention_paths.py`) and the memory features at 64K (`benchmarks/gpu/feature_speed.py`);
+its results are added below with `python -m benchmarks.gpu.lease_report`. It is rehearsed on CPU in an
+environment like the GPU image's (`lease.sh --dry-run`).
 """
 
 
@@ -109,6 +111,12 @@ def _run(run: dict[str, Any]) -> list[str]:
         lines += _kernel_checks(run["kernel_checks"], run.get("kernel_timing"))
     if run.get("multirank"):
         lines += _multirank(run["multirank"])
+    if run.get("memory_features"):
+        lines += _memory_features(run["memory_features"])
+    if run.get("strides"):
+        lines += _strides(run["strides"], run.get("shape_layers"))
+    if run.get("cudnn_probe"):
+        lines += _cudnn_probe(run["cudnn_probe"])
     lines += [f"- {note}" for note in run.get("notes", [])]
     return [*lines, ""]
 
@@ -146,17 +154,23 @@ def _kernel_checks(checks: list[dict[str, Any]], timing: dict[str, Any] | None) 
         f"- **Kernel checks:** {passed} of {len(checks)} passed ({text}; `benchmarks/gpu/check_kernels.py`)."
     ]
     if timing:
-        lines.append(
-            f"- **Kernel speed:** forward+backward of one {timing['tokens']:,}-token causal sequence, "
-            f"{timing['adapter_ms']:.2f} ms through cptune's adapter against {timing['sdpa_flash_ms']:.2f} ms "
-            f"for fused SDPA (flash): {timing['ratio']:.3f}x."
-        )
+        if "error" in timing:
+            lines.append(f"- **Kernel speed:** not measured ({timing['error']}).")
+        else:
+            lines.append(
+                f"- **Kernel speed:** forward+backward of one {timing['tokens']:,}-token causal sequence, "
+                f"{timing['adapter_ms']:.2f} ms through cptune's adapter against {timing['sdpa_flash_ms']:.2f} ms "
+                f"for fused SDPA restricted to its flash backend: {timing['ratio']:.3f}x."
+            )
     return lines
 
 
 def _multirank(multirank: dict[str, Any]) -> list[str]:
     lines = ["", "| cp on one GPU | case | result | within limits |", "|---:|---|---|---|"]
     for cp, result in multirank["cp"].items():
+        if "skipped" in result:
+            lines.append(f"| {cp} | all | skipped: {result['skipped']} | |")
+            continue
         if "error" in result:
             lines.append(f"| {cp} | all | {result['error']} | no |")
             continue
@@ -171,4 +185,80 @@ def _multirank(multirank: dict[str, Any]) -> list[str]:
                     f"| {cp} | {name} | loss rel. diff {value['loss_rel']:.1e} over {len(value['cp_losses'])} steps, "
                     f"grad {value['grad_rel']:.1e} | {result['ok'][name]} |"
                 )
+    return [*lines, ""]
+
+
+def _memory_features(features: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Memory features at {features['length']:,} tokens, cp=1 ({features['model']}; "
+        "`benchmarks/gpu/feature_speed.py`; the prediction is `cptune validate`'s memory model):",
+        "",
+        "| setting | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, row in features["settings"].items():
+        predicted = f"{row['predicted_peak_gib']:.1f}" if "predicted_peak_gib" in row else ""
+        if "error" in row:
+            lines.append(f"| {name} | {row['error']} | | | | {predicted} |")
+            continue
+        lines.append(
+            f"| {name} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | {row['hfu']:.1%} | "
+            f"{row['peak_gib']:.1f} | {predicted} |"
+        )
+    return [*lines, ""]
+
+
+def _attention_ms(top: list[dict[str, Any]]) -> float:
+    """Device ms of the attention kernels among a profile's top kernels (FlashAttention-2 or cuDNN's)."""
+    return sum(k["ms"] for k in top if "flash" in k["kernel"].lower() or "sdpa" in k["kernel"].lower())
+
+
+def _strides(strides: dict[str, Any], layers: int | None) -> list[str]:
+    lines = [
+        "ring-flash-attn's `heads_k_stride` (KV heads its llama3 code takes at a time), cp=1, same model:",
+        "",
+    ]
+    lines += _throughput(strides["throughput"], True, layers)
+    profile = strides.get("profile") or {}
+    if profile:
+        parts = [
+            f"{name}: {table['total_ms']:,.0f} ms, attention kernels {_attention_ms(table['top']):,.0f} ms"
+            for name, table in profile.items()
+        ]
+        lines += [
+            f"- **Where the time goes** (one step at {strides['profile_length']:,} tokens under torch's profiler, "
+            f"device time): {'; '.join(parts)}. The rest of the step is the same kernels for every path.",
+            "",
+        ]
+    return lines
+
+
+def _cudnn_probe(probe: dict[str, Any]) -> list[str]:
+    lines = ["- **cuDNN attention as a kernel for ring-flash-attn** (`benchmarks/gpu/cudnn_probe.py`):"]
+    dense = probe.get("dense_forward", {})
+    if "error" not in dense:
+        lines.append(
+            f"  output {dense['out_rel_to_flash']:.1e} from FlashAttention-2's (relative), LSE "
+            f"{dense['lse_dtype'].removeprefix('torch.')} shaped {dense['lse_shape']}, {dense['lse_rel_to_flash']:.1e} from FlashAttention-2's;"
+        )
+    given = probe.get("backward_given_lse", {})
+    if given and "error" not in given:
+        worst = max(given.values())
+        lines.append(
+            f"  backward given another kernel's output and LSE (what a ring's merge needs): gradients within {worst:.1e} of FlashAttention-2's;"
+        )
+    varlen = probe.get("varlen_forward", {})
+    for layout, row in varlen.items():
+        text = (
+            row["error"][:120]
+            if "error" in row
+            else f"{row['out_rel_to_per_document_flash']:.1e} from per-document FlashAttention-2"
+        )
+        lines.append(f"  varlen forward (cum_seq_q/k), {layout} layout: {text};")
+    timing = probe.get("timing_fwd_bwd", {})
+    if timing and "error" not in timing:
+        lines.append(
+            f"  forward+backward at {timing['tokens']:,} tokens, {timing['heads']} heads: cuDNN {timing['cudnn_ms']:.2f} ms, "
+            f"FlashAttention-2 {timing['fa2_ms']:.2f} ms ({timing['ratio_cudnn_to_fa2']:.2f}x the time)."
+        )
     return [*lines, ""]

@@ -115,9 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         args.length, args.steps = 256, 1
     args.out.parent.mkdir(parents=True, exist_ok=True)
     store = Path(tempfile.mkdtemp(prefix="cptune-features-")) / "store"
-    dist.init_process_group("gloo" if args.dry_run else "nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo" if args.dry_run else "nccl", init_method=f"file://{store}", rank=0, world_size=1
+    )
     shape = dataclasses.replace(LLAMA_31_8B, layers=args.layers)
-    results: dict[str, Any] = {"length": args.length, "settings": {}, "model": "the tiny Llama (dry run)" if args.dry_run else f"{shape.name}, {args.layers} layers"}
+    results: dict[str, Any] = {
+        "length": args.length,
+        "settings": {},
+        "model": "the tiny Llama (dry run)" if args.dry_run else f"{shape.name}, {args.layers} layers",
+    }
     try:
         build_args = argparse.Namespace(base_model=None, dry_run=args.dry_run, layers=args.layers)
         model = build(build_args, device)
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 loss_fn = loss_fn or install_everything(model)
                 row = measure(model, optimizer, loss_fn, args.length, args.steps, args.warmup, device)
-            except Exception as err:  # noqa: BLE001 - recorded; the other setting's row is kept
+            except Exception as err:
                 row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
             if "tokens_per_second_per_gpu" in row:
                 row |= utilization(shape, args.length, row["tokens_per_second_per_gpu"],

@@ -8,8 +8,9 @@ cannot show. :func:`outside_image` reads the source of the scripts a lease runs 
 repository module they reach, and names each import of a package the machine will not have.
 
 What it counts: every ``import`` statement, at module level or inside a function (a function
-the lease calls runs it), except those under ``if TYPE_CHECKING:`` and those inside a ``try``
-whose handler catches ``ImportError`` (optional imports, such as flash-attn).
+the lease calls runs it), except those under ``if TYPE_CHECKING:``, those inside a ``try``
+whose handler catches ``ImportError`` (optional imports, such as flash-attn), and imports inside
+a function of the packages in :data:`OTHER_PATHS`, which only code the lease never runs calls.
 """
 
 from __future__ import annotations
@@ -22,27 +23,192 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # The image's packages, as KINDS.md lists them (read 2026-11-17), by distribution name.
-IMAGE = frozenset("""
-absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
-certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings
-cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils
-execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet
-httpcore httpx huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax
-jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning
-lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib
-mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind
-narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-ml-py onnx onnx-ir onnxruntime
-onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint
-packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache
-protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions
-pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil
-pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
-scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six
-sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
-threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric
-torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect
-urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
-""".split())
+IMAGE = frozenset(
+    [
+        "absl-py",
+        "accelerate",
+        "aiofiles",
+        "aiohappyeyeballs",
+        "aiohttp",
+        "aiosignal",
+        "annotated-doc",
+        "anyio",
+        "attrs",
+        "botorch",
+        "build",
+        "certifi",
+        "charset-normalizer",
+        "chex",
+        "click",
+        "cloudpickle",
+        "cmake",
+        "colorama",
+        "contourpy",
+        "coverage",
+        "cuda-bindings",
+        "cuda-core",
+        "cuda-pathfinder",
+        "cuda-toolkit",
+        "cupy-cuda13x",
+        "cycler",
+        "cython",
+        "diffrax",
+        "e3nn",
+        "einops",
+        "equinox",
+        "etils",
+        "execnet",
+        "filelock",
+        "flatbuffers",
+        "flax",
+        "fonttools",
+        "formulaic",
+        "frozenlist",
+        "fsspec",
+        "gpytorch",
+        "grpcio",
+        "h11",
+        "h5py",
+        "hf-xet",
+        "httpcore",
+        "httpx",
+        "huggingface-hub",
+        "humanize",
+        "hypothesis",
+        "idna",
+        "imageio",
+        "iniconfig",
+        "interface-meta",
+        "jax",
+        "jax-cuda13-pjrt",
+        "jax-cuda13-plugin",
+        "jaxlib",
+        "jaxtyping",
+        "jinja2",
+        "joblib",
+        "kiwisolver",
+        "lazy-loader",
+        "lightning",
+        "lightning-utilities",
+        "linear-operator",
+        "lineax",
+        "llvmlite",
+        "lxml",
+        "markdown",
+        "markdown-it-py",
+        "markupsafe",
+        "matplotlib",
+        "mdurl",
+        "meson",
+        "ml-dtypes",
+        "mpi4py",
+        "mpmath",
+        "msgpack",
+        "multidict",
+        "multipledispatch",
+        "mypy-extensions",
+        "nanobind",
+        "narwhals",
+        "networkx",
+        "ninja",
+        "numba",
+        "numba-cuda",
+        "numpy",
+        "numpyro",
+        "nvidia-ml-py",
+        "onnx",
+        "onnx-ir",
+        "onnxruntime",
+        "onnxscript",
+        "opencv-python-headless",
+        "optax",
+        "opt-einsum",
+        "opt-einsum-fx",
+        "optimistix",
+        "orbax-checkpoint",
+        "packaging",
+        "pandas",
+        "pathspec",
+        "patsy",
+        "peft",
+        "pillow",
+        "pip",
+        "pluggy",
+        "portalocker",
+        "prometheus-client",
+        "propcache",
+        "protobuf",
+        "psutil",
+        "pyarrow",
+        "pybind11",
+        "py-cpuinfo",
+        "pygments",
+        "pyparsing",
+        "pyproject-hooks",
+        "pyre-extensions",
+        "pytest",
+        "pytest-benchmark",
+        "pytest-cov",
+        "pytest-mock",
+        "pytest-timeout",
+        "pytest-xdist",
+        "python-dateutil",
+        "pytorch-lightning",
+        "pyyaml",
+        "regex",
+        "requests",
+        "rich",
+        "sacrebleu",
+        "safetensors",
+        "scikit-build-core",
+        "scikit-image",
+        "scikit-learn",
+        "scipy",
+        "seaborn",
+        "sentencepiece",
+        "sentence-transformers",
+        "setuptools",
+        "shellingham",
+        "simplejson",
+        "six",
+        "sortedcontainers",
+        "statsmodels",
+        "sympy",
+        "tabulate",
+        "tensorboard",
+        "tensorboard-data-server",
+        "tensorstore",
+        "threadpoolctl",
+        "tifffile",
+        "tiktoken",
+        "timm",
+        "tokenizers",
+        "toolz",
+        "torch",
+        "torchaudio",
+        "torchdiffeq",
+        "torch-geometric",
+        "torchmetrics",
+        "torchvision",
+        "tqdm",
+        "transformers",
+        "treescope",
+        "triton",
+        "typer",
+        "typing-extensions",
+        "typing-inspect",
+        "urllib3",
+        "uvloop",
+        "wadler-lindig",
+        "werkzeug",
+        "wheel",
+        "wrapt",
+        "xarray",
+        "xxhash",
+        "yarl",
+        "zipp",
+    ]
+)
 
 # What a lease carries as wheels (benchmarks/gpu/wheels.sh), by distribution name.
 CARRIED = frozenset({"transformers", "peft", "ring-flash-attn"})
@@ -54,6 +220,10 @@ _IMPORT_NAMES = {
     "huggingface-hub": "huggingface_hub", "nvidia-ml-py": "pynvml", "py-cpuinfo": "cpuinfo",
     "pytorch-lightning": "pytorch_lightning", "torch-geometric": "torch_geometric",
 }  # fmt: skip
+
+# Packages that cptune imports only inside the functions of another path than the lease's: an import
+# of one of them inside a function is not counted; at module level it is.
+OTHER_PATHS = {"deepspeed": "the deepspeed backend and DeepSpeed ZeRO, which the lease does not run"}
 
 # Repository packages: their modules are walked, not looked up.
 LOCAL = ("cptune", "benchmarks", "devtools")
@@ -109,17 +279,29 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[str, int]]:
     """(module, line) of every counted import in ``tree``; see the module docstring."""
     found: list[tuple[str, int]] = []
 
-    def visit(node: ast.AST) -> None:
+    def visit(node: ast.AST, in_function: bool = False) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            in_function = True
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             for child in node.orelse:
-                visit(child)
+                visit(child, in_function)
             return
         if isinstance(node, ast.Try) and _optional(node.handlers):
             for child in [*node.handlers, *node.orelse, *node.finalbody]:
-                visit(child)
+                visit(child, in_function)
             return
         if isinstance(node, ast.Import):
-            found.extend((alias.name, node.lineno) for alias in node.names)
+            found.extend(
+                (alias.name, node.lineno)
+                for alias in node.names
+                if not (in_function and alias.name.split(".")[0] in OTHER_PATHS)
+            )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and in_function
+            and (node.module or "").split(".")[0] in OTHER_PATHS
+        ):
+            pass
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -128,7 +310,7 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[str, int]]:
             found.append((base, node.lineno))
             found.extend((f"{base}.{alias.name}", node.lineno) for alias in node.names)
         for child in ast.iter_child_nodes(node):
-            visit(child)
+            visit(child, in_function)
 
     visit(tree)
     return found

@@ -43,7 +43,9 @@ def environment() -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if cuda else "cpu (dry run)",
         "gpus": torch.cuda.device_count(),
-        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        if cuda
+        else None,
         "driver": _nvidia_smi("driver_version"),
         "clocks": _nvidia_smi("clocks.sm,clocks.max.sm,power.limit"),
         "cpus": os.cpu_count(),

@@ -6,9 +6,11 @@ Usage (here, after the lease; the directories are where the device tool put each
     python -m benchmarks.gpu.lease_report DIR [DIR ...] --add docs/benchmarks/gpu_results.json
     python -m benchmarks --render-only                                       # re-render the page
 
-Reads whatever of ``env.json``, ``kernels.json``, ``multirank.json`` and ``paths.json`` the
-directories hold (``benchmarks/gpu/lease.sh`` writes them) and records the machine, the versions,
-the commit, the kernels behind ring-flash-attn and the numbers, as measured.
+Reads whatever of ``env.json``, ``kernels.json``, ``multirank.json``, ``paths.json`` and
+``features.json`` the directories hold (``benchmarks/gpu/lease.sh`` writes them), and of
+``strides.json`` (``attention_paths --heads-k-strides ... --profile``) and ``cudnn.json``
+(``benchmarks.gpu.cudnn_probe``), and records the machine, the versions, the commit the lease ran
+(``env.json``'s, else this checkout's), the kernels behind ring-flash-attn and the numbers, as measured.
 """
 
 from __future__ import annotations
@@ -42,8 +44,16 @@ def commit() -> str:
 
 def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
     env = _read(directories, "env.json") or {}
-    kernels, multirank, paths = (
-        _read(directories, n) for n in ("kernels.json", "multirank.json", "paths.json")
+    kernels, multirank, paths, features, strides, cudnn = (
+        _read(directories, n)
+        for n in (
+            "kernels.json",
+            "multirank.json",
+            "paths.json",
+            "features.json",
+            "strides.json",
+            "cudnn.json",
+        )
     )
     device = env.get("device", "unknown GPU")
     run: dict[str, Any] = {
@@ -52,6 +62,9 @@ def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
         "machine": {
             "device": device,
             "gpus": env.get("gpus", 1),
+            "gpu_memory_gib": env.get("gpu_memory_gib"),
+            "driver": env.get("driver"),
+            "python": env.get("python"),
             "torch": env.get("torch"),
             "cuda": env.get("cuda"),
             "transformers": env.get("transformers"),
@@ -59,7 +72,7 @@ def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
             "peft": env.get("peft"),
             "flash_attn": env.get("flash_attn") or "not installed",
         },
-        "commit": commit(),
+        "commit": env["commit"][:10] if env.get("commit", "unknown") != "unknown" else commit(),
         "command": "bash benchmarks/gpu/lease.sh (benchmarks/gpu/LEASE.md)",
         "kernels": (paths or {}).get("kernels") or ((kernels or {}).get("environment") or {}).get("kernels"),
         "notes": [],
@@ -81,6 +94,20 @@ def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
             for length, rows in paths["lengths"].items()
             for path, row in rows.items()
         ]
+    if features:
+        run["memory_features"] = features
+    if strides:
+        run["strides"] = {
+            "throughput": [
+                {"path": path, "seq_len": int(length), **row}
+                for length, rows in strides["lengths"].items()
+                for path, row in rows.items()
+            ],
+            "profile": strides.get("profile", {}),
+            "profile_length": strides["settings"]["lengths"][0] if strides.get("profile") else None,
+        }
+    if cudnn:
+        run["cudnn_probe"] = cudnn
     return run
 
 

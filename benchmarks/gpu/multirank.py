@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     for cp in args.cp_sizes:
         left = args.budget - (time.monotonic() - started)
         if results["cp"] and left < 1.5 * last:
-            results["cp"][str(cp)] = {"skipped": f"{left:.0f} s left of --budget, the last cp size took {last:.0f} s"}
+            results["cp"][str(cp)] = {
+                "skipped": f"{left:.0f} s left of --budget, the last cp size took {last:.0f} s"
+            }
             print(f"[multirank] cp={cp} skipped: {results['cp'][str(cp)]['skipped']}", flush=True)
             continue
         print(f"[multirank] cp={cp} on one {args.device} device ...", flush=True)
