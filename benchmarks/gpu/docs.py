@@ -113,6 +113,8 @@ def _run(run: dict[str, Any]) -> list[str]:
         lines += _multirank(run["multirank"])
     if run.get("memory_features"):
         lines += _memory_features(run["memory_features"])
+    if run.get("longest"):
+        lines += _memory_features(run["longest"], "The longest sequence with every feature on (check B)")
     if run.get("strides"):
         lines += _strides(run["strides"], run.get("shape_layers"))
     if run.get("cudnn_probe"):
@@ -188,23 +190,47 @@ def _multirank(multirank: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def _memory_features(features: dict[str, Any]) -> list[str]:
-    lines = [
-        f"Memory features at {features['length']:,} tokens, cp=1 ({features['model']}; "
-        "`benchmarks/gpu/feature_speed.py`; the prediction is `cptune validate`'s memory model):",
-        "",
-        "| setting | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |",
-        "|---|---:|---:|---:|---:|---:|",
+def _feature_rows(features: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a feature_speed file: a list (``rows``), or the first lease's one length by setting."""
+    if "rows" in features:
+        return features["rows"]
+    return [
+        {"setting": name, "length": features["length"], **row} for name, row in features["settings"].items()
     ]
-    for name, row in features["settings"].items():
+
+
+def _memory_features(features: dict[str, Any], title: str = "Memory features") -> list[str]:
+    lines = [
+        f"{title}, cp=1 ({features['model']}; `benchmarks/gpu/feature_speed.py`; the prediction is "
+        "`cptune validate`'s memory model):",
+        "",
+        "| setting | tokens | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = _feature_rows(features)
+    step = (features.get("longest") or {}).get("step")
+    if isinstance(step, dict):
+        rows = [*rows, {**step, "setting": "everything, longest by the fit"}]
+    for row in rows:
         predicted = f"{row['predicted_peak_gib']:.1f}" if "predicted_peak_gib" in row else ""
         if "error" in row:
-            lines.append(f"| {name} | {row['error']} | | | | {predicted} |")
+            lines.append(f"| {row['setting']} | {row['length']:,} | {row['error']} | | | | {predicted} |")
             continue
         lines.append(
-            f"| {name} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | {row['hfu']:.1%} | "
-            f"{row['peak_gib']:.1f} | {predicted} |"
+            f"| {row['setting']} | {row['length']:,} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | "
+            f"{row['hfu']:.1%} | {row['peak_gib']:.1f} | {predicted} |"
         )
+    found = features.get("longest")
+    if found and "error" not in found:
+        lines += [
+            "",
+            f"- **Longest by the fit:** {found['fitted_candidate']:,} tokens (peaks at "
+            f"{', '.join(f'{int(k):,}: {v:.1f} GiB' for k, v in found['fit_points_gib'].items())}; "
+            f"usable GPU memory {found['usable_gib']:.1f} GiB; host RAM allows "
+            f"{found['host_limit_tokens']:,} tokens); the memory model says {found['memory_model_longest']:,}.",
+        ]
+    elif found:
+        lines += ["", f"- **Longest by the fit:** not found ({found['error']})."]
     return [*lines, ""]
 
 

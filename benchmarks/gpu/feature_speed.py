@@ -89,75 +89,165 @@ def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, de
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu.feature_speed", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--length", type=int, default=65536)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per setting")
+    parser.add_argument("--lengths", type=ints, default=[65536])
+    parser.add_argument("--settings", default="today,everything", help="comma-separated: today, everything")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per setting and length")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LLAMA_31_8B.layers)
+    parser.add_argument(
+        "--gpu-gib", type=float, default=None,
+        help="use at most this much GPU memory (torch's per-process fraction), e.g. 79.6 for an H100 on an H200",
+    )  # fmt: skip
+    parser.add_argument(
+        "--longest", action="store_true",
+        help="then fit a line through the 'everything' peaks and run one step at the longest length it allows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resolution", type=int, default=16384, help="--longest: the length is a multiple of this"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu-features/features.json"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny Llama, 256 tokens")
     return parser.parse_args(argv)
+
+
+def host_bytes_available() -> int | None:
+    """MemAvailable of /proc/meminfo (the offloaded checkpoints live in pinned host memory)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.gpu import predict
     from benchmarks.gpu.attention_paths import build
     from cptune.models.head_loss import logits_loss
 
     args = parse_args(argv)
     device = "cpu" if args.dry_run else "cuda"
     if args.dry_run:
-        args.length, args.steps = 256, 1
+        args.lengths, args.steps, args.resolution = [256, 512], 1, 256
+    settings = [name.strip() for name in args.settings.split(",") if name.strip()]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     store = Path(tempfile.mkdtemp(prefix="cptune-features-")) / "store"
     dist.init_process_group(
         "gloo" if args.dry_run else "nccl", init_method=f"file://{store}", rank=0, world_size=1
     )
     shape = dataclasses.replace(LLAMA_31_8B, layers=args.layers)
+    total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
+    usable = args.gpu_gib * 2**30 if args.gpu_gib else total
+    if device == "cuda" and args.gpu_gib and usable < total:
+        torch.cuda.set_per_process_memory_fraction(usable / total)
     results: dict[str, Any] = {
-        "length": args.length,
-        "settings": {},
         "model": "the tiny Llama (dry run)" if args.dry_run else f"{shape.name}, {args.layers} layers",
-    }
+        "gpu_bytes_total": total, "gpu_bytes_usable": usable, "host_bytes_available": host_bytes_available(),
+        "rows": [],
+    }  # fmt: skip
+
+    def save() -> None:
+        args.out.write_text(json.dumps(results, indent=1))
+
     try:
         build_args = argparse.Namespace(base_model=None, dry_run=args.dry_run, layers=args.layers)
         model = build(build_args, device)
         model.set_attn_implementation("sdpa")
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        for name, loss_fn in (("today", logits_loss), ("everything", None)):
-            print(f"[features] {name} at S={args.length} ...", flush=True)
-            try:
-                loss_fn = loss_fn or install_everything(model)
-                row = measure(model, optimizer, loss_fn, args.length, args.steps, args.warmup, device)
-            except Exception as err:
-                row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
-            if "tokens_per_second_per_gpu" in row:
-                row |= utilization(shape, args.length, row["tokens_per_second_per_gpu"],
-                                   lora_parameters(shape, 16), recompute=True)  # fmt: skip
-            guess = predict.predict(predict.SETTINGS[name], args.length, shape=shape)
-            row["predicted_peak_gib"], row["predicted_phase"] = guess.peak_gib, guess.phase
-            results["settings"][name] = row
-            args.out.write_text(json.dumps(results, indent=1))
+        loss_fn = logits_loss
+        for name in settings:  # today first: the features' hooks stay on the model once installed
+            if name == "everything":
+                loss_fn = install_everything(model)
+            for length in args.lengths:
+                results["rows"].append(run_one(model, optimizer, loss_fn, name, length, args, device, shape))
+                save()
+        if args.longest and "everything" in settings:
+            results["longest"] = longest_step(model, optimizer, loss_fn, results, args, device, shape, usable)
+            save()
     finally:
         dist.destroy_process_group()
     print(markdown(results))
     return 0
 
 
+def run_one(
+    model, optimizer, loss_fn, name, length, args, device, shape, steps=None, warmup=None
+) -> dict[str, Any]:
+    """One setting at one length, with the memory model's prediction beside it."""
+    import torch
+
+    from benchmarks.gpu import predict
+
+    print(f"[features] {name} at S={length} ...", flush=True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    steps = args.steps if steps is None else steps
+    warmup = args.warmup if warmup is None else warmup
+    try:
+        row = measure(model, optimizer, loss_fn, length, steps, warmup, device)
+    except Exception as err:
+        row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+    if "tokens_per_second_per_gpu" in row:
+        row |= utilization(
+            shape, length, row["tokens_per_second_per_gpu"], lora_parameters(shape, 16), recompute=True
+        )
+    guess = predict.predict(predict.SETTINGS[name], length, shape=shape)
+    return {"setting": name, "length": length, **row, "predicted_peak_gib": guess.peak_gib,
+            "predicted_phase": guess.phase, "predicted_host_gib": guess.host_gib}  # fmt: skip
+
+
+def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable) -> dict[str, Any]:
+    """Fit the 'everything' peaks, then one step at the longest length the line (and the host RAM) allows."""
+    from benchmarks.gpu import longest, predict
+
+    rows = [r for r in results["rows"] if r["setting"] == "everything" and "error" not in r]
+    # The dry run has no CUDA peaks: the memory model's stand in, so the fit and the long step still run.
+    measured = "predicted_peak_gib" if device == "cpu" else "peak_gib"
+    points = {r["length"]: r[measured] * 2**30 for r in rows}
+    if device == "cpu":
+        usable = (
+            predict.predict(predict.SETTINGS["everything"], 4 * max(points), shape=shape).peak_gib * 2**30
+        )
+    host = results["host_bytes_available"]
+    per_token_host = shape.layers * shape.hidden * (2 if device == "cuda" else 4)
+    host_tokens = int(0.9 * host / per_token_host) if host else None
+    budget = (usable or 0) - (predict.GPU_RESERVE if device == "cuda" else 0)
+    try:
+        candidate = longest.candidate_length(points, budget, args.resolution, host_tokens)
+    except ValueError as err:
+        return {"error": str(err), "points": points}
+    model_says = predict.longest(
+        predict.SETTINGS["everything"], gpu_bytes=usable or predict.H100_BYTES, shape=shape
+    )
+    row = run_one(model, optimizer, loss_fn, "everything", candidate, args, device, shape, steps=1, warmup=0)
+    return {"fitted_candidate": candidate, "host_limit_tokens": host_tokens, "fit_points_gib": {k: v / 2**30 for k, v in points.items()},
+            "memory_model_longest": model_says.tokens_per_gpu, "memory_model_host_gib": model_says.host_gib, "usable_gib": usable / 2**30,
+            "step": row}  # fmt: skip
+
+
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"S = {results['length']:,} tokens, cp=1, {results['model']}",
-             "| setting | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for name, row in results["settings"].items():
+    lines = [f"cp=1, {results['model']}",
+             "| setting | S | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = list(results["rows"])
+    if isinstance(results.get("longest", {}).get("step"), dict):
+        rows.append(results["longest"]["step"] | {"setting": "everything (longest by the fit)"})
+    for row in rows:
         if "error" in row:
-            lines.append(f"| {name} | {row['error']} | | | | {row['predicted_peak_gib']:.1f} |")
+            lines.append(
+                f"| {row['setting']} | {row['length']:,} | {row['error']} | | | | {row['predicted_peak_gib']:.1f} |"
+            )
         else:
-            lines.append(f"| {name} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | {row['hfu']:.1%} | "
-                         f"{row['peak_gib']:.1f} | {row['predicted_peak_gib']:.1f} |")  # fmt: skip
+            lines.append(f"| {row['setting']} | {row['length']:,} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | "
+                         f"{row['hfu']:.1%} | {row['peak_gib']:.1f} | {row['predicted_peak_gib']:.1f} |")  # fmt: skip
+    if "longest" in results:
+        lines.append(f"longest: {json.dumps({k: v for k, v in results['longest'].items() if k != 'step'})}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu/lease.sh              # on the GPU machine: every phase, <= LEASE_SECONDS (560)
 #   bash benchmarks/gpu/lease.sh --dry-run    # here, on CPU, in the image-like environment
+#   bash benchmarks/gpu/lease.sh --check-b    # check B instead: the longest sequence, every feature on
 #
 # Phases, in order of value, each under a hard limit (timeout -k 10 ends its whole process
 # group, spawned ranks included) that is also cut to the time the lease has left:
@@ -16,11 +17,25 @@
 #   features  the rest  (if >= 90 s are left) tokens/s and peak at 64K, today's settings vs every
 #                       memory feature (JSON after each setting)
 # Files in $OUT: env.json kernels.json multirank.json paths.json features.json lease.log (6).
+#
+# --check-b (issue 27's check B, one call): setup, then feature_speed with every memory feature at
+# 64K and 128K (one step each: the peaks give a line), then one step at the longest length the line
+# allows within an H100's memory (--gpu-gib 79.6 caps an H200 to it) and the host RAM; about 450 s
+# on an H100-class GPU. The step above it takes a second call:
+#   python -m benchmarks.gpu.feature_speed --settings everything --lengths L --steps 1 --warmup 0 --gpu-gib 79.6
+# Files: env.json longest.json lease.log.
 # A failing phase is logged and the next one still runs; exit 1 if any failed.
 set -uo pipefail
 
 DRY=0
-if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+CHECK_B=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY=1 ;;
+        --check-b) CHECK_B=1 ;;
+        *) echo "lease.sh: unknown option $arg (known: --dry-run, --check-b)" >&2; exit 2 ;;
+    esac
+done
 OUT=${OUT:-outputs/gpu-lease}
 LEASE_SECONDS=${LEASE_SECONDS:-560}
 SITE=${SITE:-/tmp/cptune-site}
@@ -74,18 +89,25 @@ export PYTHON SITE OUT
 
 if [ "$DRY" = 1 ]; then
     phase setup 120 5 bash -c setup   # pip on 2 cores is slower than on the GPU machine
-    export PYTHONPATH="$PYTHONPATH:$SITE"
+else
+    phase setup 30 5 bash -c setup
+fi
+export PYTHONPATH="$PYTHONPATH:$SITE"
+if [ "$CHECK_B" = 1 ] && [ "$DRY" = 1 ]; then
+    phase longest 300 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --settings everything --longest --out "$OUT/longest.json"
+elif [ "$CHECK_B" = 1 ]; then
+    phase longest 600 300 "$PYTHON" -m benchmarks.gpu.feature_speed --settings everything --lengths 65536,131072 \
+        --steps 1 --warmup 0 --longest --gpu-gib 79.6 --out "$OUT/longest.json"
+elif [ "$DRY" = 1 ]; then
     phase kernels 90 20 "$PYTHON" -m benchmarks.gpu.check_kernels --dry-run --time --out "$OUT/kernels.json"
     phase multirank 150 30 "$PYTHON" -m benchmarks.gpu.multirank --device cpu --tiny --cp-sizes 2,4 --budget 140 --out "$OUT/multirank.json"
     phase paths 220 30 "$PYTHON" -m benchmarks.gpu.attention_paths --dry-run --out "$OUT/paths.json"
     phase features 200 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --out "$OUT/features.json"
 else
-    phase setup 30 5 bash -c setup
-    export PYTHONPATH="$PYTHONPATH:$SITE"
     phase kernels 90 20 "$PYTHON" -m benchmarks.gpu.check_kernels --time --out "$OUT/kernels.json"
     phase multirank 150 30 "$PYTHON" -m benchmarks.gpu.multirank --cp-sizes 2,4 --budget 140 --out "$OUT/multirank.json"
     phase paths 220 60 "$PYTHON" -m benchmarks.gpu.attention_paths --lengths 8192,16384,32768 --out "$OUT/paths.json"
-    phase features 600 90 "$PYTHON" -m benchmarks.gpu.feature_speed --length 65536 --out "$OUT/features.json"
+    phase features 600 90 "$PYTHON" -m benchmarks.gpu.feature_speed --lengths 65536 --out "$OUT/features.json"
 fi
 say "=== lease: $((SECONDS - START)) s; files: $(cd "$OUT" && ls | tr '\n' ' ')"
 if [ ${#failed[@]} -gt 0 ]; then say "failed phases: ${failed[*]}"; exit 1; fi

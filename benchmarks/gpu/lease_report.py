@@ -8,7 +8,8 @@ Usage (here, after the lease; the directories are where the device tool put each
 
 Reads whatever of ``env.json``, ``kernels.json``, ``multirank.json``, ``paths.json`` and
 ``features.json`` the directories hold (``benchmarks/gpu/lease.sh`` writes them), and of
-``strides.json`` (``attention_paths --heads-k-strides ... --profile``) and ``cudnn.json``
+``strides.json`` (``attention_paths --heads-k-strides ... --profile``), ``longest.json``
+(``lease.sh --check-b``) and ``cudnn.json``
 (``benchmarks.gpu.cudnn_probe``), and records the machine, the versions, the commit the lease ran
 (``env.json``'s, else this checkout's), the kernels behind ring-flash-attn and the numbers, as measured.
 """
@@ -44,16 +45,9 @@ def commit() -> str:
 
 def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
     env = _read(directories, "env.json") or {}
-    kernels, multirank, paths, features, strides, cudnn = (
-        _read(directories, n)
-        for n in (
-            "kernels.json",
-            "multirank.json",
-            "paths.json",
-            "features.json",
-            "strides.json",
-            "cudnn.json",
-        )
+    names = ("kernels", "multirank", "paths", "features", "strides", "cudnn", "longest")
+    kernels, multirank, paths, features, strides, cudnn, longest = (
+        _read(directories, f"{n}.json") for n in names
     )
     device = env.get("device", "unknown GPU")
     run: dict[str, Any] = {
@@ -108,6 +102,8 @@ def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
         }
     if cudnn:
         run["cudnn_probe"] = cudnn
+    if longest:
+        run["longest"] = longest
     return run
 
 

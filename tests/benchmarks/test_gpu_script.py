@@ -206,3 +206,31 @@ def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path):
     assert "| ring-flash-attn (torch kernels) | 8,192 | 6,200 | 0.980 |" in text
     assert "| sdpa | 65536 | out of memory |" in text
     assert "1 of 1 passed" in text and "1.007x" in text
+
+
+def test_check_b_results_render_with_the_fit_and_the_long_step():
+    from benchmarks.gpu import docs
+
+    row = {"tokens_per_second_per_gpu": 1000.0, "mfu": 0.25, "hfu": 0.35, "peak_gib": 30.0,
+           "predicted_peak_gib": 29.0, "setting": "everything"}  # fmt: skip
+    features = {
+        "model": "Llama-3.1-8B, 32 layers",
+        "rows": [row | {"length": 65536}, row | {"length": 131072, "peak_gib": 40.0}],
+        "longest": {
+            "fitted_candidate": 311296,
+            "host_limit_tokens": 400000,
+            "usable_gib": 79.6,
+            "fit_points_gib": {"65536": 30.0, "131072": 40.0},
+            "memory_model_longest": 314368,
+            "step": row | {"length": 311296, "error": "out of memory"},
+        },  # fmt: skip
+    }
+    text = "\n".join(docs._memory_features(features, "Check B"))
+    assert "| everything, longest by the fit | 311,296 | out of memory |" in text
+    assert "**Longest by the fit:** 311,296 tokens (peaks at 65,536: 30.0 GiB, 131,072: 40.0 GiB" in text
+    assert "the memory model says 314,368" in text
+    # The first lease's file (one length, settings by name) still renders.
+    old = {"model": "m", "length": 65536, "settings": {"today": row, "everything": row | {"peak_gib": 29.4}}}
+    assert "| everything | 65,536 | 1,000 | 25.0% | 35.0% | 29.4 | 29.0 |" in "\n".join(
+        docs._memory_features(old)
+    )
