@@ -223,7 +223,7 @@ def test_check_b_results_render_with_the_fit_and_the_long_step():
             "fit_points_gib": {"65536": 30.0, "131072": 40.0},
             "memory_model_longest": 314368,
             "step": row | {"length": 311296, "error": "out of memory"},
-        },  # fmt: skip
+        },
     }
     text = "\n".join(docs._memory_features(features, "Check B"))
     assert "| everything, longest by the fit | 311,296 | out of memory |" in text
