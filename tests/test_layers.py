@@ -4,7 +4,7 @@ Layers, lowest first; a package imports only from its own layer and those below 
 level or inside a function; imports under ``if TYPE_CHECKING:`` are for annotations and do not
 count):
 
-    errors, tokens, svg,     shared leaves (versions: the upstream versions cptune was written for;
+    errors, labels, svg,     shared leaves (versions: the upstream versions cptune was written for;
     versions, atomic         atomic: files and folders published whole)
     patches                  Patch/PatchSet and the patches of upstream libraries; backends come in as data
     parallel                 layout, sharding, loss, memory arithmetic, kernels, the CP backends and their table
@@ -29,7 +29,7 @@ from cptune.parallel.backends.spec import CpBackendName
 SRC = Path(__file__).resolve().parents[1] / "src" / "cptune"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "tokens", "svg", "versions", "atomic", "__init__", "py"),
+    ("errors", "labels", "svg", "versions", "atomic", "__init__", "py"),
     ("patches",),
     ("parallel",),
     ("config",),

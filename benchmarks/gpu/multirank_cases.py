@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu import reference
+from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend
 from cptune.parallel.loss import count_targets, scaled_step_loss, token_loss_sum
 from cptune.parallel.shard import TokenBatch
-from cptune.tokens import shift_labels_within_documents
 
 
 def gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.masking_utils import find_packed_sequence_indices
 
-from cptune.data.collator import IGNORE_INDEX, PackedCollator, document_starts, shift_labels_within_documents
+from cptune.data.collator import PackedCollator
 from cptune.data.packing import pack_samples
+from cptune.labels import IGNORE_INDEX, document_starts, shift_labels_within_documents
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
 

@@ -24,6 +24,5 @@ def test_import_is_lazy() -> None:
 
 def test_exports_resolve() -> None:
     assert cptune.data.PackedCollator is PackedCollator
-    assert cptune.data.IGNORE_INDEX == -100
     with pytest.raises(AttributeError):
         _ = cptune.data.no_such_name

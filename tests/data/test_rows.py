@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerFast
 
 from cptune.config.recipe import DatasetConfig
 from cptune.data.formats import build_formatter, required_columns
-from cptune.data.labels import trained_token_count
 from cptune.data.rows import count_tokens, tokenize_dataset
 from cptune.errors import DataError
+from cptune.labels import trained_token_count
 
 LABEL = "datasets[0] (data/train.jsonl)"
 

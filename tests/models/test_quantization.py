@@ -10,6 +10,7 @@ import torch
 
 from cptune.config.loader import validate_recipe
 from cptune.errors import BackendUnavailableError, CptuneError
+from cptune.models.added_tokens import check_new_token_training, fit_embeddings
 from cptune.models.loading import (
     apply_lora,
     check_lora_model_dir,
@@ -19,7 +20,6 @@ from cptune.models.loading import (
     meta_model,
 )
 from cptune.models.quantization import quantization_config
-from cptune.models.tokens import check_new_token_training, fit_embeddings
 
 needs_bitsandbytes = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="the quantization extra is not installed"

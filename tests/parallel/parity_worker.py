@@ -33,7 +33,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from cptune.data.collator import shift_labels_within_documents
+from cptune.labels import shift_labels_within_documents
 from cptune.models.head_loss import logits_loss
 from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.base import step_context

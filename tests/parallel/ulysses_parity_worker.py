@@ -38,7 +38,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 
-from cptune.data.collator import shift_labels_within_documents
+from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
 from cptune.parallel.backends.base import gradient_divisor as backend_divisor
 from cptune.parallel.backends.base import step_context

@@ -11,8 +11,6 @@ from typing import Any
 
 _EXPORTS = {
     "PackedCollator": "cptune.data.collator",
-    "shift_labels_within_documents": "cptune.data.collator",
-    "IGNORE_INDEX": "cptune.data.labels",
     "first_fit_decreasing": "cptune.data.packing",
     "pack_samples": "cptune.data.packing",
     "PreparedData": "cptune.data.prepare",

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.data.labels import IGNORE_INDEX
-from cptune.tokens import document_starts, shift_labels_within_documents
+from cptune.labels import IGNORE_INDEX, shift_labels_within_documents
 
-__all__ = ["IGNORE_INDEX", "PackedCollator", "document_starts", "shift_labels_within_documents"]
+__all__ = ["PackedCollator"]
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cptune.data.collator import PackedCollator
-from cptune.data.labels import IGNORE_INDEX
-from cptune.tokens import document_starts
+from cptune.labels import IGNORE_INDEX, document_starts
 
 __all__ = ["LEGEND", "DebugRow", "debug_rows", "format_rows", "rows_json"]
 

@@ -18,8 +18,8 @@ from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig
 from cptune.data.chat_templates import CHATML, resolve_chat_template
-from cptune.data.labels import IGNORE_INDEX
 from cptune.errors import DataError
+from cptune.labels import IGNORE_INDEX
 
 __all__ = [
     "CHATML_TEMPLATE",

@@ -27,8 +27,8 @@ from transformers import PreTrainedTokenizerBase
 
 from cptune.config.recipe import DatasetConfig
 from cptune.data.formats import Formatter, RowProblem, build_formatter
-from cptune.data.labels import IGNORE_INDEX
 from cptune.errors import CptuneError, DataError
+from cptune.labels import IGNORE_INDEX
 
 __all__ = ["Prepared", "PromptItem", "Prompter", "ScoredText", "prepare_prompt", "prompt_items"]
 

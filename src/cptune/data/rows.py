@@ -19,9 +19,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cptune.data.formats import Formatter, RowProblem
-from cptune.data.labels import IGNORE_INDEX, trained_token_count
 from cptune.data.stats import DatasetStats
 from cptune.errors import DataError
+from cptune.labels import IGNORE_INDEX, trained_token_count
 
 __all__ = ["DOCUMENT_STATUSES", "SAMPLE_COLUMNS", "count_tokens", "tokenize_dataset"]
 
@@ -49,7 +49,7 @@ DOCUMENT_STATUSES = (_KEPT, _TRUNCATED, _TOO_LONG, _TOO_SHORT, _NO_TRAINED)
 
 
 def count_tokens(table: pa.Table) -> tuple[int, int]:
-    """Tokens and target tokens (see :func:`~cptune.data.labels.trained_token_count`) of a table of samples."""
+    """Tokens and target tokens (see :func:`~cptune.labels.trained_token_count`) of a table of samples."""
     if table.num_rows == 0:
         return 0, 0
     labels = table.column("labels")

@@ -28,7 +28,7 @@ def load_tokenizer_with_additions(recipe: Recipe) -> tuple[Any, list[str]]:
     """:func:`load_tokenizer`, and the tokens the recipe added to it (new ids, in order)."""
     from transformers import AutoTokenizer
 
-    from cptune.models.tokens import add_recipe_tokens
+    from cptune.models.added_tokens import add_recipe_tokens
 
     key = "tokenizer_config" if recipe.tokenizer_config else "base_model"
     try:

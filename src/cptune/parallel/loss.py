@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from cptune.labels import IGNORE_INDEX
 from cptune.parallel.backends.zero3_params import any_partitioned
 from cptune.parallel.collectives import all_reduce_sum
-from cptune.parallel.shard import IGNORE_INDEX
 
 # Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
 # logits are the largest tensors of a step: 16,384 tokens x Llama 3's 128,256 vocabulary is 8.4 GB

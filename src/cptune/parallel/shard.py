@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cptune.tokens import IGNORE_INDEX, document_starts
+from cptune.labels import IGNORE_INDEX, document_starts
 
 
 @dataclass(frozen=True)

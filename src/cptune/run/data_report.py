@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from cptune.config.recipe import Recipe
-from cptune.data.labels import IGNORE_INDEX
 from cptune.data.prepare import PreparedData, load_documents
+from cptune.labels import IGNORE_INDEX
 from cptune.parallel.backends.select import sequence_split
 from cptune.parallel.balance import SPLITS, causal_work_per_rank, imbalance
 from cptune.parallel.layout import ParallelDims

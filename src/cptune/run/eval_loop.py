@@ -32,8 +32,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from cptune.errors import CptuneError
+from cptune.labels import IGNORE_INDEX
 from cptune.parallel.collectives import all_reduce_sum
-from cptune.tokens import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def load_source_model(
     local_rank: int = 0,
 ) -> Any:
     """The model to evaluate, checked against the CP backend before an adapter wraps it."""
-    from cptune.models.tokens import fit_embeddings
+    from cptune.models.added_tokens import fit_embeddings
 
     model = load_model(
         recipe,

@@ -17,9 +17,9 @@ from pathlib import Path
 from cptune.atomic import publish_folder
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
+from cptune.models.added_tokens import fit_embeddings
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.quantization import dequantize_in_place
-from cptune.models.tokens import fit_embeddings
 from cptune.run.checkpoints import latest_complete_checkpoint
 from cptune.run.evaluate import ADAPTER_CONFIG, model_source
 

@@ -124,11 +124,11 @@ def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
 
 
 def check_new_tokens(recipe: Recipe, config: Any) -> None:
-    """Refuse new tokens whose embeddings a LoRA run would leave untrained (see :mod:`cptune.models.tokens`)."""
+    """Refuse new tokens whose embeddings a LoRA run would leave untrained (see :mod:`cptune.models.added_tokens`)."""
     if not (recipe.is_lora and (recipe.tokens or recipe.special_tokens)):
         return
+    from cptune.models.added_tokens import check_new_token_training
     from cptune.models.loading import load_tokenizer_with_additions, meta_model
-    from cptune.models.tokens import check_new_token_training
 
     tokenizer, added = load_tokenizer_with_additions(recipe)
     if added:

@@ -77,7 +77,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
 
     from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
-    from cptune.models.tokens import fit_embeddings
+    from cptune.models.added_tokens import fit_embeddings
     from cptune.parallel.backends.select import run_patch_set
     from cptune.run.tracking import recipe_callbacks, tracker_environment
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cptune.data.collator import PackedCollator, shift_labels_within_documents
+from cptune.data.collator import PackedCollator
 from cptune.errors import CptuneError
+from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall
 from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     DeepSpeedUlyssesBackend,

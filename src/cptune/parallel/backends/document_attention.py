@@ -15,9 +15,9 @@ import torch
 from transformers import AttentionInterface
 
 from cptune.errors import CptuneError
+from cptune.labels import document_starts
 from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall, sdpa_tokens_first
 from cptune.parallel.shard import cu_seqlens_from_starts
-from cptune.tokens import document_starts
 
 DOCUMENT_ATTENTION_NAME = "cptune_documents"
 """transformers attention name of cptune's document-aware core attention (recipe value ``cptune``)."""

@@ -38,6 +38,7 @@ import torch
 
 from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
+from cptune.labels import IGNORE_INDEX
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
@@ -49,7 +50,6 @@ from cptune.parallel.backends.document_attention import (
     DocumentAttention,
 )
 from cptune.parallel.shard import TokenBatch, TokenCoords, pad_tokens
-from cptune.tokens import IGNORE_INDEX
 
 INSTALL_HINT = f"DS_BUILD_OPS=0 pip install 'deepspeed{versions.DEEPSPEED}' (or the cptune[deepspeed] extra)"
 

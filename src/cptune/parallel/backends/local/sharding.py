@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from cptune.labels import document_starts
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     ATTENTION_NAME,
@@ -17,7 +18,7 @@ from cptune.parallel.backends.attention import (
     sdpa_tokens_first,
 )
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
-from cptune.parallel.shard import TokenBatch, document_starts, full_coords
+from cptune.parallel.shard import TokenBatch, full_coords
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from cptune.errors import CptuneError
+from cptune.labels import IGNORE_INDEX, document_starts
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.shard import TokenBatch, contiguous_coords, pad_tokens, shard_zigzag, split_contiguous
-from cptune.tokens import IGNORE_INDEX, document_starts
 
 COMM_STRATEGIES = ("allgather", "alltoall")
 

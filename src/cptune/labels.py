@@ -1,11 +1,14 @@
-"""Token-level conventions shared by the data pipeline and the context-parallel sharding.
+"""The label conventions shared by the data pipeline, the context-parallel sharding and the loss.
 
-Both layers must agree on what is trained and where documents begin, or the
-loss and the attention mask would disagree; so the two rules live here once.
+``labels[i]`` is the label of token i itself (Hugging Face convention); the target of
+position i is ``labels[i + 1]`` within the same document. Tokens that are not trained
+carry :data:`IGNORE_INDEX`. Every layer must agree on what is trained and where documents
+begin, or the loss and the attention mask would disagree; so the rules live here once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,3 +69,13 @@ def shift_labels_within_documents(labels: torch.Tensor, position_ids: torch.Tens
     next_starts_new_document = document_starts(position_ids)[..., 1:]
     shifted[..., :-1] = labels[..., 1:].masked_fill(next_starts_new_document, IGNORE_INDEX)
     return shifted
+
+
+def trained_token_count(labels: Sequence[int]) -> int:
+    """Target tokens of one sample: labels after the first that are not -100.
+
+    The first token of a sample is never predicted (nothing precedes it in its
+    document), so its label does not count, whatever it is. This is the number
+    of tokens the sample adds to a token-weighted loss.
+    """
+    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)

@@ -1,0 +1,1 @@
+"""Models: loading (with LoRA/QLoRA), the tokens a recipe adds, sizing, and the memory features."""
