@@ -89,15 +89,14 @@ def _llama31_8b_config():
 def test_gpu_example_fits_llama31_8b_and_says_what_it_needs(path: Path):
     from transformers import LlamaForCausalLM
 
-    from cptune.parallel.backends.select import check_model_config
-    from cptune.parallel.layout import ParallelDims
+    from cptune.run.plan import RunPlan
 
     recipe = load_recipe(path)
     assert recipe.base_model.startswith("meta-llama/Llama-3.1-8B")
-    dims = ParallelDims.from_recipe(recipe, recipe.default_process_count)
-    check_model_config(recipe, dims, _llama31_8b_config(), LlamaForCausalLM)
+    plan = RunPlan.build(recipe, recipe.default_process_count)
+    plan.check_model(_llama31_8b_config(), LlamaForCausalLM)
     # A full fine-tune of an 8B model does not fit a GPU unless its states are sharded.
-    assert recipe.bf16 is True and recipe.gradient_checkpointing and (recipe.is_lora or dims.sharded)
+    assert recipe.bf16 is True and recipe.gradient_checkpointing and (recipe.is_lora or plan.dims.sharded)
 
     header = _header(path)
     assert "Hardware:" in header

@@ -2,7 +2,7 @@
 
 The step is what :class:`cptune.run.trainer.CptuneTrainer` does per micro batch,
 without the Trainer around it: the backend chosen by
-:func:`cptune.parallel.backends.select.plan_backend` shards the batch (built by
+:meth:`cptune.run.plan.RunPlan.attention` shards the batch (built by
 cptune's :class:`~cptune.data.collator.PackedCollator`), the tiny Llama of
 :mod:`devtools.tiny` with cptune's LoRA runs forward inside the backend's step
 context, the token-weighted loss of :mod:`cptune.parallel.loss` runs backward,
@@ -100,12 +100,11 @@ def setup_backend(recipe: Any, rank: int, world: int) -> CpSetup:
     """cptune's backend for ``recipe.context_parallel_size`` ranks; the first group of them is active."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cptune.parallel.backends.select import plan_backend
-    from cptune.parallel.layout import ParallelDims
+    from cptune.run.plan import RunPlan
     from devtools.tiny import PAD_TOKEN_ID
 
     cp = recipe.context_parallel_size
-    plan = plan_backend(recipe, ParallelDims(world_size=world, cp_size=cp), PAD_TOKEN_ID)
+    plan = RunPlan.build(recipe, world).attention(PAD_TOKEN_ID)
     if cp == 1:
         return CpSetup(1, plan, plan.build(None), None, rank == 0)
     # The names cptune gives its mesh axes (cptune.run.train: dp_shard × cp).

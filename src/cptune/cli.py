@@ -149,6 +149,7 @@ def train(
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
     from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.plan import RunPlan
     from cptune.run.preflight import preflight
 
     if under_launcher():
@@ -160,7 +161,7 @@ def train(
                 f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}"
             )
         return
-    plan = LaunchPlan(
+    launching = LaunchPlan(
         nproc_per_node=_nproc_per_node(nproc_per_node, nnodes, loaded),
         nnodes=nnodes,
         node_rank=node_rank,
@@ -170,19 +171,19 @@ def train(
         rdzv_backend=rdzv_backend,
         rdzv_id=rdzv_id,
     )
+    plan = RunPlan.build(loaded, launching.world_size)
     preflight(
-        loaded,
-        world_size=plan.world_size,
-        prepare_data=node_rank == 0 or not plan.multi_node,
-        processes_per_node=plan.nproc_per_node,
+        plan,
+        prepare_data=node_rank == 0 or not launching.multi_node,
+        processes_per_node=launching.nproc_per_node,
     )
-    if plan.world_size == 1:
+    if launching.world_size == 1:
         from cptune.run.train import train as run_train
 
-        result = run_train(loaded)
+        result = run_train(loaded, plan=plan)
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
-    code = launch(plan, ["train", str(recipe), *ctx.args, *flags])
+    code = launch(launching, ["train", str(recipe), *ctx.args, *flags])
     if code:
         raise typer.Exit(code)
 
@@ -243,16 +244,14 @@ def validate(
         ),
     ] = None,
 ) -> None:
+    from cptune.run.plan import RunPlan
     from cptune.run.preflight import describe_plan
 
     _setup_logging()
     loaded = _load(recipe, ctx)
     per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
-    typer.echo(
-        describe_plan(
-            loaded, world_size=per_node * nnodes, processes_per_node=per_node, gpu_memory_gib=gpu_memory
-        )
-    )
+    plan = RunPlan.build(loaded, per_node * nnodes)
+    typer.echo(describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory))
 
 
 CheckpointOption = Annotated[
@@ -283,26 +282,29 @@ def evaluate(
     from cptune.run.evaluate import check_eval_data, model_source
     from cptune.run.evaluate import evaluate as run_evaluate
     from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.plan import RunPlan
     from cptune.run.preflight import preflight
 
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
-    plan = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
+    launching = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
+    plan = None
     if not under_launcher():
         # A recipe without evaluation data or a wrong path fails here, before any process starts.
         check_eval_data(loaded)
         model_source(checkpoint)
-        preflight(loaded, world_size=plan.world_size, training=False)
-    if under_launcher() or plan.world_size == 1:
-        metrics = run_evaluate(loaded, checkpoint)
+        plan = RunPlan.build(loaded, launching.world_size)
+        preflight(plan, training=False)
+    if under_launcher() or launching.world_size == 1:
+        metrics = run_evaluate(loaded, checkpoint, plan=plan)
         if env.rank == 0:
             typer.echo(json.dumps(metrics))
         return
     args = ["evaluate", str(recipe), *ctx.args]
     if checkpoint is not None:
         args += ["--checkpoint", str(checkpoint)]
-    code = launch(plan, args)
+    code = launch(launching, args)
     if code:
         raise typer.Exit(code)
 

@@ -43,7 +43,7 @@ def test_train_that_raises_restores_patches_and_environment(write_recipe, monkey
         os.environ.pop("HOME", None)
         raise RuntimeError("simulated failure after the patches were applied")
 
-    monkeypatch.setattr(train_module, "_build_trainer", fail)
+    monkeypatch.setattr(train_module, "build_trainer", fail)
     with pytest.raises(RuntimeError, match="simulated failure"):
         train_module.train(recipe)
     applied = {target for target, original in before_patches.items() if during[target] != original}

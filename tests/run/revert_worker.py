@@ -40,10 +40,10 @@ def main() -> None:
     before = snapshot(recipe)
     env_before = dict(os.environ)
     built = []
-    build = train_module._build_trainer
-    train_module._build_trainer = lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1]
+    build = train_module.build_trainer
+    train_module.build_trainer = lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1]
     train_module.train(recipe)
-    train_module._build_trainer = build
+    train_module.build_trainer = build
     accelerator = built[0].accelerator
     # A guard a patch put on the run's accelerator would outlive the patches (it once did).
     cp_context_left = "_cp_context" in vars(accelerator) or hasattr(type(accelerator), "_cp_context")
@@ -55,7 +55,7 @@ def main() -> None:
     def fail(*args, **kwargs):
         raise RuntimeError("simulated failure after the patches were applied")
 
-    train_module._build_trainer = fail
+    train_module.build_trainer = fail
     try:
         train_module.train(recipe)
         raised = False

@@ -20,6 +20,7 @@ from cptune.config.loader import load_recipe
 from cptune.data.formats import build_formatter
 from cptune.data.prepare import prepare_datasets
 from cptune.models.loading import load_tokenizer
+from cptune.parallel.backends.table import backend_for
 from cptune.parallel.shard import TokenBatch, pad_tokens, split_contiguous, zigzag_indices
 from cptune.run.data_report import build_report, format_report
 from tests.conftest import succeeded
@@ -87,7 +88,7 @@ def test_report_numbers_equal_an_independent_computation(strategy, report_recipe
     recipe = load_recipe(path)
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer, log=lambda _: None)
-    report = build_report(recipe, prepared)
+    report = build_report(recipe, prepared, backend_for(recipe))
     S = recipe.sequence_len
 
     all_lengths = []

@@ -9,6 +9,7 @@ import pytest
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
 from cptune.run import memory_plan
+from cptune.run.plan import RunPlan
 from cptune.run.preflight import describe_plan, model_config
 
 
@@ -18,7 +19,7 @@ def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):
             context_parallel_size=2, gradient_checkpointing=True, activation_offloading=True, tiled_mlp=True
         )
     )
-    plan = describe_plan(recipe, world_size=2, gpu_memory_gib=3.0)
+    plan = describe_plan(RunPlan.build(recipe, 2), gpu_memory_gib=3.0)
     assert (
         "Memory per GPU (estimate from the config: fp32, LoRA, gradient checkpointing, activation_offloading, "
         in plan
@@ -35,7 +36,7 @@ def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):
         assert int(sequence.replace(",", "")) == int(per_gpu.replace(",", "")) * int(cp) // 2
     assert "warning" not in plan
     # 1 GiB less cptune's 2 GiB reserve leaves nothing: the estimate warns and nothing fits.
-    small = describe_plan(recipe, world_size=2, gpu_memory_gib=1.0)
+    small = describe_plan(RunPlan.build(recipe, 2), gpu_memory_gib=1.0)
     assert "warning: the estimate exceeds the usable GPU memory (-1 GiB)" in small
     assert re.search(r"^\s+1\s+none\s+-", small, re.M)
 
@@ -72,7 +73,7 @@ def test_longest_sequence_grows_with_each_feature(write_recipe):
             - memory_plan.GPU_RESERVE
             - memory_plan.states_per_rank(recipe, counts, StateLayout()).total
         )
-        setup = memory_plan.activation_setup(recipe, 1)
+        setup = memory_plan.activation_setup(RunPlan.build(recipe, 1), 1)
         tokens = longest_tokens(model_shape(config), setup, budget)
         assert activation_memory(model_shape(config), setup, tokens).peak <= budget
         return tokens

@@ -60,7 +60,9 @@ def test_overwrite_flag_reaches_training(write_recipe, tmp_path, monkeypatch):
 
     finished_run(tmp_path / "out")
     seen = []
-    monkeypatch.setattr("cptune.run.train.train", lambda recipe: seen.append(recipe) or _Done(recipe))
+    monkeypatch.setattr(
+        "cptune.run.train.train", lambda recipe, plan=None: seen.append(recipe) or _Done(recipe)
+    )
     handlers = list(logging.root.handlers)
     try:
         main(["train", str(write_recipe()), "--overwrite"])  # returns: exit code 0

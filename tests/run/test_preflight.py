@@ -12,6 +12,7 @@ import transformers.trainer  # noqa: F401
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
 from cptune.run import preflight as preflight_module
+from cptune.run.plan import RunPlan
 
 
 def pretend_gpu_with_flash_attn(monkeypatch) -> None:
@@ -24,7 +25,7 @@ def test_fp32_ring_flash_attn_on_a_gpu_is_refused_before_launching(write_recipe,
     recipe = load_recipe(write_recipe(context_parallel_size=2))
     pretend_gpu_with_flash_attn(monkeypatch)
     with pytest.raises(CptuneError, match="which support bf16 and fp16 only; set bf16: true"):
-        preflight_module.preflight(recipe, world_size=2)
+        preflight_module.preflight(RunPlan.build(recipe, 2))
     assert not (tmp_path / "prepared").exists()  # refused before the data was prepared
 
 
@@ -34,12 +35,11 @@ def test_half_precision_ring_flash_attn_on_a_gpu_passes_the_check(write_recipe, 
     monkeypatch.setattr(
         "cptune.parallel.backends.ring_flash_attn.sharding.load_ring_flash_attn", lambda: None
     )  # not reached on a CPU machine with the real kernels; the check before it is what is tested
-    preflight_module.preflight(recipe, world_size=2, prepare_data=False)
+    preflight_module.preflight(RunPlan.build(recipe, 2), prepare_data=False)
 
 
 def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, monkeypatch):
     """A model transformers cannot build on the meta device gets no estimate, not a traceback."""
-    from cptune.parallel.layout import ParallelDims
 
     def cannot_build(recipe, config):
         raise ValueError("Unrecognized configuration class for this kind of AutoModel\nmore detail")
@@ -48,7 +48,7 @@ def test_validate_without_a_memory_estimate_still_prints_the_plan(write_recipe, 
     recipe = load_recipe(write_recipe(context_parallel_size=2))
     from cptune.run.memory_plan import describe_state_memory
 
-    lines = describe_state_memory(recipe, ParallelDims.from_recipe(recipe, 2), None)
+    lines = describe_state_memory(RunPlan.build(recipe, 2), None)
     assert lines == [
         "Memory per rank for model states: no estimate "
         "(Unrecognized configuration class for this kind of AutoModel)."
@@ -82,7 +82,7 @@ def test_validate_names_the_ring_kernels_and_warns_of_stand_ins_on_a_gpu(
     monkeypatch.setattr("cptune.parallel.kernels.flash_attn_available", lambda: flash_attn)
     monkeypatch.setattr(torch_flash, "unavailable_reason", lambda: torch_flash_missing)
     plan = preflight_module.describe_plan(
-        load_recipe(write_recipe(context_parallel_size=2, bf16=bf16)), world_size=2
+        RunPlan.build(load_recipe(write_recipe(context_parallel_size=2, bf16=bf16)), 2)
     )
     assert f"heads_k_stride=1, kernels: {kernels}\n" in plan, plan
     warning = "  warning:    ring-flash-attn computes attention with cptune's pure-PyTorch stand-in kernels"

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from cptune.config.loader import load_recipe
-from cptune.parallel.layout import ParallelDims
+from cptune.run.build import training_arguments
 from cptune.run.distributed import DistEnv
-from cptune.run.train import training_arguments
+from cptune.run.plan import RunPlan
 
 
 def test_ddp_timeout_reaches_the_trainer(write_recipe):
     recipe = load_recipe(write_recipe(ddp_timeout=60))
-    args = training_arguments(recipe, ParallelDims(world_size=1, cp_size=1), DistEnv())
+    args = training_arguments(RunPlan.build(recipe, 1), DistEnv())
     assert args.ddp_timeout == 60
     default = load_recipe(write_recipe("default.yaml"))
-    assert training_arguments(default, ParallelDims(world_size=1, cp_size=1), DistEnv()).ddp_timeout == 1800
+    assert training_arguments(RunPlan.build(default, 1), DistEnv()).ddp_timeout == 1800
 
 
 def test_axolotl_keys_reach_the_trainer(write_recipe):
@@ -31,7 +31,7 @@ def test_axolotl_keys_reach_the_trainer(write_recipe):
             max_grad_norm=None,  # empty: the default, 1.0
         )
     )
-    args = training_arguments(recipe, ParallelDims(world_size=1, cp_size=1), DistEnv())
+    args = training_arguments(RunPlan.build(recipe, 1), DistEnv())
     assert (args.optim, args.optim_args) == ("adamw_bnb_8bit", "block_size=128")
     assert args.tf32 is None  # TF32 exists on NVIDIA GPUs only; the Trainer refuses tf32: true elsewhere
     assert (args.eval_strategy, args.eval_steps) == ("steps", 0.25)

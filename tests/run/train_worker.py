@@ -49,7 +49,7 @@ def main() -> None:
 def train_one(recipe_path: str, crash_step: int | None) -> dict:
     """Train ``recipe_path``; rank 0 saves the trained model's logits in its output_dir; returns the report."""
     built = {}
-    build = train_module._build_trainer
+    build = train_module.build_trainer
 
     def build_and_keep(*args, **kwargs):
         trainer = build(*args, **kwargs)
@@ -65,11 +65,11 @@ def train_one(recipe_path: str, crash_step: int | None) -> dict:
             trainer._save_optimizer_and_scheduler = crash_while_saving
         return trainer
 
-    train_module._build_trainer = build_and_keep
+    train_module.build_trainer = build_and_keep
     try:
         result = train_module.train(load_recipe(recipe_path))
     finally:
-        train_module._build_trainer = build
+        train_module.build_trainer = build
     rank = read_dist_env().rank
     trainer = built["trainer"]
     # Measured before the forward below: FSDP2 keeps the root's and the output layer's weights

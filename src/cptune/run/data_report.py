@@ -23,7 +23,7 @@ import numpy as np
 from cptune.config.recipe import Recipe
 from cptune.data.prepare import PreparedData, load_documents
 from cptune.labels import IGNORE_INDEX
-from cptune.parallel.backends.select import sequence_split
+from cptune.parallel.backends.spec import CpBackend
 from cptune.parallel.balance import SPLITS, causal_work_per_rank, imbalance
 from cptune.parallel.layout import ParallelDims
 
@@ -126,7 +126,7 @@ def _row_arrays(dataset: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray,
     return rows, lengths.astype(np.int64), per_row_trained, per_row_docs
 
 
-def _split_section(dataset: Any, recipe: Recipe) -> tuple[dict[str, Any], np.ndarray]:
+def _split_section(dataset: Any, recipe: Recipe, backend: CpBackend) -> tuple[dict[str, Any], np.ndarray]:
     rows, lengths, trained, docs = _row_arrays(dataset)
     n = len(rows)
     section: dict[str, Any] = {
@@ -147,7 +147,7 @@ def _split_section(dataset: Any, recipe: Recipe) -> tuple[dict[str, Any], np.nda
     }
     cp = recipe.context_parallel_size
     if cp > 1:
-        attention: dict[str, Any] = {"cp": cp, "used": sequence_split(recipe)}
+        attention: dict[str, Any] = {"cp": cp, "used": backend.sequence_split(recipe)}
         for split in SPLITS:
             work = [causal_work_per_rank(positions, cp, split) for positions in rows]
             ratios = [imbalance(w) for w in work]
@@ -189,8 +189,11 @@ def _steps_section(recipe: Recipe, trained_per_row: np.ndarray) -> dict[str, Any
     }
 
 
-def build_report(recipe: Recipe, prepared: PreparedData) -> dict[str, Any]:
-    """Everything the report shows, as JSON-ready data (see the module docstring)."""
+def build_report(recipe: Recipe, prepared: PreparedData, backend: CpBackend) -> dict[str, Any]:
+    """Everything the report shows, as JSON-ready data (see the module docstring).
+
+    ``backend`` is the one that runs the recipe (its split of a row over the ranks is the report's).
+    """
     documents = load_documents(prepared.path)
     dataset_index = documents.column("dataset").to_numpy()
     lengths = documents.column("formatted_length").to_numpy().astype(np.int64)
@@ -218,10 +221,10 @@ def build_report(recipe: Recipe, prepared: PreparedData) -> dict[str, Any]:
         recipe,
     )
     splits: dict[str, Any] = {}
-    train, trained_per_row = _split_section(prepared.train, recipe)
+    train, trained_per_row = _split_section(prepared.train, recipe, backend)
     splits["train"] = train
     if prepared.eval is not None:
-        splits["eval"] = _split_section(prepared.eval, recipe)[0]
+        splits["eval"] = _split_section(prepared.eval, recipe, backend)[0]
     return {
         "cache": str(prepared.path),
         "recipe": {

@@ -19,8 +19,6 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.memory_features import install_memory_features
-from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
-from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import (
     CHECKPOINT_MARKER,
     checkpoint_step,
@@ -29,6 +27,7 @@ from cptune.run.checkpoints import (
 )
 from cptune.run.distributed import read_dist_env
 from cptune.run.fsdp import is_sharded_checkpoint
+from cptune.run.plan import RunPlan
 
 log = logging.getLogger("cptune.evaluate")
 
@@ -120,23 +119,19 @@ def _check_weights(path: Path, config_name: str, names: tuple[str, ...] | None) 
 
 
 def load_source_model(
-    recipe: Recipe,
-    source: ModelSource,
-    attn_implementation: str,
-    dims: ParallelDims,
-    tokenizer: Any,
-    local_rank: int = 0,
+    plan: RunPlan, source: ModelSource, attn_implementation: str, tokenizer: Any, local_rank: int = 0
 ) -> Any:
-    """The model to evaluate, checked against the CP backend before an adapter wraps it."""
+    """The model to evaluate, checked against the plan's backend before an adapter wraps it."""
     from cptune.models.added_tokens import fit_embeddings
 
+    recipe = plan.recipe
     model = load_model(
         recipe,
         attn_implementation,
         path=str(source.path) if source.kind == "full" else None,
         local_rank=local_rank,
     )
-    check_model_config(recipe, dims, model.config, type(model))
+    plan.check_model(model.config, type(model))
     if source.kind != "full":
         fit_embeddings(model, tokenizer, recipe.seed)  # the recipe's new tokens, as training grew them
     if source.kind == "adapter":
@@ -146,8 +141,13 @@ def load_source_model(
     return model
 
 
-def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, float]:
+def evaluate(
+    recipe: Recipe, checkpoint: str | Path | None = None, *, plan: RunPlan | None = None
+) -> dict[str, float]:
     """Evaluate in this process (one rank of the launch); every rank returns the same metrics.
+
+    ``plan`` is this process's plan of ``recipe`` when the caller has built it (a one-process
+    evaluation after the launcher's preflight); by default it is built here for the launch's processes.
 
     Returns:
         ``eval_loss`` (Σ token losses / Σ target tokens over the whole evaluation set),
@@ -157,25 +157,24 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
         CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable.
     """
     from cptune.data.prepare import prepare_datasets
-    from cptune.parallel.backends.select import run_patch_set
-    from cptune.run.train import _build_trainer
+    from cptune.run.build import build_trainer
 
     check_eval_data(recipe)
     source = model_source(checkpoint)
     env = read_dist_env()
-    dims = ParallelDims.from_recipe(recipe, env.world_size)
+    plan = plan or RunPlan.build(recipe, env.world_size)
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
     if prepared.eval is None:  # cannot happen after check_eval_data, unless the cache was edited
         raise CptuneError(f"evaluate: the prepared data in {prepared.path} has no evaluation split.")
-    check_prepared_rows(recipe, prepared)
-    backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
-    model = load_source_model(recipe, source, backend.attn_implementation, dims, tokenizer, env.local_rank)
+    plan.check_prepared_rows(prepared)
+    attention = plan.attention(tokenizer.pad_token_id)
+    model = load_source_model(plan, source, attention.attn_implementation, tokenizer, env.local_rank)
     if env.rank == 0:
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
-    with run_patch_set(recipe).applied(recipe):
+    with plan.patches.applied(recipe):
         loss = install_memory_features(model, recipe).loss  # tiled MLP and the chunked loss help here too
-        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, loss)
+        trainer = build_trainer(plan, env, model, tokenizer, prepared, attention.build, loss)
         metrics = trainer.evaluate()
         trainer.accelerator.wait_for_everyone()
     # The Trainer adds the training epoch to every log; a standalone evaluation has none.

@@ -16,7 +16,6 @@ import torch
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.table import backend_for
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.memory import (
     ActivationSetup,
@@ -30,6 +29,7 @@ from cptune.parallel.memory import (
     quantized_bytes_per_weight,
     state_memory,
 )
+from cptune.run.plan import RunPlan
 
 GiB = 1 << 30
 # What a process cannot give to tensors on a GPU: the CUDA context, library workspaces (cuBLAS,
@@ -60,11 +60,16 @@ class GpuMemory:
         return cls(H100_BYTES, "no GPU here: an H100 80GB assumed (--gpu-memory GIB to change)")
 
 
-def activation_setup(recipe: Recipe, cp_size: int) -> ActivationSetup:
-    """The recipe's precision, adapter, memory features and backend, for the activation estimate."""
-    mixed = recipe.bf16 is True or recipe.fp16 or (recipe.bf16 == "auto" and torch.cuda.is_available())
+def mixed_precision(recipe: Recipe) -> bool:
+    """bf16 or fp16 training (``bf16: auto`` when this machine has a GPU)."""
+    return bool(recipe.bf16 is True or recipe.fp16 or (recipe.bf16 == "auto" and torch.cuda.is_available()))
+
+
+def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
+    """The recipe's precision, adapter, memory features and backend at ``cp_size``, for the activation estimate."""
+    recipe = plan.recipe
     return ActivationSetup(
-        mixed_precision=bool(mixed),
+        mixed_precision=mixed_precision(recipe),
         lora=recipe.is_lora,
         gradient_checkpointing=recipe.resolved_gradient_checkpointing,
         offload=recipe.offloads_activations,
@@ -78,11 +83,12 @@ def activation_setup(recipe: Recipe, cp_size: int) -> ActivationSetup:
     )
 
 
-def state_layout(recipe: Recipe, dims: ParallelDims) -> StateLayout:
-    """How this layout spreads the model states: FSDP2, DeepSpeed ZeRO (its JSON's stage), or whole."""
+def state_layout(plan: RunPlan, dims: ParallelDims) -> StateLayout:
+    """How ``dims`` (the plan's or another layout of its recipe) spreads the model states: FSDP2, DeepSpeed
+    ZeRO (its JSON's stage), or whole."""
     if dims.sharded:
         return StateLayout("fsdp", dims.shard_group_size // dims.tp_size, tp_size=dims.tp_size)
-    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
+    stage = plan.backend_at(dims.cp_size).zero_stage(plan.recipe)
     if stage is not None:
         return StateLayout("zero", dims.world_size, stage)
     return StateLayout()
@@ -112,10 +118,11 @@ def states_per_rank(recipe: Recipe, counts: Any, layout: StateLayout) -> StateMe
     )
 
 
-def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> list[str]:
-    """Lines estimating each rank's memory for weights, gradients and optimizer state in this layout."""
+def describe_state_memory(plan: RunPlan, config: Any) -> list[str]:
+    """Lines estimating each rank's memory for weights, gradients and optimizer state in the plan's layout."""
     from cptune.models.sizing import count_parameters
 
+    recipe, dims = plan.recipe, plan.dims
     try:
         counts = count_parameters(recipe, config)
     except (ValueError, TypeError, RuntimeError, CptuneError) as err:
@@ -123,7 +130,7 @@ def describe_state_memory(recipe: Recipe, dims: ParallelDims, config: Any) -> li
         # meta device) still trains, and its real problems are reported where it loads.
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return [f"Memory per rank for model states: no estimate ({first})."]
-    layouts = [state_layout(recipe, dims)]
+    layouts = [state_layout(plan, dims)]
     if layouts[0].sharding != "whole":
         layouts.append(StateLayout())
     rows = [(layout.describe(), states_per_rank(recipe, counts, layout)) for layout in layouts]
@@ -152,8 +159,8 @@ def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> i
     """Host RAM the offloaded layer inputs of one process take (0 without activation_offloading)."""
     if not recipe.offloads_activations:
         return 0
-    setup = activation_setup(recipe, cp_size)
-    return int(shape.layers * shape.hidden * setup.dtype_bytes * tokens_per_rank(recipe, cp_size))
+    dtype_bytes = ActivationSetup(mixed_precision=mixed_precision(recipe), lora=recipe.is_lora).dtype_bytes
+    return int(shape.layers * shape.hidden * dtype_bytes * tokens_per_rank(recipe, cp_size))
 
 
 def tokens_per_rank(recipe: Recipe, cp_size: int) -> int:
@@ -198,21 +205,22 @@ def check_host_memory(recipe: Recipe, config: Any, processes_per_node: int) -> N
 
 
 def describe_activation_memory(
-    recipe: Recipe, dims: ParallelDims, config: Any, counts: Any, gpu: GpuMemory, processes_per_node: int
+    plan: RunPlan, config: Any, counts: Any, gpu: GpuMemory, processes_per_node: int
 ) -> list[str]:
-    """Lines: the peak per GPU of this recipe and the longest sequence per GPU at cp = 1, 2, 4, 8, 16."""
+    """Lines: the peak per GPU of the plan and the longest sequence per GPU at cp = 1, 2, 4, 8, 16."""
     from cptune.models.sizing import model_shape
 
+    recipe = plan.recipe
     shape = model_shape(config)
     if shape is None:
         return ["Memory per GPU with activations: no estimate (the config lacks a decoder's widths)."]
     usable = gpu.total - GPU_RESERVE
     cp = recipe.context_parallel_size
     tokens = tokens_per_rank(recipe, cp)
-    setup = activation_setup(recipe, cp)
-    states = states_per_rank(recipe, counts, state_layout(recipe, dims)).total
+    setup = activation_setup(plan, cp)
+    states = states_per_rank(recipe, counts, state_layout(plan, plan.dims)).total
     estimate = activation_memory(shape, setup, tokens)
-    features = ", ".join(recipe.memory_features) or "no memory features"
+    features = ", ".join(plan.memory_features) or "no memory features"
     checkpointing = "gradient checkpointing" if setup.gradient_checkpointing else "no gradient checkpointing"
     precision = "bf16/fp16 mixed precision" if setup.mixed_precision else "fp32"
     lines = [
@@ -238,19 +246,20 @@ def describe_activation_memory(
         f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}"
     )
     for size in sorted({cp, *CP_SIZES}):
-        lines.append("    " + _longest_row(recipe, shape, counts, size, usable))
+        lines.append("    " + _longest_row(plan, shape, counts, size, usable))
     lines.append(
         "  (activations from per-token costs measured on CPU and checked against H100 runs: docs/benchmarks.md)"
     )
     return lines
 
 
-def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
-    if backend_for(recipe, cp).splits_heads and shape.heads % cp:
+def _longest_row(plan: RunPlan, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
+    recipe = plan.recipe
+    if plan.backend_at(cp).splits_heads and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
     alone = ParallelDims(world_size=cp, cp_size=cp, fsdp=recipe.is_fsdp)  # one sequence on cp ranks
-    states = states_per_rank(recipe, counts, state_layout(recipe, alone)).total
-    setup = activation_setup(recipe, cp)
+    states = states_per_rank(recipe, counts, state_layout(plan, alone)).total
+    setup = activation_setup(plan, cp)
     tokens = longest_tokens(shape, setup, usable - states, step=1024)
     if tokens == 0:
         return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}"
@@ -260,15 +269,13 @@ def _longest_row(recipe: Recipe, shape: ModelShape, counts: Any, cp: int, usable
     return f"{cp:>3} {tokens:>15,} {tokens * cp // recipe.micro_batch_size:>12,} {peak:>10} {host:>17}"
 
 
-def activation_memory_lines(
-    recipe: Recipe, dims: ParallelDims, config: Any, gpu: GpuMemory, processes_per_node: int
-) -> list[str]:
+def activation_memory_lines(plan: RunPlan, config: Any, gpu: GpuMemory, processes_per_node: int) -> list[str]:
     """:func:`describe_activation_memory`, or one line saying why there is no estimate."""
     from cptune.models.sizing import count_parameters
 
     try:
-        counts = count_parameters(recipe, config)
+        counts = count_parameters(plan.recipe, config)
     except (ValueError, TypeError, RuntimeError, CptuneError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return [f"Memory per GPU with activations: no estimate ({first})."]
-    return describe_activation_memory(recipe, dims, config, counts, gpu, processes_per_node)
+    return describe_activation_memory(plan, config, counts, gpu, processes_per_node)

@@ -18,19 +18,16 @@ import yaml
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.select import check_model_config, check_prepared_rows
-from cptune.parallel.backends.table import backend_for
-from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
 from cptune.run.output_dir import check_earlier_run, check_output_dir
+from cptune.run.plan import RunPlan
 
 log = logging.getLogger("cptune.preflight")
 
 
 def preflight(
-    recipe: Recipe,
+    plan: RunPlan,
     *,
-    world_size: int,
     prepare_data: bool = True,
     training: bool = True,
     processes_per_node: int | None = None,
@@ -38,25 +35,24 @@ def preflight(
     """Fail early (before launching) on anything the recipe and launch cannot do together.
 
     Args:
-        recipe: The validated recipe.
-        world_size: Processes the launch will start.
-        processes_per_node: Processes on this node (default: ``world_size``), for the host-RAM check.
+        plan: The launch's plan (its recipe and its processes).
+        processes_per_node: Processes on this node (default: all of the launch's), for the host-RAM check.
         prepare_data: Prepare and cache the data here (the ranks then only load it).
         training: Also check what only training needs (the checkpoint to resume from).
     """
-    dims = ParallelDims.from_recipe(recipe, world_size)
+    recipe = plan.recipe
     for problem in missing_packages(recipe):
         raise problem
     check_output_dir(recipe, writable=training)
     if training:
         check_resume(recipe)
         check_earlier_run(recipe)
-    config = check_model(recipe, dims)
+    config = check_model(plan)
     if training:
         from cptune.run.memory_plan import check_host_memory
 
-        check_host_memory(recipe, config, processes_per_node or world_size)
-    backend_for(recipe, dims.cp_size).check_ready(recipe, training=training)
+        check_host_memory(recipe, config, processes_per_node or plan.dims.world_size)
+    plan.backend.check_ready(recipe, training=training)
     if prepare_data:
         from cptune.data.prepare import highest_token_id, prepare_datasets
         from cptune.models.loading import check_token_ids, load_tokenizer
@@ -65,7 +61,7 @@ def preflight(
         check_token_ids(
             highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
         )
-        check_prepared_rows(recipe, prepared)
+        plan.check_prepared_rows(prepared)
 
 
 def check_resume(recipe: Recipe) -> None:
@@ -90,8 +86,8 @@ def model_config(recipe: Recipe) -> Any:
         ) from None
 
 
-def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
-    """Check the model's architecture against the CP backend and the LoRA targets, without loading weights.
+def check_model(plan: RunPlan) -> Any:
+    """Check the model's architecture against the plan's backend and the LoRA targets, without loading weights.
 
     Also checks that a local base_model folder holds complete weight files, that model_type names
     the model's class, that lora_model_dir holds an adapter, and that new tokens get trained.
@@ -110,12 +106,13 @@ def check_model(recipe: Recipe, dims: ParallelDims) -> Any:
     )
     from cptune.models.memory_features import check_memory_features
 
+    recipe = plan.recipe
     config = model_config(recipe)
     check_causal_lm(recipe, config)
     check_model_type(recipe, config)
     check_local_weights(recipe)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    check_model_config(recipe, dims, config, model_class)
+    plan.check_model(config, model_class)
     check_lora_model_dir(recipe)
     check_lora_targets(recipe, config)
     check_new_tokens(recipe, config)
@@ -151,19 +148,19 @@ def missing_packages(recipe: Recipe) -> list[CptuneError]:
 
 
 def describe_plan(
-    recipe: Recipe,
+    plan: RunPlan,
     *,
-    world_size: int,
     processes_per_node: int | None = None,
     gpu_memory_gib: float | None = None,
 ) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, memory, patches, data.
 
     Args:
+        plan: The launch's plan.
+        processes_per_node: Processes on this node (default: all of the launch's), for the host-RAM check.
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
     """
     from cptune.config.compat_rules import axolotl_notes
-    from cptune.parallel.backends.select import run_patch_set
     from cptune.patches.overrides import check_overrides
     from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import (
@@ -174,9 +171,9 @@ def describe_plan(
     )
     from cptune.run.optimizers import optimizer_notes
 
-    dims = ParallelDims.from_recipe(recipe, world_size)
-    config = check_model(recipe, dims)
-    per_node = processes_per_node or world_size
+    recipe, dims = plan.recipe, plan.dims
+    config = check_model(plan)
+    per_node = processes_per_node or dims.world_size
     check_host_memory(recipe, config, per_node)
     lines = ["Resolved recipe:"]
     values = recipe.model_dump(mode="json")
@@ -195,17 +192,17 @@ def describe_plan(
         "Plan:",
         f"  model:      {recipe.base_model} ({training})",
         f"  tokenizer:  {recipe.tokenizer_path}",
-        f"  processes:  {_describe_processes(recipe, dims)}",
+        f"  processes:  {_describe_processes(plan)}",
     ]
-    lines += [f"  {line}" for line in backend_for(recipe, dims.cp_size).plan_lines(recipe)]
-    lines += ["", *describe_state_memory(recipe, dims, config)]
-    lines += ["", *activation_memory_lines(recipe, dims, config, GpuMemory.detect(gpu_memory_gib), per_node)]
+    lines += [f"  {line}" for line in plan.backend.plan_lines(recipe)]
+    lines += ["", *describe_state_memory(plan, config)]
+    lines += ["", *activation_memory_lines(plan, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
     if notes:
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
-    plan = run_patch_set(recipe).plan(recipe)
-    lines += ["", "Patches:", *("  " + line for line in plan.describe().splitlines())]
+    patches = plan.patches.plan(recipe)
+    lines += ["", "Patches:", *("  " + line for line in patches.describe().splitlines())]
     lines += ["", "Private Trainer members cptune's Trainer relies on (checked like patches):"]
     lines += [f"  {override.name}: {override.target}" for override in TRAINER_OVERRIDES]
     lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
@@ -213,9 +210,10 @@ def describe_plan(
     return "\n".join(lines)
 
 
-def _describe_processes(recipe: Recipe, dims: ParallelDims) -> str:
+def _describe_processes(plan: RunPlan) -> str:
     """The layout line of the plan; under DeepSpeed's engine, the ZeRO stage that holds the model states."""
-    stage = backend_for(recipe, dims.cp_size).zero_stage(recipe)
+    dims = plan.dims
+    stage = plan.zero_stage()
     if stage is None:
         return dims.describe()
     return (

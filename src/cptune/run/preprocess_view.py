@@ -42,11 +42,13 @@ def run_preprocess(
     from cptune.data.debug_view import format_rows, rows_json
     from cptune.data.prepare import prepare_datasets
     from cptune.models.loading import load_tokenizer
-    from cptune.parallel.backends.select import check_prepared_rows
+    from cptune.parallel.backends.table import backend_for
 
+    # The backend that runs the recipe (preprocessing starts no processes, so it needs no more of a plan).
+    backend = backend_for(recipe)
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
-    check_prepared_rows(recipe, prepared)
+    backend.check_prepared_rows(recipe, prepared)
     counts = f"{prepared.stats.format()}\ncache: {prepared.path}"
     data: dict[str, Any] = {"stats": json.loads(prepared.stats.to_json()), "cache": str(prepared.path)}
     parts = [counts]
@@ -63,7 +65,7 @@ def run_preprocess(
         from cptune.run.data_report import build_report, format_report
         from cptune.run.report_page import write_report_files
 
-        numbers = build_report(recipe, prepared)
+        numbers = build_report(recipe, prepared, backend)
         text = format_report(numbers, recipe)
         page = write_report_files(prepared.path, numbers, text)
         data["report"] = numbers

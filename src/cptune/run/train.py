@@ -18,11 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from cptune.atomic import write_text
 from cptune.config.recipe import Recipe
-from cptune.models.head_loss import logits_loss
 from cptune.models.loading import (
     apply_lora,
     check_token_ids,
@@ -31,14 +28,11 @@ from cptune.models.loading import (
     trainable_parameter_count,
 )
 from cptune.models.memory_features import install_memory_features
-from cptune.parallel.backends.select import check_model_config, check_prepared_rows, plan_backend
-from cptune.parallel.backends.table import backend_for
-from cptune.parallel.backends.zero import trains_on_deepspeed
-from cptune.parallel.layout import ParallelDims
+from cptune.run.build import build_trainer
 from cptune.run.checkpoints import resume_checkpoint
-from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
-from cptune.run.fsdp import fsdp_training_arguments
+from cptune.run.distributed import read_dist_env
 from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
+from cptune.run.plan import RunPlan
 
 log = logging.getLogger("cptune.train")
 
@@ -56,7 +50,7 @@ class TrainResult:
         return [entry["loss"] for entry in self.log_history if "loss" in entry]
 
 
-def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
+def train(recipe: Recipe, callbacks: Sequence[Any] = (), *, plan: RunPlan | None = None) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
     Environment variables that the libraries set while training (accelerate's
@@ -67,22 +61,23 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
         recipe: The validated recipe.
         callbacks: ``transformers.TrainerCallback`` objects added to the Trainer (e.g. to
             measure steps); they see the model as trained (wrapped, and sharded with FSDP2).
+        plan: This process's plan of ``recipe`` when the caller has built it (a one-process run
+            after the launcher's preflight); by default it is built here for the launch's processes.
     """
     with _restored_environment():
-        return _train(recipe, callbacks)
+        return _train(recipe, callbacks, plan)
 
 
-def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
+def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> TrainResult:
     from transformers import set_seed
 
     from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.added_tokens import fit_embeddings
-    from cptune.parallel.backends.select import run_patch_set
     from cptune.run.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
-    dims = ParallelDims.from_recipe(recipe, env.world_size)
+    plan = plan or RunPlan.build(recipe, env.world_size)
     started = time.perf_counter()
     # W&B reads its settings from the environment; _restored_environment puts it back afterwards.
     os.environ.update(tracker_environment(recipe, os.environ))
@@ -98,20 +93,20 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
-    check_prepared_rows(recipe, prepared)
+    plan.check_prepared_rows(prepared)
     if env.rank == 0:
         log.info("%s", prepared.stats.format())
 
-    if recipe.is_fsdp and not dims.sharded:
+    if recipe.is_fsdp and not plan.dims.sharded:
         log.info("fsdp_version: 2 with one process: there is nothing to shard; training without FSDP")
-    backend = plan_backend(recipe, dims, tokenizer.pad_token_id)
+    attention = plan.attention(tokenizer.pad_token_id)
     if recipe.offloads_activations:  # under torchrun no preflight ran: check before loading
         from cptune.run.memory_plan import check_host_memory
         from cptune.run.preflight import model_config
 
         check_host_memory(recipe, model_config(recipe), env.local_world_size)
-    model = load_model(recipe, backend.attn_implementation, local_rank=env.local_rank)
-    check_model_config(recipe, dims, model.config, type(model))
+    model = load_model(recipe, attention.attn_implementation, local_rank=env.local_rank)
+    plan.check_model(model.config, type(model))
     fit_embeddings(model, tokenizer, recipe.seed)
     check_token_ids(highest_token_id(prepared), model.get_input_embeddings().num_embeddings, recipe)
     if recipe.is_lora:
@@ -126,8 +121,8 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     resume = resume_checkpoint(recipe)
     if resume is not None and env.rank == 0:
         log.info("resuming from %s", resume)
-    with run_patch_set(recipe).applied(recipe):
-        trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, features.loss)
+    with plan.patches.applied(recipe):
+        trainer = build_trainer(plan, env, model, tokenizer, prepared, attention.build, features.loss)
         for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)
         # The Trainer restores the weights, optimizer, scheduler, RNG states and data position.
@@ -138,98 +133,6 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
         history = list(trainer.state.log_history)
         trainer.accelerator.wait_for_everyone()
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
-
-
-def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:
-    """The Trainer's arguments for this recipe and process layout."""
-    from transformers import TrainingArguments
-
-    pieces = backend_for(recipe, dims.cp_size).trainer_parallelism(recipe, dims)
-    parallelism, deepspeed = pieces.parallelism, pieces.deepspeed
-    warmup: float = 0
-    if recipe.warmup_steps is not None:
-        warmup = recipe.warmup_steps
-    elif recipe.warmup_ratio is not None:
-        warmup = recipe.warmup_ratio
-    eval_steps, save_steps = recipe.resolved_eval_steps, recipe.resolved_save_steps
-    on_cpu = not torch.cuda.is_available()
-    return TrainingArguments(
-        output_dir=recipe.output_dir,
-        per_device_train_batch_size=recipe.micro_batch_size,
-        per_device_eval_batch_size=recipe.micro_batch_size,
-        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
-        num_train_epochs=recipe.num_epochs,
-        max_steps=recipe.max_steps or -1,
-        learning_rate=recipe.learning_rate,
-        optim=recipe.optimizer,
-        optim_args=recipe.resolved_optim_args,
-        optim_target_modules=list(recipe.optim_target_modules) if recipe.optim_target_modules else None,
-        lr_scheduler_type=recipe.lr_scheduler,
-        warmup_steps=warmup,
-        weight_decay=recipe.weight_decay,
-        max_grad_norm=recipe.max_grad_norm,
-        seed=recipe.seed,
-        data_seed=recipe.seed,
-        bf16=recipe.bf16 is True or (recipe.bf16 == "auto" and torch.cuda.is_available()),
-        fp16=recipe.fp16,
-        # TF32 exists on NVIDIA GPUs only (the Trainer refuses tf32: true elsewhere).
-        tf32=recipe.tf32 if torch.cuda.is_available() else None,
-        logging_steps=recipe.logging_steps,
-        logging_first_step=True,
-        save_strategy="steps" if save_steps else "no",
-        save_steps=save_steps or 500,
-        save_total_limit=recipe.save_total_limit,
-        eval_strategy="steps" if eval_steps else "no",
-        eval_steps=eval_steps,
-        report_to=list(recipe.resolved_report_to) or "none",
-        run_name=recipe.wandb_name,
-        remove_unused_columns=False,
-        # Under CP each rank holds logits for its shard only; evaluation reports the loss.
-        prediction_loss_only=True,
-        label_names=["labels"],
-        dataloader_num_workers=recipe.dataloader_num_workers,
-        # With use_cpu accelerate never selects DeepSpeed (accelerate/state.py:974); on CPU a patch
-        # (patches/deepspeed_patches.py) gives DeepSpeed processes the gloo backend instead.
-        use_cpu=on_cpu and deepspeed is None,
-        ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
-        parallelism_config=parallelism,
-        deepspeed=deepspeed,
-        disable_tqdm=env.rank != 0,
-        # transformers' info level dumps model configs; cptune logs what matters itself.
-        log_level="warning",
-        log_level_replica="error",
-        # The model is the same on every step: no extra autograd traversal per step.
-        ddp_find_unused_parameters=False,
-        # A collective that waits longer than this fails the run instead of holding it forever.
-        ddp_timeout=recipe.ddp_timeout,
-        **fsdp_training_arguments(recipe, dims),
-    )
-
-
-def _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend_factory, shard_loss=logits_loss):
-    from cptune.data.collator import PackedCollator
-    from cptune.run.trainer import CptuneTrainer
-
-    if (
-        env.world_size > 1
-        and not torch.cuda.is_available()
-        and not trains_on_deepspeed(backend_for(recipe, dims.cp_size), recipe)
-    ):
-        # DeepSpeed's engine (Ulysses, or ring / torch CP under ZeRO) starts its process group itself.
-        init_cpu_process_group(recipe.ddp_timeout)
-    collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
-    return CptuneTrainer(
-        model=model,
-        args=training_arguments(recipe, dims, env),
-        train_dataset=prepared.train,
-        eval_dataset=prepared.eval,
-        data_collator=collator,
-        processing_class=tokenizer,
-        backend_factory=backend_factory,
-        cp_size=dims.cp_size,
-        tp_size=dims.tp_size,
-        shard_loss=shard_loss,
-    )
 
 
 def _write_train_log(output_dir: Path, history: list[dict[str, Any]]) -> None:

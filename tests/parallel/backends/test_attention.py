@@ -96,12 +96,13 @@ def test_sliding_window_models_are_refused_wherever_cptune_attention_runs():
 
     from cptune.config.recipe import Recipe
     from cptune.parallel.backends.select import check_model_config
+    from cptune.parallel.backends.table import backend_for
     from cptune.parallel.layout import ParallelDims
 
     def check(config, **keys):
         recipe = Recipe.model_validate({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
         dims = ParallelDims(world_size=recipe.context_parallel_size, cp_size=recipe.context_parallel_size)
-        check_model_config(recipe, dims, config, None)
+        check_model_config(backend_for(recipe), recipe, dims, config, None)
 
     small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
     mistral = MistralConfig(sliding_window=16, **small)
@@ -125,12 +126,13 @@ def test_cptune_attention_needs_the_attention_interface_and_no_dropout_wherever_
 
     from cptune.config.recipe import Recipe
     from cptune.parallel.backends.select import check_model_config
+    from cptune.parallel.backends.table import backend_for
     from cptune.parallel.layout import ParallelDims
 
     def check(config, model_class, **keys):
         recipe = Recipe.model_validate({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
         dims = ParallelDims(world_size=recipe.context_parallel_size, cp_size=recipe.context_parallel_size)
-        check_model_config(recipe, dims, config, model_class)
+        check_model_config(backend_for(recipe), recipe, dims, config, model_class)
 
     bloom = BloomConfig(hidden_size=32, n_layer=1, n_head=2)
     small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}

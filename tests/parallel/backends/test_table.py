@@ -63,11 +63,12 @@ def test_context_parallel_size_1_runs_the_local_backend(write_recipe):
 
 def test_preflight_of_cp_backend_torch_does_not_import_ring_flash_attn(write_recipe, monkeypatch):
     """It once loaded ring-flash-attn for every cp > 1 that was not deepspeed."""
+    from cptune.run.plan import RunPlan
     from cptune.run.preflight import preflight
 
     monkeypatch.setitem(sys.modules, "ring_flash_attn", None)  # importing it now raises ImportError
     recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="torch", sample_packing=False))
-    preflight(recipe, world_size=2, prepare_data=False)
+    preflight(RunPlan.build(recipe, 2), prepare_data=False)
 
 
 def test_the_torch_backend_s_cpu_attention_patch_is_left_out_on_a_cuda_machine(write_recipe, monkeypatch):
@@ -75,13 +76,13 @@ def test_the_torch_backend_s_cpu_attention_patch_is_left_out_on_a_cuda_machine(w
     on a GPU node torch has its own handlers, and planning it there refused other torch versions."""
     import torch
 
-    from cptune.parallel.backends.select import run_patch_set
+    from cptune.run.plan import RunPlan
 
     recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="torch", sample_packing=False))
     name = "torch-cp-cpu-sdpa-handlers"
-    assert name in {p.name for p in run_patch_set(recipe).plan(recipe).selected}
+    assert name in {p.name for p in RunPlan.build(recipe, 2).patches.plan(recipe).selected}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    plan = run_patch_set(recipe).plan(recipe)
+    plan = RunPlan.build(recipe, 2).patches.plan(recipe)
     assert name not in {p.name for p in plan.selected}
     (skipped,) = [s for s in plan.skipped if s.patch.name == name]
     assert skipped.why.endswith("on a machine without a CUDA GPU")

@@ -1,7 +1,7 @@
-"""What every layer asks of the backend that runs a recipe, whichever it is.
+"""What is the same for every backend around what a backend answers itself.
 
-The backend comes from :mod:`cptune.parallel.backends.table` (the local backend at
-context_parallel_size 1); these functions add what is the same for every backend.
+The backend is the run plan's (:class:`cptune.run.plan.RunPlan`, from :mod:`cptune.parallel.backends.table`;
+the local backend at context_parallel_size 1); these functions take it as an argument.
 """
 
 from __future__ import annotations
@@ -10,55 +10,19 @@ from typing import Any
 
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attention, register_attention
-from cptune.parallel.backends.spec import BackendPlan
-from cptune.parallel.backends.table import BACKENDS, backend_for
+from cptune.parallel.backends.spec import BackendPlan, CpBackend
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 
-__all__ = [
-    "BackendPlan",
-    "check_hidden_dropout",
-    "check_model_config",
-    "check_prepared_rows",
-    "plan_backend",
-    "run_patch_set",
-    "sequence_split",
-    "uses_cptune_attention",
-]
+__all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_backend"]
 
 
-def plan_backend(recipe: Any, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
-    """The backend for this recipe and process layout; imports its dependencies now."""
-    plan = backend_for(recipe, dims.cp_size).plan(recipe, dims, pad_token_id)
+def plan_backend(backend: CpBackend, recipe: Any, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    """The backend's plan for this recipe and process layout; imports its dependencies now."""
+    plan = backend.plan(recipe, dims, pad_token_id)
     if plan.attn_implementation == ATTENTION_NAME:
         register_attention()
     return plan
-
-
-def run_patch_set(recipe: Any) -> Any:
-    """The :class:`~cptune.patches.core.PatchSet` of a training (or evaluation) run with this recipe."""
-    from cptune.patches.registry import build_patch_set
-
-    return build_patch_set(recipe, BACKENDS.values())
-
-
-def uses_cptune_attention(recipe: Any, dims: ParallelDims) -> bool:
-    """Whether cptune's own attention function computes the model's attention in this layout.
-
-    It does at cp > 1 (ring-flash-attn, torch, and deepspeed with its ``cptune`` core attention)
-    and for bidirectional attention at cp = 1 (the local backend).
-    """
-    return backend_for(recipe, dims.cp_size).uses_cptune_attention(recipe)
-
-
-def sequence_split(recipe: Any) -> str:
-    """How the backend splits a row's tokens over the ranks, for ``cptune preprocess --report``.
-
-    ``contiguous`` (one slice per rank), ``zigzag`` (chunks r and 2C-1-r), or ``heads`` (DeepSpeed
-    Ulysses: every rank attends over the whole row for its share of the heads, so the causal work
-    is even whatever the documents).
-    """
-    return backend_for(recipe, max(recipe.context_parallel_size, 2)).sequence_split(recipe)
 
 
 # Config keys of dropouts on hidden states (and GPT-2-style attention probabilities) in transformers'
@@ -99,10 +63,11 @@ def check_hidden_dropout(text_config: Any) -> None:
             )
 
 
-def check_model_config(recipe: Any, dims: ParallelDims, config: Any, model_class: type | None) -> None:
-    """Refuse a model whose attention the chosen backend cannot split (before loading weights)."""
+def check_model_config(
+    backend: CpBackend, recipe: Any, dims: ParallelDims, config: Any, model_class: type | None
+) -> None:
+    """Refuse a model whose attention ``backend`` (the one of this layout) cannot split (before loading weights)."""
     text = config.get_text_config()
-    backend = backend_for(recipe, dims.cp_size)
     check_tensor_parallel_model(config, model_class, dims.tp_size)
     if not dims.cp_enabled and recipe.causal:
         return  # transformers' own attention (sdpa) runs: nothing of cptune's to refuse
@@ -134,13 +99,3 @@ def check_model_config(recipe: Any, dims: ParallelDims, config: Any, model_class
         return
     check_hidden_dropout(text)
     backend.check_model(recipe, dims.cp_size, text)
-
-
-def check_prepared_rows(recipe: Any, prepared: Any) -> None:
-    """Refuse prepared data that the recipe's backend would stop on at its first batch.
-
-    Args:
-        recipe: The validated recipe.
-        prepared: Its :class:`~cptune.data.prepare.PreparedData`.
-    """
-    backend_for(recipe).check_prepared_rows(recipe, prepared)

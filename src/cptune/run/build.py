@@ -1,0 +1,119 @@
+"""The Trainer of a run and its arguments, built from the run's plan: shared by train and evaluate."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cptune.models.head_loss import ShardLoss, logits_loss
+from cptune.run.distributed import DistEnv, init_cpu_process_group
+from cptune.run.fsdp import fsdp_training_arguments
+from cptune.run.plan import RunPlan
+
+if TYPE_CHECKING:
+    from cptune.data.prepare import PreparedData
+    from cptune.run.trainer import BackendFactory, CptuneTrainer
+
+
+def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
+    """The Trainer's arguments for the plan's recipe and process layout."""
+    from transformers import TrainingArguments
+
+    recipe = plan.recipe
+    pieces = plan.trainer_parallelism()
+    parallelism, deepspeed = pieces.parallelism, pieces.deepspeed
+    warmup: float = 0
+    if recipe.warmup_steps is not None:
+        warmup = recipe.warmup_steps
+    elif recipe.warmup_ratio is not None:
+        warmup = recipe.warmup_ratio
+    eval_steps, save_steps = recipe.resolved_eval_steps, recipe.resolved_save_steps
+    on_cpu = not torch.cuda.is_available()
+    return TrainingArguments(
+        output_dir=recipe.output_dir,
+        per_device_train_batch_size=recipe.micro_batch_size,
+        per_device_eval_batch_size=recipe.micro_batch_size,
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        num_train_epochs=recipe.num_epochs,
+        max_steps=recipe.max_steps or -1,
+        learning_rate=recipe.learning_rate,
+        optim=recipe.optimizer,
+        optim_args=recipe.resolved_optim_args,
+        optim_target_modules=list(recipe.optim_target_modules) if recipe.optim_target_modules else None,
+        lr_scheduler_type=recipe.lr_scheduler,
+        warmup_steps=warmup,
+        weight_decay=recipe.weight_decay,
+        max_grad_norm=recipe.max_grad_norm,
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        bf16=recipe.bf16 is True or (recipe.bf16 == "auto" and torch.cuda.is_available()),
+        fp16=recipe.fp16,
+        # TF32 exists on NVIDIA GPUs only (the Trainer refuses tf32: true elsewhere).
+        tf32=recipe.tf32 if torch.cuda.is_available() else None,
+        logging_steps=recipe.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        save_total_limit=recipe.save_total_limit,
+        eval_strategy="steps" if eval_steps else "no",
+        eval_steps=eval_steps,
+        report_to=list(recipe.resolved_report_to) or "none",
+        run_name=recipe.wandb_name,
+        remove_unused_columns=False,
+        # Under CP each rank holds logits for its shard only; evaluation reports the loss.
+        prediction_loss_only=True,
+        label_names=["labels"],
+        dataloader_num_workers=recipe.dataloader_num_workers,
+        # With use_cpu accelerate never selects DeepSpeed (accelerate/state.py:974); on CPU a patch
+        # (patches/deepspeed_patches.py) gives DeepSpeed processes the gloo backend instead.
+        use_cpu=on_cpu and deepspeed is None,
+        ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
+        parallelism_config=parallelism,
+        deepspeed=deepspeed,
+        disable_tqdm=env.rank != 0,
+        # transformers' info level dumps model configs; cptune logs what matters itself.
+        log_level="warning",
+        log_level_replica="error",
+        # The model is the same on every step: no extra autograd traversal per step.
+        ddp_find_unused_parameters=False,
+        # A collective that waits longer than this fails the run instead of holding it forever.
+        ddp_timeout=recipe.ddp_timeout,
+        **fsdp_training_arguments(recipe, plan.dims),
+    )
+
+
+def build_trainer(
+    plan: RunPlan,
+    env: DistEnv,
+    model: Any,
+    tokenizer: Any,
+    prepared: PreparedData,
+    backend_factory: BackendFactory,
+    shard_loss: ShardLoss = logits_loss,
+) -> CptuneTrainer:
+    """cptune's Trainer for the plan, on the prepared data, sharding each batch with ``backend_factory``'s sharder.
+
+    Call it with the plan's patches applied. Starts the process group on CPU (gloo), unless
+    DeepSpeed's engine starts its own.
+    """
+    from cptune.data.collator import PackedCollator
+    from cptune.run.trainer import CptuneTrainer
+
+    recipe, dims = plan.recipe, plan.dims
+    if env.world_size > 1 and not torch.cuda.is_available() and not plan.on_deepspeed:
+        # DeepSpeed's engine (Ulysses, or ring / torch CP under ZeRO) starts its process group itself.
+        init_cpu_process_group(recipe.ddp_timeout)
+    collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
+    return CptuneTrainer(
+        model=model,
+        args=training_arguments(plan, env),
+        train_dataset=prepared.train,
+        eval_dataset=prepared.eval,
+        data_collator=collator,
+        processing_class=tokenizer,
+        backend_factory=backend_factory,
+        cp_size=dims.cp_size,
+        tp_size=dims.tp_size,
+        shard_loss=shard_loss,
+    )

@@ -1,0 +1,98 @@
+"""One process's plan of a run, worked out once from the recipe and the launch: :class:`RunPlan`.
+
+Every command builds it once, with :meth:`RunPlan.build`, and passes it down: the launcher
+(preflight, ``cptune validate``, the data report), each rank of ``cptune train`` and ``cptune
+evaluate``, ``cptune inference``'s one process and the benchmarks' workers. Nothing below it asks
+the recipe again which backend runs, how the processes are laid out or which patches apply.
+Building it loads nothing and imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cptune.config.recipe import Recipe
+from cptune.parallel.backends.spec import BackendPlan, CpBackend, TrainerParallelism
+from cptune.parallel.backends.table import BACKENDS, LOCAL, backend_for, named_backend
+from cptune.parallel.backends.zero import trains_on_deepspeed
+from cptune.parallel.layout import ParallelDims
+from cptune.patches.registry import build_patch_set
+
+if TYPE_CHECKING:
+    from cptune.patches.core import PatchSet
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The layout, the backend, the patch set and the memory features of one process's run.
+
+    Attributes:
+        recipe: The validated recipe.
+        dims: How the launch's processes split into data-, context- and tensor-parallel axes.
+        backend: The backend that computes the attention in this layout (the local one at
+            context_parallel_size 1, whatever ``cp_backend`` says).
+        cp_backend: The backend ``cp_backend`` names, which runs the recipe at every
+            context_parallel_size above 1 (the memory estimates try other sizes with it).
+        patches: The patches of a training or evaluation run with this recipe.
+    """
+
+    recipe: Recipe
+    dims: ParallelDims
+    backend: CpBackend
+    cp_backend: CpBackend
+    patches: PatchSet
+
+    @classmethod
+    def build(cls, recipe: Recipe, world_size: int) -> RunPlan:
+        """The plan of ``recipe`` on ``world_size`` processes.
+
+        Raises:
+            LaunchError: the processes do not split into the recipe's axes.
+        """
+        dims = ParallelDims.from_recipe(recipe, world_size)
+        return cls(
+            recipe=recipe,
+            dims=dims,
+            backend=backend_for(recipe, dims.cp_size),
+            cp_backend=named_backend(recipe),
+            patches=build_patch_set(recipe, BACKENDS.values()),
+        )
+
+    def backend_at(self, cp_size: int) -> CpBackend:
+        """The backend that would run the recipe at ``cp_size`` (for estimates of other layouts)."""
+        return LOCAL if cp_size <= 1 else self.cp_backend
+
+    @property
+    def memory_features(self) -> tuple[str, ...]:
+        """The recipe keys of the memory features that are on (offloading, tiled MLP, chunked loss)."""
+        return self.recipe.memory_features
+
+    @property
+    def on_deepspeed(self) -> bool:
+        """DeepSpeed's engine trains the model (Ulysses, or ring / torch CP under ZeRO), not DDP or FSDP2."""
+        return trains_on_deepspeed(self.backend, self.recipe)
+
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage that shards the model states under DeepSpeed's engine (reads its JSON); else None."""
+        return self.backend.zero_stage(self.recipe)
+
+    def trainer_parallelism(self) -> TrainerParallelism:
+        """accelerate's ``ParallelismConfig`` and the DeepSpeed config of the Trainer's arguments."""
+        return self.backend.trainer_parallelism(self.recipe, self.dims)
+
+    def attention(self, pad_token_id: int) -> BackendPlan:
+        """The model's attention and the factory of the process's sharder; imports the backend's packages."""
+        from cptune.parallel.backends.select import plan_backend
+
+        return plan_backend(self.backend, self.recipe, self.dims, pad_token_id)
+
+    def check_model(self, config: Any, model_class: type | None) -> None:
+        """Refuse a model whose attention the backend cannot split (from its config, before any weight)."""
+        from cptune.parallel.backends.select import check_model_config
+
+        check_model_config(self.backend, self.recipe, self.dims, config, model_class)
+
+    def check_prepared_rows(self, prepared: Any) -> None:
+        """Refuse prepared data the backend would stop on at its first batch."""
+        self.backend.check_prepared_rows(self.recipe, prepared)
