@@ -44,6 +44,7 @@ def predicted_peak(spec: dict[str, Any], cp: int, keys: dict[str, Any]) -> float
     """The memory model's activation peak for this variant (fp32, LoRA, the tiny Llama's shape)."""
     from benchmarks.workers.shardstep import VOCAB
     from cptune.parallel.memory import ActivationSetup, ModelShape, activation_memory
+    from cptune.run.memory_plan import default_attention_buffers
 
     shape = ModelShape(layers=2, hidden=64, intermediate=256, heads=4, kv_heads=2, head_dim=16, vocab=VOCAB)
     setup = ActivationSetup(
@@ -54,7 +55,7 @@ def predicted_peak(spec: dict[str, Any], cp: int, keys: dict[str, Any]) -> float
         head_loss=keys.get("cut_cross_entropy", False),
         loss_chunk_elements=spec["chunk_tokens"] * VOCAB,
         cp_size=cp,
-        cp_backend="ring-flash-attn" if cp > 1 else None,
+        attention_buffers=default_attention_buffers("ring-flash-attn") if cp > 1 else None,
     )
     return activation_memory(shape, setup, spec["length"] // cp).peak
 

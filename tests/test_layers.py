@@ -24,7 +24,7 @@ import ast
 import functools
 from pathlib import Path
 
-from cptune.parallel.backends.spec import CpBackendName
+from cptune.parallel.backends.rows import NAMES as BACKEND_NAMES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "cptune"
 
@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
-NAMES = frozenset(name.value for name in CpBackendName)
+NAMES = frozenset(BACKEND_NAMES)
 ALLOWED = ("parallel/backends/", "config/")
 
 

@@ -7,6 +7,7 @@ measurement and the results page can print the predicted limits (docs/benchmarks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from benchmarks.gpu.flops import LLAMA_31_8B, ModelShape, lora_parameters
@@ -39,10 +40,18 @@ def activation_shape(shape: ModelShape = LLAMA_31_8B) -> memory.ModelShape:
     )
 
 
-def setup_for(
-    keys: dict, cp_size: int = 1, cp_backend: str = "ring-flash-attn", mixed: bool = True
-) -> memory.ActivationSetup:
-    """The activation setup of the LoRA recipe (gradient checkpointing on; bf16 unless not ``mixed``)."""
+def setup_for(keys: dict, cp_size: int = 1, mixed: bool = True) -> memory.ActivationSetup:
+    """The activation setup of the LoRA recipe (gradient checkpointing on; bf16 unless not ``mixed``), with
+    ring-flash-attn's K/V buffers at cp > 1.
+
+    The GPU image has no pydantic, so no recipe is validated here: the ring backend's policy reads the
+    one key its buffers depend on from the keys (``heads_k_stride``, 1 unless they set it).
+    """
+    from types import SimpleNamespace
+
+    from cptune.parallel.backends.ring_flash_attn.policy import POLICY as RING
+
+    keys_read = SimpleNamespace(heads_k_stride=keys.get("heads_k_stride", 1))
     return memory.ActivationSetup(
         mixed_precision=mixed,
         lora=True,
@@ -51,7 +60,7 @@ def setup_for(
         tiled_mlp_num_shards=keys.get("tiled_mlp_num_shards"),
         head_loss=bool(keys.get("cut_cross_entropy")),
         cp_size=cp_size,
-        cp_backend=cp_backend if cp_size > 1 else None,
+        attention_buffers=functools.partial(RING.attention_buffer_bytes, keys_read) if cp_size > 1 else None,
     )
 
 

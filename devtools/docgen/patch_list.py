@@ -2,13 +2,14 @@
 
 Two groups: the patches of a training run (:func:`~cptune.patches.registry.build_patches`,
 built once per ``cp_backend`` and merged, since only a wrapper's behaviour depends on the
-backend), and the patches applied only around ``import ring_flash_attn``.
+backend), and the patches applied only around importing a backend's library (``import ring_flash_attn``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from types import SimpleNamespace
+from typing import Any
 
 from cptune.patches.core import Patch, always
 from cptune.patches.overrides import Override
@@ -32,20 +33,22 @@ they replaced. `cptune validate recipe.yaml` prints which ones a recipe gets.
 def render_patch_list() -> str:
     """The whole page, ending with one newline."""
     run, imports = run_patches(), import_patches()
-    parts = [HEADER, "## Summary\n", _summary(run + [patch for patch, _ in imports])]
+    parts = [HEADER, "## Summary\n", _summary(run + [patch for _, found in imports for patch, _ in found])]
     parts.append("## Patches of a training run\n")
     parts.append(
         "Built by `cptune.patches.registry.build_patches`, applied by `cptune train`, `evaluate` and\n"
         "the ranks they start, for the whole run.\n"
     )
     parts += [_entry(patch, _condition(patch)) for patch in run]
-    parts.append("## Patches around `import ring_flash_attn`\n")
-    parts.append(
-        "Applied only while `ring_flash_attn` is imported (the first time a recipe with\n"
-        "`cp_backend: ring-flash-attn` and `context_parallel_size > 1` needs it) and reverted right\n"
-        "after: the imported modules keep their own references to what they imported.\n"
-    )
-    parts += [_entry(patch, condition) for patch, condition in imports]
+    for backend, found in imports:
+        library = backend.runtime().library
+        parts.append(f"## Patches around `import {library}`\n")
+        parts.append(
+            f"Applied only while `{library}` is imported (the first time a recipe with\n"
+            f"`cp_backend: {backend.name}` and `context_parallel_size > 1` needs it) and reverted right\n"
+            "after: the imported modules keep their own references to what they imported.\n"
+        )
+        parts += [_entry(patch, condition) for patch, condition in found]
     parts.append("## Private Trainer members cptune's Trainer relies on\n")
     parts.append(
         "`CptuneTrainer` overrides or calls these private members of transformers' `Trainer` where it\n"
@@ -77,17 +80,21 @@ def run_patches() -> list[Patch]:
     return list(merged.values())
 
 
-def import_patches() -> list[tuple[Patch, str]]:
-    """The import-time patches with the condition under which each is applied."""
+def import_patches() -> list[tuple[Any, list[tuple[Patch, str]]]]:
+    """Each backend that has import-time patches, with them and the condition under which each is applied."""
     from cptune.parallel.backends.table import BACKENDS
     from cptune.patches.registry import import_patch_set
 
-    found = []
+    sections = []
     for backend in BACKENDS.values():
-        for patch in import_patch_set(backend).patches:
+        runtime = backend.runtime()
+        found = []
+        for patch in import_patch_set(runtime).patches:
             when = "" if patch.applies_to is always else f", only when {patch.applies_to}"
-            found.append((patch, f"around `import ring_flash_attn`{when}"))
-    return found
+            found.append((patch, f"around `import {runtime.library}`{when}"))
+        if found:
+            sections.append((backend, found))
+    return sections
 
 
 def _description(patch: Patch) -> tuple[object, ...]:

@@ -24,6 +24,7 @@ from cptune.config.axolotl_keys import (
     UNSUPPORTED_RECIPE_KEYS,
 )
 from cptune.config.recipe import RULES, DatasetConfig, FsdpConfig, Recipe
+from cptune.parallel.backends.rows import KEY_GROUPS
 
 HEADER = """# Recipe reference
 
@@ -76,19 +77,16 @@ def render_recipe_reference() -> str:
 def recipe_sections() -> list[tuple[str, list[str]]]:
     """(section, field names) in source order, from the ``# --- name ---`` comments of :class:`Recipe`.
 
-    The recipe's own fields come first, then those of its mixins (:mod:`cptune.config.compat`, :mod:`cptune.config.fsdp1`), each
-    in the order of its source. A field that no comment precedes lands in a section called
-    "general"; every field appears once.
+    The recipe's own fields come first, then each backend's key group (in the backend table's order),
+    then the other mixins (:mod:`cptune.config.compat`, :mod:`cptune.config.fsdp1`), each in the order
+    of its source. A field that no comment precedes lands in a section called "general"; every field
+    appears once.
     """
     sections: list[tuple[str, list[str]]] = []
     current = "general"
     seen: set[str] = set()
-    classes = [
-        c
-        for c in Recipe.__mro__
-        if c is Recipe
-        or (issubclass(c, BaseModel) and c.__module__.rsplit(".", 1)[-1] in ("compat", "fsdp1"))
-    ]
+    mixins = [c for c in Recipe.__mro__[1:] if issubclass(c, BaseModel) and c not in (BaseModel, *KEY_GROUPS)]
+    classes = [Recipe, *KEY_GROUPS, *mixins]
     lines = [line for c in classes for line in inspect.getsource(c).splitlines()]
     for line in lines:
         header = _SECTION.match(line)

@@ -15,7 +15,7 @@ import pytest
 
 from cptune.config.loader import load_recipe
 from cptune.config.recipe import RULES
-from cptune.parallel.backends.spec import CpBackendName
+from cptune.parallel.backends.rows import NAMES
 from tests.conftest import REPO
 
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
@@ -62,4 +62,4 @@ def test_every_rule_runs_without_raising_on_a_valid_recipe(path, overrides):
 
 def test_the_recipes_cover_every_backend():
     backends = {load_recipe(path, overrides).cp_backend for _, path, overrides in _recipes()}
-    assert backends == {name.value for name in CpBackendName}
+    assert backends == set(NAMES)

@@ -39,13 +39,13 @@ from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss
 from cptune.parallel.shard import TokenBatch
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
-from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97

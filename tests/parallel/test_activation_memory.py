@@ -90,9 +90,13 @@ def test_memory_features_move_the_limit_and_the_peak():
 
 def test_context_parallel_buffers_grow_with_the_whole_sequence():
     """ring-flash-attn gathers K/V of the whole sequence: per-rank cost per token grows with cp."""
+    from cptune.run.memory_plan import default_attention_buffers
+
+    def cp8(backend: str) -> ActivationSetup:  # heads_k_stride 1, allgather
+        return ActivationSetup(True, True, cp_size=8, attention_buffers=default_attention_buffers(backend))
+
     one = ActivationSetup(True, True, cp_size=1)
-    eight = ActivationSetup(True, True, cp_size=8, cp_backend="ring-flash-attn")
-    torch_cp = ActivationSetup(True, True, cp_size=8, cp_backend="torch")
+    eight, torch_cp = cp8("ring-flash-attn"), cp8("torch")
     tokens = 16384
     ring_extra = (
         activation_memory(LLAMA_8B, eight, tokens).phases["layer backward"]

@@ -42,6 +42,7 @@ from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
 from cptune.parallel.backends.base import gradient_divisor as backend_divisor
 from cptune.parallel.backends.base import step_context
+from cptune.parallel.backends.deepspeed_ulysses.patches import attention_registry_scope_patch
 from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     CORE_ATTENTION_NAMES,
     DeepSpeedUlyssesBackend,
@@ -51,11 +52,11 @@ from cptune.parallel.backends.deepspeed_ulysses.sharding import (
 )
 from cptune.parallel.backends.document_attention import register_document_attention
 from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
-from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
-from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
+from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 
 VOCAB = 97

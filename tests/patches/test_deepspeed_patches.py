@@ -1,4 +1,4 @@
-"""cp_backend: deepspeed's patches against the installed DeepSpeed, accelerate and transformers."""
+"""DeepSpeed's engine patches and cp_backend: deepspeed's own, against the installed DeepSpeed, accelerate and transformers."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ from types import SimpleNamespace
 
 import pytest
 
+from cptune.parallel.backends.deepspeed_ulysses.patches import (
+    attention_registry_scope_patch,
+    sp_attn_allows_cptune_patch,
+    ulysses_patches,
+)
 from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import (
     OnDeepSpeedEngine,
-    attention_registry_scope_patch,
     deepspeed_cpu_backend_patch,
     deepspeed_engine_patches,
     skip_shm_op_build_patch,
-    sp_attn_allows_cptune_patch,
-    ulysses_patches,
 )
 from cptune.patches.registry import build_patches
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch

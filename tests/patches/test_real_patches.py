@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from cptune.errors import PatchError
-from cptune.parallel.backends.ring_flash_attn import RING_FLASH_ATTN
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches import (
     MISSING,
@@ -81,7 +80,7 @@ def test_torch_plan_matches_installed_versions():
 
 
 def test_import_compat_plan_matches_installed_versions():
-    assert import_patch_set(RING_FLASH_ATTN).plan().ok
+    assert import_patch_set(BACKENDS["ring-flash-attn"].runtime()).plan().ok
 
 
 def test_selection_by_backend():
@@ -136,8 +135,8 @@ def test_prepare_cp_for_ring_returns_args_and_adds_no_hooks(monkeypatch):
     accelerator = SimpleNamespace()  # no parallelism_config or mesh: the original would fail on it
     patches = PatchSet(
         [
-            prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=False),
-            cp_context_guard_patch(SELF_SHARDING, drives_torch_cp=False),
+            prepare_cp_patch(SELF_SHARDING, shards_itself=True),
+            cp_context_guard_patch(SELF_SHARDING),
         ]
     )
     with patches.applied(RING):
@@ -164,8 +163,8 @@ def test_prepare_cp_for_torch_checks_instead_of_dropping_masks(monkeypatch):
     accelerator = SimpleNamespace()
     with PatchSet(
         [
-            prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=True),
-            cp_context_guard_patch(SELF_SHARDING, drives_torch_cp=True),
+            prepare_cp_patch(SELF_SHARDING, shards_itself=True),
+            cp_context_guard_patch(SELF_SHARDING, guard=BACKENDS["torch"].runtime().cp_context_guard),
         ]
     ).applied(TORCH):
         returned = Accelerator._prepare_cp(accelerator, model)
@@ -185,9 +184,7 @@ def test_prepare_cp_for_other_backends_calls_original():
         calls.append((self, args))
         return args
 
-    wrapper = prepare_cp_patch(SELF_SHARDING, shards_itself=False, drives_torch_cp=False).replacement(
-        original
-    )
+    wrapper = prepare_cp_patch(SELF_SHARDING, shards_itself=False).replacement(original)
     assert wrapper("acc", 1, 2) == (1, 2)
     assert calls == [("acc", (1, 2))]
 
@@ -388,7 +385,7 @@ def test_import_compat_lets_ring_flash_attn_import():
     with _isolated_ring_flash_attn_import(), PatchSet(_flash_attn_stand_ins()).applied():
         with pytest.raises(ImportError, match="is_flash_attn_greater_or_equal_2_10"):
             import ring_flash_attn
-        with import_patch_set(RING_FLASH_ATTN).applied():
+        with import_patch_set(BACKENDS["ring-flash-attn"].runtime()).applied():
             import ring_flash_attn
 
         assert ring_flash_attn.adapters.hf_adapter.is_flash_attn_greater_or_equal_2_10 is True
@@ -409,7 +406,7 @@ from cptune.patches.core import ContextParallelWith, PatchSet
 ON_DDP = ContextParallelWith(("ring-flash-attn", "torch"), plain_ddp=True)
 SELF_SHARDING = ContextParallelWith(("ring-flash-attn", "torch"))
 recipe = SimpleNamespace(context_parallel_size=2, cp_backend="ring-flash-attn")
-patches = PatchSet([accelerator_state_cp_without_fsdp_patch(ON_DDP), prepare_cp_patch(SELF_SHARDING, shards_itself=True, drives_torch_cp=False),
+patches = PatchSet([accelerator_state_cp_without_fsdp_patch(ON_DDP), prepare_cp_patch(SELF_SHARDING, shards_itself=True),
                     validate_accelerator_multi_cpu_patch(ON_DDP)])
 with patches.applied(recipe):
     accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))

@@ -41,7 +41,7 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "a bug in cptune",
     ),
     (
-        "src/cptune/parallel/backends/deepspeed_ulysses/__init__.py",
+        "src/cptune/parallel/backends/deepspeed_ulysses/runtime.py",
         "This is a bug in cptune's DeepSpeed setup: please report it.",
         "a bug in cptune",
     ),

@@ -165,7 +165,7 @@ def test_report_numbers_equal_an_independent_computation(strategy, report_recipe
     ordered = sorted(train_trained)
     assert (target["lightest"], target["heaviest"]) == (sum(ordered[:4]), sum(ordered[-4:]))
 
-    text = format_report(report, recipe)
+    text = format_report(report, recipe, backend_for(recipe))
     verb = "dropped" if strategy == "drop" else "truncated to 64 tokens"
     assert f"6 over sequence_len 64 (15.0%): {verb}" in text
     assert "contiguous (this recipe):" in text

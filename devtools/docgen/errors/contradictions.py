@@ -358,7 +358,8 @@ ENTRIES: tuple[Entry, ...] = (
         "tp-with-other-backend",
         SECTION,
         "tensor_parallel_size with cp_backend torch or deepspeed",
-        "cp_backend: torch with tensor_parallel_size=2 is not supported; use cp_backend: ring-flash-attn",
+        "cp_backend: torch with tensor_parallel_size=2 is not supported; use cp_backend: ring-flash-attn, which "
+        "rings over each tensor-parallel rank's own heads",
         "Tensor parallelism is built and parity-tested with ring-flash-attn, which rings over each "
         "tensor-parallel rank's own heads. Use `cp_backend: ring-flash-attn` (the default).",
     ),

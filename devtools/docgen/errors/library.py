@@ -55,7 +55,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "batch",
         "Remove the call: cptune's trainer switches torch's context-parallel attention on around each micro "
         "batch.",
-        raised_in="src/cptune/patches/accelerate_patches.py",
+        raised_in="src/cptune/parallel/backends/torch_cp/patches.py",
         why_not_in_catalogue="only reachable from Python code running inside a cptune run",
         tested_by="tests/patches/test_real_patches.py::test_prepare_cp_for_torch_checks_instead_of_dropping_masks",
     ),
@@ -65,7 +65,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cp_backend: torch on CPU in your own training loop without cptune's patch",
         "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers'",
         "`cptune train` applies the patch; in your own loop, apply "
-        "`PatchSet(cptune.parallel.backends.torch_cp.TORCH_CP.training_patches())` around it.",
+        "`PatchSet(cptune.parallel.backends.torch_cp.runtime.RUNTIME.training_patches())` around it.",
         raised_in="src/cptune/parallel/backends/torch_cp/sharding.py",
         why_not_in_catalogue="only reachable from Python code that drives the backend itself",
         tested_by="tests/parallel/backends/test_torch_cp.py::test_step_context_needs_the_cpu_patch_and_restores_torchs_globals",

@@ -32,15 +32,13 @@ from cptune.config.fsdp1 import (
     resolved_fsdp_config,
     sharding_strategy_name,
 )
-from cptune.parallel.backends.table import BACKENDS, CpBackendName, named_backend
+from cptune.parallel.backends.rows import KEY_GROUPS, NAMES
+from cptune.parallel.backends.table import BACKENDS, named_backend
 
 DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
-# Exactly the values of CpBackendName, as a Literal: the field keeps pydantic's literal message
+# Exactly the backend table's names, as a Literal: the field keeps pydantic's literal message
 # (and the loader's "did you mean"), and recipe.cp_backend stays the plain string.
-CpBackend = Literal[tuple(name.value for name in CpBackendName)]  # type: ignore[valid-type]
-RingAttnFunc = Literal["varlen_llama3", "batch_zigzag"]
-UlyssesAttnImplementation = Literal["cptune", "sdpa", "flash_attention_2", "flash_attention_3"]
-CpCommStrategy = Literal["allgather", "alltoall"]
+CpBackend = Literal[NAMES]  # type: ignore[valid-type]
 FsdpStateDictType = Literal["SHARDED_STATE_DICT", "FULL_STATE_DICT"]
 
 
@@ -206,9 +204,22 @@ class FsdpConfig(_Frozen):
 
 
 class Recipe(
-    QuantizationKeys, AdapterKeys, TokenKeys, OptimizerKeys, TrackingKeys, AxolotlKeys, Fsdp1Keys, _Frozen
+    QuantizationKeys,
+    AdapterKeys,
+    TokenKeys,
+    OptimizerKeys,
+    TrackingKeys,
+    AxolotlKeys,
+    Fsdp1Keys,
+    *reversed(KEY_GROUPS),  # each backend's keys (its package's KEYS), in the table's order
+    _Frozen,
 ):
-    """A validated training recipe (reference: ``docs/reference/recipe.md``, generated from this class)."""
+    """A validated training recipe (reference: ``docs/reference/recipe.md``, generated from this class).
+
+    Its keys are its own and those of its key groups (mixins): the Axolotl compatibility groups
+    and each context-parallel backend's (:data:`cptune.parallel.backends.table.KEY_GROUPS`), all at
+    the top level of the YAML.
+    """
 
     # --- model -----------------------------------------------------------
     base_model: str = Field(description="Local folder or hub id of the model to fine-tune.")
@@ -393,32 +404,7 @@ class Recipe(
     cp_backend: CpBackend = Field(
         "ring-flash-attn", description="How attention is computed across the split."
     )
-    ring_attn_func: RingAttnFunc | None = Field(
-        None, description="ring-flash-attn algorithm; default varlen_llama3."
-    )
-    heads_k_stride: int = Field(1, ge=1, description="KV heads gathered at a time by varlen_llama3.")
     causal: bool = Field(True, description="false: bidirectional attention within each document.")
-    cp_comm_strategy: CpCommStrategy | None = Field(
-        None, description="cp_backend: torch: how K/V reach the other ranks; default allgather."
-    )
-    cp_load_balance: bool | None = Field(
-        None, description="cp_backend: torch: head-tail token order; default on when causal (off otherwise)."
-    )
-    ulysses_attn_implementation: UlyssesAttnImplementation | None = Field(
-        None,
-        description="cp_backend: deepspeed: attention over the whole sequence after Ulysses' all-to-all; "
-        "default cptune (keeps packed documents apart, runs anywhere).",
-    )
-    zero_stage: Literal[0, 1, 2, 3] | None = Field(
-        None,
-        description="DeepSpeed ZeRO stage at context_parallel_size > 1: with cp_backend: deepspeed (default 0, or the "
-        "stage in `deepspeed`), or ring-flash-attn / torch CP under DeepSpeed's engine.",
-    )
-    deepspeed: str | None = Field(
-        None,
-        description="A DeepSpeed JSON config (ZeRO and more) at context_parallel_size > 1: Ulysses with cp_backend: "
-        "deepspeed, or ring-flash-attn / torch CP under DeepSpeed's engine.",
-    )
 
     @field_validator("report_to", "lora_target_modules", "plugins", mode="before")
     @classmethod
@@ -480,23 +466,6 @@ class Recipe(
         if self.dp_shard_size is not None:
             return group * self.dp_shard_size
         return group
-
-    @property
-    def resolved_ring_attn_func(self) -> RingAttnFunc:
-        return self.ring_attn_func or "varlen_llama3"
-
-    @property
-    def resolved_cp_comm_strategy(self) -> CpCommStrategy:
-        return self.cp_comm_strategy or "allgather"
-
-    @property
-    def resolved_cp_load_balance(self) -> bool:
-        # torch balances causal work only (it refuses load balancing for non-causal attention).
-        return self.causal if self.cp_load_balance is None else self.cp_load_balance
-
-    @property
-    def resolved_ulysses_attn_implementation(self) -> UlyssesAttnImplementation:
-        return self.ulysses_attn_implementation or "cptune"
 
     @property
     def tokenizer_path(self) -> str:
@@ -633,10 +602,11 @@ def _tensor_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
             f"{r.adapter} with {size} is not supported (LoRA layers are not split over tensor-parallel ranks); "
             "train the adapter with context_parallel_size and FSDP2 alone, or remove tensor_parallel_size.",
         )
-    if r.context_parallel_size > 1 and r.cp_backend != "ring-flash-attn":
+    if r.context_parallel_size > 1 and not named_backend(r).takes_tensor_parallel:
+        able = " or ".join(f"cp_backend: {b.name}" for b in BACKENDS.values() if b.takes_tensor_parallel)
         yield (
             "cp_backend",
-            f"{r.cp_backend} with {size} is not supported; use cp_backend: ring-flash-attn, which rings over "
+            f"{r.cp_backend} with {size} is not supported; use {able}, which rings over "
             "each tensor-parallel rank's own heads.",
         )
     for key in ("deepspeed", "zero_stage"):

@@ -21,11 +21,9 @@ What each layout keeps per rank, for P parameters of which T are trained:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
-
-from cptune.parallel.backends.table import BACKENDS
 
 FP32 = 4
 
@@ -329,7 +327,9 @@ class ActivationSetup:
         mixed_precision: bf16/fp16 training (half-precision activations, autocast); else fp32.
         lora: LoRA adapter (the output layer frozen); else a full fine-tune.
         tiled_mlp: The MLP runs over tiles of ``tiled_mlp_num_shards`` (default ceil(tokens / hidden)).
-        cp_backend: ``ring-flash-attn`` (all-gathered K/V), ``torch`` or ``deepspeed``; ``None`` at cp=1.
+        attention_buffers: The CP backend's K/V buffers: per-token bytes in one layer's forward, given
+            the model's shape, ``cp_size`` and the dtype's bytes (a backend's ``attention_buffer_bytes``
+            bound to its recipe); ``None`` at cp=1.
     """
 
     mixed_precision: bool
@@ -341,9 +341,7 @@ class ActivationSetup:
     head_loss: bool = False
     loss_chunk_elements: int = 1 << 26
     cp_size: int = 1
-    cp_backend: str | None = None
-    heads_k_stride: int = 1
-    comm_strategy: str = "allgather"
+    attention_buffers: Callable[[ModelShape, int, int], float] | None = None
 
     @property
     def dtype_bytes(self) -> int:
@@ -425,11 +423,11 @@ def _attention_buffers(shape: ModelShape, setup: ActivationSetup) -> float:
     """Per-token bytes of a CP backend's K/V buffers in one layer's forward (twice that in the backward).
 
     From the buffer sizes in the backends' source (not measured): each backend's
-    ``attention_buffer_bytes`` (:mod:`cptune.parallel.backends.table`).
+    ``attention_buffer_bytes`` (:class:`cptune.parallel.backends.spec.BackendPolicy`).
     """
-    if setup.cp_size <= 1 or setup.cp_backend is None:
+    if setup.cp_size <= 1 or setup.attention_buffers is None:
         return 0.0
-    return BACKENDS[setup.cp_backend].attention_buffer_bytes(shape, setup)
+    return setup.attention_buffers(shape, setup.cp_size, setup.dtype_bytes)
 
 
 def longest_tokens(

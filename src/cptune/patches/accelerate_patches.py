@@ -28,8 +28,12 @@ ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
 """The accelerate versions these patches were read against."""
 
 
-def _torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
-    """Put in ``Accelerator._cp_context`` so that nothing silently falls back to torch CP."""
+def torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
+    """Put in ``Accelerator._cp_context`` so that nothing silently falls back to torch CP.
+
+    The guard of a backend that shards inputs itself without torch's context parallelism (a backend
+    whose own dispatch is torch's has its own: its runtime's ``cp_context_guard``).
+    """
     raise PatchError(
         "accelerator.maybe_context_parallel() was called, but cptune's cp_backend shards the sequence "
         "itself and has no torch context_parallel context. Remove the call (cptune's Trainer already "
@@ -37,56 +41,36 @@ def _torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
     )
 
 
-def _prepare_cp_for_ring(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``_prepare_cp`` for ring-flash-attn: leave the objects as they are.
+def _prepare_cp_leaving_objects(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``_prepare_cp`` for a backend that shards inputs itself: leave the objects as they are.
 
     The original (accelerate/accelerator.py:1659-1672) would call torch's
     process-global ``set_rotate_method``, store a torch ``context_parallel``
     partial in ``_cp_context`` and attach ``_attach_context_parallel_hooks``
-    (big_modeling.py:787), whose pre-hooks replace every ``attention_mask`` with
-    ``is_causal=True``: wrong for packed or bidirectional attention. The
-    original returns ``args`` as a tuple unchanged; so does this one. Nothing is
-    stored on the accelerator: :func:`cp_context_guard_patch` puts the guard on the
-    class while the patches are applied, so none is left on the instance after.
+    (big_modeling.py:787), whose pre-hooks (big_modeling.py:828-831) replace every
+    ``attention_mask`` with ``is_causal=True``: a padded, packed or bidirectional
+    batch would train wrong without a word. ring-flash-attn and the local backend
+    keep their masks in cptune's attention; cptune's torch backend checks each
+    batch's documents instead (``parallel/backends/torch_cp/sharding.py:check_batch``,
+    which raises naming ring-flash-attn), its attention function refuses any mask,
+    and it sets the rotate method around each micro batch and restores it, rather
+    than process-wide. The original returns ``args`` as a tuple unchanged; so does
+    this one. Nothing is stored on the accelerator: :func:`cp_context_guard_patch`
+    puts the guard on the class while the patches are applied, so none is left on
+    the instance after (torch's ``context_parallel`` would re-shard inputs cptune
+    has sharded).
     """
     return args
 
 
-def _torch_cp_context_owned_by_backend(*args: Any, **kwargs: Any) -> Any:
-    """Put in ``Accelerator._cp_context`` for cp_backend: torch, whose backend drives torch CP itself."""
-    raise PatchError(
-        "accelerator.maybe_context_parallel() was called, but cptune's torch backend already shards every "
-        "batch and switches torch's context-parallel attention on around each micro batch; accelerate's "
-        "context would shard the batch a second time. Remove the call (cptune's Trainer does this for you)."
-    )
-
-
-def _prepare_cp_for_torch(accelerator: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``_prepare_cp`` for cptune's torch backend: no mask-dropping hooks and no process-wide state.
-
-    The original's pre-hooks (big_modeling.py:828-831) replace every attention mask
-    with ``is_causal=True``, so a padded or packed batch would train wrong without
-    a word. cptune's torch backend checks each batch's documents instead
-    (``parallel/backends/torch_cp/sharding.py:check_batch``, which raises naming
-    ring-flash-attn) and its attention function refuses any mask. The rotate
-    method is set around each micro batch by the backend and restored, rather
-    than process-wide by ``set_rotate_method``; and ``_cp_context`` becomes a
-    guard, since torch's ``context_parallel`` would re-shard inputs cptune has
-    sharded (why cptune calls torch's dispatcher directly: torch_cp's docstring).
-    The guard lives on the class (:func:`cp_context_guard_patch`), not the instance.
-    """
-    return args
-
-
-def prepare_cp_patch(applies_to: Predicate, *, shards_itself: bool, drives_torch_cp: bool) -> Patch:
+def prepare_cp_patch(applies_to: Predicate, *, shards_itself: bool) -> Patch:
     """``Accelerator._prepare_cp`` → backend-aware preparation, bound to the recipe's backend.
 
     Args:
         applies_to: The backends that shard inputs themselves, at cp > 1.
         shards_itself: The recipe's backend shards inputs itself (else accelerate's runs unchanged).
-        drives_torch_cp: It drives torch's context-parallel dispatch itself (cp_backend: torch).
     """
-    handler = (_prepare_cp_for_torch if drives_torch_cp else _prepare_cp_for_ring) if shards_itself else None
+    handler = _prepare_cp_leaving_objects if shards_itself else None
 
     def replacement(original: Callable[..., tuple[Any, ...]]) -> Callable[..., tuple[Any, ...]]:
         @functools.wraps(original)  # keeps __wrapped__, so a re-plan checks the original's signature
@@ -114,7 +98,9 @@ def prepare_cp_patch(applies_to: Predicate, *, shards_itself: bool, drives_torch
     )
 
 
-def cp_context_guard_patch(applies_to: Predicate, *, drives_torch_cp: bool) -> Patch:
+def cp_context_guard_patch(
+    applies_to: Predicate, *, guard: Callable[..., Any] = torch_cp_context_unavailable
+) -> Patch:
     """``Accelerator._cp_context`` → a guard that raises, for backends that shard the sequence themselves.
 
     ``Accelerator.maybe_context_parallel`` (accelerate/accelerator.py:4203-4210) enters
@@ -122,8 +108,11 @@ def cp_context_guard_patch(applies_to: Predicate, *, drives_torch_cp: bool) -> P
     :func:`prepare_cp_patch` nothing sets it. The guard is created on the class while
     the patches are applied and deleted on revert, so no accelerator keeps it after a
     run (it once stayed on the instance).
+
+    Args:
+        applies_to: The backends that shard inputs themselves, at cp > 1.
+        guard: What ``_cp_context`` becomes: the recipe's backend's ``cp_context_guard``, which raises.
     """
-    guard = _torch_cp_context_owned_by_backend if drives_torch_cp else _torch_cp_context_unavailable
     return Patch(
         name="accelerator-cp-context-guard",
         target="accelerate.accelerator:Accelerator._cp_context",

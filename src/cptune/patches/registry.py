@@ -5,21 +5,21 @@ A training run's set is the patches every CP backend that shards its own inputs 
 run on DeepSpeed's engine (a backend that ``runs_own_engine``, or one that ``runs_under_zero`` with
 ``deepspeed`` / ``zero_stage`` set, which also gets the loader patch that gives a CP group one batch),
 then each backend's own patches
-(:meth:`~cptune.parallel.backends.spec.CpBackend.training_patches`), in the order of the
-backend table; each patch's predicate decides whether a recipe needs it, so ``cptune validate``
+(:meth:`~cptune.parallel.backends.spec.BackendRuntime.training_patches`, defined next to the
+backend in its package), in the order of the backend table; each patch's predicate decides whether a recipe needs it, so ``cptune validate``
 can show what is applied and what is skipped. The patches that a recipe can need together
 touch different targets, so their order does not change the result; it only fixes the order
 of the log lines and of reverting. Two patches share ``AcceleratorState.__init__`` (CP without
 FSDP on GPUs, FSDP2 on CPUs); their predicates exclude each other (``fsdp_version`` unset / set).
-A backend's import-time set is its :meth:`~cptune.parallel.backends.spec.CpBackend.import_patches`.
+A backend's import-time set is its runtime's :meth:`~cptune.parallel.backends.spec.BackendRuntime.import_patches`.
 
 The backends come in as data (:data:`cptune.parallel.backends.table.BACKENDS`, read through
-:class:`PatchingBackend`): ``patches`` imports nothing of ``parallel``.
+:class:`PatchingBackend` and :class:`PatchingRuntime`): ``patches`` imports nothing of ``parallel``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from cptune.patches.accelerate_patches import (
@@ -36,18 +36,25 @@ from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
 
 
-class PatchingBackend(Protocol):
-    """What the registry reads of a CP backend (a part of :class:`cptune.parallel.backends.spec.CpBackend`)."""
+class PatchingRuntime(Protocol):
+    """What the registry reads of a backend's runtime (a part of :class:`cptune.parallel.backends.spec.BackendRuntime`)."""
 
-    name: Any
-    shards_inputs_itself: bool
-    drives_torch_cp: bool
-    runs_own_engine: bool
-    runs_under_zero: bool
+    cp_context_guard: Callable[..., Any]
 
     def training_patches(self) -> Sequence[Patch]: ...
 
     def import_patches(self) -> Sequence[Patch]: ...
+
+
+class PatchingBackend(Protocol):
+    """What the registry reads of a CP backend (a part of :class:`cptune.parallel.backends.spec.BackendPolicy`)."""
+
+    name: Any
+    shards_inputs_itself: bool
+    runs_own_engine: bool
+    runs_under_zero: bool
+
+    def runtime(self) -> PatchingRuntime: ...
 
 
 def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patch]:
@@ -67,10 +74,8 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
     on_deepspeed = OnDeepSpeedEngine(tuple(b.name for b in backends if b.runs_own_engine), under_zero)
     patches = [
         trainer_cp_inputs_patch(self_sharding),
-        prepare_cp_patch(
-            self_sharding, shards_itself=chosen.shards_inputs_itself, drives_torch_cp=chosen.drives_torch_cp
-        ),
-        cp_context_guard_patch(self_sharding, drives_torch_cp=chosen.drives_torch_cp),
+        prepare_cp_patch(self_sharding, shards_itself=chosen.shards_inputs_itself),
+        cp_context_guard_patch(self_sharding, guard=chosen.runtime().cp_context_guard),
         validate_accelerator_multi_cpu_patch(on_ddp),
         accelerator_state_cp_without_fsdp_patch(on_ddp),
         accelerator_state_fsdp_on_cpu_patch(),
@@ -79,7 +84,7 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
         loader_shares_cp_batches_patch(OnDeepSpeedEngine((), under_zero)),
     ]
     for backend in backends:
-        patches += backend.training_patches()
+        patches += backend.runtime().training_patches()
     return patches
 
 
@@ -88,11 +93,11 @@ def build_patch_set(recipe: Any, backends: Iterable[PatchingBackend]) -> PatchSe
     return PatchSet(build_patches(recipe, backends))
 
 
-def import_patch_set(backend: PatchingBackend) -> PatchSet:
-    """Patches needed only while the backend's library is imported; apply them around the import alone.
+def import_patch_set(runtime: PatchingRuntime) -> PatchSet:
+    """Patches needed only while a backend's library is imported; apply them around the import alone.
 
     Kept apart from :func:`build_patch_set` because the values are copied into the library's
     namespace at import time, so there is no reason to leave them in place for the whole run.
     Each patch's predicate (called with no recipe) says whether it is needed on this machine.
     """
-    return PatchSet(backend.import_patches())
+    return PatchSet(runtime.import_patches())

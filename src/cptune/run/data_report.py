@@ -23,7 +23,7 @@ import numpy as np
 from cptune.config.recipe import Recipe
 from cptune.data.prepare import PreparedData, load_documents
 from cptune.labels import IGNORE_INDEX
-from cptune.parallel.backends.spec import CpBackend
+from cptune.parallel.backends.spec import BackendPolicy
 from cptune.parallel.balance import SPLITS, causal_work_per_rank, imbalance
 from cptune.parallel.layout import ParallelDims
 
@@ -126,7 +126,7 @@ def _row_arrays(dataset: Any) -> tuple[list[np.ndarray], np.ndarray, np.ndarray,
     return rows, lengths.astype(np.int64), per_row_trained, per_row_docs
 
 
-def _split_section(dataset: Any, recipe: Recipe, backend: CpBackend) -> tuple[dict[str, Any], np.ndarray]:
+def _split_section(dataset: Any, recipe: Recipe, backend: BackendPolicy) -> tuple[dict[str, Any], np.ndarray]:
     rows, lengths, trained, docs = _row_arrays(dataset)
     n = len(rows)
     section: dict[str, Any] = {
@@ -189,7 +189,7 @@ def _steps_section(recipe: Recipe, trained_per_row: np.ndarray) -> dict[str, Any
     }
 
 
-def build_report(recipe: Recipe, prepared: PreparedData, backend: CpBackend) -> dict[str, Any]:
+def build_report(recipe: Recipe, prepared: PreparedData, backend: BackendPolicy) -> dict[str, Any]:
     """Everything the report shows, as JSON-ready data (see the module docstring).
 
     ``backend`` is the one that runs the recipe (its split of a row over the ranks is the report's).
@@ -289,7 +289,7 @@ def text_histogram(
     ]
 
 
-def _split_lines(name: str, section: dict[str, Any], recipe: Recipe) -> list[str]:
+def _split_lines(name: str, section: dict[str, Any], recipe: Recipe, backend: BackendPolicy) -> list[str]:
     per_row = section["documents_per_row"]
     packed = "packed rows" if recipe.sample_packing else "rows (one document each)"
     lines = [
@@ -318,14 +318,14 @@ def _split_lines(name: str, section: dict[str, Any], recipe: Recipe) -> list[str
         )
     if used == "heads":
         lines.append(
-            "    this recipe (cp_backend: deepspeed) splits attention by heads: every rank attends over the "
+            f"    this recipe ({backend.label}) splits attention by heads: every rank attends over the "
             "whole row, so its work is even (1.00)"
         )
     return lines
 
 
-def format_report(report: dict[str, Any], recipe: Recipe) -> str:
-    """The report as text for the console and ``report.txt``."""
+def format_report(report: dict[str, Any], recipe: Recipe, backend: BackendPolicy) -> str:
+    """The report as text for the console and ``report.txt`` (``backend``: the one :func:`build_report` was given)."""
     r = report["recipe"]
     lines = [
         f"Data report: cache {report['cache']}",
@@ -350,7 +350,7 @@ def format_report(report: dict[str, Any], recipe: Recipe) -> str:
     lines += ["", "Document lengths, all datasets (tokens: documents):"]
     lines += text_histogram(histogram["bins"], histogram["counts"], recipe.sequence_len)
     for name, section in report["splits"].items():
-        lines += _split_lines(name, section, recipe)
+        lines += _split_lines(name, section, recipe, backend)
     steps = report["steps"]
     target = steps["target_tokens_per_step"]
     lines += [

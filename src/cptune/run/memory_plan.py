@@ -8,6 +8,8 @@ host memory.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,10 +79,20 @@ def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
         tiled_mlp_num_shards=recipe.tiled_mlp_num_shards,
         head_loss=recipe.resolved_head_loss,
         cp_size=cp_size,
-        cp_backend=recipe.cp_backend if cp_size > 1 else None,
-        heads_k_stride=recipe.heads_k_stride,
-        comm_strategy=recipe.resolved_cp_comm_strategy,
+        attention_buffers=functools.partial(plan.backend_at(cp_size).attention_buffer_bytes, recipe)
+        if cp_size > 1
+        else None,
     )
+
+
+def default_attention_buffers(cp_backend: str) -> Callable[[ModelShape, int, int], float]:
+    """A backend's K/V buffer bytes with its keys at their defaults (heads_k_stride 1, allgather), for
+    estimates without a recipe (the benchmarks' predictions)."""
+    from cptune.config.loader import validate_recipe
+    from cptune.parallel.backends.table import BACKENDS
+
+    recipe = validate_recipe({"base_model": "-", "datasets": [{"path": "-"}], "cp_backend": cp_backend})
+    return functools.partial(BACKENDS[cp_backend].attention_buffer_bytes, recipe)
 
 
 def state_layout(plan: RunPlan, dims: ParallelDims) -> StateLayout:

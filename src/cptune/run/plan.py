@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cptune.config.recipe import Recipe
-from cptune.parallel.backends.spec import BackendPlan, CpBackend, TrainerParallelism
+from cptune.parallel.backends.spec import BackendPlan, BackendPolicy, TrainerParallelism
 from cptune.parallel.backends.table import BACKENDS, LOCAL, backend_for, named_backend
 from cptune.parallel.backends.zero import trains_on_deepspeed
 from cptune.parallel.layout import ParallelDims
@@ -39,8 +39,8 @@ class RunPlan:
 
     recipe: Recipe
     dims: ParallelDims
-    backend: CpBackend
-    cp_backend: CpBackend
+    backend: BackendPolicy
+    cp_backend: BackendPolicy
     patches: PatchSet
 
     @classmethod
@@ -59,7 +59,7 @@ class RunPlan:
             patches=build_patch_set(recipe, BACKENDS.values()),
         )
 
-    def backend_at(self, cp_size: int) -> CpBackend:
+    def backend_at(self, cp_size: int) -> BackendPolicy:
         """The backend that would run the recipe at ``cp_size`` (for estimates of other layouts)."""
         return LOCAL if cp_size <= 1 else self.cp_backend
 
@@ -79,7 +79,7 @@ class RunPlan:
 
     def trainer_parallelism(self) -> TrainerParallelism:
         """accelerate's ``ParallelismConfig`` and the DeepSpeed config of the Trainer's arguments."""
-        return self.backend.trainer_parallelism(self.recipe, self.dims)
+        return self.backend.runtime().trainer_parallelism(self.recipe, self.dims)
 
     def attention(self, pad_token_id: int) -> BackendPlan:
         """The model's attention and the factory of the process's sharder; imports the backend's packages."""
@@ -95,4 +95,8 @@ class RunPlan:
 
     def check_prepared_rows(self, prepared: Any) -> None:
         """Refuse prepared data the backend would stop on at its first batch."""
-        self.backend.check_prepared_rows(self.recipe, prepared)
+        self.backend.runtime().check_prepared_rows(self.recipe, prepared)
+
+    def check_ready(self, *, training: bool) -> None:
+        """Before launching: the backend's packages, precision and configuration files (imports them)."""
+        self.backend.runtime().check_ready(self.recipe, training=training)

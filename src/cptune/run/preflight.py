@@ -52,7 +52,7 @@ def preflight(
         from cptune.run.memory_plan import check_host_memory
 
         check_host_memory(recipe, config, processes_per_node or plan.dims.world_size)
-    plan.backend.check_ready(recipe, training=training)
+    plan.check_ready(training=training)
     if prepare_data:
         from cptune.data.prepare import highest_token_id, prepare_datasets
         from cptune.models.loading import check_token_ids, load_tokenizer

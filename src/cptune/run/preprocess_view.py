@@ -48,7 +48,7 @@ def run_preprocess(
     backend = backend_for(recipe)
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
-    backend.check_prepared_rows(recipe, prepared)
+    backend.runtime().check_prepared_rows(recipe, prepared)
     counts = f"{prepared.stats.format()}\ncache: {prepared.path}"
     data: dict[str, Any] = {"stats": json.loads(prepared.stats.to_json()), "cache": str(prepared.path)}
     parts = [counts]
@@ -66,7 +66,7 @@ def run_preprocess(
         from cptune.run.report_page import write_report_files
 
         numbers = build_report(recipe, prepared, backend)
-        text = format_report(numbers, recipe)
+        text = format_report(numbers, recipe, backend)
         page = write_report_files(prepared.path, numbers, text)
         data["report"] = numbers
         data["report_page"] = str(page)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import get_args
 
@@ -13,8 +14,9 @@ from cptune.parallel.backends.base import BatchSharder
 from cptune.parallel.backends.deepspeed_ulysses.sharding import DeepSpeedUlyssesBackend
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend
-from cptune.parallel.backends.spec import CpBackend
-from cptune.parallel.backends.table import BACKENDS, LOCAL, CpBackendName, backend_for, named_backend
+from cptune.parallel.backends.rows import KEY_GROUPS, NAMES, ROWS
+from cptune.parallel.backends.spec import BackendPolicy, BackendRuntime
+from cptune.parallel.backends.table import BACKENDS, LOCAL, backend_for, named_backend
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 
 
@@ -27,24 +29,48 @@ def members(protocol: type) -> set[str]:
 
 
 def test_the_recipe_accepts_exactly_the_table_s_names():
-    assert set(get_args(RecipeCpBackend)) == {name.value for name in CpBackendName} == set(BACKENDS)
-    assert list(BACKENDS) == list(CpBackendName)
+    assert get_args(RecipeCpBackend) == NAMES == tuple(BACKENDS) == ("ring-flash-attn", "torch", "deepspeed")
     with pytest.raises(TypeError):
         BACKENDS["new"] = LOCAL  # type: ignore[index]  # the table is frozen
 
 
-def test_names_compare_and_print_as_the_recipe_s_strings():
-    name = CpBackendName.RING_FLASH_ATTN
-    assert name == "ring-flash-attn" and str(name) == f"{name}" == "ring-flash-attn"
-    assert BACKENDS["torch"] is BACKENDS[CpBackendName.TORCH]
+def test_each_row_is_a_package_with_its_name_keys_and_policy():
+    from cptune.config.recipe import Recipe
+
+    for row, group in zip(ROWS, KEY_GROUPS, strict=True):
+        assert (
+            BACKENDS[row.NAME].name == row.NAME
+            and importlib.import_module(f"{row.__name__}.keys").KEYS is group
+        )
+        assert issubclass(Recipe, group)  # the recipe composes the backend's keys, top-level
+        assert set(group.model_fields) <= set(Recipe.model_fields)
 
 
 @pytest.mark.parametrize("backend", [*BACKENDS.values(), LOCAL], ids=lambda b: str(b.name))
-def test_every_backend_implements_the_whole_protocol(backend):
-    assert isinstance(backend, CpBackend)
-    for member in members(CpBackend):
-        assert member in type(backend).__dict__, f"{type(backend).__name__} does not define {member} itself"
+def test_every_backend_implements_both_halves_of_the_spec(backend):
+    runtime = backend.runtime()
+    for protocol, implementation in ((BackendPolicy, backend), (BackendRuntime, runtime)):
+        assert isinstance(implementation, protocol)
+        for member in members(protocol):
+            assert member in type(implementation).__dict__, (
+                f"{type(implementation).__name__} does not define {member} itself"
+            )
     assert backend.name is None or BACKENDS[backend.name] is backend
+
+
+def test_the_policies_import_no_torch():
+    """Validation reads every policy (rules, plan lines' inputs), so a recipe is checked before torch loads."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from cptune.parallel.backends.table import BACKENDS, LOCAL\n"
+        "from cptune.config.loader import validate_recipe\n"
+        "validate_recipe({'base_model': 'm', 'datasets': [{'path': 'd'}], 'context_parallel_size': 2})\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'accelerate', 'deepspeed') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(

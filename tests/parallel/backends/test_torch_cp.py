@@ -13,6 +13,7 @@ import torch
 
 from cptune.errors import CptuneError
 from cptune.labels import IGNORE_INDEX
+from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import (
     TorchCpBackend,
     UnmaskableBatchError,
@@ -20,7 +21,6 @@ from cptune.parallel.backends.torch_cp.sharding import (
 )
 from cptune.parallel.shard import TokenBatch, zigzag_indices
 from cptune.patches.core import ContextParallelWith, PatchSet
-from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 
 TORCH_RECIPE = SimpleNamespace(context_parallel_size=2, cp_backend="torch")
 

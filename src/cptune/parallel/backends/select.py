@@ -10,16 +10,16 @@ from typing import Any
 
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attention, register_attention
-from cptune.parallel.backends.spec import BackendPlan, CpBackend
+from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 
 __all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_backend"]
 
 
-def plan_backend(backend: CpBackend, recipe: Any, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+def plan_backend(backend: BackendPolicy, recipe: Any, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
     """The backend's plan for this recipe and process layout; imports its dependencies now."""
-    plan = backend.plan(recipe, dims, pad_token_id)
+    plan = backend.runtime().plan(recipe, dims, pad_token_id)
     if plan.attn_implementation == ATTENTION_NAME:
         register_attention()
     return plan
@@ -64,7 +64,7 @@ def check_hidden_dropout(text_config: Any) -> None:
 
 
 def check_model_config(
-    backend: CpBackend, recipe: Any, dims: ParallelDims, config: Any, model_class: type | None
+    backend: BackendPolicy, recipe: Any, dims: ParallelDims, config: Any, model_class: type | None
 ) -> None:
     """Refuse a model whose attention ``backend`` (the one of this layout) cannot split (before loading weights)."""
     text = config.get_text_config()

@@ -1,36 +1,36 @@
-"""What a context-parallel backend is to the rest of cptune: its name and the :class:`CpBackend` protocol.
+"""What a context-parallel backend is to the rest of cptune: a policy half and a runtime half.
 
-A backend is one package under ``parallel/backends/`` whose ``__init__`` defines one object
-implementing :class:`CpBackend` completely, and one row of
-:data:`cptune.parallel.backends.table.BACKENDS`. Preflight, ``cptune validate``, training,
-the memory plan and the patch registry ask that object; nothing outside ``parallel/backends/``
-and ``config/`` compares backend names (``tests/test_layers.py`` enforces it).
+A backend is one package under ``parallel/backends/`` and one row of
+:data:`cptune.parallel.backends.table.ROWS`. The package's ``__init__`` names it (``NAME``) and
+holds its recipe keys (``KEYS``, a key group the recipe composes flat); its ``policy`` module
+defines ``POLICY``, a :class:`BackendPolicy` (what validation, ``cptune validate``, the data
+report and the memory estimates ask: rules, checks, plan lines, memory terms; imports no
+torch), and its ``runtime`` module ``RUNTIME``, a :class:`BackendRuntime` (what a run needs:
+the backend's packages checked, the sharder, the Trainer's parallelism, its patches). Nothing
+outside ``parallel/backends/`` and ``config/`` compares backend names (``tests/test_layers.py``
+enforces it).
 
-This module and the packages' ``__init__`` are imported by the recipe's validation, so they
-import no torch: what needs it is imported inside the methods, from the package's other modules.
+This module is imported by the recipe's validation, so it imports no torch, and the recipe
+type only for annotations (the recipe composes the backends' key groups).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the recipe's validation imports this module
+    from cptune.config.recipe import Recipe
+    from cptune.data.prepare import PreparedData
     from cptune.parallel.backends.base import BatchSharder
+    from cptune.parallel.layout import ParallelDims
+    from cptune.parallel.memory import ModelShape
     from cptune.patches.core import Patch
 
-
-class CpBackendName(str, Enum):
-    """The values of the recipe's ``cp_backend``; members compare and print as those strings."""
-
-    RING_FLASH_ATTN = "ring-flash-attn"
-    TORCH = "torch"
-    DEEPSPEED = "deepspeed"
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+SequenceSplit = Literal["contiguous", "zigzag", "heads"]
+"""How a backend splits a row over the ranks: one slice each, chunks r and 2C-1-r, or every rank the whole
+row for its share of the heads (:mod:`cptune.parallel.balance` computes the work of the first two)."""
 
 
 @dataclass(frozen=True)
@@ -50,22 +50,20 @@ class TrainerParallelism:
 
 
 @runtime_checkable
-class CpBackend(Protocol):
-    """Everything that differs between context-parallel backends (and cp=1, the local backend).
+class BackendPolicy(Protocol):
+    """What validation and planning ask a backend (and the local backend at cp=1); imports no torch.
 
-    The recipe-level members take the validated recipe (``Any`` here: this layer does not
-    import the recipe's module). ``dims`` is a :class:`~cptune.parallel.layout.ParallelDims`.
+    ``recipe`` is the validated recipe (or, inside :meth:`recipe_rules`, one whose broken keys
+    were set to their defaults).
     """
 
     #: the ``cp_backend`` value; None for the local backend (context_parallel_size: 1)
-    name: CpBackendName | None
+    name: str | None
     #: what computes the attention, for messages (``cp_backend: torch``)
     label: str
     #: cptune's Trainer shards each batch itself (every rank of a CP group gets the whole batch
     #: from accelerate's loader next to plain DDP or FSDP2); False: the backend's engine does
     shards_inputs_itself: bool
-    #: the backend drives torch's context-parallel dispatch itself (accelerate's _prepare_cp must not)
-    drives_torch_cp: bool
     #: the backend's engine (DeepSpeed) trains the model, not DDP/FSDP2
     runs_own_engine: bool
     #: with ``deepspeed`` or ``zero_stage`` set, DeepSpeed's ZeRO engine trains the model while the
@@ -76,45 +74,73 @@ class CpBackend(Protocol):
     attends_whole_layers: bool
     #: every rank attends over whole rows for its share of the heads (heads must divide by cp)
     splits_heads: bool
+    #: it rings over each tensor-parallel rank's own heads, so tensor_parallel_size > 1 may go with it
+    takes_tensor_parallel: bool
 
-    def recipe_rules(self, recipe: Any) -> Iterator[tuple[str, str]]:
+    def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """Problems of the recipe's keys that concern this backend, as (key, message); the docstring's
         first line titles the rules on the recipe reference page, its list states them."""
         ...
 
-    def chunks_per_rank(self, recipe: Any) -> int:
+    def chunks_per_rank(self, recipe: Recipe) -> int:
         """How many chunks of each row a rank holds (``sequence_len`` must hold cp × that many)."""
         ...
 
-    def check_ready(self, recipe: Any, *, training: bool) -> None:
-        """Before launching: the backend's packages, precision and configuration files (may import them)."""
-        ...
-
-    def check_model(self, recipe: Any, cp_size: int, text_config: Any) -> None:
+    def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
         """The backend's own checks of a model's config (heads), after the common ones, at cp > 1."""
         ...
 
-    def uses_cptune_attention(self, recipe: Any) -> bool:
+    def uses_cptune_attention(self, recipe: Recipe) -> bool:
         """Whether cptune's own attention function computes the model's attention."""
         ...
 
-    def sequence_split(self, recipe: Any) -> str:
-        """How a row's tokens are split over the ranks: ``contiguous``, ``zigzag`` or ``heads``."""
+    def sequence_split(self, recipe: Recipe) -> SequenceSplit:
+        """How a row's tokens are split over the ranks (the data report's balance)."""
         ...
 
-    def check_prepared_rows(self, recipe: Any, prepared: Any) -> None:
-        """Refuse prepared data the backend would stop on at its first batch."""
-        ...
-
-    def plan_lines(self, recipe: Any) -> list[str]:
+    def plan_lines(self, recipe: Recipe) -> list[str]:
         """The ``attention:`` line (and any warning) of ``cptune validate``'s plan, without indentation."""
         ...
 
-    def trainer_parallelism(self, recipe: Any, dims: Any) -> TrainerParallelism:
+    def attention_buffer_bytes(
+        self, recipe: Recipe, shape: ModelShape, cp_size: int, dtype_bytes: int
+    ) -> float:
+        """Per-token bytes of the backend's K/V buffers in one layer's forward (twice that backward)."""
+        ...
+
+    def zero_stage(self, recipe: Recipe) -> int | None:
+        """The DeepSpeed ZeRO stage that shards the model states (``zero_stage`` or the ``deepspeed`` JSON's;
+        reads the JSON), None when DDP/FSDP2 holds them: not None exactly when DeepSpeed's engine trains."""
+        ...
+
+    def runtime(self) -> BackendRuntime:
+        """The backend's runtime half (imports its ``runtime`` module, which may import torch)."""
+        ...
+
+
+@runtime_checkable
+class BackendRuntime(Protocol):
+    """What a run (and its preflight) needs of a backend: its packages, sharder, parallelism and patches."""
+
+    #: the library whose import :meth:`import_patches` wrap (for messages and the patches page); None: none
+    library: str | None
+    #: what ``Accelerator._cp_context`` becomes under a backend that shards inputs itself: a function that
+    #: raises, saying why (accelerate's torch CP context would shard the batch a second time)
+    cp_context_guard: Callable[..., Any]
+
+    def check_ready(self, recipe: Recipe, *, training: bool) -> None:
+        """Before launching: the backend's packages, precision and configuration files (may import them)."""
+        ...
+
+    def check_prepared_rows(self, recipe: Recipe, prepared: PreparedData) -> None:
+        """Refuse prepared data the backend would stop on at its first batch."""
+        ...
+
+    def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
         """accelerate's ``ParallelismConfig`` and the DeepSpeed config for the Trainer's arguments."""
         ...
 
-    def plan(self, recipe: Any, dims: Any, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
         """The model's attention and the factory of the process's sharder; imports the backend's packages."""
         ...
 
@@ -122,21 +148,12 @@ class CpBackend(Protocol):
         """The patches only this backend needs during a run, each predicated on ``cp_backend``."""
         ...
 
-    def import_patches(self) -> Sequence[tuple[Patch, str]]:
-        """Patches applied only around importing the backend's library, with when each applies."""
-        ...
-
-    def attention_buffer_bytes(self, shape: Any, setup: Any) -> float:
-        """Per-token bytes of the backend's K/V buffers in one layer's forward (twice that backward)."""
-        ...
-
-    def zero_stage(self, recipe: Any) -> int | None:
-        """The DeepSpeed ZeRO stage that shards the model states (``zero_stage`` or the ``deepspeed`` JSON's;
-        reads the JSON), None when DDP/FSDP2 holds them: not None exactly when DeepSpeed's engine trains."""
+    def import_patches(self) -> Sequence[Patch]:
+        """Patches applied only around importing :attr:`library`, each predicated on when it is needed."""
         ...
 
 
-def accelerate_parallelism(dims: Any) -> TrainerParallelism:
+def accelerate_parallelism(dims: ParallelDims) -> TrainerParallelism:
     """accelerate's mesh for cptune's own sharding next to plain DDP or FSDP2 (None when neither needs one).
 
     One mesh, dp_replicate × dp_shard × cp × tp (tp innermost). With FSDP2 the model states are

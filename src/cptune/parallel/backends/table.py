@@ -1,41 +1,45 @@
-"""The one table from ``cp_backend`` values to backend implementations.
+"""The backend table: each ``cp_backend`` value's policy, and which backend runs a recipe.
 
-A new backend is a package beside this module whose ``__init__`` implements
-:class:`~cptune.parallel.backends.spec.CpBackend`, a member of
-:class:`~cptune.parallel.backends.spec.CpBackendName`, and one row here.
-Imports no torch (the recipe's validation reads the backends' rules through it).
+The rows are :data:`cptune.parallel.backends.rows.ROWS` (a backend is its package and one row
+there); each row's policy is its package's ``policy`` module's ``POLICY``, loaded by module name:
+the recipe's schema reads the rows, and the policies are typed with that recipe, so importing
+them by name keeps the two from importing each other. Imports no torch (the recipe's validation
+reads the backends' rules through it).
 """
 
 from __future__ import annotations
 
-from types import MappingProxyType
-from typing import Any
+import importlib
+from collections.abc import Mapping
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Any
 
-from cptune.parallel.backends.deepspeed_ulysses import DEEPSPEED_ULYSSES
-from cptune.parallel.backends.local import LOCAL
-from cptune.parallel.backends.ring_flash_attn import RING_FLASH_ATTN
-from cptune.parallel.backends.spec import CpBackend, CpBackendName
-from cptune.parallel.backends.torch_cp import TORCH_CP
+from cptune.parallel.backends.rows import ROWS
 
-BACKENDS: MappingProxyType[CpBackendName, CpBackend] = MappingProxyType(
-    {
-        CpBackendName.RING_FLASH_ATTN: RING_FLASH_ATTN,
-        CpBackendName.TORCH: TORCH_CP,
-        CpBackendName.DEEPSPEED: DEEPSPEED_ULYSSES,
-    }
-)
-"""Every ``cp_backend`` a recipe may name, in the order the docs list them."""
+if TYPE_CHECKING:
+    from cptune.parallel.backends.spec import BackendPolicy
 
 
-def named_backend(recipe: Any) -> CpBackend:
+def _policy(package: ModuleType) -> BackendPolicy:
+    return importlib.import_module(f"{package.__name__}.policy").POLICY
+
+
+BACKENDS: Mapping[str, BackendPolicy] = MappingProxyType({row.NAME: _policy(row) for row in ROWS})
+"""``cp_backend`` value -> the backend's policy, frozen, in the order of the rows."""
+
+LOCAL: BackendPolicy = importlib.import_module("cptune.parallel.backends.local.policy").POLICY
+"""The backend of context_parallel_size 1, whatever ``cp_backend`` says (not a ``cp_backend`` value)."""
+
+
+def named_backend(recipe: Any) -> BackendPolicy:
     """The backend the recipe's ``cp_backend`` names (whatever its context_parallel_size)."""
-    return BACKENDS[CpBackendName(recipe.cp_backend)]
+    return BACKENDS[recipe.cp_backend]
 
 
-def backend_for(recipe: Any, cp_size: int | None = None) -> CpBackend:
+def backend_for(recipe: Any, cp_size: int | None = None) -> BackendPolicy:
     """The backend that runs the recipe at ``cp_size`` (default: its context_parallel_size): local at 1."""
     size = recipe.context_parallel_size if cp_size is None else cp_size
     return LOCAL if size <= 1 else named_backend(recipe)
 
 
-__all__ = ["BACKENDS", "LOCAL", "CpBackend", "CpBackendName", "backend_for", "named_backend"]
+__all__ = ["BACKENDS", "LOCAL", "backend_for", "named_backend"]

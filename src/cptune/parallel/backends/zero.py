@@ -1,6 +1,6 @@
 """DeepSpeed's ZeRO engine under cptune's own sharding (``deepspeed`` / ``zero_stage`` with ring-flash-attn or torch CP).
 
-A backend with ``runs_under_zero`` (see :class:`~cptune.parallel.backends.spec.CpBackend`) shards each
+A backend with ``runs_under_zero`` (see :class:`~cptune.parallel.backends.spec.BackendPolicy`) shards each
 batch over its CP group as it does next to DDP, while DeepSpeed's engine trains the model (ZeRO 0-3
 over all ranks, no sequence-parallel group) when the recipe sets ``deepspeed`` or ``zero_stage``.
 Two things differ from DDP:

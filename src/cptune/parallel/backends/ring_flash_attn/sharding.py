@@ -51,15 +51,15 @@ def load_ring_flash_attn() -> RingKernels:
     Raises:
         BackendUnavailableError: ring-flash-attn cannot be imported.
     """
-    from cptune.parallel.backends.ring_flash_attn import RING_FLASH_ATTN
-    from cptune.patches.registry import import_patch_set
+    from cptune.parallel.backends.ring_flash_attn.patches import import_patches
+    from cptune.patches.core import PatchSet
 
     if "ring_flash_attn" in sys.modules:
         module = sys.modules["ring_flash_attn"]
     else:
         try:
             # The transformers compatibility patch, and the flash-attn stand-ins when flash-attn is absent.
-            with import_patch_set(RING_FLASH_ATTN).applied(None):
+            with PatchSet(import_patches()).applied(None):
                 module = importlib.import_module("ring_flash_attn")
         except ImportError as err:
             raise BackendUnavailableError(

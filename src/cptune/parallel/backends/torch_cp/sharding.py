@@ -229,5 +229,5 @@ def _check_cpu_handlers(custom_ops: dict[Any, Any]) -> None:
         raise CptuneError(
             "cp_backend: torch on CPU needs cptune's patch 'torch-cp-cpu-sdpa-handlers' (torch has no "
             "context-parallel handler for the CPU attention op); it is applied by `cptune train`. Apply "
-            "PatchSet(cptune.parallel.backends.torch_cp.TORCH_CP.training_patches()) around your own loop."
+            "PatchSet(cptune.parallel.backends.torch_cp.runtime.RUNTIME.training_patches()) around your own loop."
         )

@@ -1,4 +1,4 @@
-"""Patches of torch 2.13: context-parallel attention for the CPU SDPA op.
+"""The patch of torch 2.13 that ``cp_backend: torch`` needs: context-parallel attention for the CPU SDPA op.
 
 torch's context parallelism turns ``F.scaled_dot_product_attention`` on query,
 key and value DTensors sharded on the sequence dim (``Shard(2)``) into ring
@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from cptune import versions
+from cptune.errors import PatchError
 from cptune.patches.core import Patch, Predicate
 
 TORCH_REQUIREMENT = {"torch": versions.TORCH_PRIVATE_API}
@@ -32,6 +33,16 @@ TORCH_REQUIREMENT = {"torch": versions.TORCH_PRIVATE_API}
 
 SEQ_DIM = 2
 """SDPA's sequence dim in (batch, heads, tokens, head_dim); torch's CP hard-codes it too (:673)."""
+
+
+def torch_cp_context_owned_by_backend(*args: Any, **kwargs: Any) -> Any:
+    """Put in ``Accelerator._cp_context`` for cp_backend: torch, whose backend drives torch CP itself
+    (the registry's guard patch, with this backend's runtime's ``cp_context_guard``)."""
+    raise PatchError(
+        "accelerator.maybe_context_parallel() was called, but cptune's torch backend already shards every "
+        "batch and switches torch's context-parallel attention on around each micro batch; accelerate's "
+        "context would shard the batch a second time. Remove the call (cptune's Trainer does this for you)."
+    )
 
 
 def _bind(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
