@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES, AxolotlKeys
-from cptune.config.fsdp1 import FSDP1_CONFIG_KEYS, Fsdp1Keys
+from cptune.config.axolotl.fsdp1 import FSDP1_CONFIG_KEYS, Fsdp1Keys
+from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES, AxolotlKeys
 from cptune.config.loader import validate_recipe
 from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe
 from cptune.errors import RecipeError

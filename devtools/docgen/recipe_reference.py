@@ -3,7 +3,7 @@
 Every key comes from the pydantic models (type, default, bounds, description);
 the sections follow the ``# --- name ---`` comments of :class:`~cptune.config.recipe.Recipe`;
 the cross-key rules are the docstrings of :data:`~cptune.config.recipe.RULES`; the
-refused Axolotl keys come from :mod:`cptune.config.axolotl_keys`.
+refused Axolotl keys come from :mod:`cptune.config.axolotl.keys`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from cptune.config.axolotl_keys import (
+from cptune.config.axolotl.keys import (
     UNSUPPORTED_DATASET_KEYS,
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
@@ -78,7 +78,7 @@ def recipe_sections() -> list[tuple[str, list[str]]]:
     """(section, field names) in source order, from the ``# --- name ---`` comments of :class:`Recipe`.
 
     The recipe's own fields come first, then each backend's key group (in the backend table's order),
-    then the other mixins (:mod:`cptune.config.compat`, :mod:`cptune.config.fsdp1`), each in the order
+    then the other mixins (:mod:`cptune.config.axolotl.mapped`, :mod:`cptune.config.axolotl.fsdp1`), each in the order
     of its source. A field that no comment precedes lands in a section called "general"; every field
     appears once.
     """

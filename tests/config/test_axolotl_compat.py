@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cptune.config.compat_rules import axolotl_notes
+from cptune.config.axolotl.rules import axolotl_notes
 from cptune.config.loader import validate_recipe
 from cptune.errors import RecipeError
 

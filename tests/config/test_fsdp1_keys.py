@@ -1,8 +1,8 @@
-"""Axolotl's FSDP1 keys mapped onto FSDP2 (cptune.config.fsdp1): the mapping, the notes, the refusals."""
+"""Axolotl's FSDP1 keys mapped onto FSDP2 (cptune.config.axolotl.fsdp1): the mapping, the notes, the refusals."""
 
 import pytest
 
-from cptune.config.compat_rules import axolotl_notes
+from cptune.config.axolotl.rules import axolotl_notes
 from cptune.config.loader import validate_recipe
 from cptune.config.recipe import Recipe
 from tests.config.test_loader import MINIMAL, problems

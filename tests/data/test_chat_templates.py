@@ -91,7 +91,7 @@ def with_markers(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
 
 
 def test_every_axolotl_name_cptune_accepts_has_a_template():
-    from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES
+    from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES
 
     assert set(BUILT_IN_CHAT_TEMPLATES) == set(TEMPLATES) == set(DOCUMENTED)
 

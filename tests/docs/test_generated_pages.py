@@ -51,7 +51,7 @@ def test_every_cross_key_rule_documents_itself():
 
 
 def test_reference_names_every_key_and_every_refused_axolotl_key():
-    from cptune.config.axolotl_keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
+    from cptune.config.axolotl.keys import UNSUPPORTED_DATASET_KEYS, UNSUPPORTED_RECIPE_KEYS
 
     page = PAGES["docs/reference/recipe.md"]
     keys = [

@@ -15,14 +15,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from cptune.config.axolotl_keys import (
+from cptune.config.axolotl.keys import (
     NO_COUNTERPART,
     UNSUPPORTED_DATASET_KEYS,
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
 )
-from cptune.config.axolotl_schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
-from cptune.config.compat import BUILT_IN_CHAT_TEMPLATES, BnbConfig, SpecialTokens
+from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES, BnbConfig, SpecialTokens
+from cptune.config.axolotl.schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
 from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe, combination_problems
 from cptune.errors import RecipeError, RecipeProblem
 

@@ -13,7 +13,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cptune.config.compat import (
+from cptune.config.axolotl.fsdp1 import (
+    Fsdp1Keys,
+    ShardingStrategy,
+    fsdp1_rules,
+    resolved_fsdp_config,
+    sharding_strategy_name,
+)
+from cptune.config.axolotl.mapped import (
     AdapterKeys,
     AxolotlKeys,
     ChatTemplateName,
@@ -24,14 +31,7 @@ from cptune.config.compat import (
     TrackingKeys,
     TrainOnEos,
 )
-from cptune.config.compat_rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
-from cptune.config.fsdp1 import (
-    Fsdp1Keys,
-    ShardingStrategy,
-    fsdp1_rules,
-    resolved_fsdp_config,
-    sharding_strategy_name,
-)
+from cptune.config.axolotl.rules import COMPAT_RULES, CUT_CROSS_ENTROPY_PLUGIN
 from cptune.parallel.backends.rows import KEY_GROUPS, NAMES
 from cptune.parallel.backends.table import BACKENDS, named_backend
 
@@ -149,7 +149,7 @@ class FsdpConfig(_Frozen):
         "part) and the final model is gathered into a standard Hugging Face folder, which is what "
         "FULL_STATE_DICT gives in Axolotl (`cptune validate` says so).",
     )
-    # FSDP1 keys of Axolotl's recipes (cptune.config.fsdp1 maps them onto FSDP2, `cptune validate` says how).
+    # FSDP1 keys of Axolotl's recipes (cptune.config.axolotl.fsdp1 maps them onto FSDP2, `cptune validate` says how).
     sharding_strategy: ShardingStrategy | None = Field(
         None,
         description="FSDP1's strategy, mapped onto FSDP2: FULL_SHARD (1) is reshard_after_forward: true, "
@@ -423,7 +423,7 @@ class Recipe(
 
     @property
     def resolved_fsdp_config(self) -> FsdpConfig:
-        """``fsdp_config`` with what Axolotl's FSDP1 keys ask for (:mod:`cptune.config.fsdp1`)."""
+        """``fsdp_config`` with what Axolotl's FSDP1 keys ask for (:mod:`cptune.config.axolotl.fsdp1`)."""
         return resolved_fsdp_config(self, self.fsdp_config or FsdpConfig())
 
     @property

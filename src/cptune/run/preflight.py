@@ -160,7 +160,7 @@ def describe_plan(
         processes_per_node: Processes on this node (default: all of the launch's), for the host-RAM check.
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
     """
-    from cptune.config.compat_rules import axolotl_notes
+    from cptune.config.axolotl.rules import axolotl_notes
     from cptune.patches.overrides import check_overrides
     from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import (

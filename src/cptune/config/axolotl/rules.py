@@ -1,4 +1,4 @@
-"""Rules and notes for the Axolotl keys of :mod:`cptune.config.compat`.
+"""Rules and notes for the Axolotl keys of :mod:`cptune.config.axolotl.mapped`.
 
 The rules refuse combinations that cannot work (each names the key and what to do), Axolotl plugins
 one line each; :func:`axolotl_notes` says where an accepted key means something else in cptune.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from cptune.config.fsdp1 import fsdp1_notes
+from cptune.config.axolotl.fsdp1 import fsdp1_notes
 
 if TYPE_CHECKING:
     from cptune.config.recipe import Recipe

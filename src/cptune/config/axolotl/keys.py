@@ -2,7 +2,7 @@
 
 A recipe brought over from Axolotl should fail with a message that says so, not
 with a generic "unknown key". Each entry maps the key to its one-line advice. Any
-other key of Axolotl's schema (:mod:`cptune.config.axolotl_schema`) that cptune
+other key of Axolotl's schema (:mod:`cptune.config.axolotl.schema`) that cptune
 has no field for is refused with :data:`NO_COUNTERPART`; an empty (null) value,
 or ``false`` for an Axolotl switch, is accepted as "not set".
 """
@@ -22,7 +22,7 @@ _MLFLOW = (
 NO_COUNTERPART = (
     "it has no counterpart in cptune; remove it (an empty value or false is accepted as not set)."
 )
-"""Advice for an Axolotl key of :mod:`cptune.config.axolotl_schema` that is not listed below."""
+"""Advice for an Axolotl key of :mod:`cptune.config.axolotl.schema` that is not listed below."""
 
 UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "sequence_parallel_degree": "Axolotl's older name for context_parallel_size; rename it.",

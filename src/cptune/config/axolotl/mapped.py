@@ -318,7 +318,7 @@ class AxolotlKeys(BaseModel):
     )
     strict: bool | None = Field(None, description="Accepted; cptune always validates recipes strictly.")
     # Axolotl's fused kernels compute what the layers they replace compute (within rounding); cptune runs
-    # those layers. Where a kernel drops LoRA inputs differently, compat_rules refuses the combination.
+    # those layers. Where a kernel drops LoRA inputs differently, config.axolotl.rules refuses the combination.
     lora_mlp_kernel: bool | None = Field(
         None,
         description="Accepted: cptune runs peft's LoRA layers, the same result without Axolotl's fused MLP "
