@@ -16,9 +16,11 @@ from typing import Any
 import yaml
 
 from cptune.config.axolotl.fsdp1 import FSDP1_CONFIG_KEYS, Fsdp1Keys
-from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES, AxolotlKeys
+from cptune.config.axolotl.mapped import AxolotlKeys
+from cptune.config.data import BUILT_IN_CHAT_TEMPLATES, DatasetConfig
 from cptune.config.loader import validate_recipe
-from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe
+from cptune.config.parallelism import FsdpConfig
+from cptune.config.recipe import Recipe
 from cptune.errors import RecipeError
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "tests" / "axolotl" / "recipes"

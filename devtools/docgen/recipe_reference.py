@@ -1,8 +1,8 @@
 """Render ``docs/reference/recipe.md`` from the recipe schema.
 
 Every key comes from the pydantic models (type, default, bounds, description);
-the sections follow the ``# --- name ---`` comments of :class:`~cptune.config.recipe.Recipe`;
-the cross-key rules are the docstrings of :data:`~cptune.config.recipe.RULES`; the
+the sections follow the ``# --- name ---`` comments of the recipe's key groups;
+the cross-key rules are the docstrings of :data:`~cptune.config.rules.RULES`; the
 refused Axolotl keys come from :mod:`cptune.config.axolotl.keys`.
 """
 
@@ -23,8 +23,10 @@ from cptune.config.axolotl.keys import (
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
 )
-from cptune.config.recipe import RULES, DatasetConfig, FsdpConfig, Recipe
-from cptune.parallel.backends.rows import KEY_GROUPS
+from cptune.config.data import DatasetConfig
+from cptune.config.parallelism import FsdpConfig
+from cptune.config.recipe import KEY_GROUPS_IN_ORDER, Recipe
+from cptune.config.rules import RULES
 
 HEADER = """# Recipe reference
 
@@ -75,18 +77,15 @@ def render_recipe_reference() -> str:
 
 
 def recipe_sections() -> list[tuple[str, list[str]]]:
-    """(section, field names) in source order, from the ``# --- name ---`` comments of :class:`Recipe`.
+    """(section, field names) in the order of the recipe's keys, from the ``# --- name ---`` comments of its
+    key groups (:data:`~cptune.config.recipe.KEY_GROUPS_IN_ORDER`), each group in the order of its source.
 
-    The recipe's own fields come first, then each backend's key group (in the backend table's order),
-    then the other mixins (:mod:`cptune.config.axolotl.mapped`, :mod:`cptune.config.axolotl.fsdp1`), each in the order
-    of its source. A field that no comment precedes lands in a section called "general"; every field
-    appears once.
+    A field that no comment precedes lands in a section called "general"; every field appears once.
     """
     sections: list[tuple[str, list[str]]] = []
     current = "general"
     seen: set[str] = set()
-    mixins = [c for c in Recipe.__mro__[1:] if issubclass(c, BaseModel) and c not in (BaseModel, *KEY_GROUPS)]
-    classes = [Recipe, *KEY_GROUPS, *mixins]
+    classes = KEY_GROUPS_IN_ORDER
     lines = [line for c in classes for line in inspect.getsource(c).splitlines()]
     for line in lines:
         header = _SECTION.match(line)

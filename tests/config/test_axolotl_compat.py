@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cptune.config.axolotl.rules import axolotl_notes
+from cptune.config.axolotl.notes import axolotl_notes
 from cptune.config.loader import validate_recipe
 from cptune.errors import RecipeError
 
@@ -111,7 +111,7 @@ def test_optimizer_names_are_the_trainers():
 
     from transformers.training_args import OptimizerNames
 
-    from cptune.config.recipe import OptimizerName
+    from cptune.config.training import OptimizerName
 
     assert set(get_args(OptimizerName)) == {n.value for n in OptimizerNames}
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cptune.config.axolotl.rules import axolotl_notes
+from cptune.config.axolotl.notes import axolotl_notes
 from cptune.config.loader import validate_recipe
 from cptune.config.recipe import Recipe
 from tests.config.test_loader import MINIMAL, problems

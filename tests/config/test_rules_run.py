@@ -1,10 +1,10 @@
-"""Every recipe rule runs to the end on a valid recipe of each backend and layout.
+"""Every recipe rule runs to the end on a valid recipe of each backend and layout, and a rule that raises fails loudly.
 
-``combination_problems`` skips a rule that raises ``AttributeError``/``TypeError``, because a recipe
-that failed field validation is rebuilt from its valid keys only and a rule reading a broken key
-must stay silent. The same guard would hide a bug in a rule (a misspelt recipe attribute) and
-silently switch that rule off, now that each backend's rules live in its own package. Here every
-rule runs unguarded over recipes that validate, so such a bug fails the suite.
+A recipe that failed field validation is rebuilt from its valid keys for the rules, and a rule that
+reads a required key the user got wrong stays silent (that key has its own error). Anything else a
+rule raises is a bug in the rule: ``combination_problems`` lets it through, rather than switching the
+rule off without a word (it once skipped every ``AttributeError`` and ``TypeError``). Here every rule
+also runs over recipes that validate, so such a bug fails the suite.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cptune.config.loader import load_recipe
-from cptune.config.recipe import RULES
+from cptune.config import rules
+from cptune.config.loader import load_recipe, validate_recipe
+from cptune.config.rules import RULES
+from cptune.errors import RecipeError
 from cptune.parallel.backends.rows import NAMES
 from tests.conftest import REPO
 
@@ -63,3 +65,32 @@ def test_every_rule_runs_without_raising_on_a_valid_recipe(path, overrides):
 def test_the_recipes_cover_every_backend():
     backends = {load_recipe(path, overrides).cp_backend for _, path, overrides in _recipes()}
     assert backends == set(NAMES)
+
+
+MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
+
+
+def test_a_rule_that_raises_fails_loudly(monkeypatch):
+    def broken(recipe):
+        yield "sequence_len", recipe.sequence_len + "tokens"  # a bug: TypeError
+
+    def misspelt(recipe):
+        yield "sequence_len", recipe.sequence_length  # a bug: AttributeError
+
+    for rule, error in ((broken, TypeError), (misspelt, AttributeError)):
+        monkeypatch.setattr(rules, "RULES", (*RULES, rule))
+        with pytest.raises(error):
+            validate_recipe(MINIMAL)
+        with pytest.raises(error):  # also on a recipe rebuilt from its valid keys
+            validate_recipe({**MINIMAL, "lora_r": 0})
+
+
+def test_a_rule_reading_a_required_key_the_user_got_wrong_stays_silent(monkeypatch):
+    def reads_the_base_model(recipe):
+        if recipe.base_model.startswith("/"):
+            yield "base_model", "never reached"
+
+    monkeypatch.setattr(rules, "RULES", (*RULES, reads_the_base_model))
+    with pytest.raises(RecipeError) as raised:
+        validate_recipe({"datasets": [{"path": "d.jsonl"}], "lora_r": 0})
+    assert [p.key for p in raised.value.problems] == ["base_model", "lora_r"]

@@ -8,7 +8,7 @@ import logging
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.chat_templates import TEMPLATES, template_text
 from cptune.data.formats import build_formatter
 from cptune.errors import DataError
@@ -91,7 +91,7 @@ def with_markers(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
 
 
 def test_every_axolotl_name_cptune_accepts_has_a_template():
-    from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES
+    from cptune.config.data import BUILT_IN_CHAT_TEMPLATES
 
     assert set(BUILT_IN_CHAT_TEMPLATES) == set(TEMPLATES) == set(DOCUMENTED)
 

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import processors
 from transformers import PreTrainedTokenizerFast
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.formats import CHATML_TEMPLATE, RowProblem, Sample, build_formatter
 from cptune.errors import DataError
 from devtools.tiny import BOS_TOKEN_ID, EOS_TOKEN_ID, IM_END_TOKEN_ID

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.formats import build_formatter
 from cptune.data.prompts import Prompter
 from cptune.errors import DataError

@@ -10,7 +10,7 @@ import datasets
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.formats import build_formatter, required_columns
 from cptune.data.rows import count_tokens, tokenize_dataset
 from cptune.errors import DataError

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.sources import load_source, resolve_source
 from cptune.errors import DataError
 

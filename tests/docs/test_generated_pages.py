@@ -6,7 +6,9 @@ import inspect
 
 import pytest
 
-from cptune.config.recipe import RULES, DatasetConfig, Recipe
+from cptune.config.data import DatasetConfig
+from cptune.config.recipe import Recipe
+from cptune.config.rules import RULES
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.registry import build_patches
 from devtools.docgen import REGENERATE_COMMAND, generated_pages

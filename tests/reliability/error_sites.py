@@ -8,7 +8,7 @@ A *site* is one place in ``src/cptune`` that produces a message a user reads:
   ``_field_problem``, whose own text is added to the call's);
 - any ``raise`` in ``cptune.config``: the loader turns every error raised while reading and
   validating a recipe (pydantic validators' ``ValueError`` included) into a recipe problem;
-- ``yield key, message`` in a cross-key rule of ``cptune.config.recipe``.
+- ``yield key, message`` in a cross-key rule of ``cptune.config`` (:mod:`cptune.config.rules`).
 
 The literal text of a site is the string constants in its arguments (for f-strings, the parts
 between the ``{...}`` fields): what every message from there contains whatever the values are.

@@ -111,7 +111,7 @@ def test_the_source_has_user_facing_errors_to_check():
     sites = _sites()
     # Guards the scanner itself: if it found nothing (a renamed base class), the test below would pass.
     assert len(sites) > 100
-    assert {"src/cptune/config/recipe.py", "src/cptune/data/formats.py", "src/cptune/run/merge.py"} <= {
+    assert {"src/cptune/config/rules.py", "src/cptune/data/formats.py", "src/cptune/run/merge.py"} <= {
         site.path for site in sites
     }
 

@@ -15,15 +15,18 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from cptune.config.adapter import BnbConfig
 from cptune.config.axolotl.keys import (
     NO_COUNTERPART,
     UNSUPPORTED_DATASET_KEYS,
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
 )
-from cptune.config.axolotl.mapped import BUILT_IN_CHAT_TEMPLATES, BnbConfig, SpecialTokens
 from cptune.config.axolotl.schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
-from cptune.config.recipe import DatasetConfig, FsdpConfig, Recipe, combination_problems
+from cptune.config.data import BUILT_IN_CHAT_TEMPLATES, DatasetConfig, SpecialTokens
+from cptune.config.parallelism import FsdpConfig
+from cptune.config.recipe import Recipe
+from cptune.config.rules import combination_problems
 from cptune.errors import RecipeError, RecipeProblem
 
 
@@ -178,7 +181,12 @@ def validate_recipe(data: Mapping[str, Any], source: str | None = None) -> Recip
         broken = {_top_key(e["loc"]) for e in errors} | {p.key for p in early}
         partial = _partial_recipe(data, broken)
         if partial is not None:
-            problems += [RecipeProblem(k, m) for k, m in combination_problems(partial) if k not in broken]
+            missing = (
+                frozenset(name for name, info in Recipe.model_fields.items() if info.is_required()) & broken
+            )
+            problems += [
+                RecipeProblem(k, m) for k, m in combination_problems(partial, missing) if k not in broken
+            ]
         raise RecipeError(_unique(problems), source=source) from None
     problems = early + [RecipeProblem(k, m) for k, m in combination_problems(recipe)]
     if problems:

@@ -33,7 +33,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from cptune.atomic import Marker, publish_folder
-from cptune.config.recipe import DatasetConfig, Recipe
+from cptune.config.data import DatasetConfig
+from cptune.config.recipe import Recipe
 from cptune.data.chat_templates import template_text
 from cptune.data.sources import ResolvedSource
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.chat_templates import CHATML, resolve_chat_template
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX

@@ -27,7 +27,8 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 from transformers import PreTrainedTokenizerBase
 
-from cptune.config.recipe import DatasetConfig, Recipe
+from cptune.config.data import DatasetConfig
+from cptune.config.recipe import Recipe
 from cptune.data.cache import build_once, compute_fingerprint, is_built
 from cptune.data.formats import build_formatter, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency

@@ -25,7 +25,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.formats import Formatter, RowProblem, build_formatter
 from cptune.errors import CptuneError, DataError
 from cptune.labels import IGNORE_INDEX

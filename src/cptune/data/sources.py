@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import datasets
 
-from cptune.config.recipe import DatasetConfig
+from cptune.config.data import DatasetConfig
 from cptune.data.compression import COMPRESSIONS, compression, format_suffix, open_decompressed
 from cptune.errors import DataError
 

@@ -160,7 +160,7 @@ def describe_plan(
         processes_per_node: Processes on this node (default: all of the launch's), for the host-RAM check.
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
     """
-    from cptune.config.axolotl.rules import axolotl_notes
+    from cptune.config.axolotl.notes import axolotl_notes
     from cptune.patches.overrides import check_overrides
     from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import (
@@ -176,11 +176,8 @@ def describe_plan(
     per_node = processes_per_node or dims.world_size
     check_host_memory(recipe, config, per_node)
     lines = ["Resolved recipe:"]
-    values = recipe.model_dump(mode="json")
-    # The recipe's own keys first, then those its Axolotl mixins add (pydantic lists those first).
-    own = [name for name in Recipe.__annotations__ if name in values]
-    values = {name: values[name] for name in [*own, *(n for n in values if n not in own)]}
-    dumped = yaml.safe_dump(values, sort_keys=False).rstrip()
+    # In the order of the recipe's key groups (cptune.config.recipe.KEY_GROUPS_IN_ORDER).
+    dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
     lines += ["  " + line for line in dumped.splitlines()]
     training = f"LoRA r={recipe.lora_r}" if recipe.is_lora else "full fine-tune"
     if recipe.is_quantized:

@@ -71,7 +71,7 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = (), *, plan: RunPlan | None
 def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> TrainResult:
     from transformers import set_seed
 
-    from cptune.config.axolotl.rules import axolotl_notes
+    from cptune.config.axolotl.notes import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.added_tokens import fit_embeddings
     from cptune.run.tracking import recipe_callbacks, tracker_environment

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 
 from cptune.config.loader import load_recipe
-from cptune.config.recipe import CpBackend as RecipeCpBackend
+from cptune.config.parallelism import CpBackend as RecipeCpBackend
 from cptune.parallel.backends.base import BatchSharder
 from cptune.parallel.backends.deepspeed_ulysses.sharding import DeepSpeedUlyssesBackend
 from cptune.parallel.backends.local.sharding import LocalBackend

@@ -15,18 +15,16 @@ FSDP1 has (``sharding_strategy``, ``limit_all_gathers``, ...). cptune shards wit
   are accepted and not used; ``cptune validate`` says what they mean here (:func:`fsdp1_notes`).
 
 Keys that disagree (two strategies, a strategy against ``reshard_after_forward``, ``offload`` against
-``offload_params: false``, ``fsdp`` with ``fsdp_version: 1``) are refused, naming both keys.
+``offload_params: false``, ``fsdp`` with ``fsdp_version: 1``) are refused, naming both keys
+(:func:`cptune.config.axolotl.rules.fsdp1_rules`). This module holds the names and the key group;
+:func:`cptune.config.parallelism.resolved_fsdp_config` applies them to ``fsdp_config``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
-
-if TYPE_CHECKING:
-    from cptune.config.recipe import FsdpConfig, Recipe
 
 FSDP1_CONFIG_KEYS = (
     "sharding_strategy",
@@ -51,18 +49,18 @@ _STRATEGY_NUMBERS = {
     5: "HYBRID_SHARD_ZERO2",
 }
 # Whether FSDP2 frees a layer's gathered weights after its forward pass (None: nothing is sharded).
-_RESHARD = {
+RESHARD: dict[str, bool | None] = {
     "FULL_SHARD": True,
     "SHARD_GRAD_OP": False,
     "NO_SHARD": None,
     "HYBRID_SHARD": True,
     "HYBRID_SHARD_ZERO2": False,
 }
-_HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 
 
 def sharding_strategy_name(value: Any) -> Any:
-    """``1``/``"1"``/``"full_shard"``/``"_HYBRID_SHARD_ZERO2"`` → the strategy's name; others unchanged."""
+    """``1``/``"1"``/``"full_shard"``/``"HYBRID_SHARD_ZERO2"`` → the strategy's name; others unchanged."""
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if isinstance(value, int) and not isinstance(value, bool):
@@ -72,8 +70,13 @@ def sharding_strategy_name(value: Any) -> Any:
     return value
 
 
+def written(options: tuple[str, ...]) -> str:
+    """``fsdp``'s options as the user wrote them, as a YAML list."""
+    return f"[{', '.join(options)}]"
+
+
 class Fsdp1Keys(BaseModel):
-    """Axolotl's FSDP1 switch (a mixin of :class:`~cptune.config.recipe.Recipe`)."""
+    """Key group of :class:`~cptune.config.recipe.Recipe`: Axolotl's FSDP1 switch."""
 
     # --- Axolotl's FSDP1 form (mapped onto FSDP2) ---------------------------------
     fsdp: tuple[FsdpOption, ...] | None = Field(
@@ -99,147 +102,3 @@ class Fsdp1Keys(BaseModel):
         if data.get("fsdp_version") is None:
             return {**data, "fsdp_version": 2}
         return data
-
-
-def _list_strategies(r: Recipe) -> list[str]:
-    return [o.upper() for o in r.fsdp or () if o.upper() in _RESHARD]
-
-
-def _reshard_sources(r: Recipe) -> list[tuple[str, bool]]:
-    """(key as the user wrote it, reshard_after_forward it asks for), for each key that sets it."""
-    sources: list[tuple[str, bool]] = []
-    strategies = _list_strategies(r)
-    if len(strategies) == 1 and _RESHARD[strategies[0]] is not None:
-        sources.append((f"fsdp: {strategies[0].lower()}", bool(_RESHARD[strategies[0]])))
-    config = r.fsdp_config
-    if config is not None:
-        if config.sharding_strategy is not None and _RESHARD[config.sharding_strategy] is not None:
-            sources.append(
-                (
-                    f"fsdp_config.sharding_strategy: {config.sharding_strategy}",
-                    bool(_RESHARD[config.sharding_strategy]),
-                )
-            )
-        if "reshard_after_forward" in config.model_fields_set:
-            value = config.reshard_after_forward
-            sources.append((f"fsdp_config.reshard_after_forward: {str(value).lower()}", value))
-    return sources
-
-
-def resolved_fsdp_config(r: Recipe, config: FsdpConfig) -> FsdpConfig:
-    """``config`` with what the FSDP1 keys ask for (``reshard_after_forward``, ``offload_params``)."""
-    update: dict[str, Any] = {}
-    sources = _reshard_sources(r)
-    if sources and "reshard_after_forward" not in config.model_fields_set:
-        update["reshard_after_forward"] = sources[0][1]
-    if "offload" in (r.fsdp or ()) and "offload_params" not in config.model_fields_set:
-        update["offload_params"] = True
-    return config.model_copy(update=update) if update else config
-
-
-def _written(options: tuple[str, ...]) -> str:
-    return f"[{', '.join(options)}]"
-
-
-def fsdp1_rules(r: Recipe) -> Iterator[tuple[str, str]]:
-    """Axolotl's FSDP1 keys.
-
-    - `fsdp` (Axolotl's FSDP1 form) is refused with `fsdp_version: 1`, and with more than one sharding
-      strategy in it.
-    - `no_shard` / `NO_SHARD` is refused: that is plain data parallelism, which cptune runs without FSDP.
-    - `hybrid_shard` / `HYBRID_SHARD` (and their ZERO2 forms) need `dp_replicate_size`.
-    - `fsdp`, `fsdp_config.sharding_strategy` and `fsdp_config.reshard_after_forward` must agree, and `offload`
-      in `fsdp` with `fsdp_config.offload_params`.
-    """
-    options = r.fsdp or ()
-    if options and r.fsdp_version == 1:
-        yield (
-            "fsdp_version",
-            f"is 1, but fsdp: {_written(options)} asks for sharding that cptune runs with FSDP2 only; remove "
-            "fsdp_version (fsdp implies fsdp_version: 2) or set it to 2.",
-        )
-    strategies = _list_strategies(r)
-    if len(strategies) > 1:
-        yield "fsdp", f"{_written(options)} lists {len(strategies)} sharding strategies; keep one."
-    config = r.fsdp_config
-    asked = [("fsdp", s.lower()) for s in strategies[:1]]
-    if config is not None and config.sharding_strategy is not None:
-        asked.append(("fsdp_config.sharding_strategy", config.sharding_strategy))
-    for key, strategy in asked:
-        if strategy.upper() == "NO_SHARD":
-            yield (
-                key,
-                f"{strategy} is plain data parallelism (every rank holds the whole model), which cptune runs "
-                "without FSDP: remove fsdp, fsdp_config and fsdp_version.",
-            )
-        elif strategy.upper() in _HYBRID and r.dp_replicate_size is None:
-            yield (
-                key,
-                f"{strategy} shards within a group of ranks and replicates across groups; in cptune's FSDP2 "
-                "that is dp_replicate_size (the number of copies, e.g. nodes): set it, and each copy is sharded "
-                "over processes / (dp_replicate_size × context_parallel_size) ranks.",
-            )
-    sources = _reshard_sources(r)
-    for key, value in sources[1:]:
-        first, first_value = sources[0]
-        if value != first_value:
-            yield (
-                key.split(":")[0],
-                f"{key.split(': ')[1]} disagrees with {first}: one frees each layer's gathered weights after "
-                "its forward pass (reshard_after_forward: true), the other keeps them for the backward (false); "
-                "keep one of them.",
-            )
-    explicit = config is not None and "offload_params" in config.model_fields_set
-    if "offload" in options and explicit and not config.offload_params:
-        yield (
-            "fsdp_config.offload_params",
-            f"is false, but fsdp: {_written(options)} asks for offload; keep one of them.",
-        )
-
-
-def fsdp1_notes(r: Recipe) -> list[str]:
-    """What the accepted FSDP1 keys do in cptune, one line each."""
-    notes = []
-    options = r.fsdp or ()
-    resolved = r.resolved_fsdp_config
-    if options:
-        wrap = (
-            "every decoder layer is its own FSDP unit (auto_wrap)"
-            if "auto_wrap" in options
-            else "every decoder layer is its own FSDP unit (cptune always wraps them, as auto_wrap does)"
-        )
-        notes.append(
-            f"fsdp: {_written(options)} is Axolotl's FSDP1 form; cptune runs it with FSDP2: fsdp_version: 2, "
-            f"reshard_after_forward: {str(resolved.reshard_after_forward).lower()}, offload_params: "
-            f"{str(resolved.offload_params).lower()}; {wrap}."
-        )
-    config = r.fsdp_config
-    if config is None:
-        return notes
-    if config.sharding_strategy is not None and config.sharding_strategy != "NO_SHARD":
-        hybrid = ", one copy per dp_replicate_size group" if config.sharding_strategy in _HYBRID else ""
-        notes.append(
-            f"fsdp_config.sharding_strategy: {config.sharding_strategy} is FSDP1's; with FSDP2 it is "
-            f"reshard_after_forward: {str(_RESHARD[config.sharding_strategy]).lower()}{hybrid}."
-        )
-    if config.limit_all_gathers is not None:
-        notes.append(
-            "fsdp_config.limit_all_gathers is not used: it rate-limits FSDP1's all-gathers, and FSDP2 frees each "
-            "layer's gathered weights in a fixed order without one."
-        )
-    if config.use_orig_params is not None:
-        notes.append(
-            "fsdp_config.use_orig_params is not used: FSDP2 always keeps the original parameters (each a "
-            "sharded DTensor), so the optimizer and LoRA see them as with use_orig_params: true."
-        )
-    if config.sync_module_states is not None:
-        notes.append(
-            "fsdp_config.sync_module_states is not used: every process loads the same base weights from "
-            "base_model, so they start equal without a broadcast from rank 0."
-        )
-    if config.cpu_ram_efficient_loading is not None:
-        notes.append(
-            "fsdp_config.cpu_ram_efficient_loading is not used: every process loads the base model before it is "
-            "sharded, so the host needs memory for one copy per process on the node."
-        )
-    return notes

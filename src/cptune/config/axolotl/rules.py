@@ -1,88 +1,23 @@
-"""Rules and notes for the Axolotl keys of :mod:`cptune.config.axolotl.mapped`.
+"""The rules over Axolotl's keys: mapped keys that cannot work together, fused kernels, FSDP1's form.
 
-The rules refuse combinations that cannot work (each names the key and what to do), Axolotl plugins
-one line each; :func:`axolotl_notes` says where an accepted key means something else in cptune.
-:data:`cptune.config.recipe.RULES` includes :data:`COMPAT_RULES`.
+Each rule names the key and what to do; :data:`cptune.config.rules.RULES` lists them with the others.
+Plugins are refused one line each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
-from cptune.config.axolotl.fsdp1 import fsdp1_notes
-
-if TYPE_CHECKING:
-    from cptune.config.recipe import Recipe
+from cptune.config.axolotl.fsdp1 import HYBRID, written
+from cptune.config.axolotl.plugins import MAPPED_PLUGINS, plugin_refusal
+from cptune.config.parallelism import list_strategies, reshard_sources
+from cptune.config.recipe import Recipe
 
 # Attention implementations an Axolotl recipe may name (cptune picks the attention from cp_backend).
 _ATTENTION_NAMES = ("flash_attention_2", "flash_attention_3", "sdpa")
 
-Rule = Callable[["Recipe"], Iterator[tuple[str, str]]]
 
-
-def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
-    """Quantized base models (QLoRA).
-
-    - `adapter: qlora` needs `load_in_4bit: true`, and `load_in_4bit: true` needs `adapter: qlora`.
-    - `load_in_8bit: true` needs `adapter: lora` (LoRA on an 8-bit base).
-    - `bnb_config_kwargs` needs `load_in_4bit` or `load_in_8bit`.
-    - An 8-bit base is refused under FSDP2 (FSDP2 would shard bitsandbytes' 8-bit weights and lose their
-      scales); a 4-bit base is sharded with the other weights when its packed weights are stored in a float
-      dtype (`bnb_4bit_quant_storage`, default the training dtype), and kept whole on every rank when uint8.
-    """
-    if r.adapter == "qlora" and not r.load_in_4bit:
-        yield (
-            "adapter",
-            "qlora trains a LoRA adapter on a 4-bit base: set load_in_4bit: true (or use adapter: lora).",
-        )
-    if r.load_in_4bit and r.adapter != "qlora":
-        yield (
-            "load_in_4bit",
-            "a 4-bit base model is trained through a LoRA adapter: set adapter: qlora, or remove load_in_4bit.",
-        )
-    if r.load_in_8bit and r.adapter != "lora":
-        why = (
-            "use load_in_4bit with qlora" if r.adapter == "qlora" else "8-bit weights cannot be trained whole"
-        )
-        yield "load_in_8bit", f"an 8-bit base model is trained through adapter: lora ({why}); or remove it."
-    if r.bnb_config_kwargs is not None and not (r.load_in_4bit or r.load_in_8bit):
-        yield "bnb_config_kwargs", "applies only with load_in_4bit or load_in_8bit; remove it."
-    if r.load_in_8bit and r.is_fsdp:
-        yield (
-            "load_in_8bit",
-            "an 8-bit base cannot be trained under FSDP2 (fsdp_version: 2 or fsdp): bitsandbytes' 8-bit weights "
-            "lose their scales when FSDP2 shards them. Use load_in_4bit with adapter: qlora (FSDP2 shards its 4-bit "
-            "weights), or train without FSDP.",
-        )
-
-
-def _adapter_extras(r: Recipe) -> Iterator[tuple[str, str]]:
-    """LoRA extras.
-
-    - `lora_model_dir` and `lora_modules_to_save` need `adapter: lora` or `qlora`.
-    """
-    for key in ("lora_model_dir", "lora_modules_to_save"):
-        if getattr(r, key) is not None and not r.is_lora:
-            yield key, "applies only with adapter: lora or qlora; remove it."
-
-
-def _chat_template(r: Recipe) -> Iterator[tuple[str, str]]:
-    """Chat templates.
-
-    - `chat_template: jinja` needs `chat_template_jinja`; `chat_template_jinja` goes with
-      `chat_template: jinja` or no `chat_template`.
-    """
-    if r.chat_template == "jinja" and r.chat_template_jinja is None:
-        yield "chat_template", "jinja needs the template in chat_template_jinja (its text or a .jinja file)."
-    if r.chat_template_jinja is not None and r.chat_template not in (None, "jinja"):
-        yield (
-            "chat_template_jinja",
-            f"chat_template: {r.chat_template} names another template; set chat_template: jinja (or remove one).",
-        )
-
-
-def _axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
+def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     """Axolotl keys cptune maps.
 
     - `attn_implementation` is one of `flash_attention_2`, `flash_attention_3` or `sdpa` (cptune picks the
@@ -154,7 +89,7 @@ def _targets(r: Recipe, projection: str) -> bool:
     return any(t == projection or t.endswith("." + projection) for t in r.lora_target_modules)
 
 
-def _lora_kernels(r: Recipe) -> Iterator[tuple[str, str]]:
+def lora_kernels(r: Recipe) -> Iterator[tuple[str, str]]:
     """Axolotl's fused LoRA kernels.
 
     - `lora_mlp_kernel` and `lora_qkv_kernel` are refused with `lora_dropout` > 0 when the adapter covers every
@@ -173,91 +108,57 @@ def _lora_kernels(r: Recipe) -> Iterator[tuple[str, str]]:
             )
 
 
-COMPAT_RULES: tuple[Rule, ...] = (
-    _quantization,
-    _adapter_extras,
-    _chat_template,
-    _axolotl_mapped,
-    _lora_kernels,
-)
-"""Rules over the keys of this module; :data:`cptune.config.recipe.RULES` includes them."""
+def fsdp1_rules(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Axolotl's FSDP1 keys.
 
-
-# Axolotl plugins (last part of the class path) that map onto a cptune feature: both fused losses become
-# cptune's chunked head loss (Recipe.resolved_head_loss).
-CUT_CROSS_ENTROPY_PLUGIN = "CutCrossEntropyPlugin"
-LIGER_PLUGIN = "LigerPlugin"
-MAPPED_PLUGINS = frozenset({CUT_CROSS_ENTROPY_PLUGIN, LIGER_PLUGIN})
-
-
-def plugin_refusal(plugin: str) -> str:
-    """The one-line refusal of an Axolotl plugin that has no cptune equivalent."""
-    return (
-        f"'{plugin}': cptune runs no Axolotl plugins; remove it. (CutCrossEntropyPlugin and LigerPlugin are "
-        "accepted: they map onto cptune's chunked loss, cut_cross_entropy.)"
-    )
-
-
-# --- notes ---------------------------------------------------------------------------
-
-_LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
-
-
-def axolotl_notes(r: Recipe) -> list[str]:
-    """What accepted Axolotl keys mean here where that differs from Axolotl, one line each."""
-    notes = []
-    asked = r.attention_asked
-    if asked is not None:
-        notes.append(
-            f"attn_implementation: {asked} is not what picks the attention in cptune: at "
-            "context_parallel_size 1 it is transformers' sdpa (which keeps packed samples apart), above 1 the "
-            "cp_backend's (ring-flash-attn runs flash-attn's kernels when installed; deepspeed its "
-            "ulysses_attn_implementation)."
+    - `fsdp` (Axolotl's FSDP1 form) is refused with `fsdp_version: 1`, and with more than one sharding
+      strategy in it.
+    - `no_shard` / `NO_SHARD` is refused: that is plain data parallelism, which cptune runs without FSDP.
+    - `hybrid_shard` / `HYBRID_SHARD` (and their ZERO2 forms) need `dp_replicate_size`.
+    - `fsdp`, `fsdp_config.sharding_strategy` and `fsdp_config.reshard_after_forward` must agree, and `offload`
+      in `fsdp` with `fsdp_config.offload_params`.
+    """
+    options = r.fsdp or ()
+    if options and r.fsdp_version == 1:
+        yield (
+            "fsdp_version",
+            f"is 1, but fsdp: {written(options)} asks for sharding that cptune runs with FSDP2 only; remove "
+            "fsdp_version (fsdp implies fsdp_version: 2) or set it to 2.",
         )
-    if r.tokenizer_type not in (None, "AutoTokenizer"):
-        notes.append(
-            f"tokenizer_type: {r.tokenizer_type} is not used: cptune loads the tokenizer class that the tokenizer "
-            "folder names (AutoTokenizer)."
+    strategies = list_strategies(options)
+    if len(strategies) > 1:
+        yield "fsdp", f"{written(options)} lists {len(strategies)} sharding strategies; keep one."
+    config = r.fsdp_config
+    asked = [("fsdp", s.lower()) for s in strategies[:1]]
+    if config is not None and config.sharding_strategy is not None:
+        asked.append(("fsdp_config.sharding_strategy", config.sharding_strategy))
+    for key, strategy in asked:
+        if strategy.upper() == "NO_SHARD":
+            yield (
+                key,
+                f"{strategy} is plain data parallelism (every rank holds the whole model), which cptune runs "
+                "without FSDP: remove fsdp, fsdp_config and fsdp_version.",
+            )
+        elif strategy.upper() in HYBRID and r.dp_replicate_size is None:
+            yield (
+                key,
+                f"{strategy} shards within a group of ranks and replicates across groups; in cptune's FSDP2 "
+                "that is dp_replicate_size (the number of copies, e.g. nodes): set it, and each copy is sharded "
+                "over processes / (dp_replicate_size × context_parallel_size) ranks.",
+            )
+    sources = reshard_sources(options, config)
+    for key, value in sources[1:]:
+        first, first_value = sources[0]
+        if value != first_value:
+            yield (
+                key.split(":")[0],
+                f"{key.split(': ')[1]} disagrees with {first}: one frees each layer's gathered weights after "
+                "its forward pass (reshard_after_forward: true), the other keeps them for the backward (false); "
+                "keep one of them.",
+            )
+    explicit = config is not None and "offload_params" in config.model_fields_set
+    if "offload" in options and explicit and not config.offload_params:
+        yield (
+            "fsdp_config.offload_params",
+            f"is false, but fsdp: {written(options)} asks for offload; keep one of them.",
         )
-    if r.tf32 is not None:
-        notes.append(f"tf32: {str(r.tf32).lower()} applies on NVIDIA GPUs only (it has no effect on CPU).")
-    if r.eval_sample_packing is not None and r.eval_sample_packing != r.sample_packing:
-        notes.append(
-            f"eval_sample_packing: {str(r.eval_sample_packing).lower()} is not used: evaluation rows are packed as "
-            f"training rows are (sample_packing: {str(r.sample_packing).lower()}); packed samples are kept apart, "
-            "so the eval loss is the same."
-        )
-    if r.evals_per_epoch and not (r.val_set_size or r.test_datasets):
-        notes.append(
-            "evals_per_epoch is not used: the recipe has no evaluation data (val_set_size, test_datasets)."
-        )
-    if r.fsdp_config is not None and r.fsdp_config.state_dict_type == "FULL_STATE_DICT":
-        notes.append(
-            "fsdp_config.state_dict_type: FULL_STATE_DICT applies to the final model only: cptune gathers it (or "
-            "the adapter) into a standard Hugging Face folder in output_dir, as Axolotl does, but always writes "
-            "checkpoints sharded (each rank its own part; resume with the same number of processes)."
-        )
-    notes += fsdp1_notes(r)
-    if r.activation_offloading in ("legacy", "hidden_states"):
-        notes.append(
-            f"activation_offloading: {r.activation_offloading} runs cptune's own offloading: the layer inputs that "
-            "gradient checkpointing keeps go to pinned host memory and come back on a side stream (exact)."
-        )
-    kernels = [k for k in _LORA_KERNEL_KEYS if getattr(r, k)]
-    if kernels:
-        notes.append(
-            f"{', '.join(kernels)}: cptune runs peft's LoRA layers: the same result, without Axolotl's fused "
-            "kernels." + ("" if r.is_lora else " (They apply to LoRA adapters only, in Axolotl too.)")
-        )
-    if r.fused_attn_kernel:
-        notes.append(
-            "fused_attn_kernel: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention: the "
-            "same result, without Axolotl's fused kernel."
-        )
-    if r.strict is not None:
-        notes.append("strict is not used: cptune always refuses unknown keys.")
-    if (r.wandb_entity or r.wandb_name or r.wandb_mode or r.wandb_run_id) and not r.wandb_enabled:
-        notes.append(
-            "wandb_* keys are not used: W&B logging is on only with wandb_project or use_wandb: true."
-        )
-    return notes

@@ -1,10 +1,9 @@
 """The backend table: each ``cp_backend`` value's policy, and which backend runs a recipe.
 
 The rows are :data:`cptune.parallel.backends.rows.ROWS` (a backend is its package and one row
-there); each row's policy is its package's ``policy`` module's ``POLICY``, loaded by module name:
-the recipe's schema reads the rows, and the policies are typed with that recipe, so importing
-them by name keeps the two from importing each other. Imports no torch (the recipe's validation
-reads the backends' rules through it).
+there); each row's policy is its package's ``policy`` module's ``POLICY``, loaded by module name
+so that a new backend needs no import here. Imports no torch (the recipe's rules read the
+backends' through it).
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from collections.abc import Mapping
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+from cptune.parallel.backends.local import policy as local
 from cptune.parallel.backends.rows import ROWS
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def _policy(package: ModuleType) -> BackendPolicy:
 BACKENDS: Mapping[str, BackendPolicy] = MappingProxyType({row.NAME: _policy(row) for row in ROWS})
 """``cp_backend`` value -> the backend's policy, frozen, in the order of the rows."""
 
-LOCAL: BackendPolicy = importlib.import_module("cptune.parallel.backends.local.policy").POLICY
+LOCAL: BackendPolicy = local.POLICY
 """The backend of context_parallel_size 1, whatever ``cp_backend`` says (not a ``cp_backend`` value)."""
 
 

@@ -1,0 +1,112 @@
+"""The recipe's keys of the adapter: LoRA, and the quantized base model a QLoRA adapter trains on."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from cptune.config.base import Frozen, one_or_many
+
+TorchDtypeName = Literal["bfloat16", "float16", "float32"]
+
+
+class AdapterKeys(BaseModel):
+    """Key group of :class:`~cptune.config.recipe.Recipe`: the LoRA adapter's kind, rank and targets."""
+
+    # --- adapter -----------------------------------------------------------
+    adapter: Literal["lora", "qlora"] | None = Field(
+        None,
+        description="`lora`, `qlora` (LoRA on a 4-bit base, with load_in_4bit), or unset for a full fine-tune.",
+    )
+    lora_r: int = Field(8, ge=1, description="LoRA rank.")
+    lora_alpha: int = Field(
+        16, ge=1, description="LoRA scaling numerator (the update is scaled by alpha / r)."
+    )
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    lora_target_modules: tuple[str, ...] | None = Field(
+        None, description="Module names to adapt; default: every linear layer except the output head."
+    )
+    lora_target_linear: bool = Field(
+        False,
+        description="Adapt every linear layer except the output head (also what happens when "
+        "lora_target_modules is unset).",
+    )
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+    @property
+    def is_lora(self) -> bool:
+        """A LoRA adapter is trained (on a full-precision base, or on a quantized one: qlora, load_in_8bit)."""
+        return self.adapter in ("lora", "qlora")
+
+
+class AdapterExtraKeys(BaseModel):
+    """Key group of the recipe: LoRA settings beyond the rank and targets (Axolotl has them too)."""
+
+    # --- adapter (more) -----------------------------------------------------------
+    lora_model_dir: str | None = Field(
+        None,
+        description="Start from this trained LoRA adapter (a folder with adapter_config.json) instead of a "
+        "fresh one; its rank and targets win over lora_r and lora_target_modules.",
+    )
+    lora_modules_to_save: tuple[str, ...] | None = Field(
+        None,
+        description="Modules trained whole next to the adapter and saved with it, e.g. [embed_tokens, lm_head] "
+        "to train the embeddings of new tokens.",
+    )
+
+    @field_validator("lora_modules_to_save", mode="before")
+    @classmethod
+    def _many_lora_modules_to_save(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+
+class BnbConfig(Frozen):
+    """How bitsandbytes quantizes the base model (Axolotl's ``bnb_config_kwargs``)."""
+
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type.")
+    bnb_4bit_use_double_quant: bool = Field(
+        True, description="Quantize the quantization constants too (about 0.4 bits per weight less)."
+    )
+    bnb_4bit_compute_dtype: TorchDtypeName | None = Field(
+        None, description="dtype of the 4-bit matmuls; default: the training dtype (bf16/fp16/fp32)."
+    )
+    bnb_4bit_quant_storage: TorchDtypeName | Literal["uint8"] | None = Field(
+        None,
+        description="dtype the packed 4-bit weights are stored in; default: the training dtype. Under FSDP2 a "
+        "float dtype is sharded with the other weights; uint8 is kept whole on every rank.",
+    )
+    llm_int8_threshold: float = Field(6.0, ge=0, description="8-bit: outlier threshold of LLM.int8().")
+    llm_int8_skip_modules: tuple[str, ...] | None = Field(
+        None, description="Module names left unquantized; default: the output head."
+    )
+
+    @field_validator("llm_int8_skip_modules", mode="before")
+    @classmethod
+    def _many_llm_int8_skip_modules(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+
+class QuantizationKeys(BaseModel):
+    """Key group of the recipe: a base model quantized with bitsandbytes under a LoRA adapter (QLoRA)."""
+
+    # --- quantized base model (QLoRA) ------------------------------------------
+    load_in_4bit: bool = Field(
+        False,
+        description="Load the base model's linear layers in 4 bits (NF4, bitsandbytes) and train a LoRA adapter "
+        "on them (needs adapter: qlora): about a quarter of bf16's weight memory.",
+    )
+    load_in_8bit: bool = Field(
+        False, description="Load the base model's linear layers in 8 bits (LLM.int8()); needs adapter: lora."
+    )
+    bnb_config_kwargs: BnbConfig | None = Field(
+        None, description="bitsandbytes settings (needs load_in_4bit or load_in_8bit)."
+    )
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.load_in_4bit or self.load_in_8bit

@@ -1,0 +1,176 @@
+"""The recipe's keys of the data: the datasets and how their rows become training rows, and the tokens."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from cptune.config.base import Frozen, one_or_many
+
+DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
+TrainOnEos = Literal["turn", "all", "last", "none"]
+
+BUILT_IN_CHAT_TEMPLATES = (
+    "chatml",
+    "llama3",
+    "qwen_25",
+    "qwen3",
+    "mistral_v1",
+    "mistral_v2v3",
+    "mistral_v3_tekken",
+    "gemma",
+    "phi_3",
+)
+"""Axolotl's chat template names that cptune renders with its own templates (:mod:`cptune.data.chat_templates`)."""
+
+ChatTemplateName = Literal[
+    "tokenizer_default",
+    "jinja",
+    "chatml",
+    "llama3",
+    "qwen_25",
+    "qwen3",
+    "mistral_v1",
+    "mistral_v2v3",
+    "mistral_v3_tekken",
+    "gemma",
+    "phi_3",
+]
+
+
+class DatasetConfig(Frozen):
+    """One dataset source and how to read its rows."""
+
+    path: str = Field(description="Local file or folder, a `save_to_disk` folder, or a hub dataset id.")
+    type: DatasetType = Field("alpaca", description="Row format.")
+    split: str = Field("train", description="Split to read.")
+    data_files: str | tuple[str, ...] | None = Field(None, description="Files to read inside `path`.")
+    name: str | None = Field(None, description="Hub dataset configuration name.")
+    revision: str | None = Field(None, description="Hub dataset revision.")
+    # alpaca
+    field_instruction: str = Field("instruction", description="alpaca: column of the instruction.")
+    field_input: str = Field("input", description="alpaca: column of the optional input.")
+    field_output: str = Field("output", description="alpaca: column of the response (the trained part).")
+    # chat_template
+    field_messages: str = Field("messages", description="chat_template: column of the list of messages.")
+    message_field_role: str = Field("role", description="chat_template: key of a message's role.")
+    message_field_content: str = Field("content", description="chat_template: key of a message's text.")
+    roles_to_train: tuple[str, ...] = Field(
+        ("assistant",),
+        description="chat_template: roles whose messages are trained (unless train_on_inputs).",
+    )
+    field_thinking: str = Field(
+        "reasoning_content",
+        description="chat_template: key of an assistant message's reasoning, for templates that show it (qwen3 "
+        "writes it in a <think> block; it may also be written in the content as <think>...</think>).",
+    )
+    message_property_mappings: dict[str, str] | None = Field(
+        None,
+        description="chat_template: Axolotl's way to name a message's keys, e.g. {role: from, content: value} "
+        "(the same as message_field_role, message_field_content and, for reasoning_content, field_thinking).",
+    )
+    roles: dict[str, tuple[str, ...]] | None = Field(
+        None,
+        description="chat_template: the role names of the data for each template role, e.g. {user: [human], "
+        "assistant: [gpt]}; default: human -> user, gpt -> assistant (as Axolotl).",
+    )
+    train_on_eos: TrainOnEos = Field(
+        "turn",
+        description="chat_template: which end-of-turn tokens are trained: `turn` (those of trained turns), "
+        "`last` (the last trained turn's), `all` (every turn's), `none`.",
+    )
+    # completion
+    field: str = Field("text", description="completion: column of the text; every token is trained.")
+    # pretokenized
+    field_input_ids: str = Field("input_ids", description="pretokenized: column of the token ids.")
+    field_labels: str = Field(
+        "labels",
+        description="pretokenized: column of the labels (-100: not trained); absent: train every token.",
+    )
+
+    @field_validator("message_property_mappings")
+    @classmethod
+    def _role_and_content_only(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        other = sorted(set(value or {}) - {"role", "content", "reasoning_content"})
+        if other:
+            raise ValueError(
+                f"maps {', '.join(other)}; cptune's chat messages have a role, a content and a reasoning_content "
+                "only (map those, or set message_field_role, message_field_content and field_thinking)"
+            )
+        return value
+
+    @property
+    def resolved_message_fields(self) -> tuple[str, str]:
+        """The keys of a message's role and text (message_property_mappings wins over message_field_*)."""
+        mappings = self.message_property_mappings or {}
+        return mappings.get("role", self.message_field_role), mappings.get(
+            "content", self.message_field_content
+        )
+
+    @property
+    def resolved_reasoning_field(self) -> str:
+        """The key of a message's reasoning (message_property_mappings' reasoning_content wins over field_thinking)."""
+        return (self.message_property_mappings or {}).get("reasoning_content", self.field_thinking)
+
+
+class DataKeys(BaseModel):
+    """Key group of :class:`~cptune.config.recipe.Recipe`: the data sources, the rows made of them."""
+
+    # --- data ------------------------------------------------------------
+    datasets: tuple[DatasetConfig, ...] = Field(min_length=1, description="Training data sources.")
+    test_datasets: tuple[DatasetConfig, ...] | None = Field(None, description="Evaluation data sources.")
+    val_set_size: float = Field(
+        0.0, ge=0, description="Held-out share (<1) or row count (>=1) of the training rows."
+    )
+    dataset_prepared_path: str = Field("prepared", description="Folder of the preprocessed-data cache.")
+    dataset_processes: int | None = Field(None, ge=1, description="Worker processes for tokenization.")
+    sequence_len: int = Field(2048, ge=2, description="Tokens per training row.")
+    sample_packing: bool = Field(False, description="Pack several samples into each row.")
+    pad_to_sequence_len: bool = Field(False, description="Pad every batch to sequence_len.")
+    train_on_inputs: bool = Field(False, description="Also train on prompt tokens.")
+    excess_length_strategy: Literal["drop", "truncate"] = Field(
+        "drop", description="What to do with samples longer than sequence_len."
+    )
+    skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of stopping.")
+    chat_template: ChatTemplateName | None = Field(
+        None,
+        description="Chat template for chat_template datasets, by name (cptune's own rendering of each family's "
+        "format; `jinja`: chat_template_jinja); default: the tokenizer's.",
+    )
+
+
+class SpecialTokens(Frozen):
+    """Special tokens to set on the tokenizer (Axolotl's ``special_tokens``); new ones are added."""
+
+    bos_token: str | None = Field(None, description="Beginning-of-sequence token.")
+    eos_token: str | None = Field(
+        None, description="End-of-sequence token (rows of alpaca/completion end with it)."
+    )
+    pad_token: str | None = Field(None, description="Padding token (never trained).")
+    unk_token: str | None = Field(None, description="Unknown token.")
+    additional_special_tokens: tuple[str, ...] | None = Field(None, description="More special tokens.")
+
+
+class TokenKeys(BaseModel):
+    """Key group of the recipe: tokens added to or set on the tokenizer, and the chat template."""
+
+    # --- tokens and chat templates -----------------------------------------------
+    special_tokens: SpecialTokens | None = Field(
+        None, description="Set bos/eos/pad/unk tokens; a token the tokenizer lacks is added."
+    )
+    tokens: tuple[str, ...] | None = Field(
+        None,
+        description="New tokens to add to the tokenizer; the model's embeddings grow to hold them (with LoRA, "
+        "train them through lora_modules_to_save).",
+    )
+    chat_template_jinja: str | None = Field(
+        None,
+        description="A Jinja chat template (the text, or the path of a .jinja file) for chat_template datasets; "
+        "goes with chat_template: jinja (or no chat_template).",
+    )
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _many_tokens(cls, value: Any) -> Any:
+        return one_or_many(value)

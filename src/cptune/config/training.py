@@ -1,0 +1,259 @@
+"""The recipe's keys of training: batches, the optimizer and its schedule, precision, output and logging,
+the memory features for long sequences, and the experiment trackers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from cptune.config.axolotl.plugins import CUT_CROSS_ENTROPY_PLUGIN
+from cptune.config.base import one_or_many
+
+# The Trainer's optimizer names (transformers 5.23 OptimizerNames, tests/config checks they agree);
+# cptune refuses at launch only those that cannot run here (cptune.run.optimizers).
+OptimizerName = Literal[
+    "adamw_torch",
+    "adamw_torch_fused",
+    "adamw_torch_xla",
+    "adamw_torch_npu_fused",
+    "adafactor",
+    "adamw_anyprecision",
+    "adamw_torch_4bit",
+    "adamw_torch_8bit",
+    "ademamix",
+    "sgd",
+    "adagrad",
+    "adamw_bnb_8bit",
+    "adamw_8bit",
+    "ademamix_8bit",
+    "lion_8bit",
+    "lion_32bit",
+    "paged_adamw_32bit",
+    "paged_adamw_8bit",
+    "paged_ademamix_32bit",
+    "paged_ademamix_8bit",
+    "paged_lion_32bit",
+    "paged_lion_8bit",
+    "rmsprop",
+    "rmsprop_bnb",
+    "rmsprop_bnb_8bit",
+    "rmsprop_bnb_32bit",
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "galore_adafactor",
+    "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise",
+    "lomo",
+    "adalomo",
+    "grokadamw",
+    "schedule_free_radam",
+    "schedule_free_adamw",
+    "schedule_free_sgd",
+    "apollo_adamw",
+    "apollo_adamw_layerwise",
+    "stable_adamw",
+]
+
+
+class TrainingKeys(BaseModel):
+    """Key group of :class:`~cptune.config.recipe.Recipe`: steps, optimizer, precision, output and logging."""
+
+    # --- training ----------------------------------------------------------
+    micro_batch_size: int = Field(1, ge=1, description="Rows per process per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
+    num_epochs: float = Field(
+        1.0, gt=0, description="Passes over the training rows (max_steps wins when set)."
+    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    optimizer: OptimizerName = Field(
+        "adamw_torch",
+        description="The Trainer's optimizer by its name (8-bit and paged ones need bitsandbytes, *_torch_4bit/8bit "
+        "torchao); cptune refuses before launching one that cannot run here, saying why.",
+    )
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
+        "cosine", description="Learning-rate schedule after warmup."
+    )
+    warmup_steps: int | None = Field(None, ge=0, description="Warmup length in optimizer steps.")
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="Warmup length as a share of all steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables.")
+    seed: int = Field(42, description="Seed of the LoRA init, data order and validation split.")
+    bf16: bool | Literal["auto"] = Field(
+        False, description="Train in bfloat16 (`auto`: when the GPU has it)."
+    )
+    fp16: bool = Field(False, description="Train in float16 with loss scaling.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer in the backward pass: less activation memory, "
+        "about one more forward pass of compute.",
+    )
+    output_dir: str = Field(
+        "./outputs", description="Where the model/adapter, checkpoints and train_log.json go."
+    )
+    overwrite_output_dir: bool = Field(
+        False,
+        description="Start afresh in an output_dir that holds an earlier run (its checkpoints and train "
+        "log are removed); without it cptune refuses, so a finished run is never replaced by mistake.",
+    )
+    logging_steps: int = Field(
+        1, ge=1, description="Log loss, learning rate and tokens/s every this many steps."
+    )
+    save_steps: int | None = Field(
+        None, ge=1, description="Write a checkpoint-N folder every this many steps."
+    )
+    save_total_limit: int | None = Field(
+        None, ge=1, description="Keep only the newest this many checkpoints."
+    )
+    resume_from_checkpoint: bool | str | None = Field(
+        None,
+        description="`true`: continue from the newest complete checkpoint in output_dir; or a checkpoint path.",
+    )
+    eval_steps: int | None = Field(
+        None, ge=1, description="Evaluate every this many steps and at the end (needs evaluation data)."
+    )
+    report_to: tuple[Literal["tensorboard", "wandb", "none"], ...] = Field(
+        ("none",), description="Loggers besides train_log.json; one name or a list."
+    )
+    dataloader_num_workers: int = Field(0, ge=0, description="Data-loader worker processes per rank.")
+    ddp_timeout: int = Field(
+        1800,
+        ge=1,
+        description="Seconds a collective may wait for the other processes before the run fails "
+        "(a hung or lost process then stops the run instead of holding it forever), on GPUs "
+        "and on CPU alike.",
+    )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+
+class MemoryKeys(BaseModel):
+    """Key group of :class:`~cptune.config.recipe.Recipe`: the memory features for long sequences."""
+
+    # --- memory for long sequences ----------------------------------------------
+    activation_offloading: bool | Literal["legacy", "hidden_states", "disk"] = Field(
+        False,
+        description="Keep the layer inputs that gradient checkpointing saves in (pinned) host memory between "
+        "the forward and the backward pass, copied back on a side stream while the layer after runs; exact. "
+        "Needs gradient_checkpointing: true and host RAM for them (`cptune validate` says how much). Axolotl's "
+        "`legacy` and `hidden_states` (and `gradient_checkpointing: offload`) mean the same here; `disk` is refused.",
+    )
+    tiled_mlp: bool = Field(
+        False,
+        description="Run each decoder layer's MLP over tiles of the sequence, recomputing one tile at a time in the "
+        "backward pass, so its intermediates exist for one tile only (ALST's TiledMLP); works with LoRA and every "
+        "cp_backend. Weight gradients are summed tile by tile (same values up to summation order).",
+    )
+    tiled_mlp_num_shards: int | None = Field(
+        None,
+        ge=1,
+        description="Tiles per MLP call with tiled_mlp; default ceil(tokens per rank / hidden size), as in ALST.",
+    )
+    tiled_mlp_use_original_mlp: bool = Field(
+        True, description="Accepted for Axolotl recipes: cptune always tiles the model's own MLP module."
+    )
+    cut_cross_entropy: bool | None = Field(
+        None,
+        description="Compute the loss from the final hidden states and the output layer a chunk of tokens at a "
+        "time, recomputed in the backward pass, so the full logits never exist (plain PyTorch, exact per token; "
+        "what Axolotl's CutCrossEntropyPlugin does); default: on when plugins lists that plugin.",
+    )
+    liger_fused_linear_cross_entropy: bool = Field(
+        False,
+        description="The same chunked loss as cut_cross_entropy (accepted for Axolotl's LigerPlugin recipes).",
+    )
+    plugins: tuple[str, ...] | None = Field(
+        None,
+        description="Axolotl plugins: the CutCrossEntropyPlugin and LigerPlugin map onto cptune's chunked loss; "
+        "others are refused.",
+    )
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Checkpointed layer inputs go to host memory (``activation_offloading`` true, or Axolotl's CPU modes)."""
+        return self.activation_offloading in (True, "legacy", "hidden_states")
+
+    @property
+    def resolved_head_loss(self) -> bool:
+        """The loss is computed from the hidden states in chunks (cut_cross_entropy or its Axolotl spellings)."""
+        if self.cut_cross_entropy is not None:
+            return self.cut_cross_entropy or self.liger_fused_linear_cross_entropy
+        listed = any(p.rsplit(".", 1)[-1] == CUT_CROSS_ENTROPY_PLUGIN for p in self.plugins or ())
+        return listed or self.liger_fused_linear_cross_entropy
+
+    @property
+    def memory_features(self) -> tuple[str, ...]:
+        """The recipe keys of the memory features that are on, for plan lines and estimates."""
+        names = (
+            ("activation_offloading", self.offloads_activations),
+            ("tiled_mlp", self.tiled_mlp),
+            ("cut_cross_entropy", self.resolved_head_loss),
+        )
+        return tuple(name for name, on in names if on)
+
+
+class OptimizerKeys(BaseModel):
+    """Key group of the recipe: arguments of the Trainer's optimizers beyond the learning rate."""
+
+    # --- optimizer arguments ----------------------------------------------------
+    optim_args: str | dict[str, Any] | None = Field(
+        None,
+        description="Extra optimizer arguments, as the Trainer's optim_args (`key=value,...` or a mapping).",
+    )
+    optim_target_modules: tuple[str, ...] | None = Field(
+        None, description="Modules GaLore/APOLLO optimizers project (the Trainer's optim_target_modules)."
+    )
+
+    @field_validator("optim_target_modules", mode="before")
+    @classmethod
+    def _many_optim_target_modules(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+    @property
+    def resolved_optim_args(self) -> str | None:
+        if isinstance(self.optim_args, dict):
+            return ",".join(f"{key}={value}" for key, value in self.optim_args.items())
+        return self.optim_args
+
+
+class TrackingKeys(BaseModel):
+    """Key group of the recipe: experiment trackers (the Trainer's integrations); TensorBoard and train_log.json need nothing."""
+
+    # --- experiment tracking ---------------------------------------------------------
+    use_wandb: bool = Field(False, description="Log to Weights & Biases (also on when wandb_project is set).")
+    wandb_project: str | None = Field(None, description="W&B project; setting it turns W&B logging on.")
+    wandb_entity: str | None = Field(None, description="W&B team or user.")
+    wandb_name: str | None = Field(None, description="W&B run name.")
+    wandb_run_id: str | None = Field(None, description="W&B run id (to continue a run).")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="`offline` writes the run under output_dir/wandb with no network; sync it later."
+    )
+    wandb_watch: Literal["false", "gradients", "parameters", "all"] | None = Field(
+        None, description="Log gradient and/or parameter histograms."
+    )
+    wandb_log_model: Literal["false", "checkpoint", "end"] | None = Field(
+        None, description="Upload checkpoints or the final model as W&B artifacts."
+    )
+    use_tensorboard: bool = Field(
+        False, description="Log to TensorBoard (the same as report_to: tensorboard)."
+    )
+
+    @field_validator("wandb_watch", "wandb_log_model", mode="before")
+    @classmethod
+    def _false_is_text(cls, value: Any) -> Any:
+        # Axolotl writes `wandb_watch: false`; W&B reads the text "false".
+        return "false" if value is False else value
+
+    @property
+    def wandb_enabled(self) -> bool:
+        return self.use_wandb or self.wandb_project is not None
