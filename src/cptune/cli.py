@@ -279,11 +279,12 @@ def evaluate(
     import json
 
     from cptune.run.distributed import read_dist_env, under_launcher
-    from cptune.run.evaluate import check_eval_data, model_source
+    from cptune.run.evaluate import check_eval_data
     from cptune.run.evaluate import evaluate as run_evaluate
     from cptune.run.launch import LaunchPlan, launch
     from cptune.run.plan import RunPlan
     from cptune.run.preflight import preflight
+    from cptune.run.weights import model_source
 
     env = read_dist_env()
     _setup_logging(env.rank)

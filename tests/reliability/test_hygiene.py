@@ -56,8 +56,7 @@ def test_train_that_raises_restores_patches_and_environment(write_recipe, monkey
 def test_trust_remote_code_is_off_unless_the_recipe_sets_it(write_recipe, monkeypatch, trust):
     import transformers
 
-    from cptune.models.loading import load_model, load_tokenizer
-    from cptune.run.preflight import model_config
+    from cptune.models.loading import load_model, load_tokenizer, model_config
 
     keys = {"trust_remote_code": True} if trust else {}
     recipe = load_recipe(write_recipe(**keys))

@@ -28,7 +28,7 @@ def test_evaluate_without_evaluation_data(write_recipe):
 
 
 def test_evaluate_an_incomplete_checkpoint_or_a_folder_without_a_model(tmp_path):
-    from cptune.run.evaluate import model_source
+    from cptune.run.weights import model_source
 
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "adapter_config.json").write_text("{}")
@@ -40,7 +40,7 @@ def test_evaluate_an_incomplete_checkpoint_or_a_folder_without_a_model(tmp_path)
 
 def test_evaluate_a_sharded_checkpoint_points_to_the_gathered_model(tmp_path):
     from cptune.run.checkpoints import write_marker
-    from cptune.run.evaluate import model_source
+    from cptune.run.weights import model_source
 
     checkpoint = tmp_path / "checkpoint-2"
     (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)

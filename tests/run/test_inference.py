@@ -16,7 +16,6 @@ import torch
 from cptune.config.loader import load_recipe
 from cptune.data.formats import build_formatter
 from cptune.models.loading import load_tokenizer
-from cptune.run.evaluate import ModelSource
 from cptune.run.inference import (
     Generated,
     GenerationOptions,
@@ -25,6 +24,7 @@ from cptune.run.inference import (
     load_inference_model,
     run_inference,
 )
+from cptune.run.weights import ModelSource
 from tests.conftest import QUICKSTART_DATA, REPO, succeeded
 
 ROWS = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
@@ -152,7 +152,7 @@ def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
     sample = build_formatter(
         recipe.datasets[0], tokenizer, train_on_inputs=False, chat_template=None, label="t"
     )(row)
-    model = load_inference_model(recipe, ModelSource("base"))
+    model = load_inference_model(recipe, ModelSource("base"), tokenizer)
     with torch.no_grad():
         loss = model(input_ids=torch.tensor([sample.input_ids]), labels=torch.tensor([sample.labels])).loss
     trained = sum(label != -100 for label in sample.labels[1:])
@@ -182,3 +182,32 @@ def test_a_merged_full_model_answers_like_the_adapter_on_its_base(quickstart, tm
     tuned = _generate(InferenceSession(quickstart), tmp_path)
     full = _generate(InferenceSession(quickstart, checkpoint=merged), tmp_path)
     assert [g.output_ids for g in full] == [g.output_ids for g in tuned]
+
+
+def test_an_adapter_trained_with_new_tokens_loads_with_its_grown_embeddings(
+    write_recipe, tmp_path, one_thread
+):
+    """Training grows the embeddings for the recipe's new tokens and the adapter saves them whole
+    (lora_modules_to_save): inference grows the base model's the same way before loading the adapter,
+    as evaluate and merge-lora do (it once loaded the base as it was, and peft refused the shapes)."""
+    from cptune.models.added_tokens import fit_embeddings
+    from cptune.models.loading import apply_lora, load_model
+
+    recipe = load_recipe(
+        write_recipe(
+            tokens=["<fact>"], lora_modules_to_save=["embed_tokens", "lm_head"], sample_packing=False
+        )
+    )
+    tokenizer = load_tokenizer(recipe)
+    model = load_model(recipe, "sdpa")
+    rows = model.get_input_embeddings().num_embeddings
+    fit_embeddings(model, tokenizer, recipe.seed)  # what training does before the adapter goes on
+    adapter = tmp_path / "adapter"
+    apply_lora(model, recipe).save_pretrained(adapter)
+
+    session = InferenceSession(recipe, checkpoint=adapter)
+    assert session.model.get_input_embeddings().num_embeddings == len(tokenizer) == rows + 1
+    (answer,) = session.run(
+        prompt="What is a <fact>?", echo=_quiet, options=GenerationOptions(max_new_tokens=2)
+    )
+    assert len(answer.output_ids) <= 2

@@ -154,6 +154,28 @@ def torch_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float32
 
 
+def model_config(recipe: Recipe, path: str | None = None) -> Any:
+    """The config of the recipe's base model (or of the full model saved at ``path``), without weights.
+
+    Raises:
+        CptuneError: it cannot be read (no such folder, no config.json, an unreachable hub id).
+    """
+    from transformers import AutoConfig
+
+    source = path or recipe.base_model
+    try:
+        return AutoConfig.from_pretrained(
+            source,
+            trust_remote_code=recipe.trust_remote_code,
+            revision=None if path else recipe.model_revision,
+        )
+    except (OSError, ValueError) as err:
+        raise CptuneError(
+            f"base_model: cannot load a model config from '{source}' ({_first_line(err)}). "
+            "Give a local folder with config.json and weights, or a hub id that is reachable from here."
+        ) from None
+
+
 def load_model(
     recipe: Recipe, attn_implementation: str, path: str | None = None, *, local_rank: int = 0
 ) -> Any:
@@ -163,21 +185,13 @@ def load_model(
     the GPU a quantized copy goes to.
     """
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from cptune.models.quantization import device_map, quantization_config
 
     source = path or recipe.base_model
     revision = None if path else recipe.model_revision
-    try:
-        config = AutoConfig.from_pretrained(
-            source, trust_remote_code=recipe.trust_remote_code, revision=revision
-        )
-    except (OSError, ValueError) as err:
-        raise CptuneError(
-            f"base_model: cannot load a model config from '{source}' ({_first_line(err)}). "
-            "Give a local folder with config.json and weights, or a hub id that is reachable from here."
-        ) from None
+    config = model_config(recipe, path)
     quantized = {}
     if path is None and recipe.is_quantized:
         quantized = {

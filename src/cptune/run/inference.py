@@ -27,8 +27,8 @@ import torch
 from cptune.config.recipe import Recipe
 from cptune.data.prompts import Prompter, PromptItem, prepare_prompt, prompt_items
 from cptune.errors import CptuneError
-from cptune.models.loading import load_model, load_tokenizer
-from cptune.run.evaluate import ADAPTER_CONFIG, MODEL_CONFIG, ModelSource, model_source
+from cptune.models.loading import load_tokenizer
+from cptune.run.weights import ADAPTER_CONFIG, MODEL_CONFIG, ModelSource, load_source_model, model_source
 
 log = logging.getLogger("cptune.inference")
 
@@ -134,15 +134,14 @@ def context_length(recipe: Recipe, source: ModelSource) -> int | None:
     return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
-def load_inference_model(recipe: Recipe, source: ModelSource) -> Any:
-    """The model to generate with, in eval mode, with a KV cache, on the GPU if there is one."""
-    model = load_model(recipe, "sdpa", path=str(source.path) if source.kind == "full" else None)
+def load_inference_model(recipe: Recipe, source: ModelSource, tokenizer: Any) -> Any:
+    """The model to generate with, in eval mode, with a KV cache, on the GPU if there is one.
+
+    ``tokenizer`` is the recipe's (with the tokens it adds, whose embeddings training grew).
+    """
+    model = load_source_model(recipe, source, "sdpa", tokenizer)
     # Training turned the KV cache off (see load_model); generation wants it.
     model.config.use_cache = True
-    if source.kind == "adapter":
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(source.path), is_trainable=False)
     if not recipe.causal:
         log.warning(
             "the recipe trains with bidirectional attention (causal: false); generation runs with the "
@@ -230,7 +229,7 @@ class InferenceSession:
     @property
     def model(self) -> Any:
         if self._model is None:
-            self._model = load_inference_model(self.recipe, self.source)
+            self._model = load_inference_model(self.recipe, self.source, self.tokenizer)
             log.info("generating with %s", self.source.describe(self.recipe))
         return self._model
 

@@ -21,7 +21,7 @@ from cptune.models.added_tokens import fit_embeddings
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.quantization import dequantize_in_place
 from cptune.run.checkpoints import latest_complete_checkpoint
-from cptune.run.evaluate import ADAPTER_CONFIG, model_source
+from cptune.run.weights import ADAPTER_CONFIG, model_source
 
 log = logging.getLogger("cptune.merge")
 

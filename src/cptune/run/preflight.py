@@ -71,21 +71,6 @@ def check_resume(recipe: Recipe) -> None:
         log.info("will resume from %s", resume)
 
 
-def model_config(recipe: Recipe) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(
-            recipe.base_model, trust_remote_code=recipe.trust_remote_code, revision=recipe.model_revision
-        )
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CptuneError(
-            f"base_model: cannot load a model config from '{recipe.base_model}' ({first}). "
-            "Give a local folder with config.json and weights, or a hub id that is reachable from here."
-        ) from None
-
-
 def check_model(plan: RunPlan) -> Any:
     """Check the model's architecture against the plan's backend and the LoRA targets, without loading weights.
 
@@ -103,6 +88,7 @@ def check_model(plan: RunPlan) -> Any:
         check_lora_model_dir,
         check_lora_targets,
         check_model_type,
+        model_config,
     )
     from cptune.models.memory_features import check_memory_features
 

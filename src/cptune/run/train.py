@@ -101,8 +101,8 @@ def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> Tr
         log.info("fsdp_version: 2 with one process: there is nothing to shard; training without FSDP")
     attention = plan.attention(tokenizer.pad_token_id)
     if recipe.offloads_activations:  # under torchrun no preflight ran: check before loading
+        from cptune.models.loading import model_config
         from cptune.run.memory_plan import check_host_memory
-        from cptune.run.preflight import model_config
 
         check_host_memory(recipe, model_config(recipe), env.local_world_size)
     model = load_model(recipe, attention.attn_implementation, local_rank=env.local_rank)
