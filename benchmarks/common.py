@@ -2,7 +2,7 @@
 
 Multi-process measurements start one Python process per rank with the
 environment cptune's own launcher gives its ranks
-(:func:`cptune.run.launch.child_environment`: torchrun's variables and one
+(:func:`cptune.run.launch.processes.child_environment`: torchrun's variables and one
 OpenMP thread per process), so a benchmark rank sees what a ``cptune train``
 rank sees. Every rank writes ``rank{r}.json`` into its output folder.
 """
@@ -119,7 +119,7 @@ def spawn_ranks(
     Raises:
         BenchmarkError: A rank failed or the run timed out (the logs' tails are in the message).
     """
-    from cptune.run.launch import LaunchPlan, child_environment
+    from cptune.run.launch.processes import LaunchPlan, child_environment
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob("rank*.json"):
@@ -162,7 +162,7 @@ _PORTS_GIVEN: set[int] = set()
 
 def _unused_port() -> int:
     """A free port not yet handed to another launch of this process (launches may run in threads)."""
-    from cptune.run.launch import free_port
+    from cptune.run.launch.processes import free_port
 
     with _PORTS_LOCK:
         while True:

@@ -25,8 +25,8 @@ VARIABLE = "CPTUNE_TEST_COLLECTIVE_AUDIT"
 
 # Where cptune asks for a collective (the function that calls the helper), by path:function.
 STEP_TARGETS = "cptune/parallel/loss.py:step_target_count"
-THROUGHPUT = "cptune/run/trainer.py:rate"
-EVAL_TOTALS = "cptune/run/eval_loop.py:all_reduce_totals"
+THROUGHPUT = "cptune/run/training/trainer.py:rate"
+EVAL_TOTALS = "cptune/run/training/eval_loop.py:all_reduce_totals"
 
 
 class CollectiveAudit:

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from cptune.run.launch import LaunchPlan, child_environment, free_port
+from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
 
 
 def run_ranks(script: Path, world_size: int, out_dir: Path, *args: str, timeout: float = 240) -> list[dict]:

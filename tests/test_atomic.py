@@ -10,7 +10,7 @@ import pytest
 
 from cptune import atomic
 from cptune.atomic import Marker, discard_folder, publish_folder, write_text
-from cptune.run.checkpoints import CHECKPOINT_MARKER, is_complete_checkpoint
+from cptune.run.training.checkpoints import CHECKPOINT_MARKER, is_complete_checkpoint
 
 
 class Crash(Exception):

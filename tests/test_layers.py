@@ -10,12 +10,14 @@ count):
     parallel                 layout, sharding, loss, memory arithmetic, kernels, the CP backends and their table
     config                   the recipe (its rules ask the backend table)
     data, models             data preparation; model loading, LoRA and memory features
-    run                      train/evaluate/merge/preflight: wires the layers
+    run                      the run's plan, training runtime, launcher and commands: wires the layers
     cli                      the command line (and __main__)
 
-Inside ``config`` the modules are layered the same way (:data:`INNER_LAYERS`): the key groups by
-domain, then the recipe that composes them, then the rules across keys, then the loader. No module
-imports one that imports it back, even through imports made for annotations only.
+Inside ``config`` and ``run`` the modules are layered the same way (:data:`INNER_LAYERS`): in
+``config`` the key groups by domain, then the recipe that composes them, then the rules across
+keys, then the loader; in ``run`` the run's plan, then the training runtime, then the launcher,
+then the other commands. No module imports one that imports it back, even through imports made
+for annotations only.
 
 Backend names: nothing outside ``parallel/backends/`` and ``config/`` compares a value with a
 ``cp_backend`` name (``==``, ``!=``, ``in`` against a literal or a tuple of literals); it asks the
@@ -52,6 +54,13 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("recipe",),
         ("rules", "axolotl.rules", "axolotl.notes"),
         ("loader", ""),
+    ),
+    "run": (
+        ("plan", "memory_plan"),
+        ("training",),
+        ("launch",),
+        ("commands",),
+        ("",),
     ),
 }
 

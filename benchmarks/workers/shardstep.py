@@ -1,6 +1,6 @@
 """One context-parallel training step assembled from cptune's own pieces, for the rank workers.
 
-The step is what :class:`cptune.run.trainer.CptuneTrainer` does per micro batch,
+The step is what :class:`cptune.run.training.trainer.CptuneTrainer` does per micro batch,
 without the Trainer around it: the backend chosen by
 :meth:`cptune.run.plan.RunPlan.attention` shards the batch (built by
 cptune's :class:`~cptune.data.collator.PackedCollator`), the tiny Llama of
@@ -107,7 +107,7 @@ def setup_backend(recipe: Any, rank: int, world: int) -> CpSetup:
     plan = RunPlan.build(recipe, world).attention(PAD_TOKEN_ID)
     if cp == 1:
         return CpSetup(1, plan, plan.build(None), None, rank == 0)
-    # The names cptune gives its mesh axes (cptune.run.train: dp_shard × cp).
+    # The names cptune gives its mesh axes (cptune.run.training.train: dp_shard × cp).
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp_shard", "cp"))
     backend = plan.build(SimpleNamespace(torch_device_mesh=mesh))
     return CpSetup(cp, plan, backend, mesh["cp"].get_group(), rank < cp)

@@ -2,7 +2,7 @@
 
 Usage: ``python -m benchmarks.workers.state_worker OUT_DIR RECIPE_YAML``
 
-Trains the recipe through :func:`cptune.run.train.train` with a :class:`StateProbe`,
+Trains the recipe through :func:`cptune.run.training.train.train` with a :class:`StateProbe`,
 which counts, on the last optimizer step, the bytes of this rank's own part of
 the weights, of the gradients (just before the optimizer step, when they all
 exist) and of the optimizer state (after it). A tensor sharded with FSDP2 is a
@@ -56,8 +56,8 @@ class StateProbe(TrainerCallback):
 def main() -> None:
     out_dir, recipe_path = sys.argv[1], Path(sys.argv[2])
     from cptune.config.loader import load_recipe
-    from cptune.run.distributed import read_dist_env
-    from cptune.run.train import train
+    from cptune.run.training.distributed import read_dist_env
+    from cptune.run.training.train import train
 
     probe = StateProbe()
     train(load_recipe(recipe_path), callbacks=[probe])

@@ -2,7 +2,7 @@
 
 Usage: ``python -m benchmarks.workers.train_worker OUT_DIR MODE RECIPE_YAML [TRAIN_ROWS]``
 
-* ``MODE=cptune`` runs :func:`cptune.run.train.train`, what ``cptune train`` runs in
+* ``MODE=cptune`` runs :func:`cptune.run.training.train.train`, what ``cptune train`` runs in
   every rank (started here with the same launcher environment).
 * ``MODE=hf`` runs :func:`benchmarks.workers.hf_baseline.train_plain` on the rows in
   ``TRAIN_ROWS`` (the folder cptune prepared for the same recipe).
@@ -84,7 +84,7 @@ class StepProbe(TrainerCallback):
 def main() -> None:
     out_dir, mode, recipe_path = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     from cptune.config.loader import load_recipe
-    from cptune.run.distributed import read_dist_env
+    from cptune.run.training.distributed import read_dist_env
 
     env = read_dist_env()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -92,7 +92,7 @@ def main() -> None:
     probe = StepProbe(trace_step=recipe.max_steps)
     started = time.perf_counter()
     if mode == "cptune":
-        from cptune.run.train import train
+        from cptune.run.training.train import train
 
         train(recipe, callbacks=[probe])
     elif mode == "hf":

@@ -1,8 +1,8 @@
 """Files and folders that appear whole or not at all, and survive a power loss once they have appeared.
 
 Every writer of something another process (or a later run) reads goes through here:
-the data cache (:mod:`cptune.data.cache`), checkpoints (:mod:`cptune.run.checkpoints`),
-the merged model (:mod:`cptune.run.merge`), the train log and the data report.
+the data cache (:mod:`cptune.data.cache`), checkpoints (:mod:`cptune.run.training.checkpoints`),
+the merged model (:mod:`cptune.run.commands.merge`), the train log and the data report.
 
 The recipe is always the same: write under a temporary name beside the final one (same
 folder, so same file system), flush the data to disk (``fsync``), ``rename`` into place

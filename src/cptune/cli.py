@@ -86,7 +86,7 @@ def _nproc_per_node(nproc_per_node: int | None, nnodes: int, recipe) -> int:
             raise LaunchError(f"{option}: got {value}, but a run needs at least 1 {what}; give 1 or more.")
     if nproc_per_node is not None:
         return nproc_per_node
-    from cptune.run.launch import default_nproc_per_node, visible_gpu_count
+    from cptune.run.launch.processes import default_nproc_per_node, visible_gpu_count
 
     # One process per visible GPU on a GPU node (dp = GPUs / cp); the recipe's layout on CPU.
     return default_nproc_per_node(recipe, visible_gpu_count())
@@ -141,19 +141,19 @@ def train(
         ),
     ] = False,
 ) -> None:
-    from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.training.distributed import read_dist_env, under_launcher
 
     env = read_dist_env()
     _setup_logging(env.rank)
     flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
-    from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.launch.preflight import preflight
+    from cptune.run.launch.processes import LaunchPlan, launch
     from cptune.run.plan import RunPlan
-    from cptune.run.preflight import preflight
 
     if under_launcher():
-        from cptune.run.train import train as run_train
+        from cptune.run.training.train import train as run_train
 
         result = run_train(loaded)
         if env.rank == 0:
@@ -178,7 +178,7 @@ def train(
         processes_per_node=launching.nproc_per_node,
     )
     if launching.world_size == 1:
-        from cptune.run.train import train as run_train
+        from cptune.run.training.train import train as run_train
 
         result = run_train(loaded, plan=plan)
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
@@ -216,7 +216,7 @@ def preprocess(
         bool, typer.Option("--json", help="Print JSON instead of text (the counts, rows and/or report).")
     ] = False,
 ) -> None:
-    from cptune.run.preprocess_view import run_preprocess
+    from cptune.run.commands.preprocess_view import run_preprocess
 
     _setup_logging()
     loaded = _load(recipe, ctx)
@@ -244,8 +244,8 @@ def validate(
         ),
     ] = None,
 ) -> None:
+    from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
-    from cptune.run.preflight import describe_plan
 
     _setup_logging()
     loaded = _load(recipe, ctx)
@@ -278,13 +278,13 @@ def evaluate(
 ) -> None:
     import json
 
-    from cptune.run.distributed import read_dist_env, under_launcher
-    from cptune.run.evaluate import check_eval_data
-    from cptune.run.evaluate import evaluate as run_evaluate
-    from cptune.run.launch import LaunchPlan, launch
+    from cptune.run.commands.evaluate import check_eval_data
+    from cptune.run.commands.evaluate import evaluate as run_evaluate
+    from cptune.run.commands.weights import model_source
+    from cptune.run.launch.preflight import preflight
+    from cptune.run.launch.processes import LaunchPlan, launch
     from cptune.run.plan import RunPlan
-    from cptune.run.preflight import preflight
-    from cptune.run.weights import model_source
+    from cptune.run.training.distributed import read_dist_env, under_launcher
 
     env = read_dist_env()
     _setup_logging(env.rank)
@@ -323,7 +323,7 @@ def merge_lora(
         Path | None, typer.Option(help="Where to save the merged model (default: output_dir/merged).")
     ] = None,
 ) -> None:
-    from cptune.run.merge import merge_lora as run_merge
+    from cptune.run.commands.merge import merge_lora as run_merge
 
     _setup_logging()
     loaded = _load(recipe, ctx)
@@ -370,7 +370,7 @@ def inference(
         int | None, typer.Option(help="Random seed for sampling (default: the recipe's seed).")
     ] = None,
 ) -> None:
-    from cptune.run.inference import GenerationOptions, run_inference
+    from cptune.run.commands.inference import GenerationOptions, run_inference
 
     _setup_logging()
     loaded = _load(recipe, ctx)
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # click usage errors arrive here in non-standalone mode
         import click
 
-        from cptune.run.distributed import collective_timeout_message
+        from cptune.run.training.distributed import collective_timeout_message
 
         if isinstance(err, click.ClickException):
             err.show()
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _rank_prefix() -> str:
-    from cptune.run.distributed import read_dist_env
+    from cptune.run.training.distributed import read_dist_env
 
     env = read_dist_env()
     return f"[rank {env.rank}] " if env.launched else ""

@@ -13,7 +13,7 @@
   offloading): it trains, with ZeRO-3 partitioning every weight and both memory features hooked in. (The
   same combination equals the cp=1 run without ZeRO: tests/parallel/test_ulysses_parity.py.)
 
-All run through ``cptune.run.train.train`` one after the other in the same two gloo processes
+All run through ``cptune.run.training.train.train`` one after the other in the same two gloo processes
 (``train_worker.py``): process start-up dominates such short runs. Overrides keep them short
 (steps, sequence length; for ALST also ``min_sample_len``, and ``optimizer: adamw_torch`` for its
 ``adamw_torch_8bit``, which needs torchao); everything else is Axolotl's recipe. The DeepSpeed run goes

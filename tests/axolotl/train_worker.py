@@ -2,7 +2,7 @@
 
 Usage: train_worker.py OUT_DIR RECIPE [RECIPE ...]
 
-Runs ``cptune.run.train.train`` on each recipe in turn, in the same processes (process start-up
+Runs ``cptune.run.training.train.train`` on each recipe in turn, in the same processes (process start-up
 dominates short CPU runs), and writes ``OUT_DIR/rank{r}.json`` with each run's logged losses and
 what the model trained with (:class:`Setup`).
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from cptune.config.loader import load_recipe
-from cptune.run.distributed import read_dist_env
-from cptune.run.train import train
+from cptune.run.training.distributed import read_dist_env
+from cptune.run.training.train import train
 
 
 class Setup(TrainerCallback):

@@ -74,7 +74,7 @@ def test_4bit_layers_stay_exact_and_differentiable_after_an_evaluation(tiny_mode
 
 
 def test_missing_bitsandbytes_is_refused_before_launching(tiny_model_dir, monkeypatch):
-    from cptune.run.preflight import missing_packages
+    from cptune.run.launch.preflight import missing_packages
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from cptune.parallel.collectives import all_reduce_sum, group_device
 from cptune.parallel.loss import step_target_count
-from cptune.run.eval_loop import all_reduce_totals
-from cptune.run.trainer import Throughput
+from cptune.run.training.eval_loop import all_reduce_totals
+from cptune.run.training.trainer import Throughput
 
 
 @contextlib.contextmanager

@@ -117,7 +117,7 @@ def test_swaps_peft_lora_dropout_and_leaves_zero_dropout_alone():
 def test_micro_batches_are_numbered_from_the_optimizer_step_so_resumed_runs_draw_the_same_masks():
     from cptune.parallel.backends.base import batch_number
     from cptune.parallel.backends.local.sharding import LocalBackend
-    from cptune.run.trainer import MicroBatchCounter
+    from cptune.run.training.trainer import MicroBatchCounter
 
     counter = MicroBatchCounter()
     assert [counter.next(step, accumulation=2) for step in (0, 0, 1, 1, 2)] == [0, 1, 2, 3, 4]

@@ -11,7 +11,7 @@ import transformers.trainer
 from cptune.errors import PatchError
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
-from cptune.run import trainer as trainer_module
+from cptune.run.training import trainer as trainer_module
 
 
 def test_the_installed_transformers_fits_every_override():

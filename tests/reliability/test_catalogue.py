@@ -98,15 +98,15 @@ def no_heavy_work(monkeypatch, fresh_logging):
 
     # evaluate, inference and merge-lora import load_model by name: import them first, or a module first
     # imported here would keep the refusing stand-in for good (monkeypatch restores what it found: the stand-in).
-    import cptune.run.evaluate
-    import cptune.run.merge  # noqa: F401
+    import cptune.run.commands.evaluate
+    import cptune.run.commands.merge  # noqa: F401
 
     monkeypatch.setattr("cptune.models.loading.load_model", refuse("model weights were loaded"))
-    monkeypatch.setattr("cptune.run.weights.load_model", refuse("model weights were loaded"))
-    monkeypatch.setattr("cptune.run.merge.load_model", refuse("model weights were loaded"))
-    monkeypatch.setattr("cptune.run.train.train", refuse("training started"))
-    monkeypatch.setattr("cptune.run.evaluate.evaluate", refuse("evaluation started"))
-    monkeypatch.setattr("cptune.run.launch.launch", refuse("processes were launched"))
+    monkeypatch.setattr("cptune.run.commands.weights.load_model", refuse("model weights were loaded"))
+    monkeypatch.setattr("cptune.run.commands.merge.load_model", refuse("model weights were loaded"))
+    monkeypatch.setattr("cptune.run.training.train.train", refuse("training started"))
+    monkeypatch.setattr("cptune.run.commands.evaluate.evaluate", refuse("evaluation started"))
+    monkeypatch.setattr("cptune.run.launch.processes.launch", refuse("processes were launched"))
 
 
 def prepare(case: Case, ws: Workspace) -> list[str]:

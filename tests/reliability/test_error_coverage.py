@@ -77,17 +77,17 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "load_dataset with a split and load_from_disk of one split always give one split",
     ),
     (
-        "src/cptune/run/evaluate.py",
+        "src/cptune/run/commands/evaluate.py",
         "has no evaluation split.",
         "check_eval_data refuses a recipe without evaluation data first (evaluate-without-eval-data)",
     ),
     (
-        "src/cptune/run/eval_loop.py",
+        "src/cptune/run/training/eval_loop.py",
         "the evaluation data has no target tokens",
         "data preparation drops samples without trained tokens, so evaluation data always has some",
     ),
     (
-        "src/cptune/run/eval_loop.py",
+        "src/cptune/run/training/eval_loop.py",
         "the evaluation data must have a length",
         "cptune always evaluates prepared, map-style datasets",
     ),
@@ -111,9 +111,11 @@ def test_the_source_has_user_facing_errors_to_check():
     sites = _sites()
     # Guards the scanner itself: if it found nothing (a renamed base class), the test below would pass.
     assert len(sites) > 100
-    assert {"src/cptune/config/rules.py", "src/cptune/data/formats.py", "src/cptune/run/merge.py"} <= {
-        site.path for site in sites
-    }
+    assert {
+        "src/cptune/config/rules.py",
+        "src/cptune/data/formats.py",
+        "src/cptune/run/commands/merge.py",
+    } <= {site.path for site in sites}
 
 
 def test_every_user_facing_error_has_a_troubleshooting_entry():

@@ -29,8 +29,8 @@ def test_train_that_raises_restores_patches_and_environment(write_recipe, monkey
     The process claims to be rank 0 of 2 (no process group is needed before the Trainer is
     built), so the context-parallel patches really are applied when the failure happens.
     """
-    from cptune.run import train as train_module
-    from cptune.run.distributed import DistEnv
+    from cptune.run.training import train as train_module
+    from cptune.run.training.distributed import DistEnv
 
     recipe = load_recipe(write_recipe(max_steps=1, context_parallel_size=2))
     monkeypatch.setattr(train_module, "read_dist_env", lambda: DistEnv(rank=0, world_size=2))

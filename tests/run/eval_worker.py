@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from cptune.config.loader import load_recipe
-from cptune.run.distributed import read_dist_env
-from cptune.run.evaluate import evaluate
+from cptune.run.commands.evaluate import evaluate
+from cptune.run.training.distributed import read_dist_env
 
 
 def main() -> None:

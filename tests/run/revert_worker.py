@@ -15,7 +15,7 @@ from cptune.config.loader import load_recipe
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import Target
 from cptune.patches.registry import build_patches
-from cptune.run import train as train_module
+from cptune.run.training import train as train_module
 
 
 def raw_object(target: Target) -> object:

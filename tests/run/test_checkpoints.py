@@ -9,7 +9,7 @@ import pytest
 
 from cptune.config.loader import validate_recipe
 from cptune.errors import CptuneError
-from cptune.run.checkpoints import (
+from cptune.run.training.checkpoints import (
     CHECKPOINT_MARKER,
     STAGING_DIR,
     complete_checkpoints,

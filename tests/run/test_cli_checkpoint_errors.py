@@ -21,14 +21,14 @@ def test_resume_without_a_complete_checkpoint(write_recipe, tmp_path):
 
 
 def test_evaluate_without_evaluation_data(write_recipe):
-    from cptune.run.evaluate import check_eval_data
+    from cptune.run.commands.evaluate import check_eval_data
 
     with pytest.raises(CptuneError, match="evaluate: the recipe has no evaluation data"):
         check_eval_data(load_recipe(write_recipe()))
 
 
 def test_evaluate_an_incomplete_checkpoint_or_a_folder_without_a_model(tmp_path):
-    from cptune.run.weights import model_source
+    from cptune.run.commands.weights import model_source
 
     (tmp_path / "checkpoint-3").mkdir()
     (tmp_path / "checkpoint-3" / "adapter_config.json").write_text("{}")
@@ -39,8 +39,8 @@ def test_evaluate_an_incomplete_checkpoint_or_a_folder_without_a_model(tmp_path)
 
 
 def test_evaluate_a_sharded_checkpoint_points_to_the_gathered_model(tmp_path):
-    from cptune.run.checkpoints import write_marker
-    from cptune.run.weights import model_source
+    from cptune.run.commands.weights import model_source
+    from cptune.run.training.checkpoints import write_marker
 
     checkpoint = tmp_path / "checkpoint-2"
     (checkpoint / "pytorch_model_fsdp_0").mkdir(parents=True)
@@ -53,7 +53,7 @@ def test_evaluate_a_sharded_checkpoint_points_to_the_gathered_model(tmp_path):
 
 
 def test_merge_without_an_adapter_or_for_a_full_fine_tune(write_recipe):
-    from cptune.run.merge import merge_lora
+    from cptune.run.commands.merge import merge_lora
 
     with pytest.raises(CptuneError, match="holds no trained LoRA adapter"):
         merge_lora(load_recipe(write_recipe()))

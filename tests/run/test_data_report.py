@@ -22,7 +22,7 @@ from cptune.data.prepare import prepare_datasets
 from cptune.models.loading import load_tokenizer
 from cptune.parallel.backends.table import backend_for
 from cptune.parallel.shard import TokenBatch, pad_tokens, split_contiguous, zigzag_indices
-from cptune.run.data_report import build_report, format_report
+from cptune.run.commands.data_report import build_report, format_report
 from tests.conftest import succeeded
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "paper", "orange", "garden", "silver", "candle"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cptune.errors import CptuneError
-from cptune.run.eval_loop import (
+from cptune.run.training.eval_loop import (
     EvalTotals,
     all_reduce_totals,
     build_eval_dataloader,

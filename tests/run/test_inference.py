@@ -16,7 +16,7 @@ import torch
 from cptune.config.loader import load_recipe
 from cptune.data.formats import build_formatter
 from cptune.models.loading import load_tokenizer
-from cptune.run.inference import (
+from cptune.run.commands.inference import (
     Generated,
     GenerationOptions,
     InferenceSession,
@@ -24,7 +24,7 @@ from cptune.run.inference import (
     load_inference_model,
     run_inference,
 )
-from cptune.run.weights import ModelSource
+from cptune.run.commands.weights import ModelSource
 from tests.conftest import QUICKSTART_DATA, REPO, succeeded
 
 ROWS = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
@@ -176,7 +176,7 @@ def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
 
 @pytest.mark.distributed
 def test_a_merged_full_model_answers_like_the_adapter_on_its_base(quickstart, tmp_path, one_thread):
-    from cptune.run.merge import merge_lora
+    from cptune.run.commands.merge import merge_lora
 
     merged = merge_lora(quickstart, out=tmp_path / "merged")
     tuned = _generate(InferenceSession(quickstart), tmp_path)

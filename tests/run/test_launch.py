@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cptune.run.launch import LaunchPlan, child_environment
+from cptune.run.launch.processes import LaunchPlan, child_environment
 
 # The launcher waits GRACE_SECONDS (10 s) for the other ranks, then SIGTERM, then
 # SIGKILL after another 10 s (20 s at worst): a run must be over well within this bound.
@@ -69,7 +69,7 @@ SURVIVORS = {
 
 @pytest.mark.parametrize("survivor", sorted(SURVIVORS))
 def test_launcher_stops_every_rank_and_says_how_each_ended(survivor, monkeypatch, capsys):
-    from cptune.run import launch as launch_module
+    from cptune.run.launch import processes as launch_module
 
     script, expected = SURVIVORS[survivor]
     real_popen = subprocess.Popen
@@ -143,7 +143,7 @@ def _launch_with_harmless_sigterm(launch_module, plan: LaunchPlan, started: list
 )
 def test_sigterm_to_the_launcher_stops_every_rank(rank1, expected, monkeypatch, capsys):
     """`kill` or a scheduler's SIGTERM to the launcher leaves no rank running (none orphaned)."""
-    from cptune.run import launch as launch_module
+    from cptune.run.launch import processes as launch_module
 
     real_popen = subprocess.Popen
     started = []
@@ -167,7 +167,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(rank1, expected, monkeypatch, 
 
 def test_sigterm_to_the_launcher_reaches_torchrun(monkeypatch):
     """Multi-node: the launcher passes SIGTERM on to torchrun (which stops its own workers)."""
-    from cptune.run import launch as launch_module
+    from cptune.run.launch import processes as launch_module
 
     real_popen = subprocess.Popen
     started = []
@@ -236,7 +236,7 @@ if os.environ.get("RANK") == "1":
     import time
     from pathlib import Path
 
-    from cptune.run.trainer import CptuneTrainer
+    from cptune.run.training.trainer import CptuneTrainer
 
     original = CptuneTrainer.training_step
     calls = []
@@ -314,7 +314,7 @@ def test_default_processes_one_per_gpu():
     """On a GPU node `cptune train` starts a process per visible GPU (dp = GPUs / cp); on CPU the recipe's layout."""
     from cptune.config.loader import validate_recipe
     from cptune.errors import LaunchError
-    from cptune.run.launch import default_nproc_per_node
+    from cptune.run.launch.processes import default_nproc_per_node
 
     def recipe(**keys):
         return validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})

@@ -10,8 +10,8 @@ from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import model_config
 from cptune.run import memory_plan
+from cptune.run.launch.preflight import describe_plan
 from cptune.run.plan import RunPlan
-from cptune.run.preflight import describe_plan
 
 
 def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):

@@ -8,8 +8,8 @@ import pytest
 
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
-from cptune.run.checkpoints import STAGING_DIR, write_marker
-from cptune.run.output_dir import check_earlier_run, clear_earlier_run, earlier_run
+from cptune.run.training.checkpoints import STAGING_DIR, write_marker
+from cptune.run.training.output_dir import check_earlier_run, clear_earlier_run, earlier_run
 
 
 def finished_run(out):
@@ -61,7 +61,7 @@ def test_overwrite_flag_reaches_training(write_recipe, tmp_path, monkeypatch):
     finished_run(tmp_path / "out")
     seen = []
     monkeypatch.setattr(
-        "cptune.run.train.train", lambda recipe, plan=None: seen.append(recipe) or _Done(recipe)
+        "cptune.run.training.train.train", lambda recipe, plan=None: seen.append(recipe) or _Done(recipe)
     )
     handlers = list(logging.root.handlers)
     try:

@@ -11,7 +11,7 @@ import transformers.trainer  # noqa: F401
 
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
-from cptune.run import preflight as preflight_module
+from cptune.run.launch import preflight as preflight_module
 from cptune.run.plan import RunPlan
 
 

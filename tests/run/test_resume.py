@@ -24,8 +24,8 @@ import pytest
 import torch
 import yaml
 
-from cptune.run.checkpoints import STAGING_DIR, complete_checkpoints
-from cptune.run.launch import LaunchPlan, child_environment, free_port
+from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
+from cptune.run.training.checkpoints import STAGING_DIR, complete_checkpoints
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT, auditing
 from tests.conftest import QUICKSTART_DATA, run_cptune
 from tests.dist_utils import run_ranks

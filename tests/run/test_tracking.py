@@ -9,9 +9,9 @@ import pytest
 
 from cptune.config.loader import validate_recipe
 from cptune.errors import BackendUnavailableError
-from cptune.run.optimizers import check_optimizer, optimizer_notes, required_package
-from cptune.run.tracking import check_trackers, recipe_callbacks, tracker_environment
-from cptune.run.watchdog import LossWatchdog
+from cptune.run.training.optimizers import check_optimizer, optimizer_notes, required_package
+from cptune.run.training.tracking import check_trackers, recipe_callbacks, tracker_environment
+from cptune.run.training.watchdog import LossWatchdog
 
 
 def recipe(**keys):

@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from cptune.run.checkpoints import complete_checkpoints
+from cptune.run.training.checkpoints import complete_checkpoints
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT, auditing
 from tests.conftest import QUICKSTART_DATA, REPO, logged, logged_losses, max_rel_diff, run_cptune, succeeded
 from tests.dist_utils import run_ranks

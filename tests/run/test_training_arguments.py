@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from cptune.config.loader import load_recipe
-from cptune.run.build import training_arguments
-from cptune.run.distributed import DistEnv
 from cptune.run.plan import RunPlan
+from cptune.run.training.builder import training_arguments
+from cptune.run.training.distributed import DistEnv
 
 
 def test_ddp_timeout_reaches_the_trainer(write_recipe):

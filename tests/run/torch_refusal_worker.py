@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.run.train import train
+from cptune.run.training.train import train
 
 
 def refusal(recipe: Recipe) -> dict:

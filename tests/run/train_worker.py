@@ -2,7 +2,7 @@
 
 Usage: train_worker.py OUT_DIR RECIPE [RECIPE ...] [--crash-saving-step N]
 
-Runs ``cptune.run.train.train`` on each recipe in turn, in the same processes (process
+Runs ``cptune.run.training.train.train`` on each recipe in turn, in the same processes (process
 start-up dominates short CPU runs: one launch, not one per recipe). Without
 ``--crash-saving-step``, rank 0 then writes each trained model's logits for a fixed
 input, computed with the unwrapped model in a plain forward over the whole input (no CP;
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from cptune.config.loader import load_recipe
-from cptune.run import train as train_module
-from cptune.run.distributed import read_dist_env
+from cptune.run.training import train as train_module
+from cptune.run.training.distributed import read_dist_env
 
 FIXED_TEXT = "### Instruction:\nName a colour of the sea.\n\n### Response:\nBlue, green or grey."
 

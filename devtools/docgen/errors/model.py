@@ -293,7 +293,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "cannot be split into groups of context_parallel_size × dp_replicate_size",
         "Without `--nproc-per-node`, `cptune train` starts one process per visible GPU. Pass "
         "`--nproc-per-node` (a multiple of the group), or choose GPUs with `CUDA_VISIBLE_DEVICES`.",
-        raised_in="src/cptune/run/launch.py",
+        raised_in="src/cptune/run/launch/processes.py",
         why_not_in_catalogue="only on a machine with GPUs; the test fakes the GPU count",
         tested_by="tests/run/test_launch.py::test_default_processes_one_per_gpu",
     ),

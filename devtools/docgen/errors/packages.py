@@ -104,7 +104,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "logging to Weights & Biases needs the wandb package, which is not installed",
         "Install it (`pip install 'cptune[wandb]'`), or remove `wandb_project` / `use_wandb`. Checked before "
         "any process starts.",
-        raised_in="src/cptune/run/tracking.py",
+        raised_in="src/cptune/run/training/tracking.py",
         why_not_in_catalogue="the catalogue runs where wandb is installed; the test hides it",
         tested_by="tests/run/test_tracking.py::test_wandb_missing_is_refused",
     ),

@@ -11,7 +11,7 @@ from cptune.config.axolotl.plugins import CUT_CROSS_ENTROPY_PLUGIN
 from cptune.config.base import one_or_many
 
 # The Trainer's optimizer names (transformers 5.23 OptimizerNames, tests/config checks they agree);
-# cptune refuses at launch only those that cannot run here (cptune.run.optimizers).
+# cptune refuses at launch only those that cannot run here (cptune.run.training.optimizers).
 OptimizerName = Literal[
     "adamw_torch",
     "adamw_torch_fused",

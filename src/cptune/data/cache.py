@@ -58,7 +58,7 @@ DATA_FORMAT_VERSION = 2
 BUILT_MARKER = "COMPLETE"
 """Written last into a cache folder built whole; it holds the fingerprint the folder was built for.
 
-(Not a checkpoint's marker: :data:`cptune.run.checkpoints.CHECKPOINT_MARKER` lists files and sizes.)
+(Not a checkpoint's marker: :data:`cptune.run.training.checkpoints.CHECKPOINT_MARKER` lists files and sizes.)
 """
 
 # Recipe keys that change the prepared rows. dataset_processes is absent on

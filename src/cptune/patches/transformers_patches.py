@@ -130,6 +130,6 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         signature=("self", "output_dir", "state_dict"),
     ),
 )
-"""The private members of transformers' Trainer that :class:`cptune.run.trainer.CptuneTrainer` overrides
+"""The private members of transformers' Trainer that :class:`cptune.run.training.trainer.CptuneTrainer` overrides
 or calls: checked like patches when the Trainer is built, listed by ``cptune validate`` and on the
 patches page."""

@@ -1,1 +1,3 @@
-"""Entry points that wire the layers together: train, preprocess, validate, launch."""
+"""What wires the layers together, by role: the run's plan (:mod:`.plan`, :mod:`.memory_plan`), the
+training runtime every process runs (:mod:`.training`), the launcher (:mod:`.launch`) and the other
+commands (:mod:`.commands`)."""

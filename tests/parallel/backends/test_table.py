@@ -89,8 +89,8 @@ def test_context_parallel_size_1_runs_the_local_backend(write_recipe):
 
 def test_preflight_of_cp_backend_torch_does_not_import_ring_flash_attn(write_recipe, monkeypatch):
     """It once loaded ring-flash-attn for every cp > 1 that was not deepspeed."""
+    from cptune.run.launch.preflight import preflight
     from cptune.run.plan import RunPlan
-    from cptune.run.preflight import preflight
 
     monkeypatch.setitem(sys.modules, "ring_flash_attn", None)  # importing it now raises ImportError
     recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="torch", sample_packing=False))

@@ -215,7 +215,7 @@ def _finished_run(ws: Workspace) -> None:
 
 
 def _complete_checkpoint(ws: Workspace, step: int) -> None:
-    from cptune.run.checkpoints import write_marker
+    from cptune.run.training.checkpoints import write_marker
 
     folder = ws.out / f"checkpoint-{step}"
     folder.mkdir()
@@ -235,7 +235,7 @@ def _incomplete_checkpoint(ws: Workspace) -> dict[str, Any]:
 
 def _sharded_checkpoint(ws: Workspace) -> dict[str, Any]:
     """A complete checkpoint of an FSDP2 run: each rank's shards, no loadable model files."""
-    from cptune.run.checkpoints import write_marker
+    from cptune.run.training.checkpoints import write_marker
 
     shards = ws.out / "checkpoint-2" / "pytorch_model_fsdp_0"
     shards.mkdir(parents=True)

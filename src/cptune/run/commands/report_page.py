@@ -1,7 +1,7 @@
 """The data report as one standalone HTML page with SVG charts, written next to the cache.
 
 The page holds the text report and, drawn from the same numbers
-(:func:`cptune.run.data_report.build_report`): a document-length histogram per
+(:func:`cptune.run.commands.data_report.build_report`): a document-length histogram per
 dataset (bins over ``sequence_len`` in the second colour), the documents per
 stored training row, and the share of the causal attention work each rank gets
 in the least balanced training row, contiguous against zigzag.

@@ -9,7 +9,7 @@ attention work of a row falls on the ranks at the recipe's
 (:mod:`cptune.parallel.balance`). For training: rows and target tokens per
 optimizer step. Everything is computed from the cache (the stored rows, its
 ``stats.json`` and ``documents.arrow``); :func:`format_report` writes the text
-and :mod:`cptune.run.report_page` the HTML page.
+and :mod:`cptune.run.commands.report_page` the HTML page.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.run.checkpoints import STAGING_DIR, checkpoint_folders, complete_checkpoints
+from cptune.run.training.checkpoints import STAGING_DIR, checkpoint_folders, complete_checkpoints
 
 log = logging.getLogger("cptune.output_dir")
 

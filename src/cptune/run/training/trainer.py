@@ -10,8 +10,8 @@ and its writing, the evaluation loop's helpers): each is declared in
 context-parallel backend, the loss is computed from this rank's logits and its
 pre-shifted targets, and scaled so that the optimizer step's gradient is that of
 the global token mean (see :mod:`cptune.parallel.loss`). Evaluation reports the
-exact token mean over the whole evaluation set (:mod:`cptune.run.eval_loop`), and
-checkpoints appear only once complete (:mod:`cptune.run.checkpoints`).
+exact token mean over the whole evaluation set (:mod:`cptune.run.training.eval_loop`), and
+checkpoints appear only once complete (:mod:`cptune.run.training.checkpoints`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from cptune.parallel.shard import TokenBatch, TokenCoords
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
-from cptune.run.checkpoints import save_checkpoint_atomically
-from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
-from cptune.run.fsdp import gathered_state_dict
+from cptune.run.training.checkpoints import save_checkpoint_atomically
+from cptune.run.training.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
+from cptune.run.training.fsdp import gathered_state_dict
 
 # Builds the backend once the accelerator (and so the process groups) exists.
 BackendFactory = Callable[[Any], BatchSharder]
@@ -168,7 +168,7 @@ class CptuneTrainer(Trainer):
         return None
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
-        """This data-parallel group's evaluation rows, each once (see :mod:`cptune.run.eval_loop`)."""
+        """This data-parallel group's evaluation rows, each once (see :mod:`cptune.run.training.eval_loop`)."""
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset

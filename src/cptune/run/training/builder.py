@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cptune.models.head_loss import ShardLoss, logits_loss
-from cptune.run.distributed import DistEnv, init_cpu_process_group
-from cptune.run.fsdp import fsdp_training_arguments
 from cptune.run.plan import RunPlan
+from cptune.run.training.distributed import DistEnv, init_cpu_process_group
+from cptune.run.training.fsdp import fsdp_training_arguments
 
 if TYPE_CHECKING:
     from cptune.data.prepare import PreparedData
-    from cptune.run.trainer import BackendFactory, CptuneTrainer
+    from cptune.run.training.trainer import BackendFactory, CptuneTrainer
 
 
 def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
@@ -98,7 +98,7 @@ def build_trainer(
     DeepSpeed's engine starts its own.
     """
     from cptune.data.collator import PackedCollator
-    from cptune.run.trainer import CptuneTrainer
+    from cptune.run.training.trainer import CptuneTrainer
 
     recipe, dims = plan.recipe, plan.dims
     if env.world_size > 1 and not torch.cuda.is_available() and not plan.on_deepspeed:

@@ -28,11 +28,16 @@ from cptune.models.loading import (
     trainable_parameter_count,
 )
 from cptune.models.memory_features import install_memory_features
-from cptune.run.build import build_trainer
-from cptune.run.checkpoints import resume_checkpoint
-from cptune.run.distributed import read_dist_env
-from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
 from cptune.run.plan import RunPlan
+from cptune.run.training.builder import build_trainer
+from cptune.run.training.checkpoints import resume_checkpoint
+from cptune.run.training.distributed import read_dist_env
+from cptune.run.training.output_dir import (
+    TRAIN_LOG_NAME,
+    check_earlier_run,
+    check_output_dir,
+    clear_earlier_run,
+)
 
 log = logging.getLogger("cptune.train")
 
@@ -74,7 +79,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> Tr
     from cptune.config.axolotl.notes import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.added_tokens import fit_embeddings
-    from cptune.run.tracking import recipe_callbacks, tracker_environment
+    from cptune.run.training.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
     plan = plan or RunPlan.build(recipe, env.world_size)

@@ -1,6 +1,6 @@
 """The loss watchdog: stop training when the logged loss stays above a threshold.
 
-Apart from cptune.run.tracking so that checking a recipe's trackers (preflight, in the launcher
+Apart from cptune.run.training.tracking so that checking a recipe's trackers (preflight, in the launcher
 process) does not import transformers' Trainer modules.
 """
 

@@ -1,9 +1,9 @@
 """``evaluate(recipe)``: loss and perplexity on the recipe's evaluation data, sharded like training.
 
-Runs in every process of a launch, like :func:`cptune.run.train.train`, with the
+Runs in every process of a launch, like :func:`cptune.run.training.train.train`, with the
 same backend, patches and Trainer, so the evaluation of a long sequence is split
 across the CP group exactly as its training was, and reports the same
-token-weighted loss (:mod:`cptune.run.eval_loop`). The model is the recipe's
+token-weighted loss (:mod:`cptune.run.training.eval_loop`). The model is the recipe's
 base model, or what a run saved: a LoRA adapter (on the base model) or a full
 model, in ``output_dir`` or a ``checkpoint-N`` folder.
 """
@@ -17,9 +17,9 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_tokenizer
 from cptune.models.memory_features import install_memory_features
-from cptune.run.distributed import read_dist_env
+from cptune.run.commands.weights import load_source_model, model_source
 from cptune.run.plan import RunPlan
-from cptune.run.weights import load_source_model, model_source
+from cptune.run.training.distributed import read_dist_env
 
 log = logging.getLogger("cptune.evaluate")
 
@@ -49,7 +49,7 @@ def evaluate(
         CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable.
     """
     from cptune.data.prepare import prepare_datasets
-    from cptune.run.build import build_trainer
+    from cptune.run.training.builder import build_trainer
 
     check_eval_data(recipe)
     source = model_source(checkpoint)

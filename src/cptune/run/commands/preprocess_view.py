@@ -62,8 +62,8 @@ def run_preprocess(
         data["debug"] = rows_json(shown, tokenizer, split="train", total=total)
         parts.append(format_rows(shown, tokenizer, split="train", total=total, colour=use_colour()))
     if report:
-        from cptune.run.data_report import build_report, format_report
-        from cptune.run.report_page import write_report_files
+        from cptune.run.commands.data_report import build_report, format_report
+        from cptune.run.commands.report_page import write_report_files
 
         numbers = build_report(recipe, prepared, backend)
         text = format_report(numbers, recipe, backend)

@@ -28,7 +28,13 @@ from cptune.config.recipe import Recipe
 from cptune.data.prompts import Prompter, PromptItem, prepare_prompt, prompt_items
 from cptune.errors import CptuneError
 from cptune.models.loading import load_tokenizer
-from cptune.run.weights import ADAPTER_CONFIG, MODEL_CONFIG, ModelSource, load_source_model, model_source
+from cptune.run.commands.weights import (
+    ADAPTER_CONFIG,
+    MODEL_CONFIG,
+    ModelSource,
+    load_source_model,
+    model_source,
+)
 
 log = logging.getLogger("cptune.inference")
 

@@ -15,13 +15,13 @@ from typing import Any, Literal
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_model
-from cptune.run.checkpoints import (
+from cptune.run.training.checkpoints import (
     CHECKPOINT_MARKER,
     checkpoint_step,
     is_complete_checkpoint,
     latest_complete_checkpoint,
 )
-from cptune.run.fsdp import is_sharded_checkpoint
+from cptune.run.training.fsdp import is_sharded_checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"

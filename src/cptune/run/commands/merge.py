@@ -20,8 +20,8 @@ from cptune.errors import CptuneError
 from cptune.models.added_tokens import fit_embeddings
 from cptune.models.loading import load_model, load_tokenizer
 from cptune.models.quantization import dequantize_in_place
-from cptune.run.checkpoints import latest_complete_checkpoint
-from cptune.run.weights import ADAPTER_CONFIG, model_source
+from cptune.run.commands.weights import ADAPTER_CONFIG, model_source
+from cptune.run.training.checkpoints import latest_complete_checkpoint
 
 log = logging.getLogger("cptune.merge")
 

@@ -3,7 +3,7 @@
 Weights & Biases runs through transformers' ``WandbCallback``, which reads its settings from
 environment variables (``WANDB_PROJECT``, ``WANDB_WATCH``, ``WANDB_LOG_MODEL``; ``wandb.init`` reads
 ``WANDB_ENTITY``, ``WANDB_MODE``, ``WANDB_RUN_ID``). :func:`tracker_environment` gives them from the
-recipe; :func:`cptune.run.train.train` sets them for the run and restores the environment afterwards.
+recipe; :func:`cptune.run.training.train.train` sets them for the run and restores the environment afterwards.
 The run's files go under ``output_dir/wandb`` unless ``WANDB_DIR`` says otherwise, so
 ``wandb_mode: offline`` writes a run folder there with no network (``wandb sync`` uploads it later).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 # transformers' Trainer modules are not imported here: preflight (in the launcher process, which
 # never trains) checks the trackers, and importing transformers.trainer_callback imports peft and,
 # through it, bitsandbytes, which compiles functions with torch.compile at import. The loss
-# watchdog callback lives in cptune.run.watchdog.
+# watchdog callback lives in cptune.run.training.watchdog.
 import importlib.util
 from collections.abc import Mapping
 from typing import Any
@@ -56,6 +56,6 @@ def recipe_callbacks(recipe: Recipe) -> list[Any]:
     """The Trainer callbacks the recipe's keys ask for."""
     if recipe.loss_watchdog_threshold is None:
         return []
-    from cptune.run.watchdog import LossWatchdog
+    from cptune.run.training.watchdog import LossWatchdog
 
     return [LossWatchdog(recipe.loss_watchdog_threshold, recipe.loss_watchdog_patience)]

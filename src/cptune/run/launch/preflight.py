@@ -18,9 +18,9 @@ import yaml
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
-from cptune.run.checkpoints import resume_checkpoint
-from cptune.run.output_dir import check_earlier_run, check_output_dir
 from cptune.run.plan import RunPlan
+from cptune.run.training.checkpoints import resume_checkpoint
+from cptune.run.training.output_dir import check_earlier_run, check_output_dir
 
 log = logging.getLogger("cptune.preflight")
 
@@ -121,8 +121,8 @@ def check_new_tokens(recipe: Recipe, config: Any) -> None:
 def missing_packages(recipe: Recipe) -> list[CptuneError]:
     """What the recipe needs that is not installed here: bitsandbytes, the optimizer's package, wandb."""
     from cptune.models.quantization import check_bitsandbytes
-    from cptune.run.optimizers import check_optimizer
-    from cptune.run.tracking import check_trackers
+    from cptune.run.training.optimizers import check_optimizer
+    from cptune.run.training.tracking import check_trackers
 
     problems = []
     for check in (check_bitsandbytes, check_optimizer, check_trackers):
@@ -155,7 +155,7 @@ def describe_plan(
         check_host_memory,
         describe_state_memory,
     )
-    from cptune.run.optimizers import optimizer_notes
+    from cptune.run.training.optimizers import optimizer_notes
 
     recipe, dims = plan.recipe, plan.dims
     config = check_model(plan)
