@@ -24,19 +24,8 @@ BUILT_IN_CHAT_TEMPLATES = (
 )
 """Axolotl's chat template names that cptune renders with its own templates (:mod:`cptune.data.chat_templates`)."""
 
-ChatTemplateName = Literal[
-    "tokenizer_default",
-    "jinja",
-    "chatml",
-    "llama3",
-    "qwen_25",
-    "qwen3",
-    "mistral_v1",
-    "mistral_v2v3",
-    "mistral_v3_tekken",
-    "gemma",
-    "phi_3",
-]
+# tokenizer_default: the tokenizer's own template; jinja: chat_template_jinja; else one cptune renders itself.
+ChatTemplateName = Literal[("tokenizer_default", "jinja", *BUILT_IN_CHAT_TEMPLATES)]  # type: ignore[valid-type]
 
 
 class DatasetConfig(Frozen):
