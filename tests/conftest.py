@@ -13,6 +13,14 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import tiers
+from tests.tiers import (  # noqa: F401 - hooks of the suite's tiers (tests/tiers.py)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
 
@@ -21,6 +29,7 @@ def pytest_configure(config):
     # Every process the tests start prints its Python stack if it dies of a signal (a crash inside
     # torch or gloo otherwise leaves only an exit code).
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    tiers.install_guard()
 
 
 @pytest.fixture(scope="session")
