@@ -30,6 +30,15 @@ def pytest_configure(config):
     # torch or gloo otherwise leaves only an exit code).
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     tiers.install_guard()
+    # One torch thread in this process too, as in every process the tests start (run_cptune, and
+    # the launcher's default OMP_NUM_THREADS=1): tiny tensors gain nothing from a second thread, and
+    # on busy cores OpenMP's threads wait for each other (tests/parallel/test_activation_memory.py:
+    # 177 s with 2 threads, 27 s with 1, at load average 11 on 2 cores). An OMP_NUM_THREADS the
+    # caller sets wins, e.g. to run the numerical tests with another summation order.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # read when torch loads
+        if "torch" in sys.modules:  # already loaded by a conftest (tests/data/conftest.py)
+            sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
