@@ -11,7 +11,8 @@ fp32), compared with a bf16 reference within a multiple of a measured cp=1
 reorder baseline (``check``).
 
 Spawning gloo processes dominates the time, so one spawn per world size runs the
-cases of both backends; each backend's test reads its cases from that spawn.
+cases of both backends (and, at cp=2, the bf16 zigzag cases); each test reads its
+cases from that spawn.
 Torch cases are unpacked (torch's CP attention takes no document mask and
 refuses packed rows); their causal rows carry trailing padding, which causal
 attention never shows to a trained token, and their bidirectional rows are one
@@ -129,7 +130,7 @@ FEATURE_TWINS = {
 
 # spawn id -> (world size, cp size, cases of every backend run in that spawn)
 SPAWNS = {
-    "cp2": (2, 2, CP2_CASES + TORCH_CP2_CASES + FEATURE_CP2_CASES),
+    "cp2": (2, 2, CP2_CASES + TORCH_CP2_CASES + FEATURE_CP2_CASES + ZIGZAG_CASES),
     "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES),
     "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES),
 }
@@ -226,8 +227,8 @@ def test_torch_parity_fp32(parity_results, spawn, cases):
 
 
 @pytest.mark.distributed
-def test_zigzag_parity_bf16(tmp_path):
-    results = run_ranks(WORKER, 2, tmp_path, "2", json.dumps(ZIGZAG_CASES))
+def test_zigzag_parity_bf16(parity_results):
+    results = parity_results("cp2")
     # Measured: step-0 loss 4.6e-5 (baseline 3.7e-5), gradients 5.9e-2 (baseline 4.4e-2), losses
     # after 2 steps 1.2e-3 (baseline at most 1.6e-4).
     check(results, ZIGZAG_CASES, bf16=True)

@@ -63,6 +63,7 @@ def test_torch_dp2xcp2_and_fsdp2_full_finetune_match_cp1_step_by_step(
     collective_audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
 
 
+@pytest.mark.e2e
 def test_packed_recipe_is_refused_before_any_work(write_recipe, tmp_path):
     done = run_cptune("train", str(write_recipe(context_parallel_size=2, cp_backend="torch")))
     assert done.returncode != 0
