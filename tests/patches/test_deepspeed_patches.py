@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import (
@@ -15,7 +14,6 @@ from cptune.patches.deepspeed_patches import (
     deepspeed_cpu_backend_patch,
     deepspeed_engine_patches,
     skip_shm_op_build_patch,
-    sp_attn_allows_cptune_patch,
     ulysses_patches,
 )
 from cptune.patches.registry import build_patches
@@ -28,15 +26,16 @@ FOR_DEEPSPEED = ContextParallelWith(("deepspeed",))
 
 def test_selected_for_deepspeed_only_and_fit_the_installed_libraries():
     pytest.importorskip("deepspeed")
-    ours = [
-        *deepspeed_engine_patches(FOR_DEEPSPEED),
-        *ulysses_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME),
-    ]
+    ours = [*deepspeed_engine_patches(FOR_DEEPSPEED), *ulysses_patches(FOR_DEEPSPEED)]
     names = {p.name for p in ours}
     plan = PatchSet(build_patches(DEEPSPEED, BACKENDS.values())).plan(DEEPSPEED)
     assert plan.ok, plan.describe()
-    assert names <= {p.name for p in plan.selected}
-    assert "accelerate-deepspeed-loader-cp-batches" not in {p.name for p in plan.selected}
+    # Ulysses trains on accelerate's cp mesh axis and shards its batches itself, as ring-flash-attn does.
+    assert names | {
+        "accelerate-deepspeed-loader-cp-batches",
+        "accelerator-prepare-cp-by-backend",
+        "trainer-cp-inputs-noop",
+    } <= {p.name for p in plan.selected}
     assert not PatchSet(ours).plan(RING).selected
     assert not {p.name for p in PatchSet(build_patches(RING, BACKENDS.values())).plan(RING).selected} & names
 
@@ -60,29 +59,15 @@ def test_deepspeed_on_cpu_gets_the_real_world_size(monkeypatch):
         assert PartialState._prepare_backend(None, False, False, None) == (None, DistributedType.NO)
 
 
-def test_accelerate_accepts_cptune_core_attention_only_while_patched():
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-    from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
-
-    with pytest.raises(ValueError, match="Invalid sp_attn_implementation"):
-        DeepSpeedSequenceParallelConfig(sp_attn_implementation=DOCUMENT_ATTENTION_NAME)
-    with PatchSet([sp_attn_allows_cptune_patch(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME)]).applied(DEEPSPEED):
-        config = DeepSpeedSequenceParallelConfig(sp_attn_implementation=DOCUMENT_ATTENTION_NAME)
-        assert config.sp_attn_implementation == DOCUMENT_ATTENTION_NAME
-        with pytest.raises(ValueError, match="not supported with sequence parallelism"):
-            DeepSpeedSequenceParallelConfig(sp_attn_implementation="eager")
-
-
 def test_deepspeed_attention_wrapper_does_not_outlive_the_run():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    def ulysses_wrapper(*args, **kwargs):  # what register_with_transformers installs
+    def ulysses_wrapper(*args, **kwargs):  # what install_ulysses_attention puts in place
         raise AssertionError
 
     with PatchSet([attention_registry_scope_patch(FOR_DEEPSPEED)]).applied(DEEPSPEED):
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses_wrapper  # deepspeed ulysses_sp.py:566
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses_wrapper  # as install_ulysses_attention does
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is ulysses_wrapper
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
 
@@ -107,7 +92,7 @@ def _zero(backend: str, **keys: object) -> SimpleNamespace:
     )
 
 
-def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_ones():
+def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_one():
     pytest.importorskip("deepspeed")
     for recipe in (_zero("ring-flash-attn", zero_stage=3), _zero("torch", deepspeed="zero2.json")):
         plan = PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe)
@@ -119,11 +104,10 @@ def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_n
             "accelerate-deepspeed-loader-cp-batches",
             "accelerator-prepare-cp-by-backend",  # accelerate's torch CP context stays off, as next to DDP
         } <= selected, recipe
-        assert not selected & {"accelerate-sp-attn-allow-cptune", "attention-registry-run-scope"}
-    # Ulysses has no cp mesh axis (its adapter shares batches), DDP's loader already shares them, and at
-    # cp=1 no engine runs (the recipe rules refuse the keys there).
+        assert "attention-registry-run-scope" not in selected
+    # DDP's loader already shares the batches, and at cp=1 no engine runs (the recipe rules refuse the keys there).
     at_cp1 = _zero("ring-flash-attn", zero_stage=3, context_parallel_size=1)
-    for recipe in (DEEPSPEED, _zero("ring-flash-attn"), _zero("torch"), at_cp1):
+    for recipe in (_zero("ring-flash-attn"), _zero("torch"), at_cp1):
         selected = {p.name for p in PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe).selected}
         assert "accelerate-deepspeed-loader-cp-batches" not in selected, recipe
     # The predicate the registry builds, as `cptune validate` prints it.

@@ -34,10 +34,8 @@ def trainer_cp_inputs_patch(applies_to: Predicate) -> Patch:
     config has ``cp_size > 1`` it builds ``shift_labels`` and ``position_ids``
     and hands the buffers to ``accelerator.maybe_context_parallel``, which
     shards them with torch's ``context_parallel`` (trainer.py:2393-2485). cptune
-    pre-shifts labels on the full sequence and shards inputs itself, so this
-    second sharding must not happen. Deepspeed keeps the original: there
-    accelerate's own Ulysses data-loader adapter shards, and the Trainer path is
-    what transformers and deepspeed expect.
+    pre-shifts labels on the full sequence and shards inputs itself (every backend,
+    DeepSpeed's Ulysses included), so this second sharding must not happen.
     """
     return Patch(
         name="trainer-cp-inputs-noop",
