@@ -15,6 +15,7 @@ from cptune.patches.deepspeed_patches import (
     deepspeed_engine_patches,
     skip_shm_op_build_patch,
     ulysses_patches,
+    zero0_grad_norm_patch,
 )
 from cptune.patches.registry import build_patches
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
@@ -81,6 +82,39 @@ def test_shared_memory_op_is_not_built_on_cpu():
     with PatchSet([skip_shm_op_build_patch(FOR_DEEPSPEED)]).applied(DEEPSPEED):
         assert comm_torch.build_shm_op() is None  # instead of a ~40 s g++ build
     assert comm_torch.build_shm_op is original
+
+
+def test_zero0_gradient_norm_is_measured_before_the_engine_clips_steps_and_zeroes():
+    """The engine steps a bare optimizer under ZeRO-0 in fp32 and reports no norm (engine.py:3519)."""
+    import torch
+
+    trained = torch.nn.Parameter(torch.zeros(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    trained.grad = torch.tensor([3.0, 4.0, 12.0])
+
+    def take_model_step(engine, lr_kwargs):  # what the engine does: clip, step, zero the gradients
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+        engine.optimizer.step()
+        engine.module.zero_grad(set_to_none=True)
+
+    def engine(optimizer):
+        return SimpleNamespace(
+            module=torch.nn.ParameterList([trained, frozen]),
+            optimizer=optimizer,
+            torch_autocast_z0_gradscaler=None,
+            _global_grad_norm=None,
+        )
+
+    bare = engine(torch.optim.SGD([trained], lr=0.1))
+    zero0_grad_norm_patch(FOR_DEEPSPEED).replacement(take_model_step)(bare, None)
+    assert (
+        bare._global_grad_norm == 13.0 and trained.grad is None
+    )  # the norm before clipping, of every gradient
+    # Under ZeRO 1-3, fp16 and bf16 the optimizer wrapper's norm is the engine's; the wrapper leaves it alone.
+    trained.grad = torch.ones(3)
+    wrapped = engine(SimpleNamespace(_global_grad_norm=2.5, step=lambda: None))
+    zero0_grad_norm_patch(FOR_DEEPSPEED).replacement(lambda engine, lr_kwargs: None)(wrapped, None)
+    assert wrapped._global_grad_norm is None
 
 
 # --- ring-flash-attn / torch CP under DeepSpeed's ZeRO ----------------------------------------------------

@@ -92,6 +92,7 @@ def test_selection_by_backend():
         *everything,
         "deepspeed-skip-cpu-shm-op",
         "accelerate-deepspeed-cpu-world-size",
+        "deepspeed-zero0-grad-norm",
         "accelerate-deepspeed-loader-cp-batches",
         "attention-registry-run-scope",
     ]

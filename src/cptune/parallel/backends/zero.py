@@ -13,8 +13,8 @@ Two things differ from DDP:
   engine.py ``allreduce_gradients``; 1/2: stage_1_and_2.py; 3: reduce-scatter over the world), DDP's
   divisor; cptune's loss scaling needs nothing else.
 
-The engine-level DeepSpeed patches (CPU world size, no shared-memory op build) apply to every run on
-DeepSpeed's engine. Imports no torch (the recipe's validation reads it).
+The engine-level DeepSpeed patches (CPU world size, no shared-memory op build, the ZeRO-0 gradient
+norm) apply to every run on DeepSpeed's engine. Imports no torch (the recipe's validation reads it).
 """
 
 from __future__ import annotations
