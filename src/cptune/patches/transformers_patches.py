@@ -127,9 +127,14 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         target=f"{TRAINER}.save_model",
         reason=(
             "Tells the Trainer's own checkpoint saves (sharded with FSDP2) from the final save (gathered).\n"
-            "transformers/trainer.py:4077 passes the private _internal_call=True from its checkpoint code."
+            "transformers/trainer.py:4077 passes the private _internal_call=True from its checkpoint code. "
+            "Under ZeRO-3 a LoRA adapter (final and in checkpoints) also gets the frozen weights peft saves "
+            "with it (trainer.py:4107 gathers only the trainable ones)."
         ),
-        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        remove_when=(
+            "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
+            "frozen weights it saves."
+        ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "output_dir", "_internal_call"),
     ),
@@ -152,8 +157,14 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
     Override(
         name="CptuneTrainer calls Trainer._save",
         target=f"{TRAINER}._save",
-        reason="The final save of an FSDP2 model writes the gathered state dict (trainer.py:4131).",
-        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        reason=(
+            "The final save of an FSDP2 model, and a ZeRO-3 LoRA adapter, write the gathered state dict "
+            "(trainer.py:4131)."
+        ),
+        remove_when=(
+            "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
+            "frozen weights it saves."
+        ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "output_dir", "state_dict"),
     ),

@@ -35,6 +35,7 @@ from cptune.parallel.shard import TokenBatch, TokenCoords
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
+from cptune.run.adapter_save import zero3_adapter_state_dict
 from cptune.run.checkpoints import save_checkpoint_atomically
 from cptune.run.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.fsdp import gathered_state_dict
@@ -154,13 +155,19 @@ class CptuneTrainer(Trainer):
 
         With sharded state dicts the Trainer writes no weights here (checkpoints
         hold them sharded, written with the optimizer state); the final model is
-        gathered instead, the adapter only for LoRA.
+        gathered instead, the adapter only for LoRA. A LoRA adapter under ZeRO-3 (final
+        and in checkpoints) holds what peft saves without ZeRO (:mod:`cptune.run.adapter_save`).
         """
-        if not (self.is_fsdp_enabled and not _internal_call):
-            return super().save_model(output_dir, _internal_call)
         from peft import PeftModel
 
-        state_dict = gathered_state_dict(self.model, trainable_only=isinstance(self.model, PeftModel))
+        is_adapter = isinstance(self.model, PeftModel)
+        if self.is_deepspeed_enabled and is_adapter and self.deepspeed.zero_optimization_partition_weights():
+            state = zero3_adapter_state_dict(self.deepspeed, self.model)
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+            return None
+        if not (self.is_fsdp_enabled and not _internal_call):
+            return super().save_model(output_dir, _internal_call)
+        state_dict = gathered_state_dict(self.model, trainable_only=is_adapter)
         self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         return None
 
