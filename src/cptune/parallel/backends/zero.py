@@ -14,7 +14,8 @@ Two things differ from DDP:
   divisor; cptune's loss scaling needs nothing else.
 
 The engine-level DeepSpeed patches (CPU world size, no shared-memory op build, the ZeRO-0 gradient
-norm) apply to every run on DeepSpeed's engine. Imports no torch (the recipe's validation reads it).
+norm) apply to every run on DeepSpeed's engine, and :mod:`cptune.run.deepspeed_state` puts DeepSpeed's
+process-wide state back after it. Imports no torch (the recipe's validation reads it).
 """
 
 from __future__ import annotations
