@@ -7,10 +7,12 @@ around the core attention over the CP group's process group
 (:func:`~cptune.parallel.backends.deepspeed_ulysses.sharding.install_ulysses_attention`),
 every rank of a CP group training its slice of the group's batch
 (:class:`~cptune.parallel.backends.deepspeed_ulysses.sharding.DeepSpeedUlyssesBackend`), a
-DeepSpeed engine with the case's ZeRO stage, and cptune's target count and loss scale exactly as
+DeepSpeed engine with the case's ZeRO stage (ZeRO-3 partitioning every parameter:
+``stage3_param_persistence_threshold: 0``), and cptune's target count and loss scale exactly as
 ``CptuneTrainer`` uses them. Reported per case: step-0 loss of both paths (the deepspeed one as
 the Trainer would log it), the largest relative gradient difference after DeepSpeed's
-reduction, and the losses of 3 optimizer steps.
+reduction, the losses of 3 optimizer steps, and under ZeRO-3 the parameters DeepSpeed left
+whole on a rank (none may be).
 
 Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel groups).
 
@@ -52,6 +54,7 @@ from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
+from tests.parallel.zero3_partition import whole_parameters
 
 VOCAB = 97
 STEPS = 3
@@ -209,6 +212,9 @@ def run_case(case: dict) -> dict:
     loss_fn = install_case_features(model, case)
     trainable = [p for p in model.parameters() if p.requires_grad]
     zero = {"stage": stage, **case.get("zero", {})}
+    if stage == 3:
+        # 0 partitions every parameter (the default 1e5 elements would keep all of the tiny model's whole).
+        zero["stage3_param_persistence_threshold"] = 0
     config = {
         "train_micro_batch_size_per_gpu": case["mbs"],
         "gradient_accumulation_steps": ga,
@@ -243,6 +249,9 @@ def run_case(case: dict) -> dict:
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
     run = {"cp_losses": losses, "grad_rel": grad_rel, "grad_sha": grad_sha}
+    if stage == 3:
+        run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
+        run["parameters"] = sum(1 for _ in engine.module.parameters())
     return case_result(ref_losses, ref_grads, run)
 
 
