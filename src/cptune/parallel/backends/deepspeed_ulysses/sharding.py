@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,18 +203,7 @@ def _read_json(path: str) -> dict[str, Any]:
 # --- the attention and the batches -----------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class UlyssesAttention:
-    """What :func:`install_ulysses_attention` put in place: DeepSpeed's module, under the core attention's name."""
-
-    core_name: str
-    module: Any
-    group: Any
-
-
-def install_ulysses_attention(
-    text_config: Any, core_name: str, group: Any, micro_batch_size: int
-) -> UlyssesAttention:
+def install_ulysses_attention(text_config: Any, core_name: str, group: Any, micro_batch_size: int) -> Any:
     """Route the model's core attention ``core_name`` through DeepSpeed's Ulysses all-to-all over ``group``.
 
     The wrapper goes into transformers' attention registry under the core attention's own name, as
@@ -232,6 +220,9 @@ def install_ulysses_attention(
         core_name: The ``attn_implementation`` the model was loaded with.
         group: The process group of this rank's CP group.
         micro_batch_size: Rows per batch (DeepSpeed's module reshapes with it).
+
+    Returns:
+        DeepSpeed's ``UlyssesSPAttentionHF`` module now in place.
     """
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -255,7 +246,7 @@ def install_ulysses_attention(
         return module(attn_module, query, key, value, None, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[core_name] = ulysses_attention
-    return UlyssesAttention(core_name, module, group)
+    return module
 
 
 def pad_rows(batch: TokenBatch, rows: int, pad_token_id: int) -> TokenBatch:
