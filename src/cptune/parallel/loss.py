@@ -10,11 +10,8 @@ gradients over ``world_size`` processes and the Trainer sums micro batches, whic
 together give exactly the global token mean. The Trainer logs the mean over
 processes of the summed returned values, which is the same global token mean.
 A rank whose shard holds no target contributes a zero sum — never ``0/0``.
-
-An engine that divides the gradient sum by something else passes that instead of
-``world_size`` (DeepSpeed under Ulysses: the data-parallel size for ZeRO 0-2; see
-``backends.deepspeed_ulysses.sharding.gradient_divisor``); the Trainer then rescales the
-value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
+FSDP2 and DeepSpeed's engine (given no sequence-parallel group) average over
+``world_size`` as DDP does.
 """
 
 from __future__ import annotations
@@ -100,7 +97,7 @@ def scaled_step_loss(
     """The value to backpropagate for one micro batch on one rank (see module docstring).
 
     ``gradient_divisor`` is what the gradient sum over all ranks is divided by: the world
-    size under DDP, the engine's own divisor otherwise.
+    size (DDP, FSDP2 and cptune's DeepSpeed runs average over every rank).
     """
     targets = step_targets.to(loss_sum.device)
     if int(targets) == 0:

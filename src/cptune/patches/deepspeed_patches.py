@@ -1,8 +1,9 @@
 """Patches that runs on DeepSpeed's engine need, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
 
-Two concern DeepSpeed on CPU whatever computes the attention (:func:`deepspeed_engine_patches`: the
-patch registry adds them for every run on DeepSpeed's engine, Ulysses or ring / torch CP under ZeRO,
-with an :class:`OnDeepSpeedEngine` predicate); two exist only for Ulysses
+Three concern DeepSpeed's engine whatever computes the attention (:func:`deepspeed_engine_patches`:
+two for DeepSpeed on CPU, one for the gradient norm under ZeRO-0; the patch registry adds them for every
+run on DeepSpeed's engine, Ulysses or ring / torch CP under ZeRO,
+with an :class:`OnDeepSpeedEngine` predicate); one exists only for Ulysses
 (:func:`ulysses_patches`, listed by :mod:`cptune.parallel.backends.deepspeed_ulysses` with the
 predicate they apply under). Each function returns
 one :class:`~cptune.patches.core.Patch`; nothing is imported or patched until a
@@ -151,60 +152,19 @@ def deepspeed_cpu_backend_patch(applies_to: Predicate) -> Patch:
     )
 
 
-def sp_attn_allows_cptune_patch(applies_to: Predicate, document_attention: str) -> Patch:
-    """``DeepSpeedSequenceParallelConfig.__post_init__`` → also accept cptune's core attention.
-
-    accelerate/utils/dataclasses.py:2292-2309 accepts only ``flash_attention_2/3``,
-    ``sdpa`` and hub flash-attn kernels, although DeepSpeed itself takes any name
-    registered in transformers' ``AttentionInterface`` (ulysses_sp.py:488-492).
-    cptune's document-aware attention (the only core attention that keeps packed
-    documents apart on CPU) is registered under its own name; the wrapper
-    validates it as ``sdpa`` would be and then puts the name back.
-    """
-
-    def replacement(original: Callable[[Any], None]) -> Callable[[Any], None]:
-        @functools.wraps(original)
-        def __post_init__(self: Any) -> None:
-            name = self.sp_attn_implementation
-            if name != document_attention:
-                return original(self)
-            self.sp_attn_implementation = "sdpa"
-            try:
-                original(self)
-            finally:
-                self.sp_attn_implementation = name
-
-        return __post_init__
-
-    return Patch(
-        name="accelerate-sp-attn-allow-cptune",
-        target="accelerate.utils.dataclasses:DeepSpeedSequenceParallelConfig.__post_init__",
-        replacement=replacement,
-        reason=(
-            "Lets DeepSpeed's Ulysses wrap cptune's document-aware attention.\n"
-            "accelerate/utils/dataclasses.py:2303 rejects attention names other than flash_attention_2/3, sdpa "
-            "and hub kernels; DeepSpeed's register_with_transformers accepts any registered name."
-        ),
-        remove_when="accelerate accepts any attention registered in transformers' AttentionInterface.",
-        requires=ACCELERATE_REQUIREMENT,
-        signature=("self",),
-        applies_to=applies_to,
-    )
-
-
 def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
-    """``ALL_ATTENTION_FUNCTIONS._local_mapping`` → a copy for the run, so DeepSpeed's wrapper goes away after.
+    """``ALL_ATTENTION_FUNCTIONS._local_mapping`` → a copy for the run, so the Ulysses wrapper goes away after.
 
-    ``UlyssesSPAttentionHF.register_with_transformers`` installs its all-to-all
-    wrapper with ``ALL_ATTENTION_FUNCTIONS[core] = uattn_wrapper``
-    (ulysses_sp.py:566), which lands in the instance's ``_local_mapping``
-    (transformers/utils/generic.py:1129-1131) and is never taken out: after the
-    run, every model in the process would still route ``sdpa`` (or cptune's
-    attention) through a wrapper holding the finished run's process group, and a
-    second run would wrap the wrapper. The patch gives the registry a copy of its
-    local mapping for the run; reverting puts the original dict back, without
-    DeepSpeed's entry. Models read the registry through the same object, so they
-    see the wrapper while the run lasts.
+    :func:`~cptune.parallel.backends.deepspeed_ulysses.sharding.install_ulysses_attention` puts
+    DeepSpeed's all-to-all wrapper in place of the core attention with
+    ``ALL_ATTENTION_FUNCTIONS[core] = wrapper``, as DeepSpeed's own ``register_with_transformers``
+    does (ulysses_sp.py:566): transformers keeps the special cases of that name. The assignment lands
+    in the instance's ``_local_mapping`` (transformers/utils/generic.py:1129-1131) and stays there:
+    after the run, every model in the process would still route ``sdpa`` (or cptune's attention)
+    through a wrapper holding the finished run's process group, and a second run would wrap the
+    wrapper. The patch gives the registry a copy of its local mapping for the run; reverting puts
+    the original dict back, without the wrapper. Models read the registry through the same object,
+    so they see the wrapper while the run lasts.
     """
     return Patch(
         name="attention-registry-run-scope",
@@ -212,32 +172,78 @@ def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
         replacement=lambda original: dict(original),
         reason=(
             "Keeps DeepSpeed's Ulysses attention wrapper from outliving the run.\n"
-            "deepspeed ulysses_sp.py:566 writes it into ALL_ATTENTION_FUNCTIONS (its _local_mapping, "
-            "transformers/utils/generic.py:1131) for good."
+            "It is registered under the core attention's own name, as deepspeed ulysses_sp.py:566 does, into "
+            "ALL_ATTENTION_FUNCTIONS (its _local_mapping, transformers/utils/generic.py:1131) for good."
         ),
-        remove_when="DeepSpeed undoes its attention registration (or registers under a name of its own).",
+        remove_when="transformers lets a registration be scoped or undone (or DeepSpeed's wrapper gets a name of its own).",
         requires={**TRANSFORMERS_REQUIREMENT, **DEEPSPEED_REQUIREMENT},
         applies_to=applies_to,
     )
 
 
+def zero0_grad_norm_patch(applies_to: Predicate) -> Patch:
+    """``DeepSpeedEngine._take_model_step`` → also record the gradient norm when no optimizer wrapper does.
+
+    The engine reports the norm its optimizer wrapper computed (ZeRO 1-3, fp16, bf16:
+    ``self._global_grad_norm = self.optimizer._global_grad_norm``, deepspeed/runtime/engine.py:3519),
+    and accelerate hands that to the Trainer (``clip_grad_norm_`` under DeepSpeed returns
+    ``get_global_grad_norm()``, accelerate/accelerator.py:3023-3027). Under ZeRO-0 in fp32 the engine
+    steps the bare optimizer, which has no such attribute: the norm stays None and the Trainer logs no
+    ``grad_norm``. The engine also clips (engine.py:3506-3511), steps and zeroes the gradients before the
+    Trainer can look, so the wrapper measures the norm first: the gradients are then reduced over every
+    rank and whole on each (ZeRO-0 shards nothing), so this is the global norm before clipping, what the
+    wrappers and DDP's Trainer report.
+    """
+
+    def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def _take_model_step(self: Any, lr_kwargs: Any) -> Any:
+            # A loss-scaled autocast step holds scaled gradients until the engine unscales them.
+            if hasattr(self.optimizer, "_global_grad_norm") or self.torch_autocast_z0_gradscaler:
+                return original(self, lr_kwargs)
+            import torch
+
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            result = original(self, lr_kwargs)
+            self._global_grad_norm = norm
+            return result
+
+        return _take_model_step
+
+    return Patch(
+        name="deepspeed-zero0-grad-norm",
+        target="deepspeed.runtime.engine:DeepSpeedEngine._take_model_step",
+        replacement=replacement,
+        reason=(
+            "Gives the Trainer a grad_norm under ZeRO-0 in fp32, as under ZeRO 1-3.\n"
+            "deepspeed/runtime/engine.py:3519 takes the norm from the optimizer wrapper only; ZeRO-0 in fp32 "
+            "steps the bare optimizer, so get_global_grad_norm() stays None."
+        ),
+        remove_when="DeepSpeed records the gradient norm when it steps an unwrapped optimizer.",
+        requires=DEEPSPEED_REQUIREMENT,
+        signature=("self", "lr_kwargs"),
+        applies_to=applies_to,
+    )
+
+
 def deepspeed_engine_patches(applies_to: Predicate) -> list[Patch]:
-    """The patches of DeepSpeed's engine on CPU, whatever computes the attention, in the order they are applied.
+    """The patches of DeepSpeed's engine, whatever computes the attention, in the order they are applied.
 
     Args:
         applies_to: When they apply (the registry passes an :class:`OnDeepSpeedEngine`).
     """
-    return [skip_shm_op_build_patch(applies_to), deepspeed_cpu_backend_patch(applies_to)]
+    return [
+        skip_shm_op_build_patch(applies_to),
+        deepspeed_cpu_backend_patch(applies_to),
+        zero0_grad_norm_patch(applies_to),
+    ]
 
 
-def ulysses_patches(applies_to: Predicate, document_attention: str) -> list[Patch]:
+def ulysses_patches(applies_to: Predicate) -> list[Patch]:
     """The patches only cp_backend: deepspeed (Ulysses) needs, in the order they are applied.
 
     Args:
         applies_to: When they apply (the backend passes ``cp_backend: deepspeed`` at cp > 1).
-        document_attention: The name cptune's document-aware attention is registered under.
     """
-    return [
-        sp_attn_allows_cptune_patch(applies_to, document_attention),
-        attention_registry_scope_patch(applies_to),
-    ]
+    return [attention_registry_scope_patch(applies_to)]

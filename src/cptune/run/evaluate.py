@@ -157,8 +157,7 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
         CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable.
     """
     from cptune.data.prepare import prepare_datasets
-    from cptune.parallel.backends.select import run_patch_set
-    from cptune.run.train import _build_trainer
+    from cptune.run.train import _build_trainer, run_scope
 
     check_eval_data(recipe)
     source = model_source(checkpoint)
@@ -173,7 +172,7 @@ def evaluate(recipe: Recipe, checkpoint: str | Path | None = None) -> dict[str, 
     model = load_source_model(recipe, source, backend.attn_implementation, dims, tokenizer, env.local_rank)
     if env.rank == 0:
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
-    with run_patch_set(recipe).applied(recipe):
+    with run_scope(recipe, dims):
         loss = install_memory_features(model, recipe).loss  # tiled MLP and the chunked loss help here too
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, loss)
         metrics = trainer.evaluate()

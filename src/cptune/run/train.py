@@ -36,6 +36,7 @@ from cptune.parallel.backends.table import backend_for
 from cptune.parallel.backends.zero import trains_on_deepspeed
 from cptune.parallel.layout import ParallelDims
 from cptune.run.checkpoints import resume_checkpoint
+from cptune.run.deepspeed_state import deepspeed_state_restored
 from cptune.run.distributed import DistEnv, init_cpu_process_group, read_dist_env
 from cptune.run.fsdp import fsdp_training_arguments
 from cptune.run.output_dir import TRAIN_LOG_NAME, check_earlier_run, check_output_dir, clear_earlier_run
@@ -60,8 +61,9 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = ()) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
     Environment variables that the libraries set while training (accelerate's
-    and transformers' own settings) are restored when this returns or raises, as
-    the patches are: a second run in the same process starts from the same state.
+    and transformers' own settings) and DeepSpeed's process-wide state are restored
+    when this returns or raises, as the patches are: a second run in the same process
+    starts from the same state.
 
     Args:
         recipe: The validated recipe.
@@ -78,7 +80,6 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     from cptune.config.compat_rules import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
     from cptune.models.tokens import fit_embeddings
-    from cptune.parallel.backends.select import run_patch_set
     from cptune.run.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
@@ -126,7 +127,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
     resume = resume_checkpoint(recipe)
     if resume is not None and env.rank == 0:
         log.info("resuming from %s", resume)
-    with run_patch_set(recipe).applied(recipe):
+    with run_scope(recipe, dims):
         trainer = _build_trainer(recipe, dims, env, model, tokenizer, prepared, backend.build, features.loss)
         for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)
@@ -138,6 +139,19 @@ def _train(recipe: Recipe, callbacks: Sequence[Any]) -> TrainResult:
         history = list(trainer.state.log_history)
         trainer.accelerator.wait_for_everyone()
     return TrainResult(history, Path(recipe.output_dir), time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def run_scope(recipe: Recipe, dims: ParallelDims) -> Iterator[None]:
+    """The run's patches applied, and DeepSpeed's process-wide state put back when the block ends.
+
+    Enter it around everything from building the Trainer on (training or evaluating).
+    """
+    from cptune.parallel.backends.select import run_patch_set
+
+    on_deepspeed = trains_on_deepspeed(backend_for(recipe, dims.cp_size), recipe)
+    with deepspeed_state_restored(on_deepspeed), run_patch_set(recipe).applied(recipe):
+        yield
 
 
 def training_arguments(recipe: Recipe, dims: ParallelDims, env: DistEnv) -> Any:

@@ -35,10 +35,14 @@ class CpBackendName(str, Enum):
 
 @dataclass(frozen=True)
 class BackendPlan:
-    """How to load the model and, once the accelerator exists, build the process's sharder."""
+    """How to load the model and, once the accelerator exists, build the process's sharder.
+
+    ``build(accelerator, model)`` runs when the Trainer is built: the process groups and accelerate's
+    mesh exist, and the model (as loaded, with its adapter) is not yet wrapped by DDP, FSDP2 or DeepSpeed.
+    """
 
     attn_implementation: str
-    build: Callable[[Any], BatchSharder]
+    build: Callable[[Any, Any], BatchSharder]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """``cp_backend: deepspeed``: DeepSpeed's Ulysses (all-to-all over heads) under DeepSpeed's ZeRO engine.
 
 This module is the backend as the rest of cptune sees it (:class:`DeepSpeedUlysses`, see
-:mod:`cptune.parallel.backends.spec`); :mod:`.sharding` builds DeepSpeed's config, loads it
-and gives each rank its model inputs. Imports no torch.
+:mod:`cptune.parallel.backends.spec`); :mod:`.sharding` builds DeepSpeed's config, puts DeepSpeed's
+Ulysses attention in place and gives each rank its slice of every batch. Imports no torch.
 """
 
 from __future__ import annotations
@@ -12,18 +12,23 @@ from typing import TYPE_CHECKING, Any
 
 from cptune.errors import CptuneError
 from cptune.parallel.backends import zero
-from cptune.parallel.backends.spec import BackendPlan, CpBackendName, TrainerParallelism
+from cptune.parallel.backends.spec import (
+    BackendPlan,
+    CpBackendName,
+    TrainerParallelism,
+    accelerate_parallelism,
+)
 
 if TYPE_CHECKING:
     from cptune.patches.core import Patch
 
 
 class DeepSpeedUlysses:
-    """Ulysses sequence parallelism: DeepSpeed's loader adapter shards, its engine trains."""
+    """Ulysses sequence parallelism: cptune shards the batches, DeepSpeed's attention and engine train."""
 
     name = CpBackendName.DEEPSPEED
     label = "cp_backend: deepspeed"
-    shards_inputs_itself = False
+    shards_inputs_itself = True
     drives_torch_cp = False
     runs_own_engine = True
     runs_under_zero = False  # its own engine is DeepSpeed's, whatever the recipe says
@@ -92,8 +97,6 @@ class DeepSpeedUlysses:
         from cptune.parallel.backends.deepspeed_ulysses import sharding as ulysses
 
         ulysses.load_deepspeed()
-        if training:
-            ulysses.check_resume_supported(recipe)
         ulysses.check_core_attention_available(recipe.resolved_ulysses_attn_implementation)
         zero.check_engine_ready(recipe)
 
@@ -110,7 +113,7 @@ class DeepSpeedUlysses:
         return "heads"
 
     def check_prepared_rows(self, recipe: Any, prepared: Any) -> None:
-        return None  # the Ulysses collator pads every batch to a length the ranks split evenly
+        return None  # every row is padded to a length the ranks split evenly
 
     def plan_lines(self, recipe: Any) -> list[str]:
         attention = "causal" if recipe.causal else "bidirectional"
@@ -118,54 +121,56 @@ class DeepSpeedUlysses:
         return [f"attention:  {self.name} / Ulysses all-to-all, core attention {core}, {attention}"]
 
     def trainer_parallelism(self, recipe: Any, dims: Any) -> TrainerParallelism:
-        from cptune.parallel.backends.deepspeed_ulysses.sharding import (
-            deepspeed_config,
-            ulysses_parallelism_config,
-        )
+        from cptune.parallel.backends.deepspeed_ulysses.sharding import deepspeed_config
 
-        return TrainerParallelism(
-            ulysses_parallelism_config(recipe, dims.dp_size, dims.cp_size), deepspeed_config(recipe)
-        )
+        # accelerate's mesh as next to DDP (its loader gives a CP group one batch); no sequence-parallel
+        # config: cptune shards the batches and puts DeepSpeed's attention in place itself (.sharding).
+        return TrainerParallelism(accelerate_parallelism(dims).parallelism, deepspeed_config(recipe))
 
     def plan(self, recipe: Any, dims: Any, pad_token_id: int) -> BackendPlan:
         from cptune.parallel.backends.deepspeed_ulysses import sharding as ulysses
 
         ulysses.load_deepspeed()
-        ulysses.check_resume_supported(recipe)
         core = recipe.resolved_ulysses_attn_implementation
         ulysses.check_core_attention_available(core)
         if core == "cptune":
             from cptune.parallel.backends.document_attention import register_document_attention
 
             register_document_attention()
-        stage = ulysses.deepspeed_config(recipe)["zero_optimization"]["stage"]
+        ulysses.deepspeed_config(recipe)  # reads and checks the JSON before the model is loaded
 
-        def build(accelerator: Any) -> ulysses.DeepSpeedUlyssesBackend:
+        def build(accelerator: Any, model: Any) -> ulysses.DeepSpeedUlyssesBackend:
             if accelerator.num_processes != dims.world_size:
                 raise CptuneError(
                     f"DeepSpeed reports {accelerator.num_processes} processes, but {dims.world_size} were "
                     "launched; the loss would be scaled wrongly. This is a bug in cptune's DeepSpeed setup: "
                     "please report it."
                 )
+            cp_mesh = accelerator.torch_device_mesh["cp"]
+            ulysses.install_ulysses_attention(
+                model.config.get_text_config(),
+                ulysses.CORE_ATTENTION_NAMES[core],
+                cp_mesh.get_group(),
+                recipe.micro_batch_size,
+            )
             return ulysses.DeepSpeedUlyssesBackend(
                 core_attention=core,
                 causal=recipe.causal,
                 cp_size=dims.cp_size,
-                cp_rank=dims.cp_rank(accelerator.process_index),
-                gradient_divisor=ulysses.gradient_divisor(stage, dims.world_size, dims.cp_size),
+                cp_rank=cp_mesh.get_local_rank(),
+                micro_batch_size=recipe.micro_batch_size,
                 pad_token_id=pad_token_id,
-                fixed_length=ulysses.gloo_fixed_length(recipe.sequence_len, dims.cp_size),
             )
 
         return BackendPlan(ulysses.CORE_ATTENTION_NAMES[core], build)
 
     def training_patches(self) -> Sequence[Patch]:
-        from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
         from cptune.patches.core import ContextParallelWith
         from cptune.patches.deepspeed_patches import ulysses_patches
 
-        # DeepSpeed's engine patches come from its runs_own_engine (the registry adds them).
-        return ulysses_patches(ContextParallelWith((self.name,)), DOCUMENT_ATTENTION_NAME)
+        # DeepSpeed's engine patches come from its runs_own_engine, those it shares with ring-flash-attn and
+        # torch CP from its shards_inputs_itself (the registry adds them).
+        return ulysses_patches(ContextParallelWith((self.name,)))
 
     def import_patches(self) -> Sequence[Patch]:
         return ()
