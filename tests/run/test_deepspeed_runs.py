@@ -37,6 +37,7 @@ from tests.conftest import QUICKSTART_DATA, max_rel_diff
 from tests.dist_utils import run_ranks
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 WORLD, GA = 2, 2
