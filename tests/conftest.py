@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import reorder
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
 
@@ -21,6 +23,13 @@ def pytest_configure(config):
     # Every process the tests start prints its Python stack if it dies of a signal (a crash inside
     # torch or gloo otherwise leaves only an exit code).
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
+
+
+def pytest_report_header(config):
+    if reorder.active():
+        return f"{reorder.VARIABLE}: summation orders under stress (tests/reorder.py)"
+    return None
 
 
 @pytest.fixture(scope="session")
