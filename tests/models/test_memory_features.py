@@ -6,7 +6,7 @@ fp32, two rows of 40 tokens with prompt tokens masked; the same seeds with the f
 - Offloading is exact: losses and gradients are bit for bit the same (torch.equal).
 - Tiled MLP and head loss: the same sums in another order (weight gradients summed over tiles, token
   losses over chunks, products of other shapes). Each is checked against a float64 reference of the
-  untiled model (tests/numerics.py, the float64-reference rule): per tensor at most 4x as far from
+  untiled model (tests/numerics.py, the float64-reference rule): per tensor at most 8x as far from
   it as the untiled fp32 run lands, plus 2 ulps; the loss plus the bound of its sum of token losses.
 
 CP parity with the features on (cp=2, every backend) runs in tests/parallel/test_parity.py and
@@ -25,6 +25,7 @@ from cptune.models.head_loss import HeadLoss, check_head_loss_supported, logits_
 from cptune.models.offload import ActivationOffloader, enable_activation_offloading
 from cptune.models.tiled_mlp import decoder_mlps, enable_tiled_mlp, tiled_mlp
 from devtools.tiny import build_tiny_model, tiny_llama_config
+from tests import reorder
 from tests.numerics import (
     assert_float64_rule,
     assert_within,
@@ -133,7 +134,7 @@ def test_host_buffers_are_not_device_memory_on_cpu():
 def test_tiled_mlp_matches_untiled_up_to_summation_order(lora):
     untiled = step(build(lora))
     model = build(lora)
-    hooks = enable_tiled_mlp(model, num_shards=3)
+    hooks = enable_tiled_mlp(model, num_shards=reorder.tiles(3))
     assert len(hooks) == 2
     tiled = step(model)
     # Float64 reference: the tiles add each weight's gradient in another order, and a BLAS may
@@ -147,18 +148,19 @@ def test_tiled_mlp_matches_untiled_up_to_summation_order(lora):
 
 def test_tiled_mlp_replays_dropout_in_the_backward():
     """Each tile's recomputation draws the masks its forward drew: the gradient of what was computed."""
+    tiles = reorder.tiles(3)
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 8))
     x = torch.randn(2, 12, 8, requires_grad=True)
     params = list(mlp.parameters())
     torch.manual_seed(1)
-    expected = torch.cat([mlp(tile) for tile in x.tensor_split(3, dim=-2)], dim=-2)
+    expected = torch.cat([mlp(tile) for tile in x.tensor_split(tiles, dim=-2)], dim=-2)
     expected.square().sum().backward()
     reference = [x.grad.clone()] + [p.grad.clone() for p in params]
     x.grad = None
     mlp.zero_grad()
     torch.manual_seed(1)
-    out = tiled_mlp(mlp, x, 3, params)
+    out = tiled_mlp(mlp, x, tiles, params)
     assert torch.equal(out, expected)
     after_forward = torch.get_rng_state()
     out.square().sum().backward()
@@ -174,7 +176,7 @@ def test_tiled_mlp_replays_dropout_in_the_backward():
     torch.manual_seed(2)
     mlp.zero_grad()
     x.grad = None
-    torch.cat([mlp(tile) for tile in x.tensor_split(3, dim=-2)], dim=-2).square().sum().backward()
+    torch.cat([mlp(tile) for tile in x.tensor_split(tiles, dim=-2)], dim=-2).square().sum().backward()
     redrawn = [x.grad] + [p.grad for p in params]
     assert min(excess(g, want, limit) for g, want, limit in zip(redrawn, reference, bound, strict=True)) > 1
 
