@@ -1,8 +1,8 @@
 """``CPTUNE_TEST_REORDER=1``: the numerical tests with other summation orders, on one machine (issue 26).
 
 A tolerance set at the error one machine measured fails on a CPU that adds in another order. With
-the variable set, every process the tests start (it inherits the variable; tests/conftest.py and
-the parity workers call :func:`apply`) changes the orders it controls:
+the variable set, every process the tests start (it inherits the variable; tests/conftest.py, the
+parity workers and the ring kernels' launcher call :func:`apply`) changes the orders it controls:
 
 - threads: torch's intra-op threads, 1 where there were several, so parallel reductions
   split their sums elsewhere (more threads than a process was given would only oversubscribe:
@@ -45,7 +45,8 @@ def apply() -> None:
     """Put this process's summation orders under the stress (nothing without the variable); never undone."""
     if not active():
         return
-    torch.set_num_threads(1)
+    if torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
 
     from cptune.models import head_loss
     from cptune.parallel import loss

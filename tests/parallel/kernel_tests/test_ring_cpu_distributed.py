@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import reorder
 from tests.numerics import float64_excess
 
 pytestmark = pytest.mark.distributed
@@ -401,6 +402,7 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
 def _launch(out_dir: Path) -> None:
     """Import once, then fork the workers of each world size; exit non-zero if any fails."""
     _import_ring_flash_attn()
+    reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py), inherited
     # fork, not spawn: the children inherit the imports. Nothing here has started a thread pool
     # or a process group yet, which is what makes forking safe.
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
