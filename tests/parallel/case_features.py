@@ -15,6 +15,7 @@ import torch
 
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.models.memory_features import install_memory_features
+from tests import reorder
 
 
 def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
@@ -28,7 +29,7 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
     recipe = SimpleNamespace(
         offloads_activations=bool(features.get("offload")),
         tiled_mlp=bool(features.get("tiles")),
-        tiled_mlp_num_shards=features.get("tiles"),
+        tiled_mlp_num_shards=features.get("tiles") and reorder.tiles(features["tiles"]),
         resolved_head_loss=bool(features.get("head_loss")),
         memory_features=tuple(names),
     )

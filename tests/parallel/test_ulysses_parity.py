@@ -7,8 +7,9 @@ Each case runs 3 optimizer steps (SGD) on the tiny Llama (4 query heads) through
 DeepSpeed's own Ulysses attention and engine, with cptune's sharding, backend, target count
 and loss scale, and compares with the cp=1 reference from the same model, data and seeds: the
 Trainer's logged loss, the gradients DeepSpeed hands the optimizer (after its reduction across
-all ranks), and the losses after each step. fp32: losses rel <= 1e-6, gradients max rel <= 1e-5
-(5e-5 in the 4-process launch); measured values beside the test. Every ZeRO-3 case partitions every
+all ranks), and the losses after each step. fp32, held to the float64-reference rule of
+tests/parallel/test_parity.py's ``check``: at most 8x as far from the cp=1 reference computed in
+float64 as the fp32 cp=1 reference lands. Every ZeRO-3 case partitions every
 parameter over the ranks (``stage3_param_persistence_threshold: 0``; the default keeps all of the
 tiny model's parameters whole), which the test checks.
 
@@ -90,19 +91,16 @@ DP2_CP2_CASES = [
 ]
 
 
-# Measured (max over cases and ranks): cp2 losses 1.5e-7, gradients 2.3e-6; cp4 and dp2xcp2
-# losses 7.8e-8, gradients 1.9e-6, except dp2xcp2's packed LoRA case at 1.3e-5 (the cancelling
-# key gradients of tests/parallel/test_parity.py).
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("world", "cases", "grad_tol"),
-    [(2, CP2_CASES, 1e-5), (4, CP4_CASES + DP2_CP2_CASES, 5e-5)],
+    ("world", "cases"),
+    [(2, CP2_CASES), (4, CP4_CASES + DP2_CP2_CASES)],
     ids=["cp2", "cp4-and-dp2xcp2"],
 )
-def test_ulysses_parity_fp32(tmp_path, world, cases, grad_tol):
+def test_ulysses_parity_fp32(tmp_path, world, cases):
     # One launch per world size: process start-up dominates these runs on CPU.
     results = run_ranks(WORKER, world, tmp_path, json.dumps(cases))
-    check(results, cases, loss_tol=1e-6, grad_tol=grad_tol)
+    check(results, cases)  # float64 reference (tests/numerics.py)
     names = {c["name"] for c in cases}
     for name in (c["name"] for c in cases if c.get("stage") == 3):  # ZeRO-3 really splits every parameter
         for per_rank in results:

@@ -12,7 +12,8 @@ DeepSpeed engine with the case's ZeRO stage (ZeRO-3 partitioning every parameter
 ``CptuneTrainer`` uses them. Reported per case: step-0 loss of both paths (the deepspeed one as
 the Trainer would log it), the largest relative gradient difference after DeepSpeed's
 reduction, the losses of 3 optimizer steps, and under ZeRO-3 the parameters DeepSpeed left
-whole on a rank (none may be).
+whole on a rank (none may be); the same of the cp=1 reference computed in float64, and each
+gradient's distance from it (the fp32 check of tests/parallel/test_parity.py).
 
 Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel groups).
 
@@ -37,6 +38,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     grads_digest,
     install_case_features,
 )
+from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 
 from cptune.data.collator import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
@@ -54,6 +56,8 @@ from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import attention_registry_scope_patch, skip_shm_op_build_patch
 from cptune.patches.torch_patches import torch_cp_cpu_sdpa_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
+from tests import reorder
+from tests.numerics import float64_loss_sum, relative_errors
 from tests.parallel.zero3_partition import whole_parameters
 
 VOCAB = 97
@@ -107,14 +111,20 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     return model
 
 
-def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    case: dict, steps: list, float64: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
 
-    Runs before DeepSpeed's attention wraps the core attention: the wrapper replaces ``sdpa`` in the
-    registry until the case's scope patch reverts.
+    ``float64``: the same model and loss computed in float64. Runs before DeepSpeed's attention
+    wraps the core attention: the wrapper replaces ``sdpa`` in the registry until the case's scope
+    patch reverts.
     """
     causal = case.get("causal", True)
     model = build_model(case, "sdpa" if causal else "cptune")
+    loss_sum = token_loss_sum
+    if float64:
+        model, loss_sum = float64_twin(model), float64_loss_sum
     local = LocalBackend(causal=causal)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     losses, step0_grads = [], {}
@@ -122,10 +132,11 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
         everything = [b for group in step for b in group]
         targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for b in everything))
         total = 0.0
-        for batch in everything:
+        # The reorder stress accumulates the fp32 reference's micro batches the other way (tests/reorder.py).
+        for batch in everything if float64 else reorder.in_stress_order(everything):
             sharded = local.shard(batch)
             logits = model(**sharded.model_kwargs, use_cache=False).logits
-            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), targets, 1)
+            loss = scaled_step_loss(loss_sum(logits, sharded.shift_labels), targets, 1)
             loss.backward()
             total += loss.item()
         if t == 0:
@@ -136,22 +147,31 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
     return losses, step0_grads
 
 
-def compare_grads(engine: object, ref_grads: dict) -> tuple[float, str]:
-    """The largest relative difference of the engine's reduced gradients from the reference, and their digest."""
+def engine_grads(engine: object, ref_grads: dict) -> dict[str, torch.Tensor]:
+    """The gradients the engine hands its optimizer (after DeepSpeed's reduction), shaped as the reference's."""
     from deepspeed.utils import safe_get_full_grad
 
     mine = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
-    grad_rel = max(
-        float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
-        for n, g in ref_grads.items()
-    )
-    return grad_rel, grads_digest(mine)
+    return {n: mine[n].reshape(g.shape) for n, g in ref_grads.items()}
 
 
-def case_result(ref_losses: list, ref_grads: dict, run: dict) -> dict:
+def case_result(reference: tuple, reference64: tuple, grads: dict, steps: list, run: dict) -> dict:
+    """What tests/parallel/test_parity.py's ``check`` reads, from both references' ``(losses, step-0 gradients)``."""
+    (ref_losses, ref_grads), (ref64_losses, ref64_grads) = reference, reference64
+    relative = {
+        n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref_grads.items()
+    }
+    worst = max(relative, key=relative.get)
     return {
         "ref_losses": ref_losses,
+        "ref64_losses": ref64_losses,
+        "targets": [sum(int(count_targets(b.shift_labels)) for g in step for b in g) for step in steps],
+        "grad_rel": relative[worst],
+        "grad_worst": worst,
+        "grad_errors": relative_errors(grads, ref64_grads),
+        "ref_grad_errors": relative_errors(ref_grads, ref64_grads),
         "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
+        "grad_sha": grads_digest(grads),
         **run,
     }
 
@@ -205,7 +225,8 @@ def run_case(case: dict) -> dict:
     # Global batches: steps[t][dp_group][micro].
     generator = torch.Generator().manual_seed(case["seed"])
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
-    ref_losses, ref_grads = reference_run(case, steps)
+    reference, reference64 = reference_run(case, steps), reference_run(case, steps, float64=True)
+    ref_grads = reference[1]
 
     core = case.get("core", "cptune")
     model = build_model(case, ATTENTION_NAME if case.get("ring") else CORE_ATTENTION_NAMES[core])
@@ -228,7 +249,7 @@ def run_case(case: dict) -> dict:
     )
     backend = cp_backend(case, model)
     divisor = world  # as CptuneTrainer: DeepSpeed averages over every rank, as DDP does
-    losses, grad_rel, grad_sha = [], 0.0, ""
+    losses, grads = [], {}
     for t, step in enumerate(steps):
         micro = step[dp_rank]  # the whole batches of this rank's data-parallel group
         local_targets = sum((count_targets(b.shift_labels) for b in micro), torch.tensor(0))
@@ -244,21 +265,22 @@ def run_case(case: dict) -> dict:
                 engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item()  # what CptuneTrainer.training_step returns
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
-                grad_rel, grad_sha = compare_grads(engine, ref_grads)
+                grads = engine_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
-    run = {"cp_losses": losses, "grad_rel": grad_rel, "grad_sha": grad_sha}
+    run = {"cp_losses": losses}
     if stage == 3:
         run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
         run["parameters"] = sum(1 for _ in engine.module.parameters())
-    return case_result(ref_losses, ref_grads, run)
+    return case_result(reference, reference64, grads, steps, run)
 
 
 def main() -> None:
     import deepspeed
 
     out_dir, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
+    reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
     recipe = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
     with PatchSet([skip_shm_op_build_patch(ContextParallelWith(("deepspeed",)))]).applied(recipe):
         deepspeed.init_distributed(dist_backend="gloo")

@@ -22,6 +22,7 @@ import pytest
 
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
 from tests.conftest import REPO, logged, max_rel_diff, run_cptune
+from tests.numerics import logged_tolerance
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 
@@ -74,8 +75,8 @@ def test_quickstart_with_deepspeed_zero3_dp2xcp2_matches_cp1_step_by_step(tmp_pa
     assert len(expected["loss"]) == 4 and len(set(expected["loss"].values())) > 1
     diffs = {key: max_rel_diff(logs["zero3"][key], expected[key]) for key in expected}
     print("ZeRO-3 dp2xcp2 max rel diff vs cp=1:", diffs)
-    # Measured: losses 2.2e-7, gradient norms 1.0e-7, eval loss 2.9e-8 (fp32).
-    assert max(diffs.values()) <= 1e-6, (diffs, logs)
+    # Bound (tests/numerics.py): rows of 256 tokens, 6 a step (dp 2 x accumulation 3), 5 evaluated.
+    assert max(diffs.values()) <= logged_tolerance(256, 6), (diffs, logs)
     collective_audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
 
     out = tmp_path / "zero3"
