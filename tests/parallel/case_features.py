@@ -2,7 +2,7 @@
 
 A case's ``features`` may hold ``offload`` (activation offloading, with gradient checkpointing),
 ``tiles`` (tiled MLP with that many tiles) and ``head_loss`` (the chunked loss from the hidden
-states). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
+states; ``head_loss_chunk``: that many logits per chunk instead of the default). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
 feature off at cp=1.
 """
 
@@ -33,7 +33,10 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
         resolved_head_loss=bool(features.get("head_loss")),
         memory_features=tuple(names),
     )
-    return install_memory_features(model, recipe).loss
+    loss = install_memory_features(model, recipe).loss
+    if features.get("head_loss_chunk"):
+        loss.chunk_elements = features["head_loss_chunk"]
+    return loss
 
 
 def grads_digest(grads: dict[str, torch.Tensor]) -> str:

@@ -59,6 +59,16 @@ CP2_CASES = [
     # its tiled MLP and chunked loss: both call modules again in the backward pass, after ZeRO-3 freed
     # their weights (the dp2xcp2 ZeRO-3 case below reduces the MLP's and the output layer's weights too).
     case("ring-zero3-ga2-packed-lora+tiles+head-loss", stage=3, ga=2, ring="ring-flash-attn", features=ALST),
+    # Chunks of 3 tokens: the two ranks' shards hold different numbers of targets, so a different number of
+    # chunks, and each chunk's head call gathers ZeRO-3's partitioned head weight (a collective). Before the
+    # chunk counts were agreed over the partition group, gloo aborted ("Received data size doesn't match").
+    case(
+        "ring-zero3-ga2-packed-lora+head-loss-in-3-token-chunks",
+        stage=3,
+        ga=2,
+        ring="ring-flash-attn",
+        features={"head_loss": True, "head_loss_chunk": 3 * 97},
+    ),
     case("torch-zero2-unpacked-full", stage=2, packed=False, lora=False, ring="torch"),
     # Memory features on (tests/parallel/case_features.py), off in the cp=1 reference; the offload case
     # repeats packed-causal-lora and must match it bit for bit.

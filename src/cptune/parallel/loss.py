@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from cptune.parallel.backends.zero3_params import any_partitioned
-from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.backends.zero3_params import any_partitioned, partition_group
+from cptune.parallel.collectives import all_reduce_max, all_reduce_sum
 from cptune.parallel.shard import IGNORE_INDEX
 
 # Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
@@ -137,6 +137,13 @@ def head_token_loss_sum(
     size = max(1, chunk_elements // vocab)
     # At least one (possibly empty) chunk: the head stays in the graph when no token has a target.
     chunks = list(zip(rows.split(size), labels.split(size), strict=True)) or [(rows, labels)]
+    group = partition_group(head)
+    if group is not None:
+        # ZeRO-3 gathers the head's weight in every call and again in each recomputation: a
+        # collective over the partition group, so every rank must call the head as often. Ranks
+        # with fewer targets (another shard, another data-parallel batch) add empty chunks.
+        most = int(all_reduce_max(torch.tensor([len(chunks)]), group)[0])
+        chunks += [(rows[:0], labels[:0])] * (most - len(chunks))
     recompute = torch.is_grad_enabled() and (
         rows.requires_grad or any(p.requires_grad for p in getattr(head, "parameters", tuple)())
     )
