@@ -13,6 +13,14 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import reorder, tiers
+from tests.tiers import (  # noqa: F401 - hooks of the suite's tiers (tests/tiers.py)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    pytest_runtest_protocol,
+)
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
 
@@ -21,6 +29,25 @@ def pytest_configure(config):
     # Every process the tests start prints its Python stack if it dies of a signal (a crash inside
     # torch or gloo otherwise leaves only an exit code).
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    tiers.install_guard()
+    # One torch thread in this process too, as in every process the tests start (run_cptune, and
+    # the launcher's default OMP_NUM_THREADS=1): tiny tensors gain nothing from a second thread, and
+    # on busy cores OpenMP's threads wait for each other (tests/parallel/test_activation_memory.py:
+    # 177 s with 2 threads, 27 s with 1, at load average 11 on 2 cores). Under the reorder stress this
+    # process takes 2 threads instead, so its parallel reductions split their sums elsewhere than by
+    # default. An OMP_NUM_THREADS the caller sets wins.
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = 2 if reorder.active() else 1
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # read when torch loads
+        if "torch" in sys.modules:  # already loaded by a conftest (tests/data/conftest.py)
+            sys.modules["torch"].set_num_threads(threads)
+    reorder.apply(threads=False)  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
+
+
+def pytest_report_header(config):
+    if reorder.active():
+        return f"{reorder.VARIABLE}: summation orders under stress (tests/reorder.py)"
+    return None
 
 
 @pytest.fixture(scope="session")

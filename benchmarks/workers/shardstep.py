@@ -106,10 +106,10 @@ def setup_backend(recipe: Any, rank: int, world: int) -> CpSetup:
     cp = recipe.context_parallel_size
     plan = RunPlan.build(recipe, world).attention(PAD_TOKEN_ID)
     if cp == 1:
-        return CpSetup(1, plan, plan.build(None), None, rank == 0)
+        return CpSetup(1, plan, plan.build(None, None), None, rank == 0)
     # The names cptune gives its mesh axes (cptune.run.training.train: dp_shard × cp).
     mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp_shard", "cp"))
-    backend = plan.build(SimpleNamespace(torch_device_mesh=mesh))
+    backend = plan.build(SimpleNamespace(torch_device_mesh=mesh), None)
     return CpSetup(cp, plan, backend, mesh["cp"].get_group(), rank < cp)
 
 

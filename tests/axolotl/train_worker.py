@@ -19,11 +19,12 @@ from transformers import TrainerCallback
 from cptune.config.loader import load_recipe
 from cptune.run.training.distributed import read_dist_env
 from cptune.run.training.train import train
+from tests.parallel.zero3_partition import whole_parameters
 
 
 class Setup(TrainerCallback):
-    """At the start of training: whether DeepSpeed ZeRO-3 partitions every parameter, and the memory
-    features' hooks on the model (modules hooked by ``TiledMlp`` / ``HeadLoss``)."""
+    """At the start of training: the parameters DeepSpeed ZeRO-3 keeps whole on this rank (None without
+    ZeRO-3), and the memory features' hooks on the model (modules hooked by ``TiledMlp`` / ``HeadLoss``)."""
 
     def __init__(self) -> None:
         self.seen: dict = {}
@@ -34,8 +35,9 @@ class Setup(TrainerCallback):
             for module in model.modules()
             for hook in module._forward_hooks.values()
         )
+        zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
         self.seen = {
-            "zero3_partitioned": all(hasattr(p, "ds_id") for p in model.parameters()),
+            "zero3_whole": whole_parameters(model.named_parameters(), args.world_size) if zero3 else None,
             "tiled_mlp_modules": owners["TiledMlp"],
             "head_loss_modules": owners["HeadLoss"],
         }

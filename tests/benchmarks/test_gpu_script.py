@@ -179,10 +179,13 @@ def test_gpu_section_is_rendered_from_the_committed_json_with_mfu_two_ways():
     assert section.rstrip() in page, "docs/benchmarks.md is stale: python -m benchmarks --render-only"
 
 
-def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path):
+def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path, monkeypatch):
     import json
 
     from benchmarks.gpu import docs, lease_report
+
+    # env.json holds no commit, so the entry asks git for this checkout's: answered here, in process.
+    monkeypatch.setattr(lease_report, "commit", lambda: "0123abc")
 
     files = {
         "env.json": {"device": "NVIDIA H100 80GB HBM3", "gpus": 1, "torch": "2.11.0+cu130", "cuda": "13.0",
@@ -199,6 +202,7 @@ def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path):
     for name, content in files.items():
         (tmp_path / name).write_text(json.dumps(content))
     run = lease_report.entry([tmp_path], "test")
+    assert run["commit"] == "0123abc"
     assert run["machine"]["torch"] == "2.11.0+cu130" and run["kernels"].startswith(
         "cptune.parallel.kernels.torch_flash"
     )

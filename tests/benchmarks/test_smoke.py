@@ -47,6 +47,7 @@ def test_smoke_suite_runs_every_benchmark_and_writes_the_page(tmp_path):
         assert f"](benchmarks/{chart})" in page
 
 
+@pytest.mark.e2e  # a fresh interpreter
 def test_threads_preparing_data_keep_tqdms_lock():
     """The smoke suite's threads load data through datasets' thread_map at once: tqdm's lock must stay.
 

@@ -13,6 +13,7 @@ import cptune.data
 from cptune.data.collator import PackedCollator
 
 
+@pytest.mark.e2e  # a fresh interpreter
 def test_import_is_lazy() -> None:
     code = "import sys, cptune.data; print(sorted({'torch', 'datasets', 'transformers'} & set(sys.modules)))"
     src = str(Path(cptune.__file__).parents[1])

@@ -249,6 +249,7 @@ print("RESULT", json.dumps({"from_cache": prepared.stats.from_cache, "digest": h
 """
 
 
+@pytest.mark.distributed
 def test_concurrent_processes_prepare_once(
     make_recipe: MakeRecipe,
     data: dict[str, str],

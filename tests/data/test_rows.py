@@ -66,6 +66,7 @@ def test_malformed_row_error_names_dataset_row_and_field(
     )
 
 
+@pytest.mark.distributed  # datasets forks num_proc workers
 def test_error_row_index_survives_several_processes(
     tokenizer: PreTrainedTokenizerFast, tmp_path: Path
 ) -> None:

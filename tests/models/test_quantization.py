@@ -20,6 +20,7 @@ from cptune.models.loading import (
     meta_model,
 )
 from cptune.models.quantization import quantization_config
+from tests.numerics import assert_within, reorder_bound
 
 needs_bitsandbytes = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="the quantization extra is not installed"
@@ -70,7 +71,8 @@ def test_4bit_layers_stay_exact_and_differentiable_after_an_evaluation(tiny_mode
     y = layer(x)
     (grad,) = torch.autograd.grad(y, x, torch.ones_like(y))
     assert torch.equal(y, x @ weight.t())
-    assert torch.allclose(grad, torch.ones_like(y) @ weight, atol=1e-6)
+    # Bound: each element sums out_features products of a 1 and a weight, in any order.
+    assert_within(grad, torch.ones_like(y) @ weight, reorder_bound(y.shape[-1], weight.abs().sum(0)))
 
 
 def test_missing_bitsandbytes_is_refused_before_launching(tiny_model_dir, monkeypatch):

@@ -2,7 +2,7 @@
 
 A case's ``features`` may hold ``offload`` (activation offloading, with gradient checkpointing),
 ``tiles`` (tiled MLP with that many tiles) and ``head_loss`` (the chunked loss from the hidden
-states). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
+states; ``head_loss_chunk``: that many logits per chunk instead of the default). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
 feature off at cp=1.
 """
 
@@ -15,6 +15,7 @@ import torch
 
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.models.memory_features import install_memory_features
+from tests import reorder
 
 
 def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
@@ -28,11 +29,14 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
     recipe = SimpleNamespace(
         offloads_activations=bool(features.get("offload")),
         tiled_mlp=bool(features.get("tiles")),
-        tiled_mlp_num_shards=features.get("tiles"),
+        tiled_mlp_num_shards=features.get("tiles") and reorder.tiles(features["tiles"]),
         resolved_head_loss=bool(features.get("head_loss")),
         memory_features=tuple(names),
     )
-    return install_memory_features(model, recipe).loss
+    loss = install_memory_features(model, recipe).loss
+    if features.get("head_loss_chunk"):
+        loss.chunk_elements = features["head_loss_chunk"]
+    return loss
 
 
 def grads_digest(grads: dict[str, torch.Tensor]) -> str:

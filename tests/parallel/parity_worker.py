@@ -9,7 +9,10 @@ over the world as DDP does (a ``tp`` case: splits the model over ``tp`` ranks wi
 cptune's tensor parallelism and shards it with FSDP2 over dp_shard × cp, as
 ``cptune train`` does, on a dp_shard × cp × tp mesh), and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
-steps (SGD) of both paths; in bf16 also those of a cp=1 reorder baseline (``run_case``).
+steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64 and each
+gradient's distance from it, in bf16 those of a cp=1 reorder baseline (``run_case``).
+
+A case's ``inject`` plants a bug in the CP path (``INJECTIONS``): the parity check must fail on it.
 
 Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
 """
@@ -17,6 +20,8 @@ Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     grads_digest,
     install_case_features,
 )
+from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -38,7 +44,11 @@ from cptune.models.head_loss import logits_loss
 from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
-from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+from cptune.parallel.backends.ring_flash_attn.sharding import (
+    RingFlashAttnBackend,
+    RingKernels,
+    load_ring_flash_attn,
+)
 from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
@@ -47,6 +57,8 @@ from cptune.parallel.shard import TokenBatch
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
 from devtools.tiny import build_tiny_model, tiny_llama_config
+from tests import reorder
+from tests.numerics import float64_logits_loss, relative_errors
 
 VOCAB = 97
 # SGD: its update is linear in the gradient, so the losses after each step show a gradient error
@@ -222,6 +234,8 @@ def shard_with_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None
 
 
 def make_backend(case: dict, groups: Groups, kernels):
+    if case.get("inject") in INJECTIONS:
+        kernels = INJECTIONS[case["inject"]](kernels)
     if case.get("backend") == "torch":
         return TorchCpBackend(
             causal=case["causal"],
@@ -240,6 +254,26 @@ def make_backend(case: dict, groups: Groups, kernels):
         pad_token_id=0,
         kernels=kernels,
     )
+
+
+def with_window(kernels: RingKernels) -> RingKernels:
+    """Planted bug: a sliding window of 8 keys where the model has none."""
+    return dataclasses.replace(
+        kernels, varlen_llama3=functools.partial(kernels.varlen_llama3, window_size=(8, -1))
+    )
+
+
+def without_first_boundary(kernels: RingKernels) -> RingKernels:
+    """Planted bug: the first document boundary of the rows dropped from the attention's cu_seqlens."""
+
+    def prepare(cu_seqlens, **kwargs):
+        return kernels.prepare_cu_seqlens(torch.cat([cu_seqlens[:1], cu_seqlens[2:]]), **kwargs)
+
+    return dataclasses.replace(kernels, prepare_cu_seqlens=prepare)
+
+
+# Planted bugs in the ring kernels (``inject`` of a case); ``grad_scale`` is planted in run_case.
+INJECTIONS = {"window": with_window, "boundary": without_first_boundary}
 
 
 def first_rows(case: dict, step: int, dp_size: int) -> list[list[int]]:
@@ -265,6 +299,8 @@ def grad_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 def run_case(case: dict, groups: Groups, kernels) -> dict:
     """3 optimizer steps of the reference and of the CP path; see the module docstring.
 
+    In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too): the parity
+    check holds each fp32 path's distance from it against the other's (tests/numerics.py).
     In bf16 a second cp=1 reference runs beside the first with eager attention instead of
     sdpa: the same computation with the attention's sums in another order. How far it lands
     from the first is the noise floor of bf16 (``reorder_baseline``); CP reorders the same sums.
@@ -274,12 +310,15 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     reference = build_model(case, "sdpa" if case["causal"] else "cptune")
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
-    twin = None
+    twin = reference64 = None
     if case.get("bf16"):
         twin = copy.deepcopy(reference)
         twin.set_attn_implementation("eager")
+    else:
+        reference64 = float64_twin(reference)
     # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
     ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
+    ref64_keys = None if reference64 is None else use_exact_lora_dropout(reference64, seed=case["seed"])
     loss_fn = install_case_features(model, case)
     result: dict = {}
     if groups.tp_mesh is not None:
@@ -294,10 +333,10 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     backend = make_backend(case, groups, kernels)
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LEARNING_RATE)
-        for m in (reference, model, twin)
+        for m in (reference, model, twin, reference64)
         if m is not None
     ]
-    ref_losses, cp_losses, twin_losses = [], [], []
+    ref_losses, cp_losses, twin_losses, ref64_losses, step_targets = [], [], [], [], []
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
@@ -305,9 +344,17 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for g in batches for b in g))
         # Reference: every batch of every DP group, one process, mean over all targets.
         ref_batches = [(b, r) for g, r in zip(batches, rows, strict=True) for b, r in zip(g, r, strict=True)]
-        ref_losses.append(run_step(reference, local, ref_batches, 1, targets, ref_keys))
+        step_targets.append(int(targets))
+        # The reorder stress accumulates the reference's micro batches the other way (tests/reorder.py).
+        ref_losses.append(
+            run_step(reference, local, reorder.in_stress_order(ref_batches), 1, targets, ref_keys)
+        )
         if twin is not None:
             twin_losses.append(run_step(twin, local, ref_batches, 1, targets))
+        if reference64 is not None:
+            ref64_losses.append(
+                run_step(reference64, local, ref_batches, 1, targets, ref64_keys, float64_logits_loss)
+            )
         mine_batches = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
         # As CptuneTrainer counts: every rank of a TP group counts its batch too, so the count is tp
         # times the step's, as the world size the loss is scaled by is while FSDP2 averages over world / tp.
@@ -315,28 +362,38 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         loss = torch.tensor(run_step(model, backend, mine_batches, world, counted, keys, loss_fn))
         dist.all_reduce(loss)
         cp_losses.append(loss.item() / world)
+        # Planted bug grad_scale: gradients averaged over the data-parallel groups only, not the world.
+        divisor = world // groups.cp_size if case.get("inject") == "grad_scale" else world
         for p in model.parameters():
             if p.requires_grad and groups.tp_mesh is None:
                 dist.all_reduce(p.grad)  # DDP: mean over the world
-                p.grad /= world
+                p.grad /= divisor
         if step == 0:
             ref_g = grads(reference)
-            result["grad_rel"], result["grad_worst"] = grad_diffs(grads(model), ref_g)
+            cp_g = grads(model)
+            result["grad_rel"], result["grad_worst"] = grad_diffs(cp_g, ref_g)
             result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
-            result["grad_sha"] = grads_digest(grads(model))
+            result["grad_sha"] = grads_digest(cp_g)
             if twin is not None:
                 result["baseline_grad_rel"], _ = grad_diffs(grads(twin), ref_g)
+            if reference64 is not None:
+                ref64_g = grads(reference64)
+                result["grad_errors"] = relative_errors(cp_g, ref64_g)
+                result["ref_grad_errors"] = relative_errors(ref_g, ref64_g)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
-    result.update(ref_losses=ref_losses, cp_losses=cp_losses)
+    result.update(ref_losses=ref_losses, cp_losses=cp_losses, targets=step_targets)
     if twin is not None:
         result["baseline_losses"] = twin_losses
+    if reference64 is not None:
+        result["ref64_losses"] = ref64_losses
     return result
 
 
 def main() -> None:
     out_dir, cp_size, cases = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dp_size, cp_rank, dp_rank = world // cp_size, rank % cp_size, rank // cp_size

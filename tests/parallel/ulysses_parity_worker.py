@@ -2,24 +2,25 @@
 
 Every rank builds the same tiny Llama and the same global batches and computes the
 cp=1 reference itself (one process, whole rows, ``LocalBackend``, torch SGD).
-The deepspeed side runs DeepSpeed's own pieces as accelerate and the Trainer wire
-them: ``UlyssesSPAttentionHF.register_with_transformers`` around the core
-attention, ``UlyssesSPDataLoaderAdapter`` over a loader of cptune's
-``UlyssesCollator`` batches (each rank loads its own batches; the adapter hands
-out shards), a DeepSpeed engine with the case's ZeRO stage, and cptune's
-backend, target count and loss scale exactly as ``CptuneTrainer`` uses them.
-Reported per case: step-0 loss of both paths (the deepspeed one as the Trainer
-would log it), the largest relative gradient difference after DeepSpeed's
-reduction, and the losses of 3 optimizer steps.
+The deepspeed side runs what ``cptune train`` runs: DeepSpeed's ``UlyssesSPAttentionHF``
+around the core attention over the CP group's process group
+(:func:`~cptune.parallel.backends.deepspeed_ulysses.sharding.install_ulysses_attention`),
+every rank of a CP group training its slice of the group's batch
+(:class:`~cptune.parallel.backends.deepspeed_ulysses.sharding.DeepSpeedUlyssesBackend`), a
+DeepSpeed engine with the case's ZeRO stage (ZeRO-3 partitioning every parameter:
+``stage3_param_persistence_threshold: 0``), and cptune's target count and loss scale exactly as
+``CptuneTrainer`` uses them. Reported per case: step-0 loss of both paths (the deepspeed one as
+the Trainer would log it), the largest relative gradient difference after DeepSpeed's
+reduction, the losses of 3 optimizer steps, and under ZeRO-3 the parameters DeepSpeed left
+whole on a rank (none may be); the same of the cp=1 reference computed in float64, and each
+gradient's distance from it (the fp32 check of tests/parallel/test_parity.py).
 
-Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel
-groups); DeepSpeed's sequence-parallel groups are built anew for every case.
+Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel groups).
 
 A case with ``ring: ring-flash-attn`` (or ``torch``) runs that cptune backend under DeepSpeed's engine
-instead (Axolotl's ``deepspeed: zero3.json`` next to ``context_parallel_size``): no sequence-parallel
-group, every rank of a CP group trains the same batch (what cptune's loader patch gives it,
-``patches/zero_ring_patches.py``), and DeepSpeed averages over all ranks, as DDP does
-(``parallel.backends.base.gradient_divisor`` of the backend).
+instead (Axolotl's ``deepspeed: zero3.json`` next to ``context_parallel_size``): the same data path,
+ring or torch attention instead of DeepSpeed's. Either way DeepSpeed is given no sequence-parallel
+group and averages the gradients over all ranks, as DDP does.
 
 Usage: ulysses_parity_worker.py OUT_DIR CASES_JSON
 """
@@ -37,18 +38,16 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     grads_digest,
     install_case_features,
 )
+from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 
 from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
-from cptune.parallel.backends.base import gradient_divisor as backend_divisor
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.deepspeed_ulysses.patches import attention_registry_scope_patch
 from cptune.parallel.backends.deepspeed_ulysses.sharding import (
     CORE_ATTENTION_NAMES,
     DeepSpeedUlyssesBackend,
-    UlyssesCollator,
-    gloo_fixed_length,
-    gradient_divisor,
+    install_ulysses_attention,
 )
 from cptune.parallel.backends.document_attention import register_document_attention
 from cptune.parallel.backends.local.sharding import LocalBackend
@@ -58,6 +57,9 @@ from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
 from devtools.tiny import build_tiny_model, tiny_llama_config
+from tests import reorder
+from tests.numerics import float64_loss_sum, relative_errors
+from tests.parallel.zero3_partition import whole_parameters
 
 VOCAB = 97
 STEPS = 3
@@ -110,26 +112,20 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     return model
 
 
-def collate_one(items: list[TokenBatch]) -> dict:
-    """What cptune's collator produces, for a batch that is already one TokenBatch."""
-    (batch,) = items
-    return {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
-        "shift_labels": batch.shift_labels,
-        "labels": torch.full_like(batch.shift_labels, -100),  # replaced by UlyssesCollator
-        "num_tokens": torch.tensor(batch.input_ids.numel()),
-    }
-
-
-def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    case: dict, steps: list, float64: bool = False
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
 
-    Runs before DeepSpeed wraps any attention: its wrapper replaces ``sdpa`` for the
-    whole process (the cptune run scopes it with a patch).
+    ``float64``: the same model and loss computed in float64. Runs before DeepSpeed's attention
+    wraps the core attention: the wrapper replaces ``sdpa`` in the registry until the case's scope
+    patch reverts.
     """
     causal = case.get("causal", True)
     model = build_model(case, "sdpa" if causal else "cptune")
+    loss_sum = token_loss_sum
+    if float64:
+        model, loss_sum = float64_twin(model), float64_loss_sum
     local = LocalBackend(causal=causal)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     losses, step0_grads = [], {}
@@ -137,10 +133,11 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
         everything = [b for group in step for b in group]
         targets = torch.tensor(sum(int(count_targets(b.shift_labels)) for b in everything))
         total = 0.0
-        for batch in everything:
+        # The reorder stress accumulates the fp32 reference's micro batches the other way (tests/reorder.py).
+        for batch in everything if float64 else reorder.in_stress_order(everything):
             sharded = local.shard(batch)
             logits = model(**sharded.model_kwargs, use_cache=False).logits
-            loss = scaled_step_loss(token_loss_sum(logits, sharded.shift_labels), targets, 1)
+            loss = scaled_step_loss(loss_sum(logits, sharded.shift_labels), targets, 1)
             loss.backward()
             total += loss.item()
         if t == 0:
@@ -151,30 +148,37 @@ def reference_run(case: dict, steps: list) -> tuple[list[float], dict[str, torch
     return losses, step0_grads
 
 
-def compare_grads(engine: object, ref_grads: dict) -> tuple[float, str]:
-    """The largest relative difference of the engine's reduced gradients from the reference, and their digest."""
+def engine_grads(engine: object, ref_grads: dict) -> dict[str, torch.Tensor]:
+    """The gradients the engine hands its optimizer (after DeepSpeed's reduction), shaped as the reference's."""
     from deepspeed.utils import safe_get_full_grad
 
     mine = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
-    grad_rel = max(
-        float((mine[n].reshape(g.shape) - g).abs().max() / g.abs().max().clamp_min(1e-30))
-        for n, g in ref_grads.items()
-    )
-    return grad_rel, grads_digest(mine)
+    return {n: mine[n].reshape(g.shape) for n, g in ref_grads.items()}
 
 
-def case_result(ref_losses: list, ref_grads: dict, losses: list, grad_rel: float, grad_sha: str) -> dict:
+def case_result(reference: tuple, reference64: tuple, grads: dict, steps: list, run: dict) -> dict:
+    """What tests/parallel/test_parity.py's ``check`` reads, from both references' ``(losses, step-0 gradients)``."""
+    (ref_losses, ref_grads), (ref64_losses, ref64_grads) = reference, reference64
+    relative = {
+        n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref_grads.items()
+    }
+    worst = max(relative, key=relative.get)
     return {
         "ref_losses": ref_losses,
-        "cp_losses": losses,
-        "grad_rel": grad_rel,
+        "ref64_losses": ref64_losses,
+        "targets": [sum(int(count_targets(b.shift_labels)) for g in step for b in g) for step in steps],
+        "grad_rel": relative[worst],
+        "grad_worst": worst,
+        "grad_errors": relative_errors(grads, ref64_grads),
+        "ref_grad_errors": relative_errors(ref_grads, ref64_grads),
         "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
-        "grad_sha": grad_sha,
+        "grad_sha": grads_digest(grads),
+        **run,
     }
 
 
-def cp_backend_under_zero(case: dict) -> object:
-    """cptune's ring-flash-attn or torch backend over this rank's CP group (consecutive ranks)."""
+def cp_backend(case: dict, model: torch.nn.Module) -> object:
+    """The case's cptune backend over this rank's CP group (consecutive ranks, as accelerate's mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
@@ -182,50 +186,71 @@ def cp_backend_under_zero(case: dict) -> object:
 
     world, cp, causal = dist.get_world_size(), case["cp"], case.get("causal", True)
     cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
-    if case["ring"] == "torch":
+    if case.get("ring") == "torch":
         return TorchCpBackend(
             causal=causal, load_balance=causal, comm_strategy="allgather", cp_mesh=cp_mesh, pad_token_id=0
         )
-    return RingFlashAttnBackend(
-        func="varlen_llama3",
+    if case.get("ring") == "ring-flash-attn":
+        return RingFlashAttnBackend(
+            func="varlen_llama3",
+            causal=causal,
+            heads_k_stride=1,
+            cp_size=cp,
+            cp_rank=cp_mesh.get_local_rank(),
+            group=cp_mesh.get_group(),
+            pad_token_id=0,
+            kernels=load_ring_flash_attn(),
+        )
+    core = case.get("core", "cptune")
+    # What the deepspeed backend's build does when the Trainer is built.
+    install_ulysses_attention(
+        model.config.get_text_config(), CORE_ATTENTION_NAMES[core], cp_mesh.get_group(), case["mbs"]
+    )
+    return DeepSpeedUlyssesBackend(
+        core_attention=core,
         causal=causal,
-        heads_k_stride=1,
         cp_size=cp,
         cp_rank=cp_mesh.get_local_rank(),
-        group=cp_mesh.get_group(),
+        micro_batch_size=case["mbs"],
         pad_token_id=0,
-        kernels=load_ring_flash_attn(),
     )
 
 
-def run_ring_under_zero(case: dict, steps: list, ref_grads: dict) -> tuple[list[float], float, str]:
-    """cptune's ring or torch backend on DeepSpeed's engine (no mpu): the CP group shares each batch."""
+def run_case(case: dict) -> dict:
+    """The cp=1 reference, then the case's backend on DeepSpeed's engine: each CP group shares its batches."""
     import deepspeed
-    from deepspeed.utils import groups
-
-    # No sequence-parallel group: DeepSpeed keeps an earlier Ulysses case's mpu for good, and through it
-    # would divide by world / cp (a process of cptune runs one training, with or without Ulysses).
-    groups.mpu = None
 
     rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
-    dp_rank, ga = rank // cp, case["ga"]
-    model = build_model(case, ATTENTION_NAME)
+    dp, dp_rank, ga, stage = world // cp, rank // cp, case["ga"], case.get("stage", 0)
+
+    # Global batches: steps[t][dp_group][micro].
+    generator = torch.Generator().manual_seed(case["seed"])
+    steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
+    reference, reference64 = reference_run(case, steps), reference_run(case, steps, float64=True)
+    ref_grads = reference[1]
+
+    core = case.get("core", "cptune")
+    model = build_model(case, ATTENTION_NAME if case.get("ring") else CORE_ATTENTION_NAMES[core])
     loss_fn = install_case_features(model, case)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    zero = {"stage": stage, **case.get("zero", {})}
+    if stage == 3:
+        # 0 partitions every parameter (the default 1e5 elements would keep all of the tiny model's whole).
+        zero["stage3_param_persistence_threshold"] = 0
     config = {
         "train_micro_batch_size_per_gpu": case["mbs"],
         "gradient_accumulation_steps": ga,
         "train_batch_size": case["mbs"] * ga * world,  # DeepSpeed's data-parallel world: every rank
-        "zero_optimization": {"stage": case.get("stage", 0)},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
     }
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config
     )
-    backend = cp_backend_under_zero(case)
-    divisor = backend_divisor(backend, world)  # as CptuneTrainer: DDP's, the world
-    losses, grad_rel, grad_sha = [], 0.0, ""
+    backend = cp_backend(case, model)
+    divisor = world  # as CptuneTrainer: DeepSpeed averages over every rank, as DDP does
+    losses, grads = [], {}
     for t, step in enumerate(steps):
         micro = step[dp_rank]  # the whole batches of this rank's data-parallel group
         local_targets = sum((count_targets(b.shift_labels) for b in micro), torch.tensor(0))
@@ -235,107 +260,28 @@ def run_ring_under_zero(case: dict, steps: list, ref_grads: dict) -> tuple[list[
             with step_context(backend):  # torch's CP dispatcher, around forward and backward
                 sharded = backend.shard(batch)
                 loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
-                check_layers_served(sharded.call, 2)
+                if sharded.call is not None:
+                    check_layers_served(sharded.call, 2)
                 loss = scaled_step_loss(loss_sum, step_targets, divisor)
                 engine.backward(loss, scale_wrt_gas=False)
-            logged += loss.item() * world / divisor  # CptuneTrainer.training_step
-            if t == 0 and i == ga - 1:
-                grad_rel, grad_sha = compare_grads(engine, ref_grads)
-            engine.step()
-        dist.all_reduce(logged)
-        losses.append(float(logged) / world)
-    return losses, grad_rel, grad_sha
-
-
-def run_case(case: dict) -> dict:
-    import deepspeed
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
-        UlyssesSPAttentionHF,
-        UlyssesSPDataLoaderAdapter,
-    )
-
-    rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
-    dp, dp_rank, cp_rank = world // cp, rank // cp, rank % cp
-    core, stage, mbs, ga = case.get("core", "cptune"), case.get("stage", 0), case["mbs"], case["ga"]
-
-    # Global batches: steps[t][dp_group][micro].
-    generator = torch.Generator().manual_seed(case["seed"])
-    steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
-    ref_losses, ref_grads = reference_run(case, steps)
-    if case.get("ring"):
-        return case_result(ref_losses, ref_grads, *run_ring_under_zero(case, steps, ref_grads))
-
-    model = build_model(case, CORE_ATTENTION_NAMES[core])
-    loss_fn = install_case_features(model, case)
-    parallel_state_sp._release_sequence_parallel_groups()  # one Ulysses setup per case, in one process
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model,
-        core_attn_implementation=CORE_ATTENTION_NAMES[core],
-        sequence_parallel_size=cp,
-        micro_batch_size=mbs,
-        seq_length_is_variable=True,
-        disable_in_eval=True,
-    )
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    config = {
-        "train_micro_batch_size_per_gpu": mbs,
-        "gradient_accumulation_steps": ga,
-        "train_batch_size": mbs * ga * dp,
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config, mpu=mpu
-    )
-    backend = DeepSpeedUlyssesBackend(
-        core_attention=core,
-        causal=case.get("causal", True),
-        cp_size=cp,
-        cp_rank=cp_rank,
-        gradient_divisor=gradient_divisor(stage, world, cp),
-        pad_token_id=0,
-        fixed_length=gloo_fixed_length(case["seq_len"], cp),
-    )
-    # Each data-parallel group's stream of micro batches is spread over its ranks'
-    # loaders as the adapter expects: rank r loads items r, r + cp, ...; the adapter
-    # gathers them and serves every rank its slice of each, in stream order.
-    stream = [batch for step in steps for batch in step[dp_rank]]
-    stream += stream[: (-len(stream)) % cp]  # whole refills; the extra items are never served
-    collate = backend.wrap_collator(collate_one)
-    assert isinstance(collate, UlyssesCollator)
-    loader = torch.utils.data.DataLoader(stream[cp_rank::cp], batch_size=1, collate_fn=collate)
-    micro_iter = iter(
-        UlyssesSPDataLoaderAdapter(loader, cp_rank, mpu.get_sequence_parallel_group(), cp, "cpu")
-    )
-
-    losses, grad_rel, grad_sha = [], None, None
-    for t in range(STEPS):
-        micro = [next(micro_iter) for _ in range(ga)]
-        local_targets = sum((count_targets(m["shift_labels"]) for m in micro), torch.tensor(0))
-        step_targets = step_target_count(local_targets, 1)  # shards: no copies to divide out
-        logged = torch.zeros((), dtype=torch.float64)
-        for i, m in enumerate(micro):
-            sharded = backend.shard(TokenBatch(m["input_ids"], m["position_ids"], m["shift_labels"]))
-            loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
-            if sharded.call is not None:
-                check_layers_served(sharded.call, 2)
-            loss = scaled_step_loss(loss_sum, step_targets, backend.gradient_divisor)
-            engine.backward(loss, scale_wrt_gas=False)
-            logged += loss.item() * world / backend.gradient_divisor  # CptuneTrainer.training_step
+            logged += loss.item()  # what CptuneTrainer.training_step returns
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
-                grad_rel, grad_sha = compare_grads(engine, ref_grads)
+                grads = engine_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
-    return case_result(ref_losses, ref_grads, losses, grad_rel, grad_sha)
+    run = {"cp_losses": losses}
+    if stage == 3:
+        run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
+        run["parameters"] = sum(1 for _ in engine.module.parameters())
+    return case_result(reference, reference64, grads, steps, run)
 
 
 def main() -> None:
     import deepspeed
 
     out_dir, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
+    reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
     recipe = SimpleNamespace(context_parallel_size=2, cp_backend="deepspeed")
     with PatchSet([skip_shm_op_build_patch(ContextParallelWith(("deepspeed",)))]).applied(recipe):
         deepspeed.init_distributed(dist_backend="gloo")

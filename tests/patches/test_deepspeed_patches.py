@@ -6,12 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cptune.parallel.backends.deepspeed_ulysses.patches import (
-    attention_registry_scope_patch,
-    sp_attn_allows_cptune_patch,
-    ulysses_patches,
-)
-from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
+from cptune.parallel.backends.deepspeed_ulysses.patches import attention_registry_scope_patch, ulysses_patches
 from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import (
@@ -19,6 +14,7 @@ from cptune.patches.deepspeed_patches import (
     deepspeed_cpu_backend_patch,
     deepspeed_engine_patches,
     skip_shm_op_build_patch,
+    zero0_grad_norm_patch,
 )
 from cptune.patches.registry import build_patches
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
@@ -30,15 +26,16 @@ FOR_DEEPSPEED = ContextParallelWith(("deepspeed",))
 
 def test_selected_for_deepspeed_only_and_fit_the_installed_libraries():
     pytest.importorskip("deepspeed")
-    ours = [
-        *deepspeed_engine_patches(FOR_DEEPSPEED),
-        *ulysses_patches(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME),
-    ]
+    ours = [*deepspeed_engine_patches(FOR_DEEPSPEED), *ulysses_patches(FOR_DEEPSPEED)]
     names = {p.name for p in ours}
     plan = PatchSet(build_patches(DEEPSPEED, BACKENDS.values())).plan(DEEPSPEED)
     assert plan.ok, plan.describe()
-    assert names <= {p.name for p in plan.selected}
-    assert "accelerate-deepspeed-loader-cp-batches" not in {p.name for p in plan.selected}
+    # Ulysses trains on accelerate's cp mesh axis and shards its batches itself, as ring-flash-attn does.
+    assert names | {
+        "accelerate-deepspeed-loader-cp-batches",
+        "accelerator-prepare-cp-by-backend",
+        "trainer-cp-inputs-noop",
+    } <= {p.name for p in plan.selected}
     assert not PatchSet(ours).plan(RING).selected
     assert not {p.name for p in PatchSet(build_patches(RING, BACKENDS.values())).plan(RING).selected} & names
 
@@ -62,29 +59,15 @@ def test_deepspeed_on_cpu_gets_the_real_world_size(monkeypatch):
         assert PartialState._prepare_backend(None, False, False, None) == (None, DistributedType.NO)
 
 
-def test_accelerate_accepts_cptune_core_attention_only_while_patched():
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-    from cptune.parallel.backends.document_attention import DOCUMENT_ATTENTION_NAME
-
-    with pytest.raises(ValueError, match="Invalid sp_attn_implementation"):
-        DeepSpeedSequenceParallelConfig(sp_attn_implementation=DOCUMENT_ATTENTION_NAME)
-    with PatchSet([sp_attn_allows_cptune_patch(FOR_DEEPSPEED, DOCUMENT_ATTENTION_NAME)]).applied(DEEPSPEED):
-        config = DeepSpeedSequenceParallelConfig(sp_attn_implementation=DOCUMENT_ATTENTION_NAME)
-        assert config.sp_attn_implementation == DOCUMENT_ATTENTION_NAME
-        with pytest.raises(ValueError, match="not supported with sequence parallelism"):
-            DeepSpeedSequenceParallelConfig(sp_attn_implementation="eager")
-
-
 def test_deepspeed_attention_wrapper_does_not_outlive_the_run():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    def ulysses_wrapper(*args, **kwargs):  # what register_with_transformers installs
+    def ulysses_wrapper(*args, **kwargs):  # what install_ulysses_attention puts in place
         raise AssertionError
 
     with PatchSet([attention_registry_scope_patch(FOR_DEEPSPEED)]).applied(DEEPSPEED):
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses_wrapper  # deepspeed ulysses_sp.py:566
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = ulysses_wrapper  # as install_ulysses_attention does
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is ulysses_wrapper
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
 
@@ -100,6 +83,39 @@ def test_shared_memory_op_is_not_built_on_cpu():
     assert comm_torch.build_shm_op is original
 
 
+def test_zero0_gradient_norm_is_measured_before_the_engine_clips_steps_and_zeroes():
+    """The engine steps a bare optimizer under ZeRO-0 in fp32 and reports no norm (engine.py:3519)."""
+    import torch
+
+    trained = torch.nn.Parameter(torch.zeros(3))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    trained.grad = torch.tensor([3.0, 4.0, 12.0])
+
+    def take_model_step(engine, lr_kwargs):  # what the engine does: clip, step, zero the gradients
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+        engine.optimizer.step()
+        engine.module.zero_grad(set_to_none=True)
+
+    def engine(optimizer):
+        return SimpleNamespace(
+            module=torch.nn.ParameterList([trained, frozen]),
+            optimizer=optimizer,
+            torch_autocast_z0_gradscaler=None,
+            _global_grad_norm=None,
+        )
+
+    bare = engine(torch.optim.SGD([trained], lr=0.1))
+    zero0_grad_norm_patch(FOR_DEEPSPEED).replacement(take_model_step)(bare, None)
+    assert (
+        bare._global_grad_norm == 13.0 and trained.grad is None
+    )  # the norm before clipping, of every gradient
+    # Under ZeRO 1-3, fp16 and bf16 the optimizer wrapper's norm is the engine's; the wrapper leaves it alone.
+    trained.grad = torch.ones(3)
+    wrapped = engine(SimpleNamespace(_global_grad_norm=2.5, step=lambda: None))
+    zero0_grad_norm_patch(FOR_DEEPSPEED).replacement(lambda engine, lr_kwargs: None)(wrapped, None)
+    assert wrapped._global_grad_norm is None
+
+
 # --- ring-flash-attn / torch CP under DeepSpeed's ZeRO ----------------------------------------------------
 
 
@@ -109,7 +125,7 @@ def _zero(backend: str, **keys: object) -> SimpleNamespace:
     )
 
 
-def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_ones():
+def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_one():
     pytest.importorskip("deepspeed")
     for recipe in (_zero("ring-flash-attn", zero_stage=3), _zero("torch", deepspeed="zero2.json")):
         plan = PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe)
@@ -121,11 +137,10 @@ def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_n
             "accelerate-deepspeed-loader-cp-batches",
             "accelerator-prepare-cp-by-backend",  # accelerate's torch CP context stays off, as next to DDP
         } <= selected, recipe
-        assert not selected & {"accelerate-sp-attn-allow-cptune", "attention-registry-run-scope"}
-    # Ulysses has no cp mesh axis (its adapter shares batches), DDP's loader already shares them, and at
-    # cp=1 no engine runs (the recipe rules refuse the keys there).
+        assert "attention-registry-run-scope" not in selected
+    # DDP's loader already shares the batches, and at cp=1 no engine runs (the recipe rules refuse the keys there).
     at_cp1 = _zero("ring-flash-attn", zero_stage=3, context_parallel_size=1)
-    for recipe in (DEEPSPEED, _zero("ring-flash-attn"), _zero("torch"), at_cp1):
+    for recipe in (_zero("ring-flash-attn"), _zero("torch"), at_cp1):
         selected = {p.name for p in PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe).selected}
         assert "accelerate-deepspeed-loader-cp-batches" not in selected, recipe
     # The predicate the registry builds, as `cptune validate` prints it.

@@ -86,11 +86,13 @@ def test_import_compat_plan_matches_installed_versions():
 def test_selection_by_backend():
     everything = _selected(RING)
     assert _selected(TORCH) == [*everything, "torch-cp-cpu-sdpa-handlers"]
-    # deepspeed keeps the Trainer's and accelerate's own CP code; it gets only its own patches.
+    # deepspeed shards its batches as ring-flash-attn does, on DeepSpeed's engine, with DeepSpeed's attention.
     assert _selected(DEEPSPEED) == [
+        *everything,
         "deepspeed-skip-cpu-shm-op",
         "accelerate-deepspeed-cpu-world-size",
-        "accelerate-sp-attn-allow-cptune",
+        "deepspeed-zero0-grad-norm",
+        "accelerate-deepspeed-loader-cp-batches",
         "attention-registry-run-scope",
     ]
     assert _selected(NO_CP) == []

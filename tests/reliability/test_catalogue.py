@@ -145,6 +145,7 @@ def test_bad_input_fails_loud_early_and_harmlessly(case: Case, workspace: Worksp
     assert_unchanged(before, snapshot(workspace.root))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("case", [c for c in CASES if c.subprocess], ids=lambda case: case.id)
 def test_bad_input_through_the_console_entry_point(case: Case, workspace: Workspace):
     argv = prepare(case, workspace)

@@ -10,6 +10,7 @@ from tests.conftest import run_cptune
 from tests.run.test_cli_errors import assert_clean_failure
 
 
+@pytest.mark.e2e
 def test_resume_without_a_complete_checkpoint(write_recipe, tmp_path):
     out = tmp_path / "out"
     (out / "checkpoint-4").mkdir(parents=True)  # e.g. a save that was interrupted

@@ -8,6 +8,8 @@ whose import path hides the package.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import run_cptune
 
 
@@ -26,6 +28,7 @@ def test_validate_prints_the_plan_with_patches(write_recipe, cptune_in_process):
     assert "not prepared yet" in done.stdout
 
 
+@pytest.mark.e2e
 def test_ring_flash_attn_not_importable(write_recipe, tmp_path):
     shadow = tmp_path / "shadow" / "ring_flash_attn"
     shadow.mkdir(parents=True)
@@ -36,6 +39,7 @@ def test_ring_flash_attn_not_importable(write_recipe, tmp_path):
     assert_clean_failure(done, "needs the ring-flash-attn package", "pip install ring-flash-attn==0.1.8")
 
 
+@pytest.mark.e2e
 def test_deepspeed_not_installed(write_recipe, tmp_path):
     shadow = tmp_path / "shadow" / "deepspeed"
     shadow.mkdir(parents=True)
@@ -71,7 +75,7 @@ def test_validate_shows_the_fsdp2_mesh_and_state_memory_per_rank(
     from cptune.parallel.memory import OptimizerState, format_bytes, fsdp_state_memory
 
     recipe = write_recipe(context_parallel_size=2, fsdp_version=2, dp_shard_size=2)
-    done = run_cptune(
+    done = cptune_in_process(
         "validate", str(recipe)
     )  # 4 processes by default: dp_shard_size × context_parallel_size
     assert done.returncode == 0, done.stderr

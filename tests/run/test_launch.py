@@ -67,6 +67,7 @@ SURVIVORS = {
 }
 
 
+@pytest.mark.distributed  # the launcher and its rank processes
 @pytest.mark.parametrize("survivor", sorted(SURVIVORS))
 def test_launcher_stops_every_rank_and_says_how_each_ended(survivor, monkeypatch, capsys):
     from cptune.run.launch import processes as launch_module
@@ -130,6 +131,7 @@ def _launch_with_harmless_sigterm(launch_module, plan: LaunchPlan, started: list
     return code
 
 
+@pytest.mark.distributed  # the launcher and its rank processes
 @pytest.mark.parametrize(
     ("rank1", "expected"),
     [
@@ -165,6 +167,7 @@ def test_sigterm_to_the_launcher_stops_every_rank(rank1, expected, monkeypatch, 
     ), stderr
 
 
+@pytest.mark.distributed  # the launcher starts (a stand-in for) torchrun
 def test_sigterm_to_the_launcher_reaches_torchrun(monkeypatch):
     """Multi-node: the launcher passes SIGTERM on to torchrun (which stops its own workers)."""
     from cptune.run.launch import processes as launch_module

@@ -8,6 +8,7 @@ import torch
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
 from tests.conftest import logged, logged_losses, max_rel_diff, run_cptune
 from tests.dist_utils import run_ranks
+from tests.numerics import logged_tolerance
 from tests.run.test_resume import WORKER
 
 
@@ -60,8 +61,8 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_mod
     for name in ("cp4", "dp2xcp2"):
         diffs = {key: max_rel_diff(logs[name][key], expected[key]) for key in expected}
         print(name, "max rel diff vs cp=1:", diffs)
-        # Measured: losses 7.3e-8, gradient norms 7.5e-8, eval loss 1.8e-8, train_loss 5.8e-8 (fp32).
-        assert max(diffs.values()) <= 1e-6, (name, diffs, logs[name], expected)
+        # Bound (tests/numerics.py): rows of 128 tokens, 4 a step (2 x accumulation 2), 5 evaluated.
+        assert max(diffs.values()) <= logged_tolerance(128, 5), (name, diffs, logs[name], expected)
     collective_audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
     assert_adapter_loads_with_peft(tmp_path / "cp4", tiny_model_dir)
 

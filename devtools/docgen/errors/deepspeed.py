@@ -58,14 +58,6 @@ ENTRIES: tuple[Entry, ...] = (
         "Set the ZeRO stage in one place: `zero_stage` in the recipe or `zero_optimization.stage` in the JSON.",
     ),
     Entry(
-        "deepspeed-json-reduce-scatter",
-        SECTION,
-        "ZeRO-3 with reduce_scatter: false",
-        "ZeRO-3 with reduce_scatter: false averages some gradient buckets over the data-parallel ranks and "
-        "others over all ranks",
-        "No loss scale makes that gradient exact; remove `reduce_scatter` (it defaults to true).",
-    ),
-    Entry(
         "deepspeed-json-invalid",
         SECTION,
         "A DeepSpeed JSON that is not valid JSON",
@@ -85,14 +77,6 @@ ENTRIES: tuple[Entry, ...] = (
         "The DeepSpeed JSON does not exist",
         "deepspeed: cannot read the DeepSpeed config",
         "Fix the path of `deepspeed` (relative paths are read from the folder you run cptune in).",
-    ),
-    Entry(
-        "deepspeed-resume",
-        SECTION,
-        "Resuming a cp_backend: deepspeed run",
-        "resume_from_checkpoint: resuming a cp_backend: deepspeed run is not supported yet",
-        "Start the run afresh (`--overwrite`, or another output_dir); the other cp_backends resume their own "
-        "runs.",
     ),
     Entry(
         "ulysses-flash-attn-missing",

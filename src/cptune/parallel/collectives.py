@@ -48,3 +48,15 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     reduced = tensor.detach().to(group_device(group), copy=True)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     return reduced.to(tensor.device)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The elementwise maximum of ``tensor`` over ``group`` (the world by default), on ``tensor``'s device.
+
+    A new tensor either way; in a single process, a copy. Every process of the group must call it.
+    """
+    if not is_distributed():
+        return tensor.detach().clone()
+    reduced = tensor.detach().to(group_device(group), copy=True)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.to(tensor.device)

@@ -10,11 +10,8 @@ gradients over ``world_size`` processes and the Trainer sums micro batches, whic
 together give exactly the global token mean. The Trainer logs the mean over
 processes of the summed returned values, which is the same global token mean.
 A rank whose shard holds no target contributes a zero sum — never ``0/0``.
-
-An engine that divides the gradient sum by something else passes that instead of
-``world_size`` (DeepSpeed under Ulysses: the data-parallel size for ZeRO 0-2; see
-``backends.deepspeed_ulysses.sharding.gradient_divisor``); the Trainer then rescales the
-value it logs by ``world_size / divisor`` (``CptuneTrainer.training_step``).
+FSDP2 and DeepSpeed's engine (given no sequence-parallel group) average over
+``world_size`` as DDP does.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from cptune.labels import IGNORE_INDEX
-from cptune.parallel.backends.zero3_params import any_partitioned
-from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.backends.zero3_params import any_partitioned, partition_group
+from cptune.parallel.collectives import all_reduce_max, all_reduce_sum
 
 # Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
 # logits are the largest tensors of a step: 16,384 tokens x Llama 3's 128,256 vocabulary is 8.4 GB
@@ -100,7 +97,7 @@ def scaled_step_loss(
     """The value to backpropagate for one micro batch on one rank (see module docstring).
 
     ``gradient_divisor`` is what the gradient sum over all ranks is divided by: the world
-    size under DDP, the engine's own divisor otherwise.
+    size (DDP, FSDP2 and cptune's DeepSpeed runs average over every rank).
     """
     targets = step_targets.to(loss_sum.device)
     if int(targets) == 0:
@@ -140,6 +137,13 @@ def head_token_loss_sum(
     size = max(1, chunk_elements // vocab)
     # At least one (possibly empty) chunk: the head stays in the graph when no token has a target.
     chunks = list(zip(rows.split(size), labels.split(size), strict=True)) or [(rows, labels)]
+    group = partition_group(head)
+    if group is not None:
+        # ZeRO-3 gathers the head's weight in every call and again in each recomputation: a
+        # collective over the partition group, so every rank must call the head as often. Ranks
+        # with fewer targets (another shard, another data-parallel batch) add empty chunks.
+        most = int(all_reduce_max(torch.tensor([len(chunks)]), group)[0])
+        chunks += [(rows[:0], labels[:0])] * (most - len(chunks))
     recompute = torch.is_grad_enabled() and (
         rows.requires_grad or any(p.requires_grad for p in getattr(head, "parameters", tuple)())
     )

@@ -56,7 +56,7 @@ class Shard:
     """This rank's part of a batch, plus what attention needs to know about the whole.
 
     ``cu_seqlens`` (int32) describes the full varlen sequence that the shard is a slice
-    of; it is ``None`` for the zigzag layout.
+    of; it is ``None`` for the per-row layouts (contiguous, zigzag).
     """
 
     tokens: TokenBatch
@@ -182,6 +182,14 @@ def shard_varlen(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: in
         columns=(joined % length).unsqueeze(0),
     )
     return Shard(tokens=local, cu_seqlens=cu_seqlens, coords=coords)
+
+
+def shard_contiguous(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: int) -> Shard:
+    """Pad each row to a multiple of ``cp_size`` and keep this rank's contiguous slice of every row."""
+    padded = pad_tokens(batch, cp_size, pad_token_id)
+    local = _map(padded, lambda t: split_contiguous(t, cp_size, cp_rank))
+    coords = contiguous_coords(batch.shape, cp_size, cp_rank, device=batch.input_ids.device)
+    return Shard(tokens=local, cu_seqlens=None, coords=coords)
 
 
 def shard_zigzag(batch: TokenBatch, cp_size: int, cp_rank: int, pad_token_id: int) -> Shard:

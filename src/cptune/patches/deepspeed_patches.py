@@ -1,8 +1,9 @@
-"""Patches that runs on DeepSpeed's engine need, of DeepSpeed 0.19 and accelerate 1.15.
+"""Patches that runs on DeepSpeed's engine need, of DeepSpeed 0.19, accelerate 1.15 and transformers 5.23.
 
-They concern DeepSpeed on CPU whatever computes the attention (:func:`deepspeed_engine_patches`: the
-patch registry adds them for every run on DeepSpeed's engine, Ulysses or ring / torch CP under ZeRO,
-with an :class:`OnDeepSpeedEngine` predicate); the patches only Ulysses needs are its backend's
+They concern DeepSpeed's engine whatever computes the attention (:func:`deepspeed_engine_patches`:
+two for DeepSpeed on CPU, one for the gradient norm under ZeRO-0; the patch registry adds them for every
+run on DeepSpeed's engine, Ulysses or ring / torch CP under ZeRO, with an :class:`OnDeepSpeedEngine`
+predicate); the patch only Ulysses needs is its backend's
 (:mod:`cptune.parallel.backends.deepspeed_ulysses.patches`). Each function returns
 one :class:`~cptune.patches.core.Patch`; nothing is imported or patched until a
 :class:`~cptune.patches.core.PatchSet` applies it, and the targets' modules
@@ -22,6 +23,7 @@ from cptune.patches.core import Patch, Predicate
 
 DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
 ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
+TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
 
 
 @dataclass(frozen=True)
@@ -149,10 +151,60 @@ def deepspeed_cpu_backend_patch(applies_to: Predicate) -> Patch:
     )
 
 
+def zero0_grad_norm_patch(applies_to: Predicate) -> Patch:
+    """``DeepSpeedEngine._take_model_step`` → also record the gradient norm when no optimizer wrapper does.
+
+    The engine reports the norm its optimizer wrapper computed (ZeRO 1-3, fp16, bf16:
+    ``self._global_grad_norm = self.optimizer._global_grad_norm``, deepspeed/runtime/engine.py:3519),
+    and accelerate hands that to the Trainer (``clip_grad_norm_`` under DeepSpeed returns
+    ``get_global_grad_norm()``, accelerate/accelerator.py:3023-3027). Under ZeRO-0 in fp32 the engine
+    steps the bare optimizer, which has no such attribute: the norm stays None and the Trainer logs no
+    ``grad_norm``. The engine also clips (engine.py:3506-3511), steps and zeroes the gradients before the
+    Trainer can look, so the wrapper measures the norm first: the gradients are then reduced over every
+    rank and whole on each (ZeRO-0 shards nothing), so this is the global norm before clipping, what the
+    wrappers and DDP's Trainer report.
+    """
+
+    def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def _take_model_step(self: Any, lr_kwargs: Any) -> Any:
+            # A loss-scaled autocast step holds scaled gradients until the engine unscales them.
+            if hasattr(self.optimizer, "_global_grad_norm") or self.torch_autocast_z0_gradscaler:
+                return original(self, lr_kwargs)
+            import torch
+
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            result = original(self, lr_kwargs)
+            self._global_grad_norm = norm
+            return result
+
+        return _take_model_step
+
+    return Patch(
+        name="deepspeed-zero0-grad-norm",
+        target="deepspeed.runtime.engine:DeepSpeedEngine._take_model_step",
+        replacement=replacement,
+        reason=(
+            "Gives the Trainer a grad_norm under ZeRO-0 in fp32, as under ZeRO 1-3.\n"
+            "deepspeed/runtime/engine.py:3519 takes the norm from the optimizer wrapper only; ZeRO-0 in fp32 "
+            "steps the bare optimizer, so get_global_grad_norm() stays None."
+        ),
+        remove_when="DeepSpeed records the gradient norm when it steps an unwrapped optimizer.",
+        requires=DEEPSPEED_REQUIREMENT,
+        signature=("self", "lr_kwargs"),
+        applies_to=applies_to,
+    )
+
+
 def deepspeed_engine_patches(applies_to: Predicate) -> list[Patch]:
-    """The patches of DeepSpeed's engine on CPU, whatever computes the attention, in the order they are applied.
+    """The patches of DeepSpeed's engine, whatever computes the attention, in the order they are applied.
 
     Args:
         applies_to: When they apply (the registry passes an :class:`OnDeepSpeedEngine`).
     """
-    return [skip_shm_op_build_patch(applies_to), deepspeed_cpu_backend_patch(applies_to)]
+    return [
+        skip_shm_op_build_patch(applies_to),
+        deepspeed_cpu_backend_patch(applies_to),
+        zero0_grad_norm_patch(applies_to),
+    ]

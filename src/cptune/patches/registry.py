@@ -3,7 +3,7 @@
 A training run's set is the patches every CP backend that shards its own inputs shares
 (accelerate and the Trainer must not shard again), the DeepSpeed engine's patches for every
 run on DeepSpeed's engine (a backend that ``runs_own_engine``, or one that ``runs_under_zero`` with
-``deepspeed`` / ``zero_stage`` set, which also gets the loader patch that gives a CP group one batch),
+``deepspeed`` / ``zero_stage`` set), with the loader patch that gives a CP group one batch there,
 then each backend's own patches
 (:meth:`~cptune.parallel.backends.spec.BackendRuntime.training_patches`, defined next to the
 backend in its package), in the order of the backend table; each patch's predicate decides whether a recipe needs it, so ``cptune validate``
@@ -69,19 +69,20 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
     backends = tuple(backends)
     chosen = next(backend for backend in backends if backend.name == recipe.cp_backend)
     self_sharding = ContextParallelWith(tuple(b.name for b in backends if b.shards_inputs_itself))
-    on_ddp = ContextParallelWith(tuple(b.name for b in backends if not b.runs_own_engine), plain_ddp=True)
+    # Every backend trains on accelerate's cp mesh axis: these accelerate patches let it exist without FSDP2.
+    cp_mesh_without_fsdp = ContextParallelWith(tuple(b.name for b in backends if b.name), plain_ddp=True)
     under_zero = tuple(b.name for b in backends if b.runs_under_zero)
     on_deepspeed = OnDeepSpeedEngine(tuple(b.name for b in backends if b.runs_own_engine), under_zero)
     patches = [
         trainer_cp_inputs_patch(self_sharding),
         prepare_cp_patch(self_sharding, shards_itself=chosen.shards_inputs_itself),
         cp_context_guard_patch(self_sharding, guard=chosen.runtime().cp_context_guard),
-        validate_accelerator_multi_cpu_patch(on_ddp),
-        accelerator_state_cp_without_fsdp_patch(on_ddp),
+        validate_accelerator_multi_cpu_patch(cp_mesh_without_fsdp),
+        accelerator_state_cp_without_fsdp_patch(cp_mesh_without_fsdp),
         accelerator_state_fsdp_on_cpu_patch(),
         prepare_tp_passthrough_patch(SplitsTensors()),
         *deepspeed_engine_patches(on_deepspeed),
-        loader_shares_cp_batches_patch(OnDeepSpeedEngine((), under_zero)),
+        loader_shares_cp_batches_patch(on_deepspeed),
     ]
     for backend in backends:
         patches += backend.runtime().training_patches()

@@ -34,10 +34,8 @@ def trainer_cp_inputs_patch(applies_to: Predicate) -> Patch:
     config has ``cp_size > 1`` it builds ``shift_labels`` and ``position_ids``
     and hands the buffers to ``accelerator.maybe_context_parallel``, which
     shards them with torch's ``context_parallel`` (trainer.py:2393-2485). cptune
-    pre-shifts labels on the full sequence and shards inputs itself, so this
-    second sharding must not happen. Deepspeed keeps the original: there
-    accelerate's own Ulysses data-loader adapter shards, and the Trainer path is
-    what transformers and deepspeed expect.
+    pre-shifts labels on the full sequence and shards inputs itself (every backend,
+    DeepSpeed's Ulysses included), so this second sharding must not happen.
     """
     return Patch(
         name="trainer-cp-inputs-noop",
@@ -99,9 +97,14 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         target=f"{TRAINER}.save_model",
         reason=(
             "Tells the Trainer's own checkpoint saves (sharded with FSDP2) from the final save (gathered).\n"
-            "transformers/trainer.py:4077 passes the private _internal_call=True from its checkpoint code."
+            "transformers/trainer.py:4077 passes the private _internal_call=True from its checkpoint code. "
+            "Under ZeRO-3 a LoRA adapter (final and in checkpoints) also gets the frozen weights peft saves "
+            "with it (trainer.py:4107 gathers only the trainable ones)."
         ),
-        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        remove_when=(
+            "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
+            "frozen weights it saves."
+        ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "output_dir", "_internal_call"),
     ),
@@ -124,8 +127,14 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
     Override(
         name="CptuneTrainer calls Trainer._save",
         target=f"{TRAINER}._save",
-        reason="The final save of an FSDP2 model writes the gathered state dict (trainer.py:4131).",
-        remove_when="the Trainer gathers FSDP2 weights for its final save itself.",
+        reason=(
+            "The final save of an FSDP2 model, and a ZeRO-3 LoRA adapter, write the gathered state dict "
+            "(trainer.py:4131)."
+        ),
+        remove_when=(
+            "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
+            "frozen weights it saves."
+        ),
         requires=TRANSFORMERS_REQUIREMENT,
         signature=("self", "output_dir", "state_dict"),
     ),

@@ -1,14 +1,15 @@
-"""Ring-flash-attn and torch CP under DeepSpeed ZeRO: the ranks of a CP group load one batch.
+"""CP on DeepSpeed's engine (Ulysses, ring-flash-attn and torch CP under ZeRO): the ranks of a CP group load one batch.
 
-cptune's ring and torch backends shard each batch over their CP group, as next to DDP, while
-DeepSpeed's engine trains the model (``deepspeed`` or ``zero_stage`` in the recipe; see
+cptune's backends shard each batch over their CP group, as next to DDP, while DeepSpeed's engine
+trains the model (``cp_backend: deepspeed``, or ``deepspeed`` / ``zero_stage`` with the others; see
 :mod:`cptune.parallel.backends.zero`). accelerate 1.15's ``prepare_data_loader`` makes the ranks of
 a CP group one data-parallel rank by dividing the rank by the mesh's ``cp`` size
 (accelerate/data_loader.py:1150-1165), except under ``DistributedType.DEEPSPEED``, whose branch
 reads a ``tp`` axis only (data_loader.py:1130-1140): every rank would get a batch of its own and
 ring attention would shard different sequences (on gloo the run aborts in its first all-gather).
-The patch registry selects :func:`loader_shares_cp_batches_patch` for the backends that declare
-``runs_under_zero``, with the predicate it builds from them.
+The patch registry selects :func:`loader_shares_cp_batches_patch` for every run on DeepSpeed's engine
+(backends that declare ``runs_own_engine``, or ``runs_under_zero`` with ZeRO asked for), with the
+predicate it builds from them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def loader_shares_cp_batches_patch(applies_to: Predicate) -> Patch:
     what the other branch does for ``cp``, before the original runs; a mesh without ``cp`` is unchanged.
 
     Args:
-        applies_to: When it applies (the registry passes ring / torch CP with ``deepspeed`` or ``zero_stage``).
+        applies_to: When it applies (the registry passes its :class:`~cptune.patches.deepspeed_patches.OnDeepSpeedEngine`).
     """
 
     def replacement(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,7 +70,7 @@ def loader_shares_cp_batches_patch(applies_to: Predicate) -> Patch:
         reason=(
             "Under DeepSpeed, the ranks of a CP group load one batch, as they do without DeepSpeed.\n"
             "accelerate/data_loader.py:1130 (prepare_data_loader, DistributedType.DEEPSPEED) divides the "
-            "rank by the mesh's tp size only, so ring attention under ZeRO would shard different sequences."
+            "rank by the mesh's tp size only, so the ranks of a CP group would shard different sequences."
         ),
         remove_when="accelerate's DeepSpeed branch of prepare_data_loader honours the cp mesh axis.",
         requires=ACCELERATE_REQUIREMENT,

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[3] / "src" / "cptune"
 TOY = Path(__file__).resolve().parent / "toy_backend"
 
@@ -80,6 +82,7 @@ def add_toy_backend(root: Path) -> None:
     table.write_text(text)
 
 
+@pytest.mark.e2e
 def test_a_new_backend_is_its_package_and_one_row(tmp_path):
     add_toy_backend(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}

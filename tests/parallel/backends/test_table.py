@@ -58,6 +58,7 @@ def test_every_backend_implements_both_halves_of_the_spec(backend):
     assert backend.name is None or BACKENDS[backend.name] is backend
 
 
+@pytest.mark.e2e
 def test_the_policies_import_no_torch():
     """Validation reads every policy (rules, plan lines' inputs), so a recipe is checked before torch loads."""
     import subprocess

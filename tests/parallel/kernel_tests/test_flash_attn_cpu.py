@@ -1,4 +1,8 @@
-"""The CPU flash-attn kernels against a float64 reference; the shim that lets ring-flash-attn import them."""
+"""The CPU flash-attn kernels against a float64 reference; the shim that lets ring-flash-attn import them.
+
+fp32: the float64-reference rule (tests/numerics.py), the same attention computed the plain way in
+fp32 setting the scale. bf16: a bound, each result the fp32 kernels' rounded once.
+"""
 
 from __future__ import annotations
 
@@ -24,10 +28,8 @@ from cptune.parallel.kernels.flash_attn_cpu import (
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
 )
+from tests.numerics import EPS_BF16, assert_float64_rule, assert_within
 
-FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
-# bf16 keeps 8 mantissa bits (eps 7.8e-3): inputs and outputs are rounded, arithmetic is fp32.
-BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
 HEAD_DIM = 8
 
 
@@ -41,7 +43,7 @@ def one_thread() -> Iterator[None]:
 
 
 def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None):
-    """softmax(q k^T * scale + mask) v in float64, dense (b, s, h, d); returns out and lse (b, h, s_q)."""
+    """softmax(q k^T * scale + mask) v in the inputs' dtype, dense (b, s, h, d); returns out and lse (b, h, s_q)."""
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
@@ -70,23 +72,37 @@ def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=0):
 
 
 def reference_with_grads(q, k, v, dout, **mask):
-    """Reference out, lse and (dq, dk, dv) by autograd, all float64."""
+    """Reference out, lse and (dq, dk, dv) by autograd, in the inputs' dtype (float64 for the reference)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = reference_attention(q, k, v, **mask)
     out.backward(dout)
     return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
 
 
-def assert_lse_close(actual, expected, **tol):
-    """Finite entries match; rows without a visible key are -inf in both."""
-    finite = torch.isfinite(expected)
-    assert actual.dtype == torch.float32
-    torch.testing.assert_close(actual[finite].double(), expected[finite], **tol)
-    assert torch.equal(actual[~finite], expected[~finite].float())
+def assert_near_float64(got, q, k, v, dout, mask, *, ref64=None, what=""):
+    """fp32 ``(out, lse, (dq, dk, dv), softmax_d)`` under the float64-reference rule (tests/numerics.py).
+
+    The same attention computed the plain way in fp32 (``reference_with_grads``) sets the scale;
+    ``ref64``: the float64 reference's ``(out, lse, grads)`` when the caller has them. Rows
+    without a visible key have lse -inf in both.
+    """
+    out, lse, grads, softmax_d = got
+    ref64 = ref64 or reference_with_grads(q, k, v, dout, **mask)
+    ref32 = reference_with_grads(*(t.float() for t in (q, k, v, dout)), **mask)
+    finite = torch.isfinite(ref64[1])
+    assert lse.dtype == torch.float32 and torch.equal(lse[~finite], ref64[1][~finite].float())
+
+    def named(out, lse, grads, dout):
+        return {"out": out, "lse": lse[finite], **dict(zip(("dq", "dk", "dv"), grads, strict=True)),
+                "softmax_d": (dout * out).sum(-1).transpose(-1, -2)}  # fmt: skip
+
+    got_d = named(out, lse, grads, dout.float())
+    got_d["softmax_d"] = softmax_d  # the kernel's own delta, against the references' dout . out
+    assert_float64_rule(got_d, named(*ref32, dout.float()), named(*ref64, dout), what=what)
 
 
-def run_dense(q, k, v, dout, *, dtype, causal, window=(-1, -1)):
-    """Forward and backward through the dense kernels in ``dtype``."""
+def run_dense(q, k, v, dout, *, dtype, causal, window=(-1, -1), backward_out=None):
+    """Forward and backward through the dense kernels in ``dtype``; the backward reads ``backward_out`` if given."""
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     common = {"dropout_p": 0.0, "softmax_scale": HEAD_DIM**-0.5, "causal": causal}
     common |= {"window_size_left": window[0], "window_size_right": window[1]}
@@ -94,7 +110,8 @@ def run_dense(q, k, v, dout, *, dtype, causal, window=(-1, -1)):
     out, lse, s_dmask, rng_state = _flash_attn_forward(q, k, v, return_softmax=False, **common)
     assert s_dmask.numel() == 0 and rng_state.shape == (2,)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    softmax_d = _flash_attn_backward(dout, q, k, v, out, lse, *grads, deterministic=False, **common)
+    read = out if backward_out is None else backward_out.to(dtype)
+    softmax_d = _flash_attn_backward(dout, q, k, v, read, lse, *grads, deterministic=False, **common)
     return out, lse, grads, softmax_d
 
 
@@ -119,15 +136,10 @@ def test_dense_matches_reference_in_fp32(case):
     q, k, v, dout = random_qkv(batch=2, **case)
     ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, dout, **mask)
 
-    out, lse, grads, softmax_d = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
+    got = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
 
-    assert out.dtype == torch.float32 and lse.shape == (2, case["nheads"], case["seqlen_q"])
-    torch.testing.assert_close(out.double(), ref_out, **FP32_TOL)
-    assert_lse_close(lse, ref_lse, **FP32_TOL)
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad.double(), ref_grad, **FP32_TOL)
-    expected_d = (dout * ref_out).sum(-1).transpose(1, 2)
-    torch.testing.assert_close(softmax_d.double(), expected_d, **FP32_TOL)
+    assert got[0].dtype == torch.float32 and got[1].shape == (2, case["nheads"], case["seqlen_q"])
+    assert_near_float64(got, q, k, v, dout, mask, ref64=(ref_out, ref_lse, ref_grads))
 
 
 def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
@@ -140,37 +152,50 @@ def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
     assert torch.all(grads[0][:, :6] == 0)
 
 
-def test_dense_bf16_within_loose_tolerance():
-    q, k, v, dout = random_qkv(batch=2, seqlen_q=16, seqlen_k=16, nheads=4, nheads_k=2)
-    # The reference sees the same bf16-rounded inputs, so only the kernel's rounding is measured.
-    q, k, v, dout = (t.to(torch.bfloat16).double() for t in (q, k, v, dout))
-    ref_out, ref_lse, ref_grads = reference_with_grads(q, k, v, dout, causal=True)
-    out, lse, grads, _ = run_dense(q, k, v, dout, dtype=torch.bfloat16, causal=True)
+def assert_bf16_is_fp32_rounded_once(bf16, fp32) -> None:
+    """Bound: bf16 results ``(out, lse, grads)`` within one bf16 rounding (u = eps / 2) of fp32 ones.
+
+    The kernels compute in fp32 and round each result to bf16 once; ``fp32`` must be the fp32
+    kernels run on the same bf16 inputs, their backward reading the bf16 output (as the bf16
+    backward does, like flash-attn's). The lse is fp32 in both: the same.
+    """
+    (out, lse, grads), (out32, lse32, grads32) = bf16, fp32
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert all(grad.dtype == torch.bfloat16 for grad in grads)
-    torch.testing.assert_close(out.double(), ref_out, **BF16_TOL)
-    assert_lse_close(lse, ref_lse, **FP32_TOL)  # lse is computed and kept in fp32
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad.double(), ref_grad, **BF16_TOL)
+    assert torch.equal(lse, lse32)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (out32, *grads32), strict=True):
+        assert_within(got, want, EPS_BF16 / 2 * want.abs(), name)
+
+
+def test_dense_bf16_is_the_fp32_result_rounded_once():
+    q, k, v, dout = random_qkv(batch=2, seqlen_q=16, seqlen_k=16, nheads=4, nheads_k=2)
+    q, k, v, dout = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+    out, lse, grads, _ = run_dense(q, k, v, dout, dtype=torch.bfloat16, causal=True)
+    out32, lse32, grads32, _ = run_dense(q, k, v, dout, dtype=torch.float32, causal=True, backward_out=out)
+    assert_bf16_is_fp32_rounded_once((out, lse, grads), (out32, lse32, grads32))
 
 
 def test_blocked_computation_equals_single_block(monkeypatch):
-    """Long inputs are split into query blocks with narrowed key ranges; results must not change."""
+    """Long inputs are split into query blocks with narrowed key ranges; results must not change.
+
+    Narrower key ranges and dk, dv added block by block: the same sums in another order, so both
+    are held to the float64-reference rule.
+    """
     q, k, v, dout = random_qkv(batch=1, seqlen_q=23, seqlen_k=29, nheads=4, nheads_k=2)
     for mask in ({"causal": True}, {"causal": False, "window": (4, 2)}, {"causal": True, "window": (3, -1)}):
         whole = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
         monkeypatch.setattr(blockwise, "_MAX_SCORE_ELEMENTS", 4 * 29 * 3)  # 3 query rows per block
         blocked = run_dense(q, k, v, dout, dtype=torch.float32, **mask)
         monkeypatch.undo()
-        for a, b in zip((whole[0], whole[1], *whole[2]), (blocked[0], blocked[1], *blocked[2]), strict=True):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        for got in (whole, blocked):
+            assert_near_float64(got, q, k, v, dout, mask, what=str(mask))
 
 
 VARLEN_Q = [0, 7, 20, 31]  # three sequences of 7, 13 and 11 queries
 VARLEN_K = [0, 7, 24, 35]  # 7, 17 and 11 keys: the middle one has more keys than queries
 
 
-def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=None):
+def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=None, backward_out=None):
     cu_q, cu_k = torch.tensor(VARLEN_Q, dtype=torch.int32), torch.tensor(VARLEN_K, dtype=torch.int32)
     seq = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": 13, "max_seqlen_k": 17}
     common = {"dropout_p": 0.0, "softmax_scale": None, "causal": causal}
@@ -180,7 +205,8 @@ def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=N
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     common |= {"softcap": 0.0, "alibi_slopes": None, "deterministic": True}
-    softmax_d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, **seq, **common)
+    read = out if backward_out is None else backward_out.to(q.dtype)
+    softmax_d = _flash_attn_varlen_backward(dout, q, k, v, read, lse, dq, dk, dv, **seq, **common)
     return out, lse, (dq, dk, dv), softmax_d
 
 
@@ -211,24 +237,32 @@ def test_varlen_matches_per_sequence_reference_in_fp32(nheads_k, mask):
     q, k, v, dout = (t[0] for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], nheads=4, nheads_k=nheads_k))
     ref_out, ref_lse, ref_grads = varlen_reference(q, k, v, dout, **mask)
 
-    out, lse, grads, softmax_d = run_varlen(*(t.float() for t in (q, k, v, dout)), **mask)
+    got = run_varlen(*(t.float() for t in (q, k, v, dout)), **mask)
 
-    assert lse.shape == (4, VARLEN_Q[-1]) and lse.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref_out, **FP32_TOL)
-    assert_lse_close(lse, ref_lse, **FP32_TOL)
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad.double(), ref_grad, **FP32_TOL)
-    torch.testing.assert_close(softmax_d.double(), (dout * ref_out).sum(-1).T, **FP32_TOL)
+    assert got[1].shape == (4, VARLEN_Q[-1]) and got[1].dtype == torch.float32
+    ref32 = varlen_reference(*(t.float() for t in (q, k, v, dout)), **mask)
+    assert_varlen_near_float64(got, (ref_out, ref_lse, ref_grads), ref32, dout)
 
 
-def test_varlen_bf16_within_loose_tolerance():
+def assert_varlen_near_float64(got, ref64, ref32, dout) -> None:
+    """``assert_near_float64`` for the varlen layout (lse ``(h, total)``, delta ``(h, total)``)."""
+    out, lse, grads, softmax_d = got
+
+    def named(out, lse, grads):
+        return {"out": out, "lse": lse, **dict(zip(("dq", "dk", "dv"), grads, strict=True)),
+                "softmax_d": (dout.to(out.dtype) * out).sum(-1).T}  # fmt: skip
+
+    got_d = named(out, lse, grads) | {"softmax_d": softmax_d}
+    assert_float64_rule(got_d, named(*ref32), named(*ref64))
+
+
+def test_varlen_bf16_is_the_fp32_result_rounded_once():
     q, k, v, dout = (t[0].to(torch.bfloat16) for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], 4, 2))
-    ref_out, _, ref_grads = varlen_reference(*(t.double() for t in (q, k, v, dout)), causal=True)
-    out, _, grads, _ = run_varlen(q, k, v, dout, causal=True)
-    torch.testing.assert_close(out.double(), ref_out, **BF16_TOL)
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        assert grad.dtype == torch.bfloat16
-        torch.testing.assert_close(grad.double(), ref_grad, **BF16_TOL)
+    out, lse, grads, _ = run_varlen(q, k, v, dout, causal=True)
+    out32, lse32, grads32, _ = run_varlen(
+        *(t.float() for t in (q, k, v, dout)), causal=True, backward_out=out
+    )
+    assert_bf16_is_fp32_rounded_once((out, lse, grads), (out32, lse32, grads32))
 
 
 def test_backward_writes_into_strided_views_and_nothing_else():
@@ -394,7 +428,7 @@ def test_minus_inf_lse_for_rows_without_keys_keeps_ring_merge_correct(ring_flash
     out, lse = update_out_and_lse(None, None, first_out, first_lse)
     out, lse = update_out_and_lse(out, lse, second_out, second_lse)
 
-    torch.testing.assert_close(out[:, :2], first_out[:, :2], atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[:, :2], first_out[:, :2])  # a -inf block weighs sigmoid(-inf) = 0: exactly nothing
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     out_plus_inf, _ = update_out_and_lse(
         *update_out_and_lse(None, None, first_out, first_lse),

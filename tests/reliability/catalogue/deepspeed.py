@@ -6,7 +6,6 @@ from tests.reliability.catalogue.framework import Case
 from tests.reliability.catalogue.setups import (
     DEEPSPEED_CP,
     _deepspeed_json,
-    _interrupted_run_with_checkpoint,
     _sliding_window_model,
     _twelve_heads_model,
     _with_flash_attn,
@@ -46,11 +45,6 @@ CASES: tuple[Case, ...] = (
         skip_if=_without_deepspeed,
     ),
     Case(
-        "deepspeed-json-reduce-scatter",
-        setup=lambda ws: _deepspeed_json(ws, '{"zero_optimization": {"stage": 3, "reduce_scatter": false}}'),
-        skip_if=_without_deepspeed,
-    ),
-    Case(
         "deepspeed-json-invalid",
         setup=lambda ws: _deepspeed_json(ws, "{'zero_optimization': {'stage': 2}}"),
         skip_if=_without_deepspeed,
@@ -63,13 +57,6 @@ CASES: tuple[Case, ...] = (
     Case(
         "deepspeed-json-missing",
         setup=lambda ws: {**DEEPSPEED_CP, "deepspeed": str(ws.root / "no-such-ds-config.json")},
-        skip_if=_without_deepspeed,
-    ),
-    Case(
-        "deepspeed-resume",
-        keys=DEEPSPEED_CP,
-        args=("--resume",),
-        setup=_interrupted_run_with_checkpoint,
         skip_if=_without_deepspeed,
     ),
     Case(

@@ -36,11 +36,6 @@ class BatchSharder(Protocol):
 
     #: the ``attn_implementation`` the model must use with this backend
     attn_implementation: str
-    #: True when the data loader already gave this rank its own slice of the batch (DeepSpeed's
-    #: Ulysses adapter), so a target is counted once across the world, not once per CP rank
-    batch_is_sharded: bool
-    #: what the backend's engine divides the sum of all ranks' gradients by; None: DDP's world size
-    gradient_divisor: int | None
 
     def shard(self, batch: TokenBatch) -> ShardedInputs: ...
 
@@ -62,11 +57,6 @@ def step_context(backend: BatchSharder) -> AbstractContextManager:
     return backend.step_context()
 
 
-def gradient_divisor(backend: BatchSharder, world_size: int) -> int:
-    """What the sum of all ranks' gradients is divided by: the backend's engine's, else DDP's world size."""
-    return world_size if backend.gradient_divisor is None else int(backend.gradient_divisor)
-
-
 def batch_number(backend: BatchSharder, micro_index: int, dp_rank: int, dp_size: int) -> int:
     """Which batch of the data loader's order a rank trains as its ``micro_index``-th micro batch."""
     return int(backend.batch_number(micro_index, dp_rank, dp_size))
@@ -84,12 +74,9 @@ def accelerate_batch_number(micro_index: int, dp_rank: int, dp_size: int) -> int
 class SameBatchForEveryCpRank:
     """The members of :class:`BatchSharder` shared by backends that shard the batch themselves.
 
-    Mixed into the local, ring-flash-attn and torch sharders: each rank of a CP group gets the
-    same batch from accelerate's loader, DDP divides the gradients, the collator is kept.
+    Mixed into every sharder: each rank of a CP group gets the same batch from accelerate's loader,
+    and the collator is kept.
     """
-
-    batch_is_sharded = False
-    gradient_divisor: int | None = None
 
     def step_context(self) -> AbstractContextManager:
         return nullcontext()

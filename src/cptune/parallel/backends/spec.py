@@ -1,9 +1,9 @@
 """What a context-parallel backend is to the rest of cptune: a policy half and a runtime half.
 
 A backend is one package under ``parallel/backends/`` and one row of
-:data:`cptune.parallel.backends.table.ROWS`. The package's ``__init__`` names it (``NAME``) and
-holds its recipe keys (``KEYS``, a key group the recipe composes flat); its ``policy`` module
-defines ``POLICY``, a :class:`BackendPolicy` (what validation, ``cptune validate``, the data
+:data:`cptune.parallel.backends.rows.ROWS`. The package's ``__init__`` names it (``NAME``), its
+``keys`` module holds its recipe keys (``KEYS``, a key group the recipe composes flat); its ``policy``
+module defines ``POLICY``, a :class:`BackendPolicy` (what validation, ``cptune validate``, the data
 report and the memory estimates ask: rules, checks, plan lines, memory terms; imports no
 torch), and its ``runtime`` module ``RUNTIME``, a :class:`BackendRuntime` (what a run needs:
 the backend's packages checked, the sharder, the Trainer's parallelism, its patches). Nothing
@@ -35,10 +35,14 @@ row for its share of the heads (:mod:`cptune.parallel.balance` computes the work
 
 @dataclass(frozen=True)
 class BackendPlan:
-    """How to load the model and, once the accelerator exists, build the process's sharder."""
+    """How to load the model and, once the accelerator exists, build the process's sharder.
+
+    ``build(accelerator, model)`` runs when the Trainer is built: the process groups and accelerate's
+    mesh exist, and the model (as loaded, with its adapter) is not yet wrapped by DDP, FSDP2 or DeepSpeed.
+    """
 
     attn_implementation: str
-    build: Callable[[Any], BatchSharder]
+    build: Callable[[Any, Any], BatchSharder]
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,19 @@
 A backend with ``runs_under_zero`` (see :class:`~cptune.parallel.backends.spec.BackendPolicy`) shards each
 batch over its CP group as it does next to DDP, while DeepSpeed's engine trains the model (ZeRO 0-3
 over all ranks, no sequence-parallel group) when the recipe sets ``deepspeed`` or ``zero_stage``.
+``cp_backend: deepspeed`` (Ulysses) trains the same way, always on DeepSpeed's engine.
 Two things differ from DDP:
 
 * the batches: under DeepSpeed accelerate 1.15's data loader ignores the mesh's ``cp`` axis, so every
   rank would get a batch of its own; the patch registry adds
-  :func:`cptune.patches.deepspeed_patches.loader_shares_cp_batches_patch` for these backends.
+  :func:`cptune.patches.zero_ring_patches.loader_shares_cp_batches_patch` for every run on DeepSpeed's engine.
 * the gradient: without a sequence-parallel group DeepSpeed averages gradients over all ranks (ZeRO 0:
   engine.py ``allreduce_gradients``; 1/2: stage_1_and_2.py; 3: reduce-scatter over the world), DDP's
   divisor; cptune's loss scaling needs nothing else.
 
-The engine-level DeepSpeed patches (CPU world size, no shared-memory op build) apply to every run on
-DeepSpeed's engine. Imports no torch (the recipe's validation reads it).
+The engine-level DeepSpeed patches (CPU world size, no shared-memory op build, the ZeRO-0 gradient
+norm) apply to every run on DeepSpeed's engine, and :mod:`cptune.run.training.deepspeed_state` puts DeepSpeed's
+process-wide state back after it. Imports no torch (the recipe's validation reads it).
 """
 
 from __future__ import annotations

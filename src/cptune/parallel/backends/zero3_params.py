@@ -43,6 +43,16 @@ def any_partitioned(module: Any) -> bool:
     return isinstance(module, torch.nn.Module) and any(is_partitioned(p) for p in module.parameters())
 
 
+def partition_group(module: Any) -> Any:
+    """The process group over which ``module``'s first ZeRO-3 partitioned parameter is split (None: none is)."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    for param in module.parameters():
+        if is_partitioned(param):
+            return getattr(param, "ds_process_group", None) or torch.distributed.group.WORLD
+    return None
+
+
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.Tensor]) -> Iterator[None]:
     """Hold ``params``' ZeRO-3 partitioned members whole inside the block (not modified); a no-op for the others."""

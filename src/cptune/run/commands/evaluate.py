@@ -49,7 +49,7 @@ def evaluate(
         CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable.
     """
     from cptune.data.prepare import prepare_datasets
-    from cptune.run.training.builder import build_trainer
+    from cptune.run.training.builder import build_trainer, run_scope
 
     check_eval_data(recipe)
     source = model_source(checkpoint)
@@ -71,7 +71,7 @@ def evaluate(
     )
     if env.rank == 0:
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
-    with plan.patches.applied(recipe):
+    with run_scope(plan):
         loss = install_memory_features(model, recipe).loss  # tiled MLP and the chunked loss help here too
         trainer = build_trainer(plan, env, model, tokenizer, prepared, attention.build, loss)
         metrics = trainer.evaluate()

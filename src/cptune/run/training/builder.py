@@ -1,19 +1,33 @@
-"""The Trainer of a run and its arguments, built from the run's plan: shared by train and evaluate."""
+"""The Trainer of a run, its arguments and the scope it runs in, built from the run's plan: shared by train and
+evaluate."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.run.plan import RunPlan
+from cptune.run.training.deepspeed_state import deepspeed_state_restored
 from cptune.run.training.distributed import DistEnv, init_cpu_process_group
 from cptune.run.training.fsdp import fsdp_training_arguments
 
 if TYPE_CHECKING:
     from cptune.data.prepare import PreparedData
     from cptune.run.training.trainer import BackendFactory, CptuneTrainer
+
+
+@contextlib.contextmanager
+def run_scope(plan: RunPlan) -> Iterator[None]:
+    """The run's patches applied, and DeepSpeed's process-wide state put back when the block ends.
+
+    Enter it around everything from building the Trainer on (training or evaluating).
+    """
+    with deepspeed_state_restored(plan.on_deepspeed), plan.patches.applied(plan.recipe):
+        yield
 
 
 def training_arguments(plan: RunPlan, env: DistEnv) -> Any:

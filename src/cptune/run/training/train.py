@@ -29,7 +29,7 @@ from cptune.models.loading import (
 )
 from cptune.models.memory_features import install_memory_features
 from cptune.run.plan import RunPlan
-from cptune.run.training.builder import build_trainer
+from cptune.run.training.builder import build_trainer, run_scope
 from cptune.run.training.checkpoints import resume_checkpoint
 from cptune.run.training.distributed import read_dist_env
 from cptune.run.training.output_dir import (
@@ -59,8 +59,9 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = (), *, plan: RunPlan | None
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
     Environment variables that the libraries set while training (accelerate's
-    and transformers' own settings) are restored when this returns or raises, as
-    the patches are: a second run in the same process starts from the same state.
+    and transformers' own settings) and DeepSpeed's process-wide state are restored
+    when this returns or raises, as the patches are: a second run in the same process
+    starts from the same state.
 
     Args:
         recipe: The validated recipe.
@@ -126,7 +127,7 @@ def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> Tr
     resume = resume_checkpoint(recipe)
     if resume is not None and env.rank == 0:
         log.info("resuming from %s", resume)
-    with plan.patches.applied(recipe):
+    with run_scope(plan):
         trainer = build_trainer(plan, env, model, tokenizer, prepared, attention.build, features.loss)
         for callback in [*recipe_callbacks(recipe), *callbacks]:
             trainer.add_callback(callback)

@@ -27,7 +27,7 @@ from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
-from cptune.parallel.backends.base import BatchSharder, gradient_divisor
+from cptune.parallel.backends.base import BatchSharder
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
@@ -35,12 +35,13 @@ from cptune.parallel.shard import TokenBatch, TokenCoords
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
+from cptune.run.training.adapter_save import zero3_adapter_state_dict
 from cptune.run.training.checkpoints import save_checkpoint_atomically
 from cptune.run.training.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.training.fsdp import gathered_state_dict
 
-# Builds the backend once the accelerator (and so the process groups) exists.
-BackendFactory = Callable[[Any], BatchSharder]
+# Builds the backend once the accelerator (and so the process groups) exists: (accelerator, model).
+BackendFactory = Callable[[Any, Any], BatchSharder]
 
 
 class CptuneTrainer(Trainer):
@@ -75,9 +76,8 @@ class CptuneTrainer(Trainer):
         if tp_size > 1:
             # On the tp axis of accelerate's own mesh, which FSDP2 shards over (cptune.parallel.tensor_parallel).
             apply_tensor_parallel(self.model, self.accelerator.torch_device_mesh["tp"])
-        self.cp_backend = backend_factory(self.accelerator)
+        self.cp_backend = backend_factory(self.accelerator, self.model)
         self.data_collator = self.cp_backend.wrap_collator(self.data_collator)
-        self._gradient_divisor = gradient_divisor(self.cp_backend, self.accelerator.num_processes)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
         self.add_callback(LogLastStep())
@@ -90,11 +90,9 @@ class CptuneTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch=None):
         self._micro.next(self.state.global_step, self.args.gradient_accumulation_steps)
         with self.cp_backend.step_context():
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        # The Trainer logs the mean over processes of these values. Reported as if the
-        # gradients were averaged over the world (as DDP does), it is the step's token
-        # mean whatever the engine divides the gradient sum by (cptune.parallel.loss).
-        return loss * (self.accelerator.num_processes / self._gradient_divisor)
+            # The Trainer logs the mean over processes of these values: the step's token mean
+            # (cptune.parallel.loss).
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
         with self.cp_backend.step_context():
@@ -102,12 +100,11 @@ class CptuneTrainer(Trainer):
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = sum((count_targets(b["shift_labels"]) for b in batch_samples), torch.tensor(0))
-        # Ranks that shard the batch themselves each count the whole batch of their CP group. The
-        # tensor-parallel ranks count it once more each: the count comes out tp times the step's, as
-        # does the world size the loss is scaled by while FSDP2 averages over world / tp ranks, so the
-        # two cancel and the logged loss (a mean over every rank) is the step's token mean.
-        copies = 1 if self.cp_backend.batch_is_sharded else self.cp_size
-        return step_target_count(local.to(device), copies)
+        # Every rank of a CP group counts the group's whole batch. The tensor-parallel ranks count it
+        # once more each: the count comes out tp times the step's, as does the world size the loss is
+        # scaled by while FSDP2 averages over world / tp ranks, so the two cancel and the logged loss
+        # (a mean over every rank) is the step's token mean.
+        return step_target_count(local.to(device), self.cp_size)
 
     def compute_loss(
         self,
@@ -121,7 +118,8 @@ class CptuneTrainer(Trainer):
         loss_sum, _, outputs = self._shard_forward(model, inputs)
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], loss_sum.device)
-        loss = scaled_step_loss(loss_sum, num_items_in_batch, self._gradient_divisor)
+        # DDP, FSDP2 and DeepSpeed (given no sequence-parallel group) average the gradients over every rank.
+        loss = scaled_step_loss(loss_sum, num_items_in_batch, self.accelerator.num_processes)
         return (loss, outputs) if return_outputs else loss
 
     def _shard_forward(self, model: torch.nn.Module, inputs: dict[str, Any]):
@@ -157,13 +155,19 @@ class CptuneTrainer(Trainer):
 
         With sharded state dicts the Trainer writes no weights here (checkpoints
         hold them sharded, written with the optimizer state); the final model is
-        gathered instead, the adapter only for LoRA.
+        gathered instead, the adapter only for LoRA. A LoRA adapter under ZeRO-3 (final
+        and in checkpoints) holds what peft saves without ZeRO (:mod:`cptune.run.training.adapter_save`).
         """
-        if not (self.is_fsdp_enabled and not _internal_call):
-            return super().save_model(output_dir, _internal_call)
         from peft import PeftModel
 
-        state_dict = gathered_state_dict(self.model, trainable_only=isinstance(self.model, PeftModel))
+        is_adapter = isinstance(self.model, PeftModel)
+        if self.is_deepspeed_enabled and is_adapter and self.deepspeed.zero_optimization_partition_weights():
+            state = zero3_adapter_state_dict(self.deepspeed, self.model)
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+            return None
+        if not (self.is_fsdp_enabled and not _internal_call):
+            return super().save_model(output_dir, _internal_call)
+        state_dict = gathered_state_dict(self.model, trainable_only=is_adapter)
         self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         return None
 
@@ -174,16 +178,13 @@ class CptuneTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer: evaluation requires an eval_dataset.")
-        # A backend whose training batches are split by its data loader (DeepSpeed Ulysses) turns
-        # sequence parallelism off in eval, so each rank evaluates whole rows: every rank then
-        # takes rows of its own, else the sums would count each row on every rank of its group.
-        split = 1 if self.cp_backend.batch_is_sharded else self.batch_group_size
+        # The ranks of a CP (x TP) group evaluate the same rows, each its shard of them.
         return build_eval_dataloader(
             dataset,
             batch_size=self.args.eval_batch_size,
             collate_fn=self.data_collator,
-            dp_size=self.accelerator.num_processes // split,
-            dp_rank=self.accelerator.process_index // split,
+            dp_size=self.accelerator.num_processes // self.batch_group_size,
+            dp_rank=self.accelerator.process_index // self.batch_group_size,
             num_workers=self.args.dataloader_num_workers,
         )
 

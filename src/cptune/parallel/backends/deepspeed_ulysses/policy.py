@@ -15,11 +15,11 @@ if TYPE_CHECKING:
 
 
 class DeepSpeedUlysses:
-    """Ulysses sequence parallelism: DeepSpeed's loader adapter shards, its engine trains."""
+    """Ulysses sequence parallelism: cptune shards the batches, DeepSpeed's attention and engine train."""
 
     name = NAME
     label = f"cp_backend: {NAME}"
-    shards_inputs_itself = False
+    shards_inputs_itself = True
     runs_own_engine = True
     runs_under_zero = False  # its own engine is DeepSpeed's, whatever the recipe says
     attends_whole_layers = False

@@ -1,36 +1,33 @@
-"""The deepspeed backend: DeepSpeed's Ulysses sequence parallelism, driven by accelerate and the Trainer.
+"""The deepspeed backend: DeepSpeed's Ulysses attention, with cptune's sharding and DeepSpeed's engine.
 
-cptune hands the Trainer a ``ParallelismConfig(sp_backend="deepspeed", sp_size=C)``
-and a DeepSpeed config; everything else is upstream code (DeepSpeed 0.19,
-accelerate 1.15, transformers 5.23):
+cptune gives DeepSpeed's engine its config (ZeRO 0-3, :func:`deepspeed_config`) and accelerate the
+same mesh as next to DDP (``dp_shard × cp``), and shards every batch itself, as for ring-flash-attn
+and torch CP; from DeepSpeed 0.19 it takes the all-to-all attention:
 
-* accelerate's ``_prepare_deepspeed`` (accelerator.py:2395-2431) calls
-  ``UlyssesSPAttentionHF.register_with_transformers``, which puts an all-to-all
-  wrapper in place of the model's core attention: each layer turns (this rank's
-  tokens, all heads) into (all tokens, ``H/C`` heads), runs the core attention over
-  the whole sequence, and turns the result back (ulysses_sp.py:231-394).
-* The Trainer wraps its training loader in ``UlyssesSPDataLoaderAdapter``
-  (trainer.py:1797): every rank loads its own batch, the adapter gathers the C
-  batches of a sequence-parallel group and hands each rank, one batch per micro
-  step, its contiguous ``1/C`` slice (ulysses_sp.py:651-726). Batches therefore
-  reach cptune's Trainer *already sharded* (:attr:`DeepSpeedUlyssesBackend.batch_is_sharded`).
-* DeepSpeed sums every rank's gradient and divides by the data-parallel size
-  ``D = W/C`` under ZeRO 0-2, but by the world size ``W`` under ZeRO-3 with
-  reduce-scatter (see :func:`gradient_divisor`); cptune scales each rank's loss to
-  match, so the step's gradient is that of the global token mean (invariant 5).
+* :func:`install_ulysses_attention` puts DeepSpeed's ``UlyssesSPAttentionHF`` around the model's core
+  attention, over the mesh's ``cp`` group: each layer turns (this rank's tokens, all heads) into
+  (all tokens, ``H/C`` heads), runs the core attention over the whole rows, and turns the result back
+  (deepspeed/runtime/sequence_parallel/ulysses_sp.py:231-394).
+* The ranks of a CP group load the same batches (accelerate's loader, with
+  :func:`cptune.patches.zero_ring_patches.loader_shares_cp_batches_patch` under DeepSpeed), and
+  :class:`DeepSpeedUlyssesBackend` gives each rank its contiguous ``1/C`` of every row. So a run
+  trains the batches of the cp=1 run in the same steps and epochs, and DeepSpeed, given no
+  sequence-parallel groups, averages the gradients over all ranks as DDP does.
 
-Evaluation runs without sequence parallelism: accelerate registers Ulysses with
-``disable_in_eval=True``, so in eval mode the core attention sees a whole row on
-one rank, and cptune's evaluation loop gives every rank of a group whole rows.
+Earlier cptune let accelerate wire Ulysses (``ParallelismConfig(sp_backend="deepspeed")``): DeepSpeed's
+``UlyssesSPDataLoaderAdapter`` then trained the batches of a group's C ranks one after another, so with
+several data-parallel groups a step held other rows than the cp=1 run's, an epoch whose batches did not
+divide by the world size trained repeated rows, the epoch counter ran over a different number of
+micro batches, and DeepSpeed kept process-wide sequence-parallel state after the run.
+
+Evaluation runs the same way (sharded rows, Ulysses attention), as for the other backends.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +41,12 @@ from cptune.parallel.backends.attention import (
     AttentionCall,
     windowed_layer_types,
 )
-from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.backends.document_attention import (
     DOCUMENT_ATTENTION_NAME,
     DocumentAttention,
 )
-from cptune.parallel.shard import TokenBatch, TokenCoords, pad_tokens
+from cptune.parallel.shard import TokenBatch, TokenCoords, shard_contiguous
 
 INSTALL_HINT = f"DS_BUILD_OPS=0 pip install 'deepspeed{versions.DEEPSPEED}' (or the cptune[deepspeed] extra)"
 
@@ -90,17 +87,6 @@ def check_core_attention_available(core: str) -> None:
         raise BackendUnavailableError(
             f"ulysses_attn_implementation: {core} needs flash-attn on a CUDA GPU, which is not available "
             "here. Use ulysses_attn_implementation: cptune (exact everywhere), or install flash-attn."
-        )
-
-
-def check_resume_supported(recipe: Any) -> None:
-    """Resuming needs the Trainer to skip batches, which DeepSpeed's Ulysses loader cannot do yet."""
-    if getattr(recipe, "resume_from_checkpoint", None):
-        raise CptuneError(
-            "resume_from_checkpoint: resuming a cp_backend: deepspeed run is not supported yet: the Trainer "
-            "skips the batches already trained with accelerate's skip_first_batches, which fails on "
-            "DeepSpeed's UlyssesSPDataLoaderAdapter (it has no dataset). Start the run afresh; the other "
-            "cp_backends resume their own runs."
         )
 
 
@@ -186,12 +172,6 @@ def deepspeed_config(recipe: Any) -> dict[str, Any]:
             "set one of them."
         )
     stage = recipe.zero_stage if recipe.zero_stage is not None else stage
-    if stage == 3 and zero.get("reduce_scatter", True) is False:
-        raise CptuneError(
-            f"{where}: ZeRO-3 with reduce_scatter: false averages some gradient buckets over the "
-            "data-parallel ranks and others over all ranks (deepspeed/runtime/zero/stage3.py:1673-1679), "
-            "so no loss scale makes the gradient exact. Remove reduce_scatter (it defaults to true)."
-        )
     zero["stage"] = stage
     config.update(
         zero_optimization=zero,
@@ -220,79 +200,78 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def gradient_divisor(zero_stage: int, world_size: int, cp_size: int) -> int:
-    """What DeepSpeed 0.19 divides the sum of all ranks' gradients by, under Ulysses.
+# --- the attention and the batches -----------------------------------------------------------
 
-    ZeRO 0 (engine.py:3884, ``dp_world_size = seq_dp_world / sp_size``) and ZeRO 1/2
-    (stage_1_and_2.py:1508 and :1688) divide by the data-parallel size ``W/C``;
-    ZeRO-3 with reduce-scatter pre-divides by the whole sequence-data-parallel
-    group (coalesced_collectives.py:124 via stage3.py:1678), i.e. by ``W``.
+
+def install_ulysses_attention(text_config: Any, core_name: str, group: Any, micro_batch_size: int) -> Any:
+    """Route the model's core attention ``core_name`` through DeepSpeed's Ulysses all-to-all over ``group``.
+
+    The wrapper goes into transformers' attention registry under the core attention's own name, as
+    DeepSpeed's ``register_with_transformers`` puts its own (ulysses_sp.py:559-566: transformers keeps
+    its special cases for that name); the run's ``attention-registry-run-scope`` patch takes it out
+    again. cptune builds ``UlyssesSPAttentionHF`` itself instead of calling ``register_with_transformers``,
+    which would create DeepSpeed's process-wide sequence-parallel groups: the mesh's ``cp`` group is the
+    one the batches are sharded over. The wrapper drops the attention mask, which was built for this
+    rank's slice (the core attention sees whole rows: documents come from ``position_ids``, which
+    DeepSpeed gathers, and the causal mask from the core attention's own ``is_causal``).
+
+    Args:
+        text_config: The model's text config (heads, head size, key/value heads, layers).
+        core_name: The ``attn_implementation`` the model was loaded with.
+        group: The process group of this rank's CP group.
+        micro_batch_size: Rows per batch (DeepSpeed's module reshapes with it).
+
+    Returns:
+        DeepSpeed's ``UlyssesSPAttentionHF`` module now in place.
     """
-    return world_size if zero_stage == 3 else world_size // cp_size
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    heads = text_config.num_attention_heads
+    module = UlyssesSPAttentionHF(
+        attn=ALL_ATTENTION_FUNCTIONS[core_name],
+        batch_size=micro_batch_size,
+        attn_head_count=heads,
+        attn_head_size=getattr(text_config, "head_dim", None) or text_config.hidden_size // heads,
+        kv_head_count=getattr(text_config, "num_key_value_heads", None) or heads,
+        num_hidden_layers=text_config.num_hidden_layers,
+        process_group=group,
+        seq_length_is_variable=True,
+    )
+    module.core_attn_implementation = core_name
+
+    def ulysses_attention(
+        attn_module: Any, query: Any, key: Any, value: Any, attention_mask: Any, *args: Any, **kwargs: Any
+    ):
+        return module(attn_module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[core_name] = ulysses_attention
+    return module
 
 
-# --- batches ----------------------------------------------------------------------------
+def pad_rows(batch: TokenBatch, rows: int, pad_token_id: int) -> TokenBatch:
+    """``batch`` with rows of padding added up to ``rows`` (each one document with no targets)."""
+    missing = rows - batch.shape[0]
+    if missing <= 0:
+        return batch
+    tokens = batch.shape[-1]
+    like = batch.input_ids
+    return TokenBatch(
+        input_ids=torch.cat([like, like.new_full((missing, tokens), pad_token_id)]),
+        position_ids=torch.cat(
+            [
+                batch.position_ids,
+                torch.arange(tokens, device=like.device).expand(missing, tokens).to(batch.position_ids),
+            ]
+        ),
+        shift_labels=torch.cat(
+            [batch.shift_labels, batch.shift_labels.new_full((missing, tokens), IGNORE_INDEX)]
+        ),
+    )
 
 
-def labels_for_plain_shift(shift_labels: torch.Tensor) -> torch.Tensor:
-    """``labels`` whose plain shift (DeepSpeed's adapter, ulysses_sp.py:712-714) gives ``shift_labels``.
-
-    The adapter drops ``labels`` and builds ``shift_labels = labels[..., 1:] + [-100]``,
-    which would train the last token of each packed document on the first token of
-    the next. Handing it cptune's per-document targets moved one place right makes
-    its shift reproduce them exactly: the last target of a row is always -100.
-    """
-    labels = torch.full_like(shift_labels, IGNORE_INDEX)
-    labels[..., 1:] = shift_labels[..., :-1]
-    return labels
-
-
-@dataclass(frozen=True)
-class UlyssesCollator:
-    """Wraps cptune's collator so its batches fit DeepSpeed's data-loader adapter.
-
-    The adapter needs every tensor as (rows, tokens) with the token count a multiple
-    of ``cp_size`` (ulysses_sp.py:684-707), so rows are padded (padding is a
-    document of its own with no targets), ``labels`` carries the targets as
-    :func:`labels_for_plain_shift` describes, and the token count for throughput is
-    a plain ``int``, which the adapter passes through unsharded. With
-    ``fixed_length`` (a multiple of ``cp_size``) every batch is padded to that many
-    tokens: the adapter all-gathers the batches of a group (ulysses_sp.py:686-692),
-    and gloo's all-gather takes equal shapes only.
-    """
-
-    collate: Callable[[Any], dict[str, Any]]
-    cp_size: int
-    pad_token_id: int
-    fixed_length: int | None = None
-
-    def __call__(self, rows: Any) -> dict[str, Any]:
-        batch = self.collate(rows)
-        tokens = TokenBatch(batch["input_ids"], batch["position_ids"], batch["shift_labels"])
-        multiple = self.cp_size
-        if self.fixed_length is not None:
-            if tokens.shape[-1] > self.fixed_length:
-                raise ValueError(f"a batch of {tokens.shape[-1]} tokens is longer than {self.fixed_length}")
-            multiple = self.fixed_length  # a multiple of cp_size: pads up to exactly that length
-        tokens = pad_tokens(tokens, multiple, self.pad_token_id)
-        out = {
-            "input_ids": tokens.input_ids,
-            "position_ids": tokens.position_ids,
-            "shift_labels": tokens.shift_labels,
-            "labels": labels_for_plain_shift(tokens.shift_labels),
-        }
-        if "num_tokens" in batch:
-            out["num_tokens"] = int(batch["num_tokens"])
-        return out
-
-
-class DeepSpeedUlyssesBackend:
-    """Model inputs for one rank under Ulysses; the shard itself comes from DeepSpeed's adapter."""
-
-    #: the loader hands each rank its shard (counted once across the world, not once per CP rank)
-    batch_is_sharded = True
-    #: what DeepSpeed divides the sum of all ranks' gradients by (set per run from the ZeRO stage)
-    gradient_divisor: int | None = None
+class DeepSpeedUlyssesBackend(SameBatchForEveryCpRank):
+    """Gives each rank of a CP group its contiguous slice of every row; DeepSpeed's Ulysses attends across them."""
 
     def __init__(
         self,
@@ -301,77 +280,34 @@ class DeepSpeedUlyssesBackend:
         causal: bool,
         cp_size: int,
         cp_rank: int,
-        gradient_divisor: int,
+        micro_batch_size: int,
         pad_token_id: int,
-        fixed_length: int | None = None,
     ):
         self.core_attention = core_attention
         self.attn_implementation = CORE_ATTENTION_NAMES[core_attention]
         self.causal = causal
         self.cp_size = cp_size
-        #: this rank's place in its sequence-parallel group (DeepSpeed's groups are consecutive ranks)
         self.cp_rank = cp_rank
-        #: what DeepSpeed divides the sum of all ranks' gradients by
-        self.gradient_divisor = gradient_divisor
+        self.micro_batch_size = micro_batch_size
         self.pad_token_id = pad_token_id
-        self.fixed_length = fixed_length
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
-        kwargs: dict[str, Any] = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        rows = batch.shape[0]
+        # DeepSpeed's module reshapes with a fixed number of rows: the last evaluation batch gets rows
+        # of padding (training batches are full: accelerate's even_batches).
+        shard = shard_contiguous(
+            pad_rows(batch, self.micro_batch_size, self.pad_token_id),
+            self.cp_size,
+            self.cp_rank,
+            self.pad_token_id,
+        )
+        coords = TokenCoords(
+            rows=torch.where(shard.coords.rows < rows, shard.coords.rows, -1), columns=shard.coords.columns
+        )
+        tokens = shard.tokens
+        kwargs: dict[str, Any] = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids}
         call = None
         if self.core_attention == "cptune":
             call = AttentionCall(attend=DocumentAttention(self.causal))
             kwargs[ATTENTION_KWARG] = call
-        # The adapter gave this rank the contiguous slice cp_rank of each padded row
-        # (ulysses_sp.py:724). Evaluation runs whole rows on each rank, but there dropout, the
-        # only reader of the coordinates, is off.
-        rows, tokens = batch.shape
-        columns = torch.arange(tokens, device=batch.input_ids.device) + self.cp_rank * tokens
-        coords = TokenCoords(
-            rows=torch.arange(rows, device=columns.device).unsqueeze(1).expand(rows, tokens),
-            columns=columns.expand(rows, tokens),
-        )
-        return ShardedInputs(model_kwargs=kwargs, shift_labels=batch.shift_labels, call=call, coords=coords)
-
-    def batch_number(self, micro_index: int, dp_rank: int, dp_size: int) -> int:
-        """Which batch of the data loader's order this rank's micro batch ``micro_index`` is.
-
-        Every rank loads its own batches (rank ``r`` gets batches ``k·W + r``), and the
-        adapter has a sequence-parallel group train the batches of its ``C`` ranks one
-        after another, one per micro step (ulysses_sp.py:651-726).
-        """
-        world = dp_size * self.cp_size
-        return (micro_index // self.cp_size) * world + dp_rank * self.cp_size + micro_index % self.cp_size
-
-    def wrap_collator(self, collate: Callable[[Any], dict[str, Any]]) -> UlyssesCollator:
-        return UlyssesCollator(collate, self.cp_size, self.pad_token_id, self.fixed_length)
-
-    def step_context(self) -> AbstractContextManager:
-        return nullcontext()  # DeepSpeed's adapter needs nothing around the forward and backward
-
-
-def gloo_fixed_length(sequence_len: int, cp_size: int) -> int | None:
-    """On gloo, the length every batch is padded to (see :class:`UlyssesCollator`); else None."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
-        return None
-    return -(-sequence_len // cp_size) * cp_size
-
-
-def ulysses_parallelism_config(recipe: Any, dp_size: int, cp_size: int) -> Any:
-    """accelerate's ParallelismConfig for Ulysses (build it while cptune's patches are applied)."""
-    from accelerate import ParallelismConfig
-    from accelerate.utils import DeepSpeedSequenceParallelConfig
-
-    core = CORE_ATTENTION_NAMES[recipe.resolved_ulysses_attn_implementation]
-    return ParallelismConfig(
-        sp_backend="deepspeed",
-        sp_size=cp_size,
-        # ZeRO's data-parallel axis; accelerate sizes DeepSpeed's train_batch_size with it
-        # (accelerator.py:2360-2366) and builds no mesh for Ulysses.
-        dp_shard_size=dp_size,
-        sp_handler=DeepSpeedSequenceParallelConfig(
-            sp_seq_length_is_variable=True, sp_attn_implementation=core
-        ),
-    )
+        return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)

@@ -34,7 +34,7 @@ class LocalRuntime:
         from cptune.parallel.backends.local.sharding import LocalBackend
 
         local = LocalBackend(causal=recipe.causal)
-        return BackendPlan(local.attn_implementation, lambda accelerator: local)
+        return BackendPlan(local.attn_implementation, lambda accelerator, model: local)
 
     def training_patches(self) -> Sequence[Patch]:
         return ()

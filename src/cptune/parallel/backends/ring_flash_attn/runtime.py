@@ -63,7 +63,7 @@ class RingFlashAttnRuntime:
             logging.getLogger("cptune.backends").warning("%s", choice.slow_warning)
         kernels = load_ring_flash_attn()
 
-        def build(accelerator: Any) -> RingFlashAttnBackend:
+        def build(accelerator: Any, model: Any) -> RingFlashAttnBackend:
             cp_mesh = accelerator.torch_device_mesh["cp"]
             return RingFlashAttnBackend(
                 func=recipe.resolved_ring_attn_func,

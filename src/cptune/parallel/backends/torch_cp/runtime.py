@@ -57,7 +57,7 @@ class TorchCpRuntime:
         from cptune.parallel.backends.attention import ATTENTION_NAME
         from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 
-        def build(accelerator: Any) -> TorchCpBackend:
+        def build(accelerator: Any, model: Any) -> TorchCpBackend:
             return TorchCpBackend(
                 causal=recipe.causal,
                 load_balance=recipe.resolved_cp_load_balance,

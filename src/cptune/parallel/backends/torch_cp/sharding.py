@@ -43,7 +43,7 @@ from cptune.errors import CptuneError
 from cptune.labels import IGNORE_INDEX, document_starts
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
-from cptune.parallel.shard import TokenBatch, contiguous_coords, pad_tokens, shard_zigzag, split_contiguous
+from cptune.parallel.shard import TokenBatch, shard_contiguous, shard_zigzag
 
 COMM_STRATEGIES = ("allgather", "alltoall")
 
@@ -163,18 +163,9 @@ class TorchCpBackend(SameBatchForEveryCpRank):
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         check_batch(batch, causal=self.causal, cp_size=self.cp_size)
-        if self.load_balance:
-            shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
-            tokens, coords = shard.tokens, shard.coords
-        else:
-            padded = pad_tokens(batch, self.cp_size, self.pad_token_id)
-            tokens = TokenBatch(
-                *(
-                    split_contiguous(t, self.cp_size, self.cp_rank)
-                    for t in (padded.input_ids, padded.position_ids, padded.shift_labels)
-                )
-            )
-            coords = contiguous_coords(batch.shape, self.cp_size, self.cp_rank, batch.input_ids.device)
+        split = shard_zigzag if self.load_balance else shard_contiguous
+        shard = split(batch, self.cp_size, self.cp_rank, self.pad_token_id)
+        tokens, coords = shard.tokens, shard.coords
         call = AttentionCall(attend=self._attend)
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
         return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)
