@@ -6,7 +6,7 @@ the local backend at context_parallel_size 1); these functions take it as an arg
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attention, register_attention
@@ -14,10 +14,15 @@ from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
+
 __all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_backend"]
 
 
-def plan_backend(backend: BackendPolicy, recipe: Any, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+def plan_backend(
+    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, pad_token_id: int
+) -> BackendPlan:
     """The backend's plan for this recipe and process layout; imports its dependencies now."""
     plan = backend.runtime().plan(recipe, dims, pad_token_id)
     if plan.attn_implementation == ATTENTION_NAME:
@@ -64,7 +69,7 @@ def check_hidden_dropout(text_config: Any) -> None:
 
 
 def check_model_config(
-    backend: BackendPolicy, recipe: Any, dims: ParallelDims, config: Any, model_class: type | None
+    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None
 ) -> None:
     """Refuse a model whose attention ``backend`` (the one of this layout) cannot split (before loading weights)."""
     text = config.get_text_config()

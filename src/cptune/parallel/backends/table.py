@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import MappingProxyType, ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cptune.parallel.backends.local import policy as local
 from cptune.parallel.backends.rows import ROWS
 
 if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
     from cptune.parallel.backends.spec import BackendPolicy
 
 
@@ -31,12 +32,12 @@ LOCAL: BackendPolicy = local.POLICY
 """The backend of context_parallel_size 1, whatever ``cp_backend`` says (not a ``cp_backend`` value)."""
 
 
-def named_backend(recipe: Any) -> BackendPolicy:
+def named_backend(recipe: Recipe) -> BackendPolicy:
     """The backend the recipe's ``cp_backend`` names (whatever its context_parallel_size)."""
     return BACKENDS[recipe.cp_backend]
 
 
-def backend_for(recipe: Any, cp_size: int | None = None) -> BackendPolicy:
+def backend_for(recipe: Recipe, cp_size: int | None = None) -> BackendPolicy:
     """The backend that runs the recipe at ``cp_size`` (default: its context_parallel_size): local at 1."""
     size = recipe.context_parallel_size if cp_size is None else cp_size
     return LOCAL if size <= 1 else named_backend(recipe)

@@ -20,29 +20,34 @@ process-wide state back after it. Imports no torch (the recipe's validation read
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cptune.parallel.backends.spec import TrainerParallelism, accelerate_parallelism
 
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
+    from cptune.parallel.backends.spec import BackendPolicy
+    from cptune.parallel.layout import ParallelDims
 
-def asks_for_zero(recipe: Any) -> bool:
+
+def asks_for_zero(recipe: Recipe) -> bool:
     """The recipe sets ``deepspeed`` or ``zero_stage`` (DeepSpeed's engine trains it at cp > 1)."""
     return recipe.deepspeed is not None or recipe.zero_stage is not None
 
 
-def trains_on_deepspeed(backend: Any, recipe: Any) -> bool:
+def trains_on_deepspeed(backend: BackendPolicy, recipe: Recipe) -> bool:
     """DeepSpeed's engine trains the recipe with ``backend`` (its own engine, or ZeRO under cptune's sharding)."""
     return backend.runs_own_engine or (backend.runs_under_zero and asks_for_zero(recipe))
 
 
-def deepspeed_stage(recipe: Any) -> int:
+def deepspeed_stage(recipe: Recipe) -> int:
     """The ZeRO stage DeepSpeed's engine runs (``zero_stage``, or the ``deepspeed`` JSON's; reads and checks it)."""
     from cptune.parallel.backends.deepspeed_ulysses.sharding import deepspeed_config
 
     return int(deepspeed_config(recipe)["zero_optimization"]["stage"])
 
 
-def check_engine_ready(recipe: Any) -> None:
+def check_engine_ready(recipe: Recipe) -> None:
     """DeepSpeed is installed, and its config (``zero_stage`` / the ``deepspeed`` JSON) fits the recipe."""
     from cptune.parallel.backends.deepspeed_ulysses.sharding import load_deepspeed
 
@@ -50,13 +55,13 @@ def check_engine_ready(recipe: Any) -> None:
     deepspeed_stage(recipe)  # reads and checks the JSON
 
 
-def check_ready_under_zero(recipe: Any) -> None:
+def check_ready_under_zero(recipe: Recipe) -> None:
     """:func:`check_engine_ready` when the recipe asks for ZeRO (a ring or torch backend's ``check_ready``)."""
     if asks_for_zero(recipe):
         check_engine_ready(recipe)
 
 
-def parallelism_under_zero(recipe: Any, dims: Any) -> TrainerParallelism:
+def parallelism_under_zero(recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
     """accelerate's DDP-style mesh (cp axis), with DeepSpeed's config when the recipe asks for ZeRO."""
     ddp = accelerate_parallelism(dims)
     if not asks_for_zero(recipe):
@@ -66,6 +71,6 @@ def parallelism_under_zero(recipe: Any, dims: Any) -> TrainerParallelism:
     return TrainerParallelism(ddp.parallelism, deepspeed_config(recipe))
 
 
-def stage_under_zero(recipe: Any) -> int | None:
+def stage_under_zero(recipe: Recipe) -> int | None:
     """The ZeRO stage when the recipe asks for ZeRO, else None (DDP or FSDP2 holds the model states)."""
     return deepspeed_stage(recipe) if asks_for_zero(recipe) else None

@@ -49,9 +49,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cptune.errors import LaunchError
+
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
 
 # How long the other ranks get to exit on their own after one rank failed.
 GRACE_SECONDS = 10.0
@@ -79,7 +82,7 @@ class LaunchPlan:
         return self.nnodes > 1
 
 
-def default_nproc_per_node(recipe: Any, gpu_count: int) -> int:
+def default_nproc_per_node(recipe: Recipe, gpu_count: int) -> int:
     """Processes to start on a node when ``--nproc-per-node`` is not given.
 
     On a GPU node: one per visible GPU, as ``axolotl train`` and ``accelerate launch`` do, so that the

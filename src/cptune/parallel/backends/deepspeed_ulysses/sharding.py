@@ -29,7 +29,7 @@ import importlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from cptune.parallel.backends.document_attention import (
     DocumentAttention,
 )
 from cptune.parallel.shard import TokenBatch, TokenCoords, shard_contiguous
+
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
 
 INSTALL_HINT = f"DS_BUILD_OPS=0 pip install 'deepspeed{versions.DEEPSPEED}' (or the cptune[deepspeed] extra)"
 
@@ -132,7 +135,7 @@ _RECIPE_OWNED = {
 }
 
 
-def deepspeed_config(recipe: Any) -> dict[str, Any]:
+def deepspeed_config(recipe: Recipe) -> dict[str, Any]:
     """The DeepSpeed config for this recipe: the ``deepspeed`` JSON (if any) with the ZeRO stage set.
 
     Values the recipe already decides (batch sizes, accumulation, clipping, precision)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cptune.errors import CptuneError
 
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
 
-def uses_half_precision(recipe: Any) -> bool:
+
+def uses_half_precision(recipe: Recipe) -> bool:
     """Whether the model computes in bf16/fp16 (``bf16: auto`` is bf16 on the GPUs cptune targets)."""
     return recipe.bf16 in (True, "auto") or bool(recipe.fp16)
 
 
-def check_ring_precision(recipe: Any, *, cuda: bool, flash_attn: bool) -> None:
+def check_ring_precision(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> None:
     """flash-attn's CUDA kernels take half precision only; the CPU stand-ins take any float.
 
     Called before launching (preflight) and again where the backend is built. Without flash-attn
@@ -70,7 +73,7 @@ def ring_kernel_choice(
     return RingKernelChoice(f"cptune's pure-PyTorch stand-ins ({why})", warning)
 
 
-def describe_ring_kernels(recipe: Any, *, cuda: bool, flash_attn: bool) -> RingKernelChoice:
+def describe_ring_kernels(recipe: Recipe, *, cuda: bool, flash_attn: bool) -> RingKernelChoice:
     """:func:`ring_kernel_choice` for this recipe on this machine."""
     from cptune.parallel.kernels import torch_flash
 
