@@ -13,7 +13,7 @@ DEEPSPEED = ">=0.19,<0.20"
 RING_FLASH_ATTN = "==0.1.8"
 FLASH_ATTN = ">=2.8,<2.9"
 TORCH_PRIVATE_API = ">=2.13,<2.14"
-"""torch's private ``_templated_ring_attention`` (torch_patches.py) changes between minor versions."""
+"""torch's private ``_templated_ring_attention`` (parallel/backends/torch_cp/patches.py) changes between minor versions."""
 
 SPECIFIERS: dict[str, str] = {
     "transformers": TRANSFORMERS,
@@ -23,3 +23,12 @@ SPECIFIERS: dict[str, str] = {
     "flash-attn": FLASH_ATTN,
 }
 """Distribution name → the range pyproject.toml installs."""
+
+
+def written_for(*distributions: str) -> dict[str, str]:
+    """A patch's ``requires``: each distribution with the range its patch was read against.
+
+    ``torch`` means :data:`TORCH_PRIVATE_API` (its patches call private functions); the others come
+    from :data:`SPECIFIERS`.
+    """
+    return {name: TORCH_PRIVATE_API if name == "torch" else SPECIFIERS[name] for name in distributions}

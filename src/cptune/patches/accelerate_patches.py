@@ -24,9 +24,6 @@ from cptune import versions
 from cptune.errors import PatchError
 from cptune.patches.core import Patch, Predicate, ShardsModelStates
 
-ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
-"""The accelerate versions these patches were read against."""
-
 
 def torch_cp_context_unavailable(*args: Any, **kwargs: Any) -> Any:
     """Put in ``Accelerator._cp_context`` so that nothing silently falls back to torch CP.
@@ -92,7 +89,7 @@ def prepare_cp_patch(applies_to: Predicate, *, shards_itself: bool) -> Patch:
             "attention masks."
         ),
         remove_when="accelerate's ParallelismConfig accepts a cp_backend that shards inputs itself.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "args"),
         applies_to=applies_to,
     )
@@ -123,7 +120,7 @@ def cp_context_guard_patch(
             "accelerator-prepare-cp-by-backend replaces."
         ),
         remove_when="accelerator-prepare-cp-by-backend is removed.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         applies_to=applies_to,
         create=True,
     )
@@ -176,7 +173,7 @@ def validate_accelerator_multi_cpu_patch(applies_to: Predicate) -> Patch:
             "Accelerator.multi_device (accelerator.py:659) omits it; measured on CPU with 2 processes."
         ),
         remove_when="accelerate accepts MULTI_CPU in ParallelismConfig._validate_accelerator.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "accelerator"),
         # With FSDP2 the CPU run is an FSDP run (accelerator-state-fsdp-on-cpu), which the original accepts.
         applies_to=applies_to,
@@ -253,7 +250,7 @@ def accelerator_state_cp_without_fsdp_patch(applies_to: Predicate) -> Patch:
             "(state.py:1103). Inferred from source; not run on a GPU."
         ),
         remove_when="accelerate supports cp_size > 1 without FSDP (drops the 'TODO: Siro' check in state.py).",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "fsdp_plugin", "parallelism_config"),
         applies_to=applies_to,
     )
@@ -299,7 +296,7 @@ def accelerator_state_fsdp_on_cpu_patch() -> Patch:
             "fsdp_plugin is dropped. Measured on CPU: dp_shard=2 x cp=2 equals one process."
         ),
         remove_when="accelerate selects FSDP for MULTI_CPU runs given an fsdp_plugin.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "fsdp_plugin", "parallelism_config"),
         applies_to=ShardsModelStates(),
     )
@@ -332,7 +329,7 @@ def prepare_tp_passthrough_patch(applies_to: Predicate) -> Patch:
             "under FSDP2, which transformers 5.23 removed, and prepares loaders and optimizer twice."
         ),
         remove_when="accelerate's _prepare_tp works with transformers' DTensor tensor-parallel styles under FSDP2.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "args"),
         applies_to=applies_to,
     )

@@ -21,10 +21,6 @@ from typing import Any
 from cptune import versions
 from cptune.patches.core import Patch, Predicate
 
-DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
-ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
-TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
-
 
 @dataclass(frozen=True)
 class OnDeepSpeedEngine:
@@ -93,7 +89,7 @@ def skip_shm_op_build_patch(applies_to: Predicate) -> Patch:
             "by inference_all_reduce (torch.py:292), which falls back to torch.distributed.all_reduce."
         ),
         remove_when="DeepSpeed builds the shared-memory op lazily, on first use by inference_all_reduce.",
-        requires=DEEPSPEED_REQUIREMENT,
+        requires=versions.written_for("deepspeed"),
         signature=(),
         applies_to=applies_to,
     )
@@ -145,7 +141,7 @@ def deepspeed_cpu_backend_patch(applies_to: Predicate) -> Patch:
             "state.py:288 records num_processes=1 although DeepSpeed initialised a gloo group."
         ),
         remove_when="accelerate picks a backend for DeepSpeed processes on CPU-only machines.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("self", "cpu", "sagemaker_dp", "backend"),
         applies_to=applies_to,
     )
@@ -191,7 +187,7 @@ def zero0_grad_norm_patch(applies_to: Predicate) -> Patch:
             "steps the bare optimizer, so get_global_grad_norm() stays None."
         ),
         remove_when="DeepSpeed records the gradient norm when it steps an unwrapped optimizer.",
-        requires=DEEPSPEED_REQUIREMENT,
+        requires=versions.written_for("deepspeed"),
         signature=("self", "lr_kwargs"),
         applies_to=applies_to,
     )

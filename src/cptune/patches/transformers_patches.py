@@ -15,9 +15,6 @@ from cptune import versions
 from cptune.patches.core import Patch, Predicate
 from cptune.patches.overrides import Override
 
-TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
-"""The transformers versions these patches were read against."""
-
 
 def _inputs_unchanged(
     self: Any, model: Any, inputs: dict[str, Any]
@@ -50,7 +47,7 @@ def trainer_cp_inputs_patch(applies_to: Predicate) -> Patch:
             "transformers lets a Trainer opt out of its CP input path (e.g. a flag or a backend "
             "that shards inputs itself)."
         ),
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "model", "inputs"),
         applies_to=applies_to,
     )
@@ -67,7 +64,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
             "world); cptune's CP ranks hold the same batch, so the sum is divided by the copies."
         ),
         remove_when="the Trainer takes the step's target count from a documented hook.",
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "batch_samples", "device"),
     ),
     Override(
@@ -78,7 +75,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
             "transformers/trainer.py:3336 gives the folder _save_checkpoint writes under."
         ),
         remove_when="the Trainer writes checkpoints atomically, or takes the checkpoint folder from an argument.",
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "trial"),
     ),
     Override(
@@ -89,7 +86,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
             "transformers/trainer.py:3355 writes the checkpoint folder in place, file by file."
         ),
         remove_when="the Trainer writes checkpoints atomically.",
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "model", "trial"),
     ),
     Override(
@@ -105,7 +102,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
             "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
             "frozen weights it saves."
         ),
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "output_dir", "_internal_call"),
     ),
     Override(
@@ -113,7 +110,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         target=f"{TRAINER}._wrap_model",
         reason="cptune's evaluation loop prepares the model as the Trainer's own loop does (trainer.py:2654).",
         remove_when="the Trainer lets a subclass compute the evaluation loss per batch through a public hook.",
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "model", "training"),
     ),
     Override(
@@ -121,7 +118,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         target=f"{TRAINER}._prepare_inputs",
         reason="cptune's evaluation loop moves each batch to the device as the Trainer does (trainer.py:2379).",
         remove_when="the Trainer lets a subclass compute the evaluation loss per batch through a public hook.",
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "inputs"),
     ),
     Override(
@@ -135,7 +132,7 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
             "the Trainer gathers FSDP2 weights for its final save itself, and hands peft under ZeRO-3 the "
             "frozen weights it saves."
         ),
-        requires=TRANSFORMERS_REQUIREMENT,
+        requires=versions.written_for("transformers"),
         signature=("self", "output_dir", "state_dict"),
     ),
 )

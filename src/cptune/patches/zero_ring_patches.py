@@ -22,8 +22,6 @@ from typing import Any
 from cptune import versions
 from cptune.patches.core import Patch, Predicate
 
-ACCELERATE_REQUIREMENT = {"accelerate": versions.ACCELERATE}
-
 
 def _cp_size(mesh: Any) -> int:
     names = getattr(mesh, "mesh_dim_names", None) or ()
@@ -73,7 +71,7 @@ def loader_shares_cp_batches_patch(applies_to: Predicate) -> Patch:
             "rank by the mesh's tp size only, so the ranks of a CP group would shard different sequences."
         ),
         remove_when="accelerate's DeepSpeed branch of prepare_data_loader honours the cp mesh axis.",
-        requires=ACCELERATE_REQUIREMENT,
+        requires=versions.written_for("accelerate"),
         signature=("dataloader", "num_processes", "process_index", "torch_device_mesh"),
         applies_to=applies_to,
     )

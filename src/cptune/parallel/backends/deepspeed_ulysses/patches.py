@@ -11,9 +11,6 @@ from __future__ import annotations
 from cptune import versions
 from cptune.patches.core import Patch, Predicate
 
-DEEPSPEED_REQUIREMENT = {"deepspeed": versions.DEEPSPEED}
-TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
-
 
 def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
     """``ALL_ATTENTION_FUNCTIONS._local_mapping`` → a copy for the run, so the Ulysses wrapper goes away after.
@@ -39,7 +36,7 @@ def attention_registry_scope_patch(applies_to: Predicate) -> Patch:
             "ALL_ATTENTION_FUNCTIONS (its _local_mapping, transformers/utils/generic.py:1131) for good."
         ),
         remove_when="transformers lets a registration be scoped or undone (or DeepSpeed's wrapper gets a name of its own).",
-        requires={**TRANSFORMERS_REQUIREMENT, **DEEPSPEED_REQUIREMENT},
+        requires=versions.written_for("transformers", "deepspeed"),
         applies_to=applies_to,
     )
 

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from cptune import versions
 from cptune.patches.core import MISSING, Patch
 
-TRANSFORMERS_REQUIREMENT = {"transformers": versions.TRANSFORMERS}
-
 
 def ring_flash_attn_import_compat_patch() -> Patch:
     """Provides ``is_flash_attn_greater_or_equal_2_10`` while ``ring_flash_attn`` is imported.
@@ -40,7 +38,7 @@ def ring_flash_attn_import_compat_patch() -> Patch:
             "transformers.modeling_flash_attention_utils and uses it as a bool at hf_adapter.py:129."
         ),
         remove_when="ring-flash-attn stops importing is_flash_attn_greater_or_equal_2_10 (after 0.1.8).",
-        requires={**TRANSFORMERS_REQUIREMENT, "ring-flash-attn": versions.RING_FLASH_ATTN},
+        requires=versions.written_for("transformers", "ring-flash-attn"),
         create=True,
     )
 

@@ -28,9 +28,6 @@ from cptune import versions
 from cptune.errors import PatchError
 from cptune.patches.core import Patch, Predicate
 
-TORCH_REQUIREMENT = {"torch": versions.TORCH_PRIVATE_API}
-"""The torch versions the handlers were read against (they call private ring templates)."""
-
 SEQ_DIM = 2
 """SDPA's sequence dim in (batch, heads, tokens, head_dim); torch's CP hard-codes it too (:673)."""
 
@@ -187,6 +184,6 @@ def torch_cp_cpu_sdpa_patch(applies_to: Predicate) -> Patch:
             "torch's context parallelism handles aten._scaled_dot_product_flash_attention_for_cpu "
             "(and its backward) itself."
         ),
-        requires=TORCH_REQUIREMENT,
+        requires=versions.written_for("torch"),
         applies_to=applies_to,
     )
