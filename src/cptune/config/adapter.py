@@ -35,7 +35,7 @@ class AdapterKeys(BaseModel):
 
     @field_validator("lora_target_modules", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
+    def _many_lora_target_modules(cls, value: Any) -> Any:
         return one_or_many(value)
 
     @property

@@ -128,7 +128,7 @@ class TrainingKeys(BaseModel):
 
     @field_validator("report_to", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
+    def _many_report_to(cls, value: Any) -> Any:
         return one_or_many(value)
 
 
@@ -175,7 +175,7 @@ class MemoryKeys(BaseModel):
 
     @field_validator("plugins", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
+    def _many_plugins(cls, value: Any) -> Any:
         return one_or_many(value)
 
     @property
