@@ -31,4 +31,5 @@ def written_for(*distributions: str) -> dict[str, str]:
     ``torch`` means :data:`TORCH_PRIVATE_API` (its patches call private functions); the others come
     from :data:`SPECIFIERS`.
     """
-    return {name: TORCH_PRIVATE_API if name == "torch" else SPECIFIERS[name] for name in distributions}
+    known = {**SPECIFIERS, "torch": TORCH_PRIVATE_API}
+    return {name: known[name] for name in distributions}
