@@ -68,6 +68,11 @@ def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, de
                 sharded = backend.shard(batch)
                 loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
                 loss = scaled_step_loss(loss_sum, count_targets(batch.shift_labels), 1)
+                if device == "cuda":  # where a step that runs out of memory got to
+                    torch.cuda.synchronize()
+                    print(f"[features]   S={seq_len} step {index}: forward done after "
+                          f"{time.perf_counter() - started:.1f} s, peak so far "
+                          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)  # fmt: skip
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -105,6 +110,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--longest", action="store_true",
         help="then fit a line through the 'everything' peaks and run one step at the longest length it allows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--above", action="store_true",
+        help="--longest: then one step at the next length (longest + resolution), which should run out of memory",
     )  # fmt: skip
     parser.add_argument(
         "--resolution", type=int, default=16384, help="--longest: the length is a multiple of this"
@@ -171,6 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.longest and "everything" in settings:
             results["longest"] = longest_step(model, optimizer, loss_fn, results, args, device, shape, usable)
             save()
+            step = results["longest"].get("step", {})
+            if args.above and "tokens_per_second_per_gpu" in step:
+                # Recorded before it starts: a step cut by the phase's time limit still says it began.
+                above = step["length"] + args.resolution
+                results["longest"]["above"] = {
+                    "length": above,
+                    "outcome": "started; no result (cut by the time limit)",
+                }
+                save()
+                results["longest"]["above"] = run_one(model, optimizer, loss_fn, "everything", above, args, device, shape, steps=1, warmup=0)  # fmt: skip
+                save()
     finally:
         dist.destroy_process_group()
     print(markdown(results))
@@ -186,6 +206,7 @@ def run_one(
     from benchmarks.gpu import predict
 
     print(f"[features] {name} at S={length} ...", flush=True)
+    began = time.perf_counter()
     if device == "cuda":
         torch.cuda.empty_cache()
     steps = args.steps if steps is None else steps
@@ -194,6 +215,10 @@ def run_one(
         row = measure(model, optimizer, loss_fn, length, steps, warmup, device)
     except Exception as err:
         row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+    print(
+        f"[features] {name} at S={length}: {row.get('error', 'done')} after {time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
     if "tokens_per_second_per_gpu" in row:
         row |= utilization(
             shape, length, row["tokens_per_second_per_gpu"], lora_parameters(shape, 16), recompute=True
