@@ -78,11 +78,16 @@ def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, de
             optimizer.zero_grad(set_to_none=True)
             if device == "cuda":
                 torch.cuda.synchronize()
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as err:
             optimizer.zero_grad(set_to_none=True)
+            # torch's message says what it tried to allocate and how much was reserved but unallocated
+            # (fragmentation), which tells a peak the line missed from a fragmented cache.
+            row = {"error": "out of memory", "message": " ".join(str(err).split())[:500],
+                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                   "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
             if device == "cuda":
                 torch.cuda.empty_cache()
-            return {"error": "out of memory", "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            return row
         losses.append(float(loss.detach()))
         if index >= warmup:
             times.append(time.perf_counter() - started)
@@ -110,6 +115,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--longest", action="store_true",
         help="then fit a line through the 'everything' peaks and run one step at the longest length it allows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--until-fits", action="store_true",
+        help="stop after the first length that trains (give the lengths longest first)",
     )  # fmt: skip
     parser.add_argument(
         "--above", action="store_true",
@@ -177,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             for length in args.lengths:
                 results["rows"].append(run_one(model, optimizer, loss_fn, name, length, args, device, shape))
                 save()
+                if args.until_fits and "tokens_per_second_per_gpu" in results["rows"][-1]:
+                    break
         if args.longest and "everything" in settings:
             results["longest"] = longest_step(model, optimizer, loss_fn, results, args, device, shape, usable)
             save()
@@ -215,6 +226,8 @@ def run_one(
         row = measure(model, optimizer, loss_fn, length, steps, warmup, device)
     except Exception as err:
         row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+    if "message" in row:
+        print(f"[features]   {row['message']}", flush=True)
     print(
         f"[features] {name} at S={length}: {row.get('error', 'done')} after {time.perf_counter() - began:.1f} s",
         flush=True,
