@@ -141,7 +141,7 @@ def train(
         ),
     ] = False,
 ) -> None:
-    from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.distributed import close_process_groups, read_dist_env, under_launcher
 
     env = read_dist_env()
     _setup_logging(env.rank)
@@ -155,6 +155,7 @@ def train(
         from cptune.run.train import train as run_train
 
         result = run_train(loaded)
+        close_process_groups()
         if env.rank == 0:
             typer.echo(
                 f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}"
@@ -180,6 +181,7 @@ def train(
         from cptune.run.train import train as run_train
 
         result = run_train(loaded)
+        close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
     code = launch(plan, ["train", str(recipe), *ctx.args, *flags])
@@ -279,7 +281,7 @@ def evaluate(
 ) -> None:
     import json
 
-    from cptune.run.distributed import read_dist_env, under_launcher
+    from cptune.run.distributed import close_process_groups, read_dist_env, under_launcher
     from cptune.run.evaluate import check_eval_data, model_source
     from cptune.run.evaluate import evaluate as run_evaluate
     from cptune.run.launch import LaunchPlan, launch
@@ -296,6 +298,7 @@ def evaluate(
         preflight(loaded, world_size=plan.world_size, training=False)
     if under_launcher() or plan.world_size == 1:
         metrics = run_evaluate(loaded, checkpoint)
+        close_process_groups()
         if env.rank == 0:
             typer.echo(json.dumps(metrics))
         return

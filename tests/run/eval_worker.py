@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from cptune.config.loader import load_recipe
-from cptune.run.distributed import read_dist_env
+from cptune.run.distributed import close_process_groups, read_dist_env
 from cptune.run.evaluate import evaluate
 
 
@@ -19,6 +19,7 @@ def main() -> None:
     out_dir, recipes = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     results = {path.stem: evaluate(load_recipe(path)) for path in recipes}
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps(results))
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":
