@@ -16,6 +16,7 @@ from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import Target
 from cptune.patches.registry import build_patches
 from cptune.run.training import train as train_module
+from cptune.run.training.distributed import close_process_groups
 
 
 def raw_object(target: Target) -> object:
@@ -80,6 +81,7 @@ def main() -> None:
             }
         )
     )
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":
