@@ -216,7 +216,9 @@ def _memory_features(features: dict[str, Any], title: str = "Memory features") -
         if "error" in row:
             # an out-of-memory row keeps the peak allocated when the allocation failed
             peak = f"{row['peak_gib']:.1f} at the failure" if "peak_gib" in row else ""
-            lines.append(f"| {row['setting']} | {row['length']:,} | {row['error']} | | | {peak} | {predicted} |")
+            lines.append(
+                f"| {row['setting']} | {row['length']:,} | {row['error']} | | | {peak} | {predicted} |"
+            )
             continue
         lines.append(
             f"| {row['setting']} | {row['length']:,} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | "
