@@ -31,7 +31,8 @@ def raw_object(target: Target) -> object:
 
 def snapshot(recipe) -> dict[str, int]:
     return {
-        p.target: id(raw_object(Target.parse(p.target))) for p in build_patches(recipe, BACKENDS.values())
+        p.target: id(raw_object(Target.parse(p.target)))
+        for p in build_patches(BACKENDS[recipe.cp_backend], BACKENDS.values())
     }
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cptune.config.recipe import Recipe
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy, TrainerParallelism
-from cptune.parallel.backends.table import BACKENDS, LOCAL, backend_for, named_backend
+from cptune.parallel.backends.table import BACKENDS, LOCAL, named_backend
 from cptune.parallel.backends.zero import trains_on_deepspeed
 from cptune.parallel.layout import ParallelDims
 from cptune.patches.registry import build_patch_set
@@ -51,12 +51,13 @@ class RunPlan:
             LaunchError: the processes do not split into the recipe's axes.
         """
         dims = ParallelDims.from_recipe(recipe, world_size)
+        cp_backend = named_backend(recipe)
         return cls(
             recipe=recipe,
             dims=dims,
-            backend=backend_for(recipe, dims.cp_size),
-            cp_backend=named_backend(recipe),
-            patches=build_patch_set(recipe, BACKENDS.values()),
+            backend=LOCAL if dims.cp_size <= 1 else cp_backend,
+            cp_backend=cp_backend,
+            patches=build_patch_set(cp_backend, BACKENDS.values()),
         )
 
     def backend_at(self, cp_size: int) -> BackendPolicy:
