@@ -1,10 +1,13 @@
 """One process's plan of a run, worked out once from the recipe and the launch: :class:`RunPlan`.
 
-Every command builds it once, with :meth:`RunPlan.build`, and passes it down: the launcher
-(preflight, ``cptune validate``, the data report), each rank of ``cptune train`` and ``cptune
-evaluate``, ``cptune inference``'s one process and the benchmarks' workers. Nothing below it asks
-the recipe again which backend runs, how the processes are laid out or which patches apply.
-Building it loads nothing and imports no torch.
+Every command that runs a backend builds it once, with :meth:`RunPlan.build`, and passes it down:
+the launcher (preflight, ``cptune validate``), each rank of ``cptune train`` and ``cptune evaluate``,
+and the benchmarks' workers. Nothing below it asks the recipe again which backend runs, how the
+processes are laid out or which patches apply. (``cptune inference`` and ``merge-lora`` run no
+backend: one process, the model's own attention; they share the weights loading of
+:mod:`cptune.run.commands.weights` with ``evaluate``. ``cptune preprocess`` starts no processes: it
+asks the table once for the backend whose rows it checks and reports.) Building it loads nothing and
+imports no torch.
 """
 
 from __future__ import annotations
