@@ -97,6 +97,8 @@ export PYTHONPATH="$PYTHONPATH:$SITE"
 if [ "$CHECK_B" = 1 ] && [ "$DRY" = 1 ]; then
     phase longest 300 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --settings everything --longest --above --out "$OUT/longest.json"
 elif [ "$CHECK_B" = 1 ]; then
+    # measured: the default allocator lost ~10 GiB to fragmentation at 278K tokens (LEASE.md)
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
     phase longest 600 300 "$PYTHON" -m benchmarks.gpu.feature_speed --settings everything --lengths 32768,98304 \
         --steps 1 --warmup 0 --longest --above --gpu-gib 79.6 --out "$OUT/longest.json"
 elif [ "$DRY" = 1 ]; then
