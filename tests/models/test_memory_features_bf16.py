@@ -19,10 +19,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from cptune.models.head_loss import HeadLoss
+from cptune.models.offload import enable_activation_offloading
 from cptune.models.tiled_mlp import decoder_mlps, enable_tiled_mlp
 from devtools.tiny import build_tiny_model, tiny_llama_config
 from tests import reorder
-from tests.models.test_memory_features import TOKENS, VOCAB, step
+from tests.models.test_memory_features import TARGETS, TOKENS, VOCAB, step
 from tests.numerics import assert_within, reorder_bound
 
 BF16 = torch.bfloat16
@@ -133,3 +135,58 @@ def test_tiled_mlp_recomputes_under_the_forwards_autocast():
     step(model)
     # The MLP's own forward sees no tokens; then 2 tiles of 20 tokens, and the same 2 recomputed.
     assert calls == [(0, BF16)] + [(TOKENS // 2, BF16)] * 4
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_offloading_in_bf16_is_bit_exact(lora):
+    plain = step(build(lora))
+    model = build(lora)
+    enable_activation_offloading(model)
+    assert_bit_identical(step(model), plain)
+
+
+@pytest.mark.parametrize(
+    ("lora", "targets"),
+    [(True, "all-linear"), (False, None), (True, ["q_proj", "lm_head"])],
+    ids=["lora", "full", "lora-on-lm-head"],
+)
+def test_head_loss_in_bf16_changes_only_the_head_gradients(lora, targets):
+    """The chunks run under the model's forward autocast, as the logits path's head does.
+
+    Before that, a LoRA on ``lm_head`` ran in fp32 in the chunks (the Trainer computes the loss outside
+    the model's autocast forward) and in bf16 in the logits path: every gradient differed.
+    """
+    whole = step(build(lora, targets=targets))
+    model = build(lora, targets=targets)
+    head_loss = HeadLoss(model)
+    chunked = step(model, head_loss)
+    head_names = {n for n in whole[1] if "lm_head" in n}
+    # Bound of the loss: the same fp32 token losses, added in another order (chunk by chunk).
+    assert_within(chunked[0], whole[0], reorder_bound(TARGETS, whole[0]), "loss")
+    assert_bit_identical((whole[0], chunked[1]), whole, except_=head_names)
+    if head_names:
+        magnitudes = gradient_magnitudes(build(lora, False, targets), lambda name: "lm_head" in name)
+        magnitudes = {n: m for n, m in magnitudes.items() if n in head_names}
+        assert set(magnitudes) == head_names
+        chunks = -(-TARGETS // max(1, head_loss.chunk_elements // VOCAB))
+        assert_within_split_sums(chunked[1], whole[1], magnitudes, chunks, "head loss")
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_all_memory_features_in_bf16(lora):
+    """Offloading, tiles and the chunked loss together: only the MLP's and the head's gradients move."""
+    plain = step(build(lora))
+    model = build(lora)
+    enable_activation_offloading(model)
+    tiles = reorder.tiles(3)
+    enable_tiled_mlp(model, num_shards=tiles)
+    head_loss = HeadLoss(model)
+    got = step(model, head_loss)
+    assert_within(got[0], plain[0], reorder_bound(TARGETS, plain[0]), "loss")
+    moved = {n for n in plain[1] if ".mlp." in n or "lm_head" in n}
+    assert_bit_identical((plain[0], got[1]), plain, except_=moved)
+    magnitudes = gradient_magnitudes(build(lora, False), lambda name: ".mlp." in name or "lm_head" in name)
+    chunks = -(-TARGETS // max(1, head_loss.chunk_elements // VOCAB))
+    magnitudes = {n: m for n, m in magnitudes.items() if n in moved}
+    assert set(magnitudes) == moved
+    assert_within_split_sums(got[1], plain[1], magnitudes, max(tiles, chunks), "all features")

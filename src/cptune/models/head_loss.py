@@ -10,6 +10,11 @@ module chunk by chunk, recomputing each chunk in the backward. The head is calle
 module, so a LoRA adapter on ``lm_head``, tied input/output embeddings and the hooks of
 FSDP2 or DeepSpeed on it behave as in the model's forward.
 
+The chunks run under the autocast of the model's forward (captured when the decoder returns):
+the Trainer calls the loss outside autocast (accelerate wraps only the model's forward), and the
+logits path runs the head inside it, so a LoRA adapter on ``lm_head`` computes in the same
+precision either way.
+
 What the model does to the head's output before returning it (Gemma 2's logit
 soft-capping, Cohere's and Granite's logit scaling) is not reproduced: such models are
 refused from their config (:func:`check_head_loss_supported`), and every step checks that
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from cptune.errors import CptuneError
+from cptune.models.autocast_state import AutocastState
 from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS, head_token_loss_sum, token_loss_sum
 
 # (model_kwargs, shift_labels) of one rank's shard -> (token loss sum, model outputs)
@@ -86,6 +92,7 @@ class HeadLoss:
         self.vocab = base.config.get_text_config().vocab_size
         self._armed = False
         self._hidden: torch.Tensor | None = None
+        self._autocast: AutocastState | None = None
         self._head_io: tuple[torch.Tensor, torch.Tensor] | None = None
         self._handles = [
             decoder.register_forward_hook(self._keep_hidden),
@@ -95,22 +102,24 @@ class HeadLoss:
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._armed:
             self._hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self._autocast = AutocastState.capture(self._hidden.device)
 
     def _keep_head_io(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         if self._armed:
             self._head_io = (args[0], output)
 
     def __call__(self, model: torch.nn.Module, model_kwargs: dict[str, Any], shift_labels: torch.Tensor):
-        self._armed, self._hidden, self._head_io = True, None, None
+        self._armed, self._hidden, self._head_io, self._autocast = True, None, None, None
         try:
             # The logits of one token only: what the model returns is checked against the head.
             outputs = model(**model_kwargs, use_cache=False, logits_to_keep=1)
         finally:
             self._armed = False
-        hidden, head_io = self._hidden, self._head_io
-        self._hidden = self._head_io = None
+        hidden, head_io, autocast = self._hidden, self._head_io, self._autocast
+        self._hidden = self._head_io = self._autocast = None
         self._check(outputs, hidden, head_io)
-        loss_sum = head_token_loss_sum(self.head, hidden, shift_labels, self.vocab, self.chunk_elements)
+        with autocast.entered():
+            loss_sum = head_token_loss_sum(self.head, hidden, shift_labels, self.vocab, self.chunk_elements)
         return loss_sum, outputs
 
     def _check(self, outputs: Any, hidden: torch.Tensor | None, head_io: tuple | None) -> None:
