@@ -59,14 +59,16 @@ class LossPhase:
     peak: int
 
 
-def build(seed: int = 0, chunk_tokens: int = CHUNK_TOKENS) -> tuple[torch.nn.Module, Any]:
-    """The scaled model with LoRA, in bf16 under autocast, and its chunked loss."""
+def build(
+    seed: int = 0, chunk_tokens: int = CHUNK_TOKENS, shape: dict[str, int] | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """The scaled model (:data:`SHAPE`, or ``shape``) with LoRA, in bf16 under autocast, and its chunked loss."""
     from peft import LoraConfig, get_peft_model
 
     from cptune.models.head_loss import HeadLoss
     from devtools.tiny import build_tiny_model, tiny_llama_config
 
-    config = tiny_llama_config(**SHAPE)
+    config = tiny_llama_config(**(shape or SHAPE))
     model = build_tiny_model(config, seed=seed).to(torch.bfloat16)
     model.config.use_cache = False
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
