@@ -7,6 +7,7 @@ message without a traceback, and the command exits non-zero.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -148,6 +149,11 @@ def train(
     flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
+    from cptune.run.launch.allocator import use_expandable_segments
+
+    # Before anything initialises CUDA; the ranks started below inherit it. A rank under a launcher
+    # sets it only where the launcher did not (the launcher said what it kept).
+    use_expandable_segments(os.environ, loaded.memory_features, note=not under_launcher())
     from cptune.run.launch.preflight import preflight
     from cptune.run.launch.processes import LaunchPlan, launch
     from cptune.run.plan import RunPlan

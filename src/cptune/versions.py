@@ -10,6 +10,7 @@ from __future__ import annotations
 TRANSFORMERS = ">=5.23,<5.24"
 ACCELERATE = ">=1.15,<1.16"
 DEEPSPEED = ">=0.19,<0.20"
+PEFT = ">=0.21,<0.22"
 RING_FLASH_ATTN = "==0.1.8"
 FLASH_ATTN = ">=2.8,<2.9"
 TORCH_PRIVATE_API = ">=2.13,<2.14"
@@ -19,6 +20,7 @@ SPECIFIERS: dict[str, str] = {
     "transformers": TRANSFORMERS,
     "accelerate": ACCELERATE,
     "deepspeed": DEEPSPEED,
+    "peft": PEFT,
     "ring-flash-attn": RING_FLASH_ATTN,
     "flash-attn": FLASH_ATTN,
 }

@@ -259,8 +259,9 @@ def test_alst_deepspeed_recipe_trains_ring_attention_under_zero3_with_tiled_mlp_
     # whole on every rank: the RMSNorm weights, here as on the 8B model.
     assert run["zero3_whole"] is not None
     assert run["zero3_whole"] and all(name.endswith("norm.weight") for name in run["zero3_whole"])
-    # The tiny model's 2 MLPs are tiled, and the chunked loss hooks the decoder and the output layer.
-    assert run["tiled_mlp_modules"] == 2 and run["head_loss_modules"] == 2
+    # The tiny model's 2 MLPs are tiled, and the chunked loss hooks the decoder, its final norm (which it runs
+    # per chunk) and the output layer.
+    assert run["tiled_mlp_modules"] == 2 and run["head_loss_modules"] == 3
     history = json.loads((out / "train_log.json").read_text())
     norms = [e["grad_norm"] for e in history if "grad_norm" in e]
     assert len(norms) == 3 and all(0 < n < 100 for n in norms)

@@ -279,18 +279,66 @@ def test_head_loss_refuses_a_model_that_transforms_its_logits():
 
 
 def test_head_loss_refuses_a_model_that_ignores_logits_to_keep():
+    """Without a final ``norm`` to narrow (GPT-2's is ``ln_f``), such a model computes every logit: refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class AllLogits(GPT2LMHeadModel):  # remote code that accepts the argument and ignores it
+        def forward(self, *args, logits_to_keep=0, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=TOKENS, eos_token_id=2)
+    model = AllLogits(config)
+    kwargs, labels = batch()
+    head_loss = HeadLoss(model)
+    assert head_loss.norm is None
+    with pytest.raises(
+        CptuneError, match="cut_cross_entropy: the model ignored logits_to_keep and computed 40"
+    ):
+        head_loss(model, {"input_ids": kwargs["input_ids"]}, labels)
+
+
+def test_head_loss_refuses_a_decoder_that_changes_its_norms_output():
+    """The chunks run the decoder's final norm themselves: a decoder that does more after it, or calls it
+    again, is stopped at the first step."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    kwargs, labels = batch()
+    model = build(lora=False, checkpointing=False)
+    # Registered before the chunked loss's own hook, which therefore sees the changed output.
+    model.model.register_forward_hook(
+        lambda module, args, out: BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state * 2)
+    )
+    with pytest.raises(CptuneError, match="cut_cross_entropy: the decoder's output is not its final norm's"):
+        HeadLoss(model)(model, kwargs, labels)
+    model = build(lora=False, checkpointing=False)
+    head_loss = HeadLoss(model)
+
+    def norm_again(module, args, out):
+        module.norm(out.last_hidden_state)
+
+    model.model.register_forward_hook(norm_again)
+    with pytest.raises(CptuneError, match="cut_cross_entropy: the decoder called its final norm 2 times"):
+        head_loss(model, kwargs, labels)
+
+
+def test_head_loss_gives_the_final_norm_one_token():
+    """The model's final norm computes the last token only, even for a model that ignores logits_to_keep."""
     from transformers import LlamaForCausalLM
 
-    class AllLogits(LlamaForCausalLM):  # remote code that accepts the argument and ignores it
+    class AllLogits(LlamaForCausalLM):
         def forward(self, *args, logits_to_keep=0, **kwargs):
             return super().forward(*args, **kwargs)
 
     model = AllLogits(tiny_llama_config(VOCAB))
+    tokens = []
+    model.model.norm.register_forward_hook(lambda module, args, out: tokens.append(args[0].shape[-2]))
     kwargs, labels = batch()
-    with pytest.raises(
-        CptuneError, match="cut_cross_entropy: the model ignored logits_to_keep and computed 40"
-    ):
-        HeadLoss(model)(model, kwargs, labels)
+    head_loss = HeadLoss(model)
+    loss, outputs = head_loss(model, kwargs, labels)
+    assert tokens[0] == 1 and outputs.logits.shape[-2] == 1
+    loss.backward()
+    # Then the chunks: each target token once in the loss's forward and once recomputed in its backward.
+    assert sum(tokens[1:]) == 2 * TARGETS
 
 
 def test_check_memory_features_refuses_a_mixture_of_experts_before_loading():

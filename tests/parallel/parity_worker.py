@@ -304,6 +304,8 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     In bf16 a second cp=1 reference runs beside the first with eager attention instead of
     sdpa: the same computation with the attention's sums in another order. How far it lands
     from the first is the noise floor of bf16 (``reorder_baseline``); CP reorders the same sums.
+    ``autocast``: the three bf16 models' forwards run under bf16 autocast (LoRA adapters stay fp32), as
+    ``cptune train`` runs a bf16 recipe.
     """
     world = groups.world
     torch.manual_seed(0)
@@ -316,6 +318,11 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         twin.set_attn_implementation("eager")
     else:
         reference64 = float64_twin(reference)
+    if case.get("autocast"):
+        # As accelerate prepares a bf16 model: its forward under autocast, the backward outside. After
+        # the copies: a copy of a wrapped forward would call the original's.
+        for m in (reference, model, twin):
+            m.forward = torch.autocast("cpu", dtype=torch.bfloat16)(m.forward)
     # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
     ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
     ref64_keys = None if reference64 is None else use_exact_lora_dropout(reference64, seed=case["seed"])

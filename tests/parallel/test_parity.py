@@ -136,13 +136,28 @@ FEATURE_CP2_CASES = [
     torch_case("causal-lora+all-features", features=ALL_FEATURES),
     torch_case("causal-full-alltoall+all-features", lora=False, comm="alltoall", features=ALL_FEATURES),
 ]
+# The same in bf16 as `cptune train` runs it (the base in bf16, LoRA in fp32, the forward under autocast),
+# against the bf16 cp=1 reference without features: the tiled MLP's recomputation and the chunked loss
+# must run under the forward's autocast (tests/models/test_memory_features_bf16.py at cp=1).
+FEATURE_BF16_CP2_CASES = [
+    case("packed-causal-lora+all-features-bf16", bf16=True, autocast=True, features=ALL_FEATURES),
+]
 FEATURE_TWINS = {
     c["name"]: c["name"].split("+")[0] for c in FEATURE_CP2_CASES if c["features"] == {"offload": True}
 }
 
 # spawn id -> (world size, cp size, cases of every backend run in that spawn)
 SPAWNS = {
-    "cp2": (2, 2, CP2_CASES + TORCH_CP2_CASES + FEATURE_CP2_CASES + ZIGZAG_CASES + PLANTED_CASES),
+    "cp2": (
+        2,
+        2,
+        CP2_CASES
+        + TORCH_CP2_CASES
+        + FEATURE_CP2_CASES
+        + FEATURE_BF16_CP2_CASES
+        + ZIGZAG_CASES
+        + PLANTED_CASES,
+    ),
     "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES),
     "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES),
 }
@@ -251,10 +266,12 @@ def test_memory_features_parity_cp2(parity_results):
     """Offloading, tiled MLP and the chunked head loss on at cp=2 (ring and torch), off at cp=1.
 
     Offloading changes no bit: each offload case's CP losses and step-0 gradients equal its twin's
-    without offloading. With every feature on, the fp32 parity check holds.
+    without offloading. With every feature on, the fp32 parity check holds, and the bf16 one under
+    autocast (the reorder floor of the same run's eager-attention reference).
     """
     results = parity_results("cp2")
     check(results, FEATURE_CP2_CASES)
+    check(results, FEATURE_BF16_CP2_CASES, bf16=True)
     for per_rank in results:
         for name, twin in FEATURE_TWINS.items():
             assert per_rank[name]["cp_losses"] == per_rank[twin]["cp_losses"], (name, twin)

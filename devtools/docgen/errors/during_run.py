@@ -125,4 +125,29 @@ DOCUMENTED: tuple[Documented, ...] = (
         "argument",
         tested_by="tests/models/test_memory_features.py::test_head_loss_refuses_a_model_that_ignores_logits_to_keep",
     ),
+    Documented(
+        "cut-cross-entropy-after-final-norm",
+        SECTION,
+        "cut_cross_entropy with a model that changes the hidden states after its final norm",
+        "cut_cross_entropy: the decoder's output is not its final norm's output",
+        "Remove `cut_cross_entropy`. The chunked loss runs the decoder's final `norm` itself, chunk by "
+        "chunk, so the decoder must return that norm's output as it is; every step checks it.",
+        raised_in="src/cptune/models/head_loss.py",
+        why_not_in_catalogue="only at the first training step, with a model whose decoder ends otherwise than "
+        "the transformers models cptune knows",
+        tested_by="tests/models/test_memory_features.py::test_head_loss_refuses_a_decoder_that_changes_its_norms_output",
+    ),
+    Documented(
+        "cut-cross-entropy-final-norm-reused",
+        SECTION,
+        "cut_cross_entropy with a model that calls its final norm more than once",
+        "cut_cross_entropy: the decoder called its final norm",
+        "Remove `cut_cross_entropy`. The chunked loss makes the decoder's final `norm` compute the last "
+        "token only, in place of the decoder's one call at its end; a decoder that also uses it elsewhere "
+        "is stopped at the first step.",
+        raised_in="src/cptune/models/head_loss.py",
+        why_not_in_catalogue="only at the first training step, with a model whose decoder ends otherwise than "
+        "the transformers models cptune knows",
+        tested_by="tests/models/test_memory_features.py::test_head_loss_refuses_a_decoder_that_changes_its_norms_output",
+    ),
 )

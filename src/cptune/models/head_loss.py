@@ -4,11 +4,19 @@
 :func:`cptune.parallel.loss.token_loss_sum` takes the cross-entropy. :class:`HeadLoss` (the
 recipe's ``cut_cross_entropy`` / ``liger_fused_linear_cross_entropy``) never materialises
 the logits: the model is asked for the logits of its last token only (``logits_to_keep``),
-a forward hook on the decoder keeps the final hidden states, and
-:func:`cptune.parallel.loss.head_token_loss_sum` projects them through the model's own head
-module chunk by chunk, recomputing each chunk in the backward. The head is called as a
-module, so a LoRA adapter on ``lm_head``, tied input/output embeddings and the hooks of
-FSDP2 or DeepSpeed on it behave as in the model's forward.
+forward hooks keep the last decoder layer's output (the final norm's input) and make the final
+norm compute the last token only, and :func:`cptune.parallel.loss.head_token_loss_sum` runs the
+model's own final norm and head module chunk by chunk, recomputing each chunk in the backward.
+The norm and the head are called as modules, so a LoRA adapter on ``lm_head``, tied
+input/output embeddings and the hooks of FSDP2 or DeepSpeed on them behave as in the model's
+forward. Each token's loss and gradient are those of the model's own forward (the same
+operations per token); what the chunks sum in parts is the head's and a trained norm's weight
+gradients and the loss sum.
+
+The chunks run under the autocast of the model's forward (captured when the decoder returns):
+the Trainer calls the loss outside autocast (accelerate wraps only the model's forward), and the
+logits path runs the head inside it, so a LoRA adapter on ``lm_head`` computes in the same
+precision either way.
 
 What the model does to the head's output before returning it (Gemma 2's logit
 soft-capping, Cohere's and Granite's logit scaling) is not reproduced: such models are
@@ -20,11 +28,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cptune.errors import CptuneError
+from cptune.models.autocast_state import AutocastState
 from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS, head_token_loss_sum, token_loss_sum
 
 # (model_kwargs, shift_labels) of one rank's shard -> (token loss sum, model outputs)
@@ -68,11 +78,18 @@ def check_head_loss_supported(config: Any, model_class: type | None) -> None:
 class HeadLoss:
     """Token loss sum from the final hidden states and the model's head, one chunk of tokens at a time.
 
+    When the decoder ends with a final norm (its ``norm`` module, as Llama, Mistral, Qwen and Gemma
+    have), the norm runs inside each chunk too: a hook hands the norm, in the model's forward, the
+    last token only (the one the model's logits are for), and keeps the norm's input, the last
+    layer's output, from which the chunks compute the loss. So the loss keeps nothing of the
+    sequence's size but that input (the norm's fp32 copy, its output and their gradients are
+    never whole). Without such a norm, the chunks start from the decoder's output.
+
     Args:
         chunk_elements: Most logits per chunk (:data:`cptune.parallel.loss.LOSS_CHUNK_ELEMENTS`).
         model: The model as built (a transformers causal LM, possibly wrapped by peft); the
-            hooks go on its decoder and head, so the model may be wrapped further (DDP,
-            DeepSpeed) afterwards.
+            hooks go on its decoder, final norm and head, so the model may be wrapped further
+            (DDP, DeepSpeed) afterwards.
     """
 
     def __init__(self, model: torch.nn.Module, chunk_elements: int = LOSS_CHUNK_ELEMENTS):
@@ -83,49 +100,82 @@ class HeadLoss:
         decoder = base.get_decoder()
         if self.head is None or decoder is None:
             raise ValueError(f"{type(base).__name__} has no output layer or decoder to compute the loss from")
+        norm = getattr(decoder, "norm", None)
+        self.norm: torch.nn.Module | None = norm if isinstance(norm, torch.nn.Module) else None
         self.vocab = base.config.get_text_config().vocab_size
         self._armed = False
-        self._hidden: torch.Tensor | None = None
-        self._head_io: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._seen = _Seen()
         self._handles = [
             decoder.register_forward_hook(self._keep_hidden),
             self.head.register_forward_hook(self._keep_head_io),
         ]
+        if self.norm is not None:
+            self._handles += [
+                self.norm.register_forward_pre_hook(self._narrow_norm),
+                self.norm.register_forward_hook(self._keep_norm_output),
+            ]
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self._armed:
-            self._hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self._seen.decoder_output = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            self._seen.autocast = AutocastState.capture(self._seen.decoder_output.device)
 
     def _keep_head_io(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         if self._armed:
-            self._head_io = (args[0], output)
+            self._seen.head_io = (args[0], output)
+
+    def _narrow_norm(self, module: torch.nn.Module, args: tuple) -> tuple | None:
+        if not self._armed:
+            return None
+        (x,) = args
+        self._seen.norm_calls += 1
+        self._seen.norm_input = x
+        # The model's logits are for its last token only (logits_to_keep=1): the norm computes that one.
+        return (x[..., -1:, :],)
+
+    def _keep_norm_output(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._armed:
+            self._seen.norm_output = output
 
     def __call__(self, model: torch.nn.Module, model_kwargs: dict[str, Any], shift_labels: torch.Tensor):
-        self._armed, self._hidden, self._head_io = True, None, None
+        self._armed, self._seen = True, _Seen()
         try:
             # The logits of one token only: what the model returns is checked against the head.
             outputs = model(**model_kwargs, use_cache=False, logits_to_keep=1)
         finally:
             self._armed = False
-        hidden, head_io = self._hidden, self._head_io
-        self._hidden = self._head_io = None
-        self._check(outputs, hidden, head_io)
-        loss_sum = head_token_loss_sum(self.head, hidden, shift_labels, self.vocab, self.chunk_elements)
+        seen, self._seen = self._seen, _Seen()
+        self._check(outputs, seen)
+        hidden = seen.decoder_output if self.norm is None else seen.norm_input
+        with seen.autocast.entered():
+            loss_sum = head_token_loss_sum(
+                self.head, hidden, shift_labels, self.vocab, self.chunk_elements, norm=self.norm
+            )
         return loss_sum, outputs
 
-    def _check(self, outputs: Any, hidden: torch.Tensor | None, head_io: tuple | None) -> None:
-        if hidden is None or head_io is None:
+    def _check(self, outputs: Any, seen: _Seen) -> None:
+        if seen.decoder_output is None or seen.head_io is None:
             raise RuntimeError("the chunked loss did not see the model's decoder output or head call")
-        head_input, head_output = head_io
+        if self.norm is not None and (seen.norm_calls != 1 or seen.norm_output is None):
+            raise CptuneError(
+                f"cut_cross_entropy: the decoder called its final norm {seen.norm_calls} times in one forward "
+                "(the chunked loss runs it once per chunk, in place of the model's one call); remove "
+                "cut_cross_entropy."
+            )
+        head_input, head_output = seen.head_io
         logits = outputs.logits
         if logits.shape[-2] != 1:
             raise CptuneError(
                 f"cut_cross_entropy: the model ignored logits_to_keep and computed {logits.shape[-2]} tokens of "
                 "logits, so the chunked loss saves no memory with it; remove cut_cross_entropy."
             )
-        if not torch.equal(head_input, hidden[..., -1:, :]) or not torch.equal(
-            logits, head_output.to(logits.dtype)
-        ):
+        last = seen.decoder_output[..., -1:, :]
+        if self.norm is not None and not torch.equal(seen.norm_output[..., -1:, :], last):
+            raise CptuneError(
+                "cut_cross_entropy: the decoder's output is not its final norm's output (it transforms the hidden "
+                "states after the norm), which the chunked loss does not reproduce; remove cut_cross_entropy."
+            )
+        if not torch.equal(head_input, last) or not torch.equal(logits, head_output.to(logits.dtype)):
             raise CptuneError(
                 "cut_cross_entropy: the model's logits are not its output layer applied to its decoder's output "
                 "(it transforms the hidden states or the logits in between), which the chunked loss does not "
@@ -136,3 +186,15 @@ class HeadLoss:
         """Take the hooks off the model."""
         for handle in self._handles:
             handle.remove()
+
+
+@dataclass
+class _Seen:
+    """What the hooks saw in one forward of the model."""
+
+    decoder_output: torch.Tensor | None = None
+    autocast: AutocastState | None = None
+    head_io: tuple[torch.Tensor, torch.Tensor] | None = None
+    norm_input: torch.Tensor | None = None
+    norm_output: torch.Tensor | None = None
+    norm_calls: int = 0

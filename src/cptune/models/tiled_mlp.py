@@ -22,8 +22,11 @@ ZeRO-3 frees it again before autograd would accumulate what the Function returns
 
 Exactness: the output and the input's gradient are the same per token whatever the
 tiling; a weight's gradient is a sum over tokens, which the tiles add in a different
-order (measured differences in tests/models/test_memory_features.py). Dropout inside
-the MLP (LoRA dropout) draws per tile and replays the same draws in the backward.
+order (tests/models/test_memory_features.py, and in bf16 tests/models/test_memory_features_bf16.py).
+Dropout inside the MLP (LoRA dropout) draws per tile and replays the same draws in the backward,
+and the backward recomputes each tile under the autocast state of its forward: the Trainer runs
+the backward outside autocast, where a bf16 run's LoRA branch would otherwise be recomputed in
+fp32, and the gradients would not be those of the forward.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from cptune.models.autocast_state import AutocastState
 from cptune.parallel.backends.zero3_params import gathered, is_partitioned, partitioned
 from cptune.parallel.memory import mlp_tiles
 
@@ -56,6 +60,7 @@ class _TiledMlpFunction(torch.autograd.Function):
         *params,
     ):
         ctx.run, ctx.tiles, ctx.zero3 = run, tiles, zero3
+        ctx.autocast = AutocastState.capture(x.device)
         ctx.save_for_backward(x, *params)
         ctx.rng_states = []
         outputs = []
@@ -79,7 +84,7 @@ class _TiledMlpFunction(torch.autograd.Function):
             strict=True,
         ):
             tile = tile.detach().requires_grad_(grad_x is not None)
-            with torch.enable_grad(), _replayed_rng(x.device, state):
+            with torch.enable_grad(), _replayed_rng(x.device, state), ctx.autocast.entered():
                 out = ctx.run(tile)
             inputs = ([tile] if grad_x is not None else []) + trained
             grads = list(torch.autograd.grad(out, inputs, grad_tile, allow_unused=True))

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from cptune.labels import IGNORE_INDEX
 from cptune.parallel.backends.zero3_params import any_partitioned, partition_group
 from cptune.parallel.collectives import all_reduce_max, all_reduce_sum
+from cptune.parallel.row_gather import RowGather
 
 # Logits above which the loss is computed in chunks (2**26: 256 MiB in fp32). At long context the
 # logits are the largest tensors of a step: 16,384 tokens x Llama 3's 128,256 vocabulary is 8.4 GB
@@ -112,53 +113,83 @@ def head_token_loss_sum(
     shift_labels: torch.Tensor,
     vocab: int,
     chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+    *,
+    norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """:func:`token_loss_sum` of ``head(hidden)``, without ever holding more than one chunk of logits.
+    """:func:`token_loss_sum` of ``head(norm(hidden))``, without ever holding more than one chunk of logits.
 
     Only the tokens with a target are projected, ``chunk_elements // vocab`` of them at a time;
-    each chunk's logits and fp32 cross-entropy are recomputed in the backward instead of kept
-    (what fused linear cross-entropy kernels do, in plain torch). A token's loss and its gradient
-    are those of the unchunked computation up to rounding (the same sums, in matrix products of
-    another shape); the head's weight gradient is summed chunk by chunk and the loss sum adds the
-    chunks' sums, so both may differ in the last bits.
+    each chunk's rows, normalised rows, logits and fp32 cross-entropy are recomputed in the
+    backward instead of kept (what fused linear cross-entropy kernels do, in plain torch), and the
+    rows are gathered per chunk (:class:`cptune.parallel.row_gather.RowGather`), so the loss keeps
+    nothing of the sequence's size but ``hidden`` itself until its backward, which hands back one
+    gradient of ``hidden``'s size. A token's loss and its gradient are those of the unchunked
+    computation up to rounding (the same sums, in matrix products of another shape); the head's
+    and the norm's weight gradients are summed chunk by chunk and the loss sum adds the chunks'
+    sums, so those may differ in the last bits.
 
     Args:
         head: The output layer (hidden -> logits), e.g. the model's ``lm_head`` module.
-        hidden: (..., tokens, hidden) final hidden states of this rank's tokens.
+        hidden: (..., tokens, hidden) hidden states of this rank's tokens: the final ones, or
+            those before ``norm``.
         shift_labels: (..., tokens) targets already shifted per document; -100 = none.
         vocab: Width of the head's output (logits per token).
         chunk_elements: Most logits per chunk.
+        norm: The model's final norm, applied per chunk before the head (None: ``hidden`` is
+            already normalised).
     """
-    width = hidden.shape[-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(hidden.device)
-    kept = flat_labels != IGNORE_INDEX
-    rows = hidden.reshape(-1, width)[kept]
-    labels = flat_labels[kept]
+    positions = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+    labels = flat_labels.index_select(0, positions)
     size = max(1, chunk_elements // vocab)
     # At least one (possibly empty) chunk: the head stays in the graph when no token has a target.
-    chunks = list(zip(rows.split(size), labels.split(size), strict=True)) or [(rows, labels)]
-    group = partition_group(head)
+    chunks = list(zip(positions.split(size), labels.split(size), strict=True)) or [(positions, labels)]
+    group = partition_group(head) or partition_group(norm)
     if group is not None:
-        # ZeRO-3 gathers the head's weight in every call and again in each recomputation: a
-        # collective over the partition group, so every rank must call the head as often. Ranks
-        # with fewer targets (another shard, another data-parallel batch) add empty chunks.
+        # ZeRO-3 gathers the head's (and norm's) weight in every call and again in each recomputation:
+        # a collective over the partition group, so every rank must call them as often. Ranks with
+        # fewer targets (another shard, another data-parallel batch) add empty chunks.
         most = int(all_reduce_max(torch.tensor([len(chunks)]), group)[0])
-        chunks += [(rows[:0], labels[:0])] * (most - len(chunks))
+        chunks += [(positions[:0], labels[:0])] * (most - len(chunks))
+    modules = [m for m in (head, norm) if isinstance(m, torch.nn.Module)]
     recompute = torch.is_grad_enabled() and (
-        rows.requires_grad or any(p.requires_grad for p in getattr(head, "parameters", tuple)())
+        flat.requires_grad or any(p.requires_grad for m in modules for p in m.parameters())
     )
+    gather = RowGather()
+    source = gather.track(flat) if recompute else flat
     if recompute:
-        # ZeRO-3 frees the head's gathered weight after each call, before the recomputation's saved
-        # tensors are compared with the forward's; its backward hooks gather the weight again for use.
-        check = "none" if any_partitioned(head) else "default"
+        # ZeRO-3 frees the gathered weights after each call, before the recomputation's saved tensors
+        # are compared with the forward's; its backward hooks gather the weights again for use.
+        check = "none" if any(any_partitioned(m) for m in modules) else "default"
         parts = [
-            checkpoint(_head_cross_entropy_sum, head, x, y, use_reentrant=False, determinism_check=check)
-            for x, y in chunks
+            checkpoint(
+                _chunk_cross_entropy_sum,
+                head,
+                norm,
+                gather,
+                source,
+                at,
+                y,
+                use_reentrant=False,
+                determinism_check=check,
+            )
+            for at, y in chunks
         ]
     else:
-        parts = [_head_cross_entropy_sum(head, x, y) for x, y in chunks]
+        parts = [_chunk_cross_entropy_sum(head, norm, gather, source, at, y) for at, y in chunks]
     return torch.stack(parts).sum()
 
 
-def _head_cross_entropy_sum(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels):
-    return _cross_entropy_sum(head(hidden), labels)
+def _chunk_cross_entropy_sum(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    norm: Callable[[torch.Tensor], torch.Tensor] | None,
+    gather: RowGather,
+    source: torch.Tensor,
+    positions: torch.Tensor,
+    labels: torch.Tensor,
+) -> torch.Tensor:
+    rows = gather.rows(source, positions)
+    if norm is not None:
+        rows = norm(rows)
+    return _cross_entropy_sum(head(rows), labels)

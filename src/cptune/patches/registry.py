@@ -32,6 +32,7 @@ from cptune.patches.accelerate_patches import (
 )
 from cptune.patches.core import ContextParallelWith, Patch, PatchSet, SplitsTensors
 from cptune.patches.deepspeed_patches import OnDeepSpeedEngine, deepspeed_engine_patches
+from cptune.patches.peft_patches import lora_input_cast_patch
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
 
@@ -84,6 +85,7 @@ def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) 
         prepare_tp_passthrough_patch(SplitsTensors()),
         *deepspeed_engine_patches(on_deepspeed),
         loader_shares_cp_batches_patch(on_deepspeed),
+        lora_input_cast_patch(),
     ]
     for backend in backends:
         patches += backend.runtime().training_patches()

@@ -10,10 +10,10 @@ the backward pass use these helpers where that matters:
 * :mod:`cptune.models.tiled_mlp` sums a weight's gradient over the tiles and hands the sum to
   autograd once; for a partitioned weight it does so inside :func:`gathered`;
 * the chunked head loss (:func:`cptune.parallel.loss.head_token_loss_sum`) recomputes each chunk
-  under non-reentrant checkpointing, which compares the recomputed saved tensors with the
-  forward's; by then ZeRO-3 has freed the head's weight again, so for a head with partitioned
-  weights (:func:`any_partitioned`) that comparison is skipped (ZeRO-3's backward hooks gather the
-  weight before it is used).
+  (the final norm and the head) under non-reentrant checkpointing, which compares the recomputed
+  saved tensors with the forward's; by then ZeRO-3 has freed the weights again, so for a norm or
+  head with partitioned weights (:func:`any_partitioned`) that comparison is skipped (ZeRO-3's
+  backward hooks gather the weights before they are used).
 
 Without ZeRO-3 no parameter carries DeepSpeed's ``ds_id``: nothing changes, and DeepSpeed is
 not imported.
