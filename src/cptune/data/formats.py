@@ -1,7 +1,8 @@
 """Row formats: turn one raw row into ``input_ids`` and ``labels`` (-100 where not trained).
 
 Four formats, chosen by a dataset's ``type``: ``alpaca``, ``chat_template``,
-``completion`` and ``pretokenized``. A format never sees the row index or the
+``completion`` and ``pretokenized``; and the preference pairs of ``rl``
+(:mod:`cptune.data.preference_formats`). A format never sees the row index or the
 dataset name; it raises :class:`RowProblem` and the caller (see
 :mod:`cptune.data.rows`) turns that into a :class:`~cptune.errors.DataError`
 naming dataset, row and field, or counts and skips the row.
@@ -69,10 +70,55 @@ class RowProblem(Exception):
 
 @dataclass(frozen=True)
 class Sample:
-    """One tokenized sample; ``labels`` is -100 on tokens that are not trained."""
+    """One tokenized sample; ``labels`` is -100 on tokens that are not trained.
+
+    ``document_lengths``: the documents the sample is made of, end to end (their positions restart
+    at 0 each); None for one document. A preference pair is two: prompt + chosen, prompt + rejected
+    (:mod:`cptune.data.preference_formats`).
+    """
 
     input_ids: list[int]
     labels: list[int]
+    document_lengths: tuple[int, ...] | None = None
+
+    @property
+    def documents(self) -> tuple[int, ...]:
+        """The length of each document of the sample."""
+        return self.document_lengths if self.document_lengths is not None else (len(self.input_ids),)
+
+    @property
+    def position_ids(self) -> list[int]:
+        """Positions 0..n-1 of each document in turn."""
+        return [position for length in self.documents for position in range(length)]
+
+    def truncated(self, length: int) -> Sample:
+        """The sample cut to ``length`` tokens, keeping the start of every document.
+
+        One document: its first ``length`` tokens. Two (a preference pair): each side keeps its start;
+        a side shorter than half of ``length`` stays whole and the other gets the rest, otherwise
+        each gets half, so both sides keep their prompt and as much of their response as fits.
+        """
+        documents = self.documents
+        if sum(documents) <= length:
+            return self
+        if len(documents) == 1:
+            return Sample(self.input_ids[:length], self.labels[:length])
+        if len(documents) != 2:
+            raise ValueError(f"cannot truncate a sample of {len(documents)} documents")
+        first, second = documents
+        half = length // 2
+        if first <= half:
+            kept = (first, length - first)
+        elif second <= half:
+            kept = (length - second, second)
+        else:
+            kept = (half, length - half)
+        spans = [(0, kept[0]), (first, first + kept[1])]
+        return Sample(
+            [token for start, stop in spans for token in self.input_ids[start:stop]],
+            [label for start, stop in spans for label in self.labels[start:stop]],
+            kept,
+        )
 
 
 Formatter = Callable[[Mapping[str, Any]], Sample]
@@ -204,6 +250,15 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     value = row.get(name)
     if value is None:
         raise _field_problem(name, "is missing")
+    return message_list(value, name, config)
+
+
+def message_list(value: Any, name: str, config: DatasetConfig) -> list[dict[str, str]]:
+    """The messages of column ``name`` as the template sees them (role names mapped, reasoning kept).
+
+    Raises:
+        RowProblem: The value is not a non-empty list of messages with a text role and content.
+    """
     role_key, content_key = config.resolved_message_fields
     reasoning_key = config.resolved_reasoning_field
     role_names = _role_names(config)
@@ -231,7 +286,7 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     return messages
 
 
-def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+def end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
     """Where a turn's end-of-turn token is in its tokens: (start, end); (len, len) when it has none.
 
     The end-of-turn token is the turn's last special token when only whitespace follows it
@@ -243,13 +298,15 @@ def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedToke
     return last_special, last_special + 1
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...)."""
+    return set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+
+
 def _chat(
     config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_inputs: bool, template: str | None
 ) -> Formatter:
-    # Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...).
-    special_ids = set(tokenizer.all_special_ids) | {
-        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
-    }
+    special_ids = special_token_ids(tokenizer)
     trained_roles = set(config.roles_to_train)
     eos_policy = config.train_on_eos
     # A template that never names reasoning_content cannot show it: say so once rather than drop it unseen.
@@ -298,7 +355,7 @@ def _chat(
             raise not_prefix_stable(
                 turn, f"messages[:{turn + 1}] does not render to a token prefix of the whole conversation"
             )
-        eot_start, eot_end = _end_token(through[len(before) :], special_ids, tokenizer)
+        eot_start, eot_end = end_token(through[len(before) :], special_ids, tokenizer)
         return len(before), len(before) + eot_start, len(before) + eot_end
 
     def format_row(row: Mapping[str, Any]) -> Sample:
@@ -339,6 +396,10 @@ def _chat(
 
 def required_columns(config: DatasetConfig) -> tuple[str, ...]:
     """Columns a dataset of this type must have (optional ones excluded)."""
+    if config.type == "chat_template.default":
+        return (config.field_messages, config.field_chosen, config.field_rejected)
+    if config.type == "passthrough.default":
+        return (config.field_prompt, config.field_chosen, config.field_rejected)
     if config.type == "alpaca":
         return (config.field_instruction, config.field_output)
     if config.type == "chat_template":
@@ -373,6 +434,10 @@ def build_formatter(
     Raises:
         DataError: If the tokenizer cannot serve this format (no eos, no chat template).
     """
+    if config.is_preference:
+        from cptune.data.preference_formats import build_pair_formatter
+
+        return build_pair_formatter(config, tokenizer, chat_template, label, chat_template_jinja)
     if config.type == "alpaca":
         return _alpaca(config, tokenizer, train_on_inputs)
     if config.type == "completion":
