@@ -15,7 +15,8 @@ import torch
 from cptune.config.data import DatasetConfig
 from cptune.data.collator import PackedCollator
 from cptune.data.debug_view import debug_rows, format_rows
-from cptune.data.formats import RowProblem, Sample, build_formatter
+from cptune.data.formats import RowProblem, Sample
+from cptune.data.preference_formats import build_pair_formatter
 from cptune.data.prepare import prepare_datasets
 from cptune.labels import CHOSEN, IGNORE_INDEX, REJECTED, pair_sequence_ids
 from tests.conftest import REPO
@@ -26,7 +27,7 @@ ROWS = [json.loads(line) for line in PAIRS.read_text().splitlines()]
 
 def formatter(tokenizer, **dataset):
     config = DatasetConfig(path="pairs.jsonl", **dataset)
-    return build_formatter(config, tokenizer, train_on_inputs=False, chat_template=None, label="pairs")
+    return build_pair_formatter(config, tokenizer, None, "pairs")
 
 
 def sides(sample: Sample) -> list[tuple[list[int], list[int]]]:
@@ -59,7 +60,9 @@ def test_passthrough_pair_is_two_documents_with_the_prompt_shared_and_the_respon
     assert sample.position_ids == [*range(len(chosen_ids)), *range(len(rejected_ids))]
 
 
-def test_chat_template_default_renders_the_prompt_messages_and_each_response_through_its_end_of_turn(tokenizer):
+def test_chat_template_default_renders_the_prompt_messages_and_each_response_through_its_end_of_turn(
+    tokenizer,
+):
     row = {
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
         "chosen": {"role": "assistant", "content": "Hi."},
@@ -69,7 +72,9 @@ def test_chat_template_default_renders_the_prompt_messages_and_each_response_thr
     (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = sides(sample)
     prompt, chosen = split_prompt(chosen_ids, chosen_labels)
     assert split_prompt(rejected_ids, rejected_labels)[0] == prompt
-    assert prompt == tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, return_dict=False)
+    assert prompt == tokenizer.apply_chat_template(
+        row["messages"], add_generation_prompt=True, return_dict=False
+    )
     assert tokenizer.decode(chosen) == "Hi.<|im_end|>"  # the "\n" after the end-of-turn token left out
     assert tokenizer.decode(split_prompt(rejected_ids, rejected_labels)[1]) == "Go away.<|im_end|>"
 
@@ -87,7 +92,9 @@ def test_a_missing_response_is_a_row_problem_naming_the_field(tokenizer):
     with pytest.raises(RowProblem, match="'rejected' is missing"):
         formatter(tokenizer, type="passthrough.default")({"prompt": "a", "chosen": "b"})
     with pytest.raises(RowProblem, match="'rejected' is missing"):
-        formatter(tokenizer, type="chat_template.default", field_messages="prompt")({"prompt": "a", "chosen": "b"})
+        formatter(tokenizer, type="chat_template.default", field_messages="prompt")(
+            {"prompt": "a", "chosen": "b"}
+        )
 
 
 def test_truncation_keeps_each_sides_start_and_gives_the_shorter_side_what_it_needs():

@@ -128,6 +128,24 @@ ENTRIES: tuple[Entry, ...] = (
         "They are two names of β; keep one.",
     ),
     Entry(
+        "pairs-tokenizer-without-eos",
+        SECTION,
+        "passthrough.default pairs with a tokenizer that has no eos token",
+        "The tokenizer has no eos token, which passthrough.default responses end with.",
+        "Each response ends with the eos token (as TRL tokenizes such pairs). Use a tokenizer that defines "
+        "`eos_token` (`tokenizer_config`).",
+    ),
+    Entry(
+        "pairs-chat-template-not-prefix-stable",
+        SECTION,
+        "chat_template.default pairs with a template that renders the prompt differently before a response",
+        "the chat template is not prefix-stable: the prompt with the generation prompt does not render to a "
+        "token prefix of the prompt followed by the response",
+        "cptune finds each response's tokens after the prompt's; a template that changes the prompt's text "
+        "when a response follows (here: it starts with the message count) hides them. Set "
+        "`chat_template: chatml`, or use a template that renders earlier turns the same.",
+    ),
+    Entry(
         "label-smoothing-ipo",
         SECTION,
         "dpo_label_smoothing with rl: ipo",

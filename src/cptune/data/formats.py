@@ -124,20 +124,20 @@ class Sample:
 Formatter = Callable[[Mapping[str, Any]], Sample]
 
 
-def _field_problem(name: str, problem: str) -> RowProblem:
+def field_problem(name: str, problem: str) -> RowProblem:
     return RowProblem(f"field {name!r} {problem}")
 
 
-def _text(row: Mapping[str, Any], name: str, *, required: bool = True) -> str:
+def text_field(row: Mapping[str, Any], name: str, *, required: bool = True) -> str:
     value = row.get(name)
     if value is None:
         if required:
-            raise _field_problem(name, "is missing")
+            raise field_problem(name, "is missing")
         return ""
     if not isinstance(value, str):
-        raise _field_problem(name, f"is a {type(value).__name__}, not text")
+        raise field_problem(name, f"is a {type(value).__name__}, not text")
     if required and not value.strip():
-        raise _field_problem(name, "is empty")
+        raise field_problem(name, "is empty")
     return value
 
 
@@ -167,9 +167,9 @@ def _alpaca(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_
     bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
 
     def format_row(row: Mapping[str, Any]) -> Sample:
-        instruction = _text(row, config.field_instruction)
-        extra = _text(row, config.field_input, required=False)
-        output = _text(row, config.field_output)
+        instruction = text_field(row, config.field_instruction)
+        extra = text_field(row, config.field_input, required=False)
+        output = text_field(row, config.field_output)
         template = ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT
         prompt = template.format(instruction=instruction, input=extra)
         # Tokenized apart so the prompt/response boundary is exact: no token
@@ -187,7 +187,7 @@ def _completion(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Fo
     bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
 
     def format_row(row: Mapping[str, Any]) -> Sample:
-        text = _text(row, config.field)
+        text = text_field(row, config.field)
         input_ids = [*bos, *tokenizer(text, add_special_tokens=False)["input_ids"], eos]
         return Sample(input_ids, list(input_ids))
 
@@ -197,17 +197,17 @@ def _completion(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Fo
 def _int_list(row: Mapping[str, Any], name: str, *, allow: Callable[[int], bool], allowed: str) -> list[int]:
     value = row.get(name)
     if value is None:
-        raise _field_problem(name, "is missing")
+        raise field_problem(name, "is missing")
     if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        raise _field_problem(name, f"is a {type(value).__name__}, not a list of token ids")
+        raise field_problem(name, f"is a {type(value).__name__}, not a list of token ids")
     if len(value) == 0:
-        raise _field_problem(name, "is empty")
+        raise field_problem(name, "is empty")
     for position, item in enumerate(value):
         # bool is an int subclass; a True in a token list is a data bug.
         if not isinstance(item, int) or isinstance(item, bool):
-            raise _field_problem(name, f"holds a {type(item).__name__} at position {position}, not an int")
+            raise field_problem(name, f"holds a {type(item).__name__} at position {position}, not an int")
         if not allow(item):
-            raise _field_problem(name, f"holds {item} at position {position}; {allowed}")
+            raise field_problem(name, f"holds {item} at position {position}; {allowed}")
     return list(value)
 
 
@@ -230,7 +230,7 @@ def _pretokenized(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> 
             row, config.field_labels, allow=label_ok, allowed=f"labels must be -100 or in 0..{vocab - 1}"
         )
         if len(labels) != len(input_ids):
-            raise _field_problem(
+            raise field_problem(
                 config.field_labels,
                 f"has {len(labels)} entries but {config.field_input_ids} has {len(input_ids)}",
             )
@@ -249,7 +249,7 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     name = config.field_messages
     value = row.get(name)
     if value is None:
-        raise _field_problem(name, "is missing")
+        raise field_problem(name, "is missing")
     return message_list(value, name, config)
 
 
@@ -266,21 +266,21 @@ def message_list(value: Any, name: str, config: DatasetConfig) -> list[dict[str,
         # datasets' legacy Sequence-of-struct feature decodes to a dict of lists.
         value = [dict(zip(value, turn, strict=False)) for turn in zip(*value.values(), strict=False)]
     if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not value:
-        raise _field_problem(name, "is not a non-empty list of messages")
+        raise field_problem(name, "is not a non-empty list of messages")
     messages = []
     for turn, message in enumerate(value):
         if not isinstance(message, Mapping):
-            raise _field_problem(name, f"message {turn} is a {type(message).__name__}, not an object")
+            raise field_problem(name, f"message {turn} is a {type(message).__name__}, not an object")
         role, content = message.get(role_key), message.get(content_key)
         if not isinstance(role, str) or not role:
-            raise _field_problem(name, f"message {turn} has no text {role_key!r}")
+            raise field_problem(name, f"message {turn} has no text {role_key!r}")
         if not isinstance(content, str):
-            raise _field_problem(name, f"message {turn} has no text {content_key!r}")
+            raise field_problem(name, f"message {turn} has no text {content_key!r}")
         converted = {"role": role_names.get(role, role), "content": content}
         reasoning = message.get(reasoning_key)
         if reasoning is not None:
             if not isinstance(reasoning, str):
-                raise _field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
+                raise field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
             converted["reasoning_content"] = reasoning
         messages.append(converted)
     return messages
@@ -300,7 +300,39 @@ def end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedToken
 
 def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...)."""
-    return set(tokenizer.all_special_ids) | {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    messages: list[dict[str, str]],
+    whole: list[dict[str, str]],
+    add_generation_prompt: bool,
+) -> list[int]:
+    """The token ids of ``messages`` rendered with the chat template.
+
+    ``whole``: the whole conversation (``all_messages``), for templates whose rendering of a turn
+    depends on what follows it (qwen3 shows reasoning only after the last user query); the others
+    ignore it.
+
+    Raises:
+        RowProblem: The template rejected the messages (its ``raise_exception()``).
+    """
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            all_messages=whole,
+        )
+    except Exception as error:  # a template's raise_exception() is a row problem
+        raise RowProblem(f"the chat template rejected the messages ({error})") from error
+    return list(ids)
 
 
 def _chat(
@@ -316,20 +348,7 @@ def _chat(
     def render(
         messages: list[dict[str, str]], whole: list[dict[str, str]], add_generation_prompt: bool
     ) -> list[int]:
-        # ``all_messages``: the whole conversation, for templates whose rendering of a turn depends on what
-        # follows it (qwen3 shows reasoning only after the last user query); the others ignore it.
-        try:
-            ids = tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                all_messages=whole,
-            )
-        except Exception as error:  # a template's raise_exception() is a row problem
-            raise RowProblem(f"the chat template rejected the messages ({error})") from error
-        return list(ids)
+        return render_chat(tokenizer, template, messages, whole, add_generation_prompt)
 
     def not_prefix_stable(turn: int, what: str) -> RowProblem:
         return RowProblem(
@@ -434,10 +453,6 @@ def build_formatter(
     Raises:
         DataError: If the tokenizer cannot serve this format (no eos, no chat template).
     """
-    if config.is_preference:
-        from cptune.data.preference_formats import build_pair_formatter
-
-        return build_pair_formatter(config, tokenizer, chat_template, label, chat_template_jinja)
     if config.type == "alpaca":
         return _alpaca(config, tokenizer, train_on_inputs)
     if config.type == "completion":
@@ -447,4 +462,7 @@ def build_formatter(
     if config.type == "chat_template":
         template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
         return _chat(config, tokenizer, train_on_inputs, template)
-    raise ValueError(f"unknown dataset type {config.type!r}")
+    raise ValueError(
+        f"no formatter of single samples for dataset type {config.type!r} "
+        "(preference pairs: cptune.data.preference_formats.build_pair_formatter)"
+    )

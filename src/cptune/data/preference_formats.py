@@ -31,8 +31,11 @@ from cptune.data.formats import (
     RowProblem,
     Sample,
     end_token,
+    field_problem,
     message_list,
+    render_chat,
     special_token_ids,
+    text_field,
 )
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX
@@ -59,17 +62,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _text(row: Mapping[str, Any], name: str) -> str:
-    value = row.get(name)
-    if value is None:
-        raise RowProblem(f"field {name!r} is missing")
-    if not isinstance(value, str):
-        raise RowProblem(f"field {name!r} is a {type(value).__name__}, not text")
-    if not value.strip():
-        raise RowProblem(f"field {name!r} is empty")
-    return value
-
-
 def _passthrough(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
     eos = tokenizer.eos_token
     if eos is None:
@@ -79,8 +71,8 @@ def _passthrough(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> F
         )
 
     def format_row(row: Mapping[str, Any]) -> Sample:
-        prompt = _text(row, config.field_prompt)
-        responses = [_text(row, name) for name in (config.field_chosen, config.field_rejected)]
+        prompt = text_field(row, config.field_prompt)
+        responses = [text_field(row, name) for name in (config.field_chosen, config.field_rejected)]
         responses = [text if text.endswith(eos) else text + eos for text in responses]
         prompt_ids = tokenizer(prompt)["input_ids"]
         chosen, rejected = (tokenizer(prompt + text)["input_ids"] for text in responses)
@@ -100,7 +92,7 @@ def _response(value: Any, name: str, config: DatasetConfig) -> list[dict[str, st
     elif isinstance(value, Sequence) and value:
         value = [value[-1]]
     if value is None:
-        raise RowProblem(f"field {name!r} is missing")
+        raise field_problem(name, "is missing")
     return message_list(value, name, config)
 
 
@@ -108,17 +100,7 @@ def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, templ
     special_ids = special_token_ids(tokenizer)
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        try:
-            ids = tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-        except Exception as error:  # a template's raise_exception() is a row problem
-            raise RowProblem(f"the chat template rejected the messages ({error})") from error
-        return list(ids)
+        return render_chat(tokenizer, template, messages, messages, add_generation_prompt)
 
     def response_ids(prompt: list[dict[str, str]], prompt_ids: list[int], response: list[dict[str, str]]):
         full = render([*prompt, *response], add_generation_prompt=False)
@@ -142,7 +124,7 @@ def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, templ
             role_key, content_key = config.resolved_message_fields
             value = [{role_key: "user", content_key: value}]
         if value is None:
-            raise RowProblem(f"field {name!r} is missing")
+            raise field_problem(name, "is missing")
         prompt = message_list(value, name, config)
         prompt_ids = render(prompt, add_generation_prompt=True)
         chosen, rejected = (

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from tests.reliability.catalogue.framework import DELETE, Case, Workspace
+from tests.reliability.catalogue.setups import COUNTING_TEMPLATE, _tokenizer_folder
+
+PAIR_ROWS = [{"prompt": "Say hi.", "chosen": "Hi.", "rejected": "Go away."}] * 4
 
 
 def _pairs(ws: Workspace) -> dict:
@@ -11,6 +14,13 @@ def _pairs(ws: Workspace) -> dict:
         "rl": "dpo",
         "datasets": [{"path": str(ws.data / "train.jsonl"), "type": "chat_template.default"}],
     }
+
+
+def _pair_data(ws: Workspace, type_: str, **tokenizer: object) -> dict:
+    """Real pair rows (the error comes from preparing them) with a tokenizer built for the case."""
+    path = ws.write_rows("pairs.jsonl", PAIR_ROWS)
+    dataset = {"path": path, "type": type_, "field_messages": "prompt"}
+    return {"rl": "dpo", "datasets": [dataset], "tokenizer_config": _tokenizer_folder(ws, **tokenizer)}
 
 
 CASES: tuple[Case, ...] = (
@@ -50,5 +60,15 @@ CASES: tuple[Case, ...] = (
         },
     ),
     Case("beta-disagree", setup=lambda ws: {**_pairs(ws), "rl_beta": 0.2, "dpo_beta": 0.3}),
+    Case(
+        "pairs-tokenizer-without-eos",
+        setup=lambda ws: _pair_data(ws, "passthrough.default", name="no-eos-tokenizer", drop=("eos_token",)),
+    ),
+    Case(
+        "pairs-chat-template-not-prefix-stable",
+        setup=lambda ws: _pair_data(
+            ws, "chat_template.default", name="counting-tokenizer", template=COUNTING_TEMPLATE
+        ),
+    ),
     Case("label-smoothing-ipo", setup=lambda ws: {**_pairs(ws), "rl": "ipo", "dpo_label_smoothing": 0.1}),
 )
