@@ -214,7 +214,7 @@ def pair_forward(
         shard_loss: :func:`cptune.models.head_loss.logits_loss` or the chunked head loss.
         batch: The micro batch, whole.
         loss: The preference loss.
-        group: This rank's CP group (None: the world, or a single process).
+        group: This rank's CP group; None when the rank holds whole rows (cp=1): its sums are complete.
         reference_context: Entered around the reference forward (besides ``torch.no_grad``): turns the
             policy into the reference (the adapter disabled).
         on_shard: Called with the policy forward's shard before it runs (exact dropout's keys).
@@ -230,6 +230,8 @@ def pair_forward(
         on_shard(sharded)
     local = sequence_log_probs(model, sharded, shard_loss, batch)
     _check_served(sharded, attention_layers)
+    if group is None:
+        return loss.pair_outputs(local, reference_local, batch.target_counts())
     reference = all_reduce_sum(reference_local, group)
     policy = complete(local, group)
     return loss.pair_outputs(policy, reference, batch.target_counts())
