@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from cptune.config.loader import load_recipe
-from tests.conftest import REPO, logged_losses, run_cptune
+from tests.conftest import REPO, logged, logged_losses, run_cptune
 
 EXAMPLES_DIR = REPO / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.rglob("*.yaml"))
@@ -27,7 +28,11 @@ GPU_EXAMPLES = sorted((EXAMPLES_DIR / "gpu").glob("*.yaml"))
 CPU_EXAMPLES = [EXAMPLES_DIR / "quickstart.yaml", *sorted((EXAMPLES_DIR / "cpu").glob("*.yaml"))]
 # Trained until they learn by the tests below; the others get a 2-step run, except those trained
 # (with overrides such as max_steps) by another test, named here.
-LEARNING_EXAMPLES = {EXAMPLES_DIR / "quickstart.yaml", EXAMPLES_DIR / "cpu" / "torch.yaml"}
+LEARNING_EXAMPLES = {
+    EXAMPLES_DIR / "quickstart.yaml",
+    EXAMPLES_DIR / "cpu" / "torch.yaml",
+    EXAMPLES_DIR / "cpu" / "dpo.yaml",
+}
 TRAINED_ELSEWHERE = {EXAMPLES_DIR / "cpu" / "fsdp2.yaml": "tests.run.test_train_fsdp"}
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -171,6 +176,27 @@ def test_cpu_torch_example_learns(tmp_path):
     losses = logged_losses(out)
     # Measured: 6.23 at the first step, 2.25 averaged over the last three logs (one sample per row is noisy).
     assert sum(losses[-3:]) / 3 <= 0.6 * losses[0], losses
+
+
+@pytest.mark.distributed
+def test_cpu_dpo_example_widens_the_reward_margin_with_cp2(tmp_path):
+    """examples/cpu/dpo.yaml as shipped: 30 DPO steps at cp=2 (ring-flash-attn), logged with TRL's metric names.
+
+    The adapter starts at zero (policy = reference: margin 0, loss ln 2) and the first step's learning
+    rate is 0 (warmup), so the first two margins are exactly 0. Measured over the last five logs: margin
+    about 5.0, accuracy 1.0, loss 0.067.
+    """
+    _, out = _train(EXAMPLES_DIR / "cpu" / "dpo.yaml", tmp_path)
+    margins = [v for _, v in sorted(logged(out, "rewards/margins").items())]
+    losses = logged_losses(out)
+    assert len(margins) == len(losses) == 30, (margins, losses)
+    assert margins[:2] == [0.0, 0.0] and abs(losses[0] - math.log(2)) < 1e-4, (margins, losses)
+    last = slice(-5, None)
+    assert sum(margins[last]) / 5 >= 2.0, margins
+    assert sum(losses[last]) / 5 <= 0.5 * math.log(2), losses
+    assert min(logged(out, "rewards/accuracies").values()) >= 0.0
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
+        assert len(logged(out, name)) == 30, name
 
 
 def test_docs_yaml_recipes_validate():

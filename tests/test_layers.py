@@ -50,7 +50,7 @@ INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "config": (
         ("base",),
         ("axolotl.keys", "axolotl.schema", "axolotl.fsdp1", "axolotl.plugins", "axolotl.mapped", "axolotl"),
-        ("model", "data", "adapter", "training", "parallelism"),
+        ("model", "data", "adapter", "training", "preference", "parallelism"),
         ("recipe",),
         ("rules", "axolotl.rules", "axolotl.notes"),
         ("loader", ""),

@@ -79,3 +79,39 @@ def trained_token_count(labels: Sequence[int]) -> int:
     of tokens the sample adds to a token-weighted loss.
     """
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+
+
+CHOSEN, REJECTED = 0, 1
+"""The sides of a preference pair: a pair is two documents, the chosen response's then the rejected's."""
+
+
+def pair_sequence_ids(position_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Which sequence of a batch of preference pairs each token belongs to: ``2·pair + side``, -1 on padding.
+
+    A preference row holds whole pairs end to end, each two documents (prompt + chosen, prompt +
+    rejected; :data:`CHOSEN`, :data:`REJECTED`), followed by padding. Pairs are numbered over the
+    batch, row by row, so sequence ``2k`` is the chosen side of the batch's pair ``k`` and ``2k + 1``
+    its rejected side: what the per-pair loss sums token log-probabilities by.
+
+    Args:
+        position_ids: Integer tensor ``(rows, tokens)``; positions restart at 0 per document.
+        lengths: Real (non-padding) tokens of each row.
+
+    Raises:
+        ValueError: A row's real tokens are not whole pairs (an odd number of documents).
+    """
+    import torch
+
+    tokens = position_ids.shape[-1]
+    real = torch.arange(tokens, device=position_ids.device).unsqueeze(0) < torch.as_tensor(
+        list(lengths), device=position_ids.device
+    ).unsqueeze(1)
+    in_row = document_starts(position_ids).logical_and(real).cumsum(-1) - 1
+    per_row = in_row.masked_fill(~real, -1).amax(-1) + 1
+    if bool((per_row % 2).any()):
+        odd = int(torch.nonzero(per_row % 2)[0, 0])
+        raise ValueError(
+            f"row {odd} of the batch holds {int(per_row[odd])} documents, not whole preference pairs (two each)"
+        )
+    offset = per_row.cumsum(0) - per_row
+    return torch.where(real, in_row + offset.unsqueeze(1), torch.full_like(in_row, -1))

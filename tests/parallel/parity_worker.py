@@ -13,6 +13,7 @@ steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in 
 gradient's distance from it, in bf16 those of a cp=1 reorder baseline (``run_case``).
 
 A case's ``inject`` plants a bug in the CP path (``INJECTIONS``): the parity check must fail on it.
+A case with ``preference`` (``dpo``, ``ipo``) trains preference pairs instead (preference_case.py).
 
 Usage: parity_worker.py OUT_DIR CP_SIZE CASES_JSON
 """
@@ -36,6 +37,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
+from preference_case import run_preference_case  # tests/parallel/preference_case.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -417,7 +419,10 @@ def main() -> None:
     torch_patches = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     with torch_patches.applied(SimpleNamespace(context_parallel_size=cp_size, cp_backend="torch")):
         results = {
-            case["name"]: run_case(case, tp_groups if case.get("tp") else groups, kernels) for case in cases
+            case["name"]: run_preference_case(case, groups, kernels, sys.modules[__name__])
+            if case.get("preference")
+            else run_case(case, tp_groups if case.get("tp") else groups, kernels)
+            for case in cases
         }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

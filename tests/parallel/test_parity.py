@@ -122,6 +122,28 @@ PLANTED_CASES = [
     case("planted-boundary", inject="boundary", lora=False),
 ]
 
+
+def pref_case(name: str, **changes) -> dict:
+    return case(f"pref-{name}", **{"preference": "dpo", **changes})
+
+
+# Preference training (tests/parallel/preference_case.py): DPO and IPO pairs, LoRA, ring-flash-attn's varlen_llama3;
+# packed rows hold 2 pairs (4 documents), unpacked rows 1 pair. Metrics are checked too.
+PREFERENCE_CP2_CASES = [
+    pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
+    pref_case("ipo-unpacked-mbs2", preference="ipo", packed=False, mbs=2),
+    pref_case(
+        "dpo-packed-dropout+head-loss", dropout=0.1, features={"head_loss": True, "head_loss_chunk": 97 * 5}
+    ),
+]
+PREFERENCE_CP4_CASES = [pref_case("dpo-packed-mbs2", mbs=2)]
+PREFERENCE_DP2_CP2_CASES = [pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2)]
+# Bugs planted in the cross-rank sum of the pairs' log-probs (preference_case.PLANTED).
+PREFERENCE_PLANTED_CASES = [
+    pref_case("planted-pair-sum-local", inject="pair_sum_local", mbs=2),
+    pref_case("planted-pair-sum-backward", inject="pair_sum_backward", mbs=2),
+]
+
 # Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
 # offload-only case repeats a case above with the same data and seeds: its CP run is compared with
 # that case's bit for bit (FEATURE_TWINS).
@@ -156,10 +178,12 @@ SPAWNS = {
         + FEATURE_CP2_CASES
         + FEATURE_BF16_CP2_CASES
         + ZIGZAG_CASES
-        + PLANTED_CASES,
+        + PLANTED_CASES
+        + PREFERENCE_CP2_CASES
+        + PREFERENCE_PLANTED_CASES,
     ),
-    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES),
-    "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES),
+    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES),
+    "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES + PREFERENCE_DP2_CP2_CASES),
 }
 
 
@@ -224,9 +248,11 @@ def fp32_failures(r: dict) -> dict[str, float]:
     gradient tensor (its max |error| over its max |float64 gradient|) 8x as far, plus 2 ulps.
     """
     failures = {}
-    losses = zip(r["cp_losses"], r["ref_losses"], r["ref64_losses"], r["targets"], strict=True)
-    for step, (cp, ref, ref64, targets) in enumerate(losses):
-        excess = float64_excess(rel(cp, ref64), rel(ref, ref64), floor=loss_sum_floor(targets))
+    # A preference case reports its loss's floor (the reorder bound of the log-prob sums behind it).
+    floors = r.get("loss_floors") or [loss_sum_floor(targets) for targets in r["targets"]]
+    losses = zip(r["cp_losses"], r["ref_losses"], r["ref64_losses"], floors, strict=True)
+    for step, (cp, ref, ref64, floor) in enumerate(losses):
+        excess = float64_excess(rel(cp, ref64), rel(ref, ref64), floor=floor)
         if excess > 1:
             failures[f"loss at step {step}"] = excess
     for tensor, excess in float64_excesses(r["grad_errors"], r["ref_grad_errors"]).items():
@@ -295,6 +321,51 @@ def test_tensor_parallel_tp2_cp2_parity_fp32(parity_results):
             # FSDP2 shards dim 0 over dp_shard_cp; tp split q_proj's output and o_proj's input features.
             placements = per_rank[name]["placements"]
             assert placements["q_proj"][1] == "S(0)" and placements["o_proj"][1] == "S(1)", placements
+
+
+def preference_metric_failures(r: dict) -> dict[str, float]:
+    """The step-0 preference metrics of one rank against the float64-reference rule (accuracy: equal)."""
+    failures = {}
+    cp, ref, ref64 = r["cp_metrics"], r["ref_metrics"], r["ref64_metrics"]
+    for name, value in ref64.items():
+        if name == "rewards/accuracies":
+            if cp[name] != value:
+                failures[name] = float("inf")
+            continue
+        excess = float64_excess(rel(cp[name], value), rel(ref[name], value), floor=r["metric_floors"][name])
+        if excess > 1:
+            failures[name] = excess
+    return failures
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"),
+    [("cp2", PREFERENCE_CP2_CASES), ("cp4", PREFERENCE_CP4_CASES), ("dp2xcp2", PREFERENCE_DP2_CP2_CASES)],
+    ids=["cp2", "cp4", "dp2xcp2"],
+)
+def test_preference_parity_fp32(parity_results, spawn, cases):
+    """DPO/IPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn, LoRA): the losses of 3 SGD steps, the
+    step-0 gradients and the step-0 metrics (rewards/..., logps/...) of the cp=1 run, by the float64 rule."""
+    results = parity_results(spawn)
+    check(results, cases)
+    for name in (c["name"] for c in cases):
+        for rank, per_rank in enumerate(results):
+            failures = preference_metric_failures(per_rank[name])
+            assert not failures, (name, rank, failures, per_rank[name]["cp_metrics"])
+
+
+@pytest.mark.distributed
+def test_planted_bugs_in_the_pair_sum_fail_the_fp32_parity_check(parity_results):
+    """The pairs' log-prob sums left uncompleted across the CP ranks, and completed in the forward only (the
+    backward not summed over the group): the fp32 check fails on each."""
+    results = parity_results("cp2")
+    for case_ in PREFERENCE_PLANTED_CASES:
+        failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]
+        worst = max((max(f.values()) for f in failures if f), default=0.0)
+        print(f"{case_['name']}: {worst:.3g} times the limit")
+        with pytest.raises(AssertionError):
+            check(results, [case_])
 
 
 @pytest.mark.distributed

@@ -47,6 +47,16 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
     ),
     # Backstops behind a check that refuses the same input earlier (its entry is on the page).
     (
+        "src/cptune/models/reference.py",
+        "rl: the reference model is the base model with the LoRA adapter disabled, but this model has no adapter",
+        "the recipe rule _preference refuses rl without an adapter first (rl-full-fine-tune)",
+    ),
+    (
+        "src/cptune/parallel/preference.py",
+        "this cp_backend gives no token coordinates, which preference training needs",
+        "the recipe rule _preference refuses rl with a cp_backend without trains_preference_pairs (rl-cp-backend)",
+    ),
+    (
         "src/cptune/parallel/layout.py",
         "dp_replicate_size and tensor_parallel_size must be positive",
         "the recipe (ge=1) and the CLI (nproc-zero) refuse these first",

@@ -26,6 +26,7 @@ from devtools.docgen.errors import (
     model,
     output,
     packages,
+    preference,
     recipe_file,
     recipe_keys,
 )
@@ -35,6 +36,7 @@ SECTION_MODULES = (
     recipe_file,
     recipe_keys,
     contradictions,
+    preference,
     model,
     deepspeed,
     data,

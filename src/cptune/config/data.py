@@ -8,7 +8,11 @@ from pydantic import BaseModel, Field, field_validator
 
 from cptune.config.base import Frozen, one_or_many
 
-DatasetType = Literal["alpaca", "chat_template", "completion", "pretokenized"]
+DatasetType = Literal[
+    "alpaca", "chat_template", "completion", "pretokenized", "chat_template.default", "passthrough.default"
+]
+PREFERENCE_TYPES = ("chat_template.default", "passthrough.default")
+"""Dataset types whose rows are preference pairs (prompt, chosen, rejected), with Axolotl's names; for ``rl``."""
 TrainOnEos = Literal["turn", "all", "last", "none"]
 
 BUILT_IN_CHAT_TEMPLATES = (
@@ -42,7 +46,11 @@ class DatasetConfig(Frozen):
     field_input: str = Field("input", description="alpaca: column of the optional input.")
     field_output: str = Field("output", description="alpaca: column of the response (the trained part).")
     # chat_template
-    field_messages: str = Field("messages", description="chat_template: column of the list of messages.")
+    field_messages: str = Field(
+        "messages",
+        description="chat_template: column of the list of messages; chat_template.default: of the prompt's "
+        "messages (or the prompt text, one user message).",
+    )
     message_field_role: str = Field("role", description="chat_template: key of a message's role.")
     message_field_content: str = Field("content", description="chat_template: key of a message's text.")
     roles_to_train: tuple[str, ...] = Field(
@@ -69,6 +77,18 @@ class DatasetConfig(Frozen):
         description="chat_template: which end-of-turn tokens are trained: `turn` (those of trained turns), "
         "`last` (the last trained turn's), `all` (every turn's), `none`.",
     )
+    # preference pairs (rl)
+    field_prompt: str = Field(
+        "prompt", description="passthrough.default: column of the prompt text (TRL's prompt/chosen/rejected)."
+    )
+    field_chosen: str = Field(
+        "chosen",
+        description="chat_template.default, passthrough.default: column of the chosen response (text, a "
+        "message, or a list of messages whose last is the response).",
+    )
+    field_rejected: str = Field(
+        "rejected", description="chat_template.default, passthrough.default: column of the rejected response."
+    )
     # completion
     field: str = Field("text", description="completion: column of the text; every token is trained.")
     # pretokenized
@@ -88,6 +108,11 @@ class DatasetConfig(Frozen):
                 "only (map those, or set message_field_role, message_field_content and field_thinking)"
             )
         return value
+
+    @property
+    def is_preference(self) -> bool:
+        """Rows are preference pairs (a type of :data:`PREFERENCE_TYPES`)."""
+        return self.type in PREFERENCE_TYPES
 
     @property
     def resolved_message_fields(self) -> tuple[str, str]:

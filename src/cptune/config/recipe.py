@@ -3,10 +3,10 @@
 Key names follow Axolotl where Axolotl has the concept, so users can bring their
 recipes. Keys Axolotl lacks (``cp_backend``, ``causal``, ...) are cptune's own. The
 keys come in groups, one per domain (:mod:`~cptune.config.model`, :mod:`~cptune.config.data`,
-:mod:`~cptune.config.adapter`, :mod:`~cptune.config.training`, :mod:`~cptune.config.parallelism`),
-one per context-parallel backend (its package's ``keys``) and the Axolotl keys cptune maps
-(:mod:`~cptune.config.axolotl`); :class:`Recipe` composes them flat, so every key is top-level
-in the YAML. Problems that involve several keys are :mod:`cptune.config.rules`.
+:mod:`~cptune.config.adapter`, :mod:`~cptune.config.training`, :mod:`~cptune.config.preference`,
+:mod:`~cptune.config.parallelism`), one per context-parallel backend (its package's ``keys``) and
+the Axolotl keys cptune maps (:mod:`~cptune.config.axolotl`); :class:`Recipe` composes them flat,
+so every key is top-level in the YAML. Problems that involve several keys are :mod:`cptune.config.rules`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from cptune.config.base import Frozen
 from cptune.config.data import DataKeys, TokenKeys
 from cptune.config.model import ModelKeys
 from cptune.config.parallelism import ContextParallelKeys, FsdpConfig, ShardingKeys, resolved_fsdp_config
+from cptune.config.preference import PreferenceKeys
 from cptune.config.training import MemoryKeys, OptimizerKeys, TrackingKeys, TrainingKeys
 from cptune.parallel.backends.rows import KEY_GROUPS
 
@@ -28,6 +29,7 @@ KEY_GROUPS_IN_ORDER: tuple[type[BaseModel], ...] = (
     DataKeys,
     AdapterKeys,
     TrainingKeys,
+    PreferenceKeys,
     MemoryKeys,
     ShardingKeys,
     ContextParallelKeys,

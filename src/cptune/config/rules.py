@@ -240,6 +240,98 @@ def _adapter_extras(r: Recipe) -> Iterator[tuple[str, str]]:
             yield key, "applies only with adapter: lora or qlora; remove it."
 
 
+def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Preference training (`rl`).
+
+    - `rl` takes `dpo` or `ipo`; Axolotl's other values (`kto`, `grpo`, `orpo`, `simpo`) are refused, each with
+      what it would need.
+    - `rl` trains a LoRA or QLoRA adapter (`adapter: lora` or `qlora`): the reference is the base model
+      with the adapter disabled. A full fine-tune (a reference copy or precomputed reference log-probs),
+      `lora_model_dir` (TRL's reference would be the starting adapter), FSDP2, DeepSpeed and tensor
+      parallelism are refused with `rl`, as is `train_on_inputs: true` (the prompt is never trained) and
+      evaluation data (`val_set_size`, `test_datasets`).
+    - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
+      (`ring-flash-attn`).
+    - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
+      without it none is; `rl_beta` and `dpo_beta` may not disagree; `dpo_label_smoothing` applies to
+      `rl: dpo` only.
+    """
+    refusal = r.rl_refusal()
+    if refusal is not None:
+        yield "rl", f"{refusal}."
+        return
+    entries = [("datasets", i, d) for i, d in enumerate(r.datasets)]
+    entries += [("test_datasets", i, d) for i, d in enumerate(r.test_datasets or ())]
+    if r.rl is None:
+        for key, index, dataset in entries:
+            if dataset.is_preference:
+                yield (
+                    f"{key}[{index}].type",
+                    f"{dataset.type} holds preference pairs (prompt, chosen, rejected), which rl: dpo or rl: ipo "
+                    "trains; set rl, or use a supervised type (chat_template, alpaca, completion, pretokenized).",
+                )
+        for key in ("rl_beta", "dpo_beta"):
+            if getattr(r, key) is not None:
+                yield key, "applies only with rl: dpo or rl: ipo; remove it."
+        if r.dpo_label_smoothing:
+            yield "dpo_label_smoothing", "applies only with rl: dpo; remove it."
+        return
+    rl = f"rl: {r.rl}"
+    for key, index, dataset in entries:
+        if not dataset.is_preference:
+            yield (
+                f"{key}[{index}].type",
+                f"{dataset.type} rows are not preference pairs, which {rl} trains; use type: chat_template.default "
+                "(field_messages, field_chosen, field_rejected) or passthrough.default (prompt, chosen and rejected "
+                "text).",
+            )
+    if r.adapter is None:
+        yield (
+            "adapter",
+            f"{rl} needs a reference model: with adapter: lora (or qlora) it is the base model with the adapter "
+            "disabled, no copy. A full fine-tune (a reference copy, or reference log-probs precomputed before "
+            "training) is not built yet; set adapter: lora.",
+        )
+    if r.lora_model_dir is not None:
+        yield (
+            "lora_model_dir",
+            f"{rl} would compare with the base model (the adapter disabled), not with the adapter you start from; "
+            "a reference copy of a starting adapter is not built yet. Merge it into the base (cptune merge-lora) "
+            "and train a fresh adapter on the merged model.",
+        )
+    if r.train_on_inputs:
+        yield (
+            "train_on_inputs",
+            f"{rl} trains the responses only (the prompt's log-probs are the same in the chosen and rejected "
+            "sequences); remove train_on_inputs.",
+        )
+    if r.has_eval_data:
+        key = "val_set_size" if r.val_set_size else "test_datasets"
+        yield (
+            key,
+            f"evaluation of {rl} (the preference loss over held-out pairs) is not built yet; remove {key}.",
+        )
+    if r.is_fsdp:
+        yield "fsdp_version", f"{rl} under FSDP2 is not built yet; train without FSDP (the adapter is small)."
+    for key in ("deepspeed", "zero_stage"):
+        if getattr(r, key) is not None:
+            yield key, f"{rl} under DeepSpeed is not built yet; remove {key}."
+    if r.tensor_parallel_size > 1:
+        yield "tensor_parallel_size", f"{rl} with tensor parallelism is not built yet; remove it."
+    backend = named_backend(r)
+    if r.context_parallel_size > 1 and not backend.trains_preference_pairs:
+        able = " or ".join(f"cp_backend: {b.name}" for b in BACKENDS.values() if b.trains_preference_pairs)
+        yield (
+            "cp_backend",
+            f"{rl} at context_parallel_size {r.context_parallel_size} needs a backend that sums each pair's "
+            f"log-probs over its shards, which {backend.label} does not yet; use {able}.",
+        )
+    if r.rl_beta is not None and r.dpo_beta is not None and r.rl_beta != r.dpo_beta:
+        yield "dpo_beta", f"{r.dpo_beta} disagrees with rl_beta: {r.rl_beta} (two names of β); set one."
+    if r.dpo_label_smoothing and r.rl != "dpo":
+        yield "dpo_label_smoothing", f"applies only with rl: dpo (not {rl}); remove it."
+
+
 def _chat_template(r: Recipe) -> Iterator[tuple[str, str]]:
     """Chat templates.
 
@@ -268,6 +360,7 @@ RULES: tuple[Rule, ...] = (
     _adapter,
     _quantization,
     _adapter_extras,
+    _preference,
     _chat_template,
     axolotl_mapped,
     lora_kernels,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.labels import IGNORE_INDEX, shift_labels_within_documents
+from cptune.labels import IGNORE_INDEX, pair_sequence_ids, shift_labels_within_documents
 
 __all__ = ["PackedCollator"]
 
@@ -40,12 +40,15 @@ class PackedCollator:
         sequence_len: The recipe's ``sequence_len``; used when ``pad_to_sequence_len``.
         pad_to_sequence_len: Pad every batch to ``sequence_len`` (constant shapes).
         pad_to_multiple_of: Round the padded length up to a multiple of this.
+        preference: The rows hold preference pairs (``rl``): the batch also has ``sequence_ids``
+            (:func:`~cptune.labels.pair_sequence_ids`) and ``pairs``, the number of pairs in it.
     """
 
     pad_token_id: int | None
     sequence_len: int | None = None
     pad_to_sequence_len: bool = False
     pad_to_multiple_of: int | None = None
+    preference: bool = False
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, pad_token_id: int | None) -> PackedCollator:
@@ -54,6 +57,7 @@ class PackedCollator:
             pad_token_id=pad_token_id,
             sequence_len=recipe.sequence_len,
             pad_to_sequence_len=recipe.pad_to_sequence_len,
+            preference=recipe.is_preference,
         )
 
     def __post_init__(self) -> None:
@@ -89,7 +93,7 @@ class PackedCollator:
             if "position_ids" in row:
                 position_ids[b, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
             position_ids[b, n:] = torch.arange(length - n, dtype=torch.long)
-        return {
+        batch = {
             "input_ids": input_ids,
             "labels": labels,
             "position_ids": position_ids,
@@ -97,3 +101,8 @@ class PackedCollator:
             # Real (non-padding) tokens, for throughput logging; never given to the model.
             "num_tokens": torch.tensor(sum(len(row["input_ids"]) for row in rows)),
         }
+        if self.preference:
+            sequence_ids = pair_sequence_ids(position_ids, [len(row["input_ids"]) for row in rows])
+            batch["sequence_ids"] = sequence_ids
+            batch["pairs"] = (sequence_ids.max() + 1) // 2
+        return batch

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cptune.data.collator import PackedCollator
-from cptune.labels import IGNORE_INDEX, document_starts
+from cptune.labels import IGNORE_INDEX, REJECTED, document_starts
 
 __all__ = ["LEGEND", "DebugRow", "debug_rows", "format_rows", "rows_json"]
 
@@ -39,6 +39,8 @@ JSON_LEGEND = {
     "trained": "trained[i] is true when the loss trains the model to predict token i (targets[i-1] != -100)",
     "position_ids": "positions; they restart at 0 where a document starts",
     "document": "document number of each token; padding, if any, is a document of its own",
+    "sequence_ids": "preference pairs (rl) only: 2 x pair + side of each token (side 0: chosen, 1: rejected), "
+    "-1 on padding; null otherwise",
 }
 
 _GREEN, _DIM, _CYAN, _RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[36m", "\x1b[0m"
@@ -57,6 +59,8 @@ class DebugRow:
         document: Document number of each token (0-based; padding is its own document).
         trained: Whether the loss trains the model to predict each token.
         padding: Pad tokens the collator appended.
+        sequence_ids: Preference rows (``rl``): the collator's ``sequence_ids``, ``2·pair + side`` of each
+            token (:func:`~cptune.labels.pair_sequence_ids`); None for other rows.
     """
 
     index: int
@@ -67,6 +71,7 @@ class DebugRow:
     document: list[int]
     trained: list[bool]
     padding: int
+    sequence_ids: list[int] | None = None
 
     @property
     def real_tokens(self) -> int:
@@ -108,6 +113,7 @@ def debug_rows(rows: Any, collator: PackedCollator, indices: Sequence[int]) -> l
                 document=(starts.cumsum(0) - 1).tolist(),
                 trained=[False] + [target != IGNORE_INDEX for target in targets[:-1]],
                 padding=batch["input_ids"].shape[1] - len(row["input_ids"]),
+                sequence_ids=batch["sequence_ids"][0].tolist() if "sequence_ids" in batch else None,
             )
         )
     return out
@@ -131,6 +137,14 @@ def _marked_text(row: DebugRow, start: int, stop: int, tokenizer: Any, colour: b
             parts.append(text)
         run_start = i
     return "".join(parts)
+
+
+def _pair_side(row: DebugRow, start: int) -> str:
+    """`` (pair 1, chosen)`` for a document of a preference row, else nothing."""
+    if row.sequence_ids is None:
+        return ""
+    pair, side = divmod(row.sequence_ids[start], 2)
+    return f" (pair {pair + 1}, {'rejected' if side == REJECTED else 'chosen'})"
 
 
 def format_rows(rows: Sequence[DebugRow], tokenizer: Any, *, split: str, total: int, colour: bool) -> str:
@@ -162,7 +176,7 @@ def format_rows(rows: Sequence[DebugRow], tokenizer: Any, *, split: str, total: 
             trained = sum(row.trained[start:stop])
             lines.append(
                 rule(
-                    f"── document {number} of {len(spans)}: tokens {start}-{stop - 1} "
+                    f"── document {number} of {len(spans)}{_pair_side(row, start)}: tokens {start}-{stop - 1} "
                     f"({stop - start} tokens, {trained} trained) ──"
                 )
             )

@@ -1,7 +1,8 @@
 """Row formats: turn one raw row into ``input_ids`` and ``labels`` (-100 where not trained).
 
 Four formats, chosen by a dataset's ``type``: ``alpaca``, ``chat_template``,
-``completion`` and ``pretokenized``. A format never sees the row index or the
+``completion`` and ``pretokenized``; and the preference pairs of ``rl``
+(:mod:`cptune.data.preference_formats`). A format never sees the row index or the
 dataset name; it raises :class:`RowProblem` and the caller (see
 :mod:`cptune.data.rows`) turns that into a :class:`~cptune.errors.DataError`
 naming dataset, row and field, or counts and skips the row.
@@ -69,29 +70,74 @@ class RowProblem(Exception):
 
 @dataclass(frozen=True)
 class Sample:
-    """One tokenized sample; ``labels`` is -100 on tokens that are not trained."""
+    """One tokenized sample; ``labels`` is -100 on tokens that are not trained.
+
+    ``document_lengths``: the documents the sample is made of, end to end (their positions restart
+    at 0 each); None for one document. A preference pair is two: prompt + chosen, prompt + rejected
+    (:mod:`cptune.data.preference_formats`).
+    """
 
     input_ids: list[int]
     labels: list[int]
+    document_lengths: tuple[int, ...] | None = None
+
+    @property
+    def documents(self) -> tuple[int, ...]:
+        """The length of each document of the sample."""
+        return self.document_lengths if self.document_lengths is not None else (len(self.input_ids),)
+
+    @property
+    def position_ids(self) -> list[int]:
+        """Positions 0..n-1 of each document in turn."""
+        return [position for length in self.documents for position in range(length)]
+
+    def truncated(self, length: int) -> Sample:
+        """The sample cut to ``length`` tokens, keeping the start of every document.
+
+        One document: its first ``length`` tokens. Two (a preference pair): each side keeps its start;
+        a side shorter than half of ``length`` stays whole and the other gets the rest, otherwise
+        each gets half, so both sides keep their prompt and as much of their response as fits.
+        """
+        documents = self.documents
+        if sum(documents) <= length:
+            return self
+        if len(documents) == 1:
+            return Sample(self.input_ids[:length], self.labels[:length])
+        if len(documents) != 2:
+            raise ValueError(f"cannot truncate a sample of {len(documents)} documents")
+        first, second = documents
+        half = length // 2
+        if first <= half:
+            kept = (first, length - first)
+        elif second <= half:
+            kept = (length - second, second)
+        else:
+            kept = (half, length - half)
+        spans = [(0, kept[0]), (first, first + kept[1])]
+        return Sample(
+            [token for start, stop in spans for token in self.input_ids[start:stop]],
+            [label for start, stop in spans for label in self.labels[start:stop]],
+            kept,
+        )
 
 
 Formatter = Callable[[Mapping[str, Any]], Sample]
 
 
-def _field_problem(name: str, problem: str) -> RowProblem:
+def field_problem(name: str, problem: str) -> RowProblem:
     return RowProblem(f"field {name!r} {problem}")
 
 
-def _text(row: Mapping[str, Any], name: str, *, required: bool = True) -> str:
+def text_field(row: Mapping[str, Any], name: str, *, required: bool = True) -> str:
     value = row.get(name)
     if value is None:
         if required:
-            raise _field_problem(name, "is missing")
+            raise field_problem(name, "is missing")
         return ""
     if not isinstance(value, str):
-        raise _field_problem(name, f"is a {type(value).__name__}, not text")
+        raise field_problem(name, f"is a {type(value).__name__}, not text")
     if required and not value.strip():
-        raise _field_problem(name, "is empty")
+        raise field_problem(name, "is empty")
     return value
 
 
@@ -121,9 +167,9 @@ def _alpaca(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_
     bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
 
     def format_row(row: Mapping[str, Any]) -> Sample:
-        instruction = _text(row, config.field_instruction)
-        extra = _text(row, config.field_input, required=False)
-        output = _text(row, config.field_output)
+        instruction = text_field(row, config.field_instruction)
+        extra = text_field(row, config.field_input, required=False)
+        output = text_field(row, config.field_output)
         template = ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT
         prompt = template.format(instruction=instruction, input=extra)
         # Tokenized apart so the prompt/response boundary is exact: no token
@@ -141,7 +187,7 @@ def _completion(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Fo
     bos, eos = _leading_special_ids(tokenizer), _eos_id(tokenizer)
 
     def format_row(row: Mapping[str, Any]) -> Sample:
-        text = _text(row, config.field)
+        text = text_field(row, config.field)
         input_ids = [*bos, *tokenizer(text, add_special_tokens=False)["input_ids"], eos]
         return Sample(input_ids, list(input_ids))
 
@@ -151,17 +197,17 @@ def _completion(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Fo
 def _int_list(row: Mapping[str, Any], name: str, *, allow: Callable[[int], bool], allowed: str) -> list[int]:
     value = row.get(name)
     if value is None:
-        raise _field_problem(name, "is missing")
+        raise field_problem(name, "is missing")
     if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        raise _field_problem(name, f"is a {type(value).__name__}, not a list of token ids")
+        raise field_problem(name, f"is a {type(value).__name__}, not a list of token ids")
     if len(value) == 0:
-        raise _field_problem(name, "is empty")
+        raise field_problem(name, "is empty")
     for position, item in enumerate(value):
         # bool is an int subclass; a True in a token list is a data bug.
         if not isinstance(item, int) or isinstance(item, bool):
-            raise _field_problem(name, f"holds a {type(item).__name__} at position {position}, not an int")
+            raise field_problem(name, f"holds a {type(item).__name__} at position {position}, not an int")
         if not allow(item):
-            raise _field_problem(name, f"holds {item} at position {position}; {allowed}")
+            raise field_problem(name, f"holds {item} at position {position}; {allowed}")
     return list(value)
 
 
@@ -184,7 +230,7 @@ def _pretokenized(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> 
             row, config.field_labels, allow=label_ok, allowed=f"labels must be -100 or in 0..{vocab - 1}"
         )
         if len(labels) != len(input_ids):
-            raise _field_problem(
+            raise field_problem(
                 config.field_labels,
                 f"has {len(labels)} entries but {config.field_input_ids} has {len(input_ids)}",
             )
@@ -203,7 +249,16 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
     name = config.field_messages
     value = row.get(name)
     if value is None:
-        raise _field_problem(name, "is missing")
+        raise field_problem(name, "is missing")
+    return message_list(value, name, config)
+
+
+def message_list(value: Any, name: str, config: DatasetConfig) -> list[dict[str, str]]:
+    """The messages of column ``name`` as the template sees them (role names mapped, reasoning kept).
+
+    Raises:
+        RowProblem: The value is not a non-empty list of messages with a text role and content.
+    """
     role_key, content_key = config.resolved_message_fields
     reasoning_key = config.resolved_reasoning_field
     role_names = _role_names(config)
@@ -211,27 +266,27 @@ def _messages(row: Mapping[str, Any], config: DatasetConfig) -> list[dict[str, s
         # datasets' legacy Sequence-of-struct feature decodes to a dict of lists.
         value = [dict(zip(value, turn, strict=False)) for turn in zip(*value.values(), strict=False)]
     if not isinstance(value, Sequence) or isinstance(value, str | bytes) or not value:
-        raise _field_problem(name, "is not a non-empty list of messages")
+        raise field_problem(name, "is not a non-empty list of messages")
     messages = []
     for turn, message in enumerate(value):
         if not isinstance(message, Mapping):
-            raise _field_problem(name, f"message {turn} is a {type(message).__name__}, not an object")
+            raise field_problem(name, f"message {turn} is a {type(message).__name__}, not an object")
         role, content = message.get(role_key), message.get(content_key)
         if not isinstance(role, str) or not role:
-            raise _field_problem(name, f"message {turn} has no text {role_key!r}")
+            raise field_problem(name, f"message {turn} has no text {role_key!r}")
         if not isinstance(content, str):
-            raise _field_problem(name, f"message {turn} has no text {content_key!r}")
+            raise field_problem(name, f"message {turn} has no text {content_key!r}")
         converted = {"role": role_names.get(role, role), "content": content}
         reasoning = message.get(reasoning_key)
         if reasoning is not None:
             if not isinstance(reasoning, str):
-                raise _field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
+                raise field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
             converted["reasoning_content"] = reasoning
         messages.append(converted)
     return messages
 
 
-def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+def end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
     """Where a turn's end-of-turn token is in its tokens: (start, end); (len, len) when it has none.
 
     The end-of-turn token is the turn's last special token when only whitespace follows it
@@ -243,13 +298,47 @@ def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedToke
     return last_special, last_special + 1
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...)."""
+    return set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    template: str | None,
+    messages: list[dict[str, str]],
+    whole: list[dict[str, str]],
+    add_generation_prompt: bool,
+) -> list[int]:
+    """The token ids of ``messages`` rendered with the chat template.
+
+    ``whole``: the whole conversation (``all_messages``), for templates whose rendering of a turn
+    depends on what follows it (qwen3 shows reasoning only after the last user query); the others
+    ignore it.
+
+    Raises:
+        RowProblem: The template rejected the messages (its ``raise_exception()``).
+    """
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            all_messages=whole,
+        )
+    except Exception as error:  # a template's raise_exception() is a row problem
+        raise RowProblem(f"the chat template rejected the messages ({error})") from error
+    return list(ids)
+
+
 def _chat(
     config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, train_on_inputs: bool, template: str | None
 ) -> Formatter:
-    # Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...).
-    special_ids = set(tokenizer.all_special_ids) | {
-        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
-    }
+    special_ids = special_token_ids(tokenizer)
     trained_roles = set(config.roles_to_train)
     eos_policy = config.train_on_eos
     # A template that never names reasoning_content cannot show it: say so once rather than drop it unseen.
@@ -259,20 +348,7 @@ def _chat(
     def render(
         messages: list[dict[str, str]], whole: list[dict[str, str]], add_generation_prompt: bool
     ) -> list[int]:
-        # ``all_messages``: the whole conversation, for templates whose rendering of a turn depends on what
-        # follows it (qwen3 shows reasoning only after the last user query); the others ignore it.
-        try:
-            ids = tokenizer.apply_chat_template(
-                messages,
-                chat_template=template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-                all_messages=whole,
-            )
-        except Exception as error:  # a template's raise_exception() is a row problem
-            raise RowProblem(f"the chat template rejected the messages ({error})") from error
-        return list(ids)
+        return render_chat(tokenizer, template, messages, whole, add_generation_prompt)
 
     def not_prefix_stable(turn: int, what: str) -> RowProblem:
         return RowProblem(
@@ -298,7 +374,7 @@ def _chat(
             raise not_prefix_stable(
                 turn, f"messages[:{turn + 1}] does not render to a token prefix of the whole conversation"
             )
-        eot_start, eot_end = _end_token(through[len(before) :], special_ids, tokenizer)
+        eot_start, eot_end = end_token(through[len(before) :], special_ids, tokenizer)
         return len(before), len(before) + eot_start, len(before) + eot_end
 
     def format_row(row: Mapping[str, Any]) -> Sample:
@@ -339,6 +415,10 @@ def _chat(
 
 def required_columns(config: DatasetConfig) -> tuple[str, ...]:
     """Columns a dataset of this type must have (optional ones excluded)."""
+    if config.type == "chat_template.default":
+        return (config.field_messages, config.field_chosen, config.field_rejected)
+    if config.type == "passthrough.default":
+        return (config.field_prompt, config.field_chosen, config.field_rejected)
     if config.type == "alpaca":
         return (config.field_instruction, config.field_output)
     if config.type == "chat_template":
@@ -382,4 +462,7 @@ def build_formatter(
     if config.type == "chat_template":
         template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
         return _chat(config, tokenizer, train_on_inputs, template)
-    raise ValueError(f"unknown dataset type {config.type!r}")
+    raise ValueError(
+        f"no formatter of single samples for dataset type {config.type!r} "
+        "(preference pairs: cptune.data.preference_formats.build_pair_formatter)"
+    )

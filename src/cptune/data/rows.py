@@ -18,7 +18,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cptune.data.formats import Formatter, RowProblem
+from cptune.data.formats import Formatter, RowProblem, Sample
 from cptune.data.stats import DatasetStats
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX, trained_token_count
@@ -119,10 +119,10 @@ def tokenize_dataset(
     def process(batch: Mapping[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {name: [] for name in _FEATURES}
 
-        def emit(input_ids: list[int], labels: list[int], status: str, formatted_length: int = 0) -> None:
-            out["input_ids"].append(input_ids)
-            out["labels"].append(labels)
-            out["position_ids"].append(list(range(len(input_ids))))
+        def emit(sample: Sample | None, status: str, formatted_length: int = 0) -> None:
+            out["input_ids"].append(sample.input_ids if sample else [])
+            out["labels"].append(sample.labels if sample else [])
+            out["position_ids"].append(sample.position_ids if sample else [])
             out["status"].append(status)
             out["formatted_length"].append(formatted_length)
 
@@ -132,23 +132,23 @@ def tokenize_dataset(
                 sample = formatter(row)
             except RowProblem as problem:
                 if skip_invalid_rows and problem.skippable:
-                    emit([], [], _INVALID + problem.reason)
+                    emit(None, _INVALID + problem.reason)
                     continue
                 raise DataError(f"{label}, row {index}: {problem.detail}") from None
-            input_ids, labels, status = sample.input_ids, sample.labels, _KEPT
-            formatted = len(input_ids)
+            status = _KEPT
+            formatted = len(sample.input_ids)
             if formatted > sequence_len:
                 if excess_length_strategy == "drop":
-                    emit([], [], _TOO_LONG, formatted)
+                    emit(None, _TOO_LONG, formatted)
                     continue
-                input_ids, labels, status = input_ids[:sequence_len], labels[:sequence_len], _TRUNCATED
-            if min_sample_len is not None and len(input_ids) < min_sample_len:
-                emit([], [], _TOO_SHORT, formatted)
+                sample, status = sample.truncated(sequence_len), _TRUNCATED
+            if min_sample_len is not None and len(sample.input_ids) < min_sample_len:
+                emit(None, _TOO_SHORT, formatted)
                 continue
-            if trained_token_count(labels) == 0:
-                emit([], [], _NO_TRAINED, formatted)
+            if not _every_document_trained(sample):
+                emit(None, _NO_TRAINED, formatted)
                 continue
-            emit(input_ids, labels, status, formatted)
+            emit(sample, status, formatted)
         return out
 
     mapped = dataset.map(
@@ -193,6 +193,16 @@ def tokenize_dataset(
             "Check the field names and the data, raise sequence_len, or set excess_length_strategy: truncate."
         )
     return table, stats, documents.combine_chunks()
+
+
+def _every_document_trained(sample: Sample) -> bool:
+    """Each document of the sample has a target (both sides of a preference pair, or the one document)."""
+    start = 0
+    for length in sample.documents:
+        if trained_token_count(sample.labels[start : start + length]) == 0:
+            return False
+        start += length
+    return True
 
 
 def _describe_losses(stats: DatasetStats) -> str:

@@ -35,10 +35,11 @@ import torch
 
 from cptune.errors import CptuneError
 from cptune.models.autocast_state import AutocastState
-from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS, head_token_loss_sum, token_loss_sum
+from cptune.parallel.loss import LOSS_CHUNK_ELEMENTS, Segments, head_token_loss_sum, token_loss_sum
 
-# (model_kwargs, shift_labels) of one rank's shard -> (token loss sum, model outputs)
-ShardLoss = Callable[[torch.nn.Module, dict[str, Any], torch.Tensor], tuple[torch.Tensor, Any]]
+# (model, model_kwargs, shift_labels[, segments=]) of one rank's shard -> (token loss sum, model outputs); with
+# ``segments`` (cptune.parallel.loss.Segments) the sum per segment, a vector.
+ShardLoss = Callable[..., tuple[torch.Tensor, Any]]
 
 # Config attributes of transformers models that change the logits after the head (name -> no-op value).
 LOGIT_TRANSFORMS = {
@@ -49,10 +50,15 @@ LOGIT_TRANSFORMS = {
 }
 
 
-def logits_loss(model: torch.nn.Module, model_kwargs: dict[str, Any], shift_labels: torch.Tensor):
-    """Token loss sum from the model's full logits (the default)."""
+def logits_loss(
+    model: torch.nn.Module,
+    model_kwargs: dict[str, Any],
+    shift_labels: torch.Tensor,
+    segments: Segments | None = None,
+):
+    """Token loss sum from the model's full logits (the default); per segment with ``segments``."""
     outputs = model(**model_kwargs, use_cache=False)
-    return token_loss_sum(outputs.logits, shift_labels), outputs
+    return token_loss_sum(outputs.logits, shift_labels, segments=segments), outputs
 
 
 def check_head_loss_supported(config: Any, model_class: type | None) -> None:
@@ -137,7 +143,13 @@ class HeadLoss:
         if self._armed:
             self._seen.norm_output = output
 
-    def __call__(self, model: torch.nn.Module, model_kwargs: dict[str, Any], shift_labels: torch.Tensor):
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        model_kwargs: dict[str, Any],
+        shift_labels: torch.Tensor,
+        segments: Segments | None = None,
+    ):
         self._armed, self._seen = True, _Seen()
         try:
             # The logits of one token only: what the model returns is checked against the head.
@@ -149,7 +161,13 @@ class HeadLoss:
         hidden = seen.decoder_output if self.norm is None else seen.norm_input
         with seen.autocast.entered():
             loss_sum = head_token_loss_sum(
-                self.head, hidden, shift_labels, self.vocab, self.chunk_elements, norm=self.norm
+                self.head,
+                hidden,
+                shift_labels,
+                self.vocab,
+                self.chunk_elements,
+                norm=self.norm,
+                segments=segments,
             )
         return loss_sum, outputs
 

@@ -60,3 +60,32 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     reduced = tensor.detach().to(group_device(group), copy=True)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     return reduced.to(tensor.device)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Sum all-reduce whose backward sums the incoming gradients over the group too."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce_sum(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_reduce_sum(grad.contiguous(), ctx.group), None
+
+
+def differentiable_all_reduce_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group``, through which gradients flow back to every rank's part.
+
+    Every rank of the group receives the total and may use it; the gradient reaching a rank's part is
+    the sum over the group of the gradients reaching the total on each rank (the adjoint of a sum whose
+    result every rank uses). So when each rank backpropagates a share of one loss computed from the
+    total (cptune's preference loss: ``1/C`` of it on each of the ``C`` ranks), every part receives the
+    loss's full gradient. In a single process, the tensor itself (a copy that keeps the graph).
+    """
+    if not is_distributed():
+        return tensor.clone()
+    return _SumOverGroup.apply(tensor, group)

@@ -36,8 +36,17 @@ from cptune.parallel.row_gather import RowGather
 LOSS_CHUNK_ELEMENTS = 1 << 26
 
 
+Segments = tuple[torch.Tensor, int]
+"""Per-token segment ids (shaped like the targets, in ``0..count-1`` wherever a token has a target) and ``count``:
+a loss summed per segment instead of over all tokens (the sequences of preference pairs,
+:mod:`cptune.parallel.preference`)."""
+
+
 def token_loss_sum(
-    logits: torch.Tensor, shift_labels: torch.Tensor, chunk_elements: int = LOSS_CHUNK_ELEMENTS
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over target tokens, computed in fp32.
 
@@ -49,24 +58,41 @@ def token_loss_sum(
         logits: (..., tokens, vocab) logits for this rank's tokens.
         shift_labels: (..., tokens) targets already shifted per document; -100 = none.
         chunk_elements: Most logits per chunk.
+        segments: Sum per segment instead: the result is a ``(count,)`` vector.
     """
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab)
     flat_labels = shift_labels.reshape(-1).to(logits.device)
+    ids, count = _flat_segments(segments, logits.device)
     rows = max(1, chunk_elements // vocab)
     if flat_logits.shape[0] <= rows:
-        return _cross_entropy_sum(flat_logits, flat_labels)
-    chunks = zip(flat_logits.split(rows), flat_labels.split(rows), strict=True)
+        return _cross_entropy_sum(flat_logits, flat_labels, ids, count)
+    label_chunks = flat_labels.split(rows)
+    id_chunks = ids.split(rows) if ids is not None else [None] * len(label_chunks)
+    chunks = zip(flat_logits.split(rows), label_chunks, id_chunks, strict=True)
     if torch.is_grad_enabled() and flat_logits.requires_grad:
         # Keeps each chunk's input (a view of the logits) and recomputes its fp32 part in the backward.
-        parts = [checkpoint(_cross_entropy_sum, x, y, use_reentrant=False) for x, y in chunks]
+        parts = [checkpoint(_cross_entropy_sum, x, y, i, count, use_reentrant=False) for x, y, i in chunks]
     else:
-        parts = [_cross_entropy_sum(x, y) for x, y in chunks]
-    return torch.stack(parts).sum()
+        parts = [_cross_entropy_sum(x, y, i, count) for x, y, i in chunks]
+    return torch.stack(parts).sum(0)
 
 
-def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def _flat_segments(segments: Segments | None, device: torch.device) -> tuple[torch.Tensor | None, int]:
+    if segments is None:
+        return None, 1
+    ids, count = segments
+    return ids.reshape(-1).to(device), count
+
+
+def _cross_entropy_sum(
+    logits: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor | None = None, count: int = 1
+) -> torch.Tensor:
+    if ids is None:
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    per_token = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    kept = labels != IGNORE_INDEX
+    return per_token.new_zeros(count).index_add(0, ids[kept], per_token[kept])
 
 
 def count_targets(shift_labels: torch.Tensor) -> torch.Tensor:
@@ -115,6 +141,7 @@ def head_token_loss_sum(
     chunk_elements: int = LOSS_CHUNK_ELEMENTS,
     *,
     norm: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """:func:`token_loss_sum` of ``head(norm(hidden))``, without ever holding more than one chunk of logits.
 
@@ -137,21 +164,28 @@ def head_token_loss_sum(
         chunk_elements: Most logits per chunk.
         norm: The model's final norm, applied per chunk before the head (None: ``hidden`` is
             already normalised).
+        segments: Sum per segment instead: the result is a ``(count,)`` vector.
     """
     flat = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(hidden.device)
     positions = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
     labels = flat_labels.index_select(0, positions)
+    ids, count = _flat_segments(segments, hidden.device)
+    ids = ids.index_select(0, positions) if ids is not None else None
     size = max(1, chunk_elements // vocab)
     # At least one (possibly empty) chunk: the head stays in the graph when no token has a target.
-    chunks = list(zip(positions.split(size), labels.split(size), strict=True)) or [(positions, labels)]
+    id_chunks = ids.split(size) if ids is not None else [None] * len(labels.split(size))
+    chunks = list(zip(positions.split(size), labels.split(size), id_chunks, strict=True)) or [
+        (positions, labels, ids)
+    ]
     group = partition_group(head) or partition_group(norm)
     if group is not None:
         # ZeRO-3 gathers the head's (and norm's) weight in every call and again in each recomputation:
         # a collective over the partition group, so every rank must call them as often. Ranks with
         # fewer targets (another shard, another data-parallel batch) add empty chunks.
         most = int(all_reduce_max(torch.tensor([len(chunks)]), group)[0])
-        chunks += [(positions[:0], labels[:0])] * (most - len(chunks))
+        empty = (positions[:0], labels[:0], ids[:0] if ids is not None else None)
+        chunks += [empty] * (most - len(chunks))
     modules = [m for m in (head, norm) if isinstance(m, torch.nn.Module)]
     recompute = torch.is_grad_enabled() and (
         flat.requires_grad or any(p.requires_grad for m in modules for p in m.parameters())
@@ -171,14 +205,16 @@ def head_token_loss_sum(
                 source,
                 at,
                 y,
+                i,
+                count,
                 use_reentrant=False,
                 determinism_check=check,
             )
-            for at, y in chunks
+            for at, y, i in chunks
         ]
     else:
-        parts = [_chunk_cross_entropy_sum(head, norm, gather, source, at, y) for at, y in chunks]
-    return torch.stack(parts).sum()
+        parts = [_chunk_cross_entropy_sum(head, norm, gather, source, at, y, i, count) for at, y, i in chunks]
+    return torch.stack(parts).sum(0)
 
 
 def _chunk_cross_entropy_sum(
@@ -188,8 +224,10 @@ def _chunk_cross_entropy_sum(
     source: torch.Tensor,
     positions: torch.Tensor,
     labels: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    count: int = 1,
 ) -> torch.Tensor:
     rows = gather.rows(source, positions)
     if norm is not None:
         rows = norm(rows)
-    return _cross_entropy_sum(head(rows), labels)
+    return _cross_entropy_sum(head(rows), labels, ids, count)

@@ -36,6 +36,7 @@ from tests.reliability.catalogue import (
     model,
     output,
     packages,
+    preference,
     recipe_file,
     recipe_keys,
 )
@@ -45,6 +46,7 @@ CASES: tuple[Case, ...] = (
     *recipe_file.CASES,
     *recipe_keys.CASES,
     *contradictions.CASES,
+    *preference.CASES,
     *model.CASES,
     *deepspeed.CASES,
     *data.CASES,

@@ -54,7 +54,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "hub_strategy": _HUB,
     "push_dataset_to_hub": _HUB,
     "hf_use_auth_token": "cptune reads hub credentials from the environment (HF_TOKEN); remove it.",
-    "rl": "preference and RL training (DPO, GRPO, ...) is not supported; cptune does supervised fine-tuning.",
     "lora_fan_in_fan_out": "not needed for the supported architectures; remove it.",
     "peft_use_dora": "DoRA is not supported; remove it.",
     "peft_use_rslora": "rsLoRA is not supported; remove it.",

@@ -80,6 +80,9 @@ class BackendPolicy(Protocol):
     splits_heads: bool
     #: it rings over each tensor-parallel rank's own heads, so tensor_parallel_size > 1 may go with it
     takes_tensor_parallel: bool
+    #: it computes the per-pair log-prob sums of preference training (``rl``) at context_parallel_size > 1
+    #: (:mod:`cptune.parallel.preference`)
+    trains_preference_pairs: bool
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """Problems of the recipe's keys that concern this backend, as (key, message); the docstring's

@@ -178,6 +178,11 @@ def describe_plan(
         f"  processes:  {_describe_processes(plan)}",
     ]
     lines += [f"  {line}" for line in plan.backend.plan_lines(recipe)]
+    if recipe.is_preference:
+        lines.append(
+            f"  training:   rl: {recipe.rl}, beta {recipe.resolved_beta:g}, each pair one row of two documents; "
+            "reference: the base model (adapter disabled), a second forward without gradients"
+        )
     lines += ["", *describe_state_memory(plan, config)]
     lines += ["", *activation_memory_lines(plan, config, GpuMemory.detect(gpu_memory_gib), per_node)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]

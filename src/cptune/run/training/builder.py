@@ -108,6 +108,8 @@ def build_trainer(
 ) -> CptuneTrainer:
     """cptune's Trainer for the plan, on the prepared data, sharding each batch with ``backend_factory``'s sharder.
 
+    A recipe with ``rl`` gets the :class:`~cptune.run.training.preference_trainer.PreferenceTrainer`.
+
     Call it with the plan's patches applied. Starts the process group on CPU (gloo), unless
     DeepSpeed's engine starts its own.
     """
@@ -119,7 +121,13 @@ def build_trainer(
         # DeepSpeed's engine (Ulysses, or ring / torch CP under ZeRO) starts its process group itself.
         init_cpu_process_group(recipe.ddp_timeout)
     collator = PackedCollator.for_recipe(recipe, tokenizer.pad_token_id)
-    return CptuneTrainer(
+    trainer_class, extra = CptuneTrainer, {}
+    if recipe.is_preference:
+        from cptune.parallel.preference import PreferenceLoss
+        from cptune.run.training.preference_trainer import PreferenceTrainer
+
+        trainer_class, extra = PreferenceTrainer, {"preference_loss": PreferenceLoss.from_recipe(recipe)}
+    return trainer_class(
         model=model,
         args=training_arguments(plan, env),
         train_dataset=prepared.train,
@@ -130,4 +138,5 @@ def build_trainer(
         cp_size=dims.cp_size,
         tp_size=dims.tp_size,
         shard_loss=shard_loss,
+        **extra,
     )

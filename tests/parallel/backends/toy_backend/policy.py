@@ -24,6 +24,7 @@ class Toy:
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = False
+    trains_preference_pairs = False
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """toy.

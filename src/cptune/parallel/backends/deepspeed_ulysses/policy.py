@@ -25,6 +25,8 @@ class DeepSpeedUlysses:
     attends_whole_layers = False
     splits_heads = True
     takes_tensor_parallel = False
+    # DeepSpeed's engine shards the batch itself; the per-pair sums over its shards are not built yet.
+    trains_preference_pairs = False
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """DeepSpeed: Ulysses, and ZeRO under ring-flash-attn or torch CP.

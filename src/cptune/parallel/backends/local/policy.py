@@ -22,6 +22,7 @@ class Local:
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = True
+    trains_preference_pairs = True
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """No context parallelism: no rules of its own (the chosen cp_backend's keys are checked by it)."""

@@ -25,13 +25,14 @@ class RingFlashAttn:
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = True
+    trains_preference_pairs = True
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """ring-flash-attn.
 
         - `ring_attn_func` applies only to `cp_backend: ring-flash-attn`.
-        - `ring_attn_func: batch_zigzag` is refused with `sample_packing: true` (it has no document
-          boundaries), with `causal: false` (causal only) and without `bf16: true` (ring-flash-attn 0.1.8
+        - `ring_attn_func: batch_zigzag` is refused with `sample_packing: true` and with `rl` (it has no
+          document boundaries, and a preference pair is two documents in one row), with `causal: false` (causal only) and without `bf16: true` (ring-flash-attn 0.1.8
           computes wrong zigzag gradients in fp32/fp16).
         """
         r = recipe
@@ -43,6 +44,13 @@ class RingFlashAttn:
                     "ring_attn_func",
                     "batch_zigzag cannot keep packed samples apart (it has no document boundaries); "
                     "use ring_attn_func: varlen_llama3 with sample_packing.",
+                )
+            if r.rl is not None:
+                yield (
+                    "ring_attn_func",
+                    "batch_zigzag cannot keep a preference pair's chosen and rejected sequences apart (a pair is "
+                    "two documents in one row, and it has no document boundaries); use ring_attn_func: "
+                    "varlen_llama3 with rl.",
                 )
             if not r.causal:
                 yield "ring_attn_func", "batch_zigzag is causal only; use varlen_llama3 with causal: false."

@@ -25,6 +25,8 @@ class TorchCp:
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = False
+    # A pair is two documents in one row, and torch's context-parallel attention takes no document mask.
+    trains_preference_pairs = False
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """torch context parallelism.

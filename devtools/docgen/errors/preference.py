@@ -1,0 +1,157 @@
+"""Troubleshooting entries of the section "Preference training (rl)"."""
+
+from __future__ import annotations
+
+from devtools.docgen.errors.base import Documented, Entry
+
+SECTION = "Preference training (rl)"
+NOTE: str | None = (
+    "What cptune trains with `rl` and how: [preference training](preference-training.md). What it does not "
+    "train yet is refused when the recipe is validated, before anything is loaded."
+)
+
+_LORA = "Train a LoRA (or QLoRA) adapter: `adapter: lora`."
+
+ENTRIES: tuple[Entry, ...] = (
+    Entry(
+        "rl-not-built",
+        SECTION,
+        "rl: kto, grpo, orpo or simpo",
+        "rl: kto is not built in cptune",
+        "cptune trains `rl: dpo` and `rl: ipo`; the message says what the other would need.",
+    ),
+    Entry(
+        "rl-unknown",
+        SECTION,
+        "An rl value cptune does not know",
+        "is not a preference loss cptune knows; use rl: dpo or rl: ipo.",
+        "Set `rl: dpo` or `rl: ipo`.",
+    ),
+    Entry(
+        "preference-type-without-rl",
+        SECTION,
+        "Preference data without rl",
+        "holds preference pairs (prompt, chosen, rejected), which rl: dpo or rl: ipo trains",
+        "Set `rl: dpo` (or `ipo`) to train the pairs, or use a supervised data type.",
+    ),
+    Entry(
+        "beta-without-rl",
+        SECTION,
+        "rl_beta or dpo_beta without rl",
+        "rl_beta: applies only with rl: dpo or rl: ipo; remove it.",
+        "Remove it, or set `rl`.",
+    ),
+    Entry(
+        "label-smoothing-without-rl",
+        SECTION,
+        "dpo_label_smoothing without rl",
+        "dpo_label_smoothing: applies only with rl: dpo; remove it.",
+        "Remove it, or set `rl: dpo`.",
+    ),
+    Entry(
+        "rl-supervised-type",
+        SECTION,
+        "rl with a supervised data type",
+        "rows are not preference pairs, which rl: dpo trains",
+        "Use `type: chat_template.default` (the prompt's messages in `field_messages`, the responses in "
+        "`field_chosen` and `field_rejected`) or `type: passthrough.default` (prompt, chosen and rejected text).",
+    ),
+    Entry(
+        "rl-full-fine-tune",
+        SECTION,
+        "rl with a full fine-tune",
+        "adapter: rl: dpo needs a reference model",
+        _LORA + " Full fine-tunes (a reference copy, or reference log-probs precomputed before training) are "
+        "not built yet.",
+    ),
+    Entry(
+        "rl-lora-model-dir",
+        SECTION,
+        "rl starting from a trained adapter (lora_model_dir)",
+        "would compare with the base model (the adapter disabled), not with the adapter you start from",
+        "Merge the adapter into the base model (`cptune merge-lora`) and train a fresh adapter on the merged model.",
+    ),
+    Entry(
+        "rl-train-on-inputs",
+        SECTION,
+        "rl with train_on_inputs",
+        "trains the responses only (the prompt's log-probs are the same in the chosen and rejected sequences)",
+        "Remove `train_on_inputs`.",
+    ),
+    Entry(
+        "rl-eval-data",
+        SECTION,
+        "rl with evaluation data",
+        "(the preference loss over held-out pairs) is not built yet",
+        "Remove `val_set_size` and `test_datasets`.",
+    ),
+    Entry(
+        "rl-fsdp",
+        SECTION,
+        "rl under FSDP2",
+        "rl: dpo under FSDP2 is not built yet; train without FSDP (the adapter is small).",
+        "Remove `fsdp_version` (and `fsdp_config`).",
+    ),
+    Entry(
+        "rl-deepspeed",
+        SECTION,
+        "rl under DeepSpeed",
+        "rl: dpo under DeepSpeed is not built yet; remove zero_stage.",
+        "Remove `zero_stage` and `deepspeed`.",
+    ),
+    Entry(
+        "rl-tensor-parallel",
+        SECTION,
+        "rl with tensor parallelism",
+        "rl: dpo with tensor parallelism is not built yet; remove it.",
+        "Remove `tensor_parallel_size`.",
+    ),
+    Entry(
+        "rl-cp-backend",
+        SECTION,
+        "rl with a cp_backend that cannot sum a pair over its shards",
+        "needs a backend that sums each pair's log-probs over its shards, which cp_backend: torch does not yet",
+        "Use `cp_backend: ring-flash-attn`.",
+    ),
+    Entry(
+        "rl-zigzag",
+        SECTION,
+        "rl with ring_attn_func: batch_zigzag",
+        "batch_zigzag cannot keep a preference pair's chosen and rejected sequences apart",
+        "Use `ring_attn_func: varlen_llama3` (the default).",
+    ),
+    Entry(
+        "beta-disagree",
+        SECTION,
+        "rl_beta and dpo_beta disagree",
+        "disagrees with rl_beta: 0.2 (two names of β); set one.",
+        "They are two names of β; keep one.",
+    ),
+    Entry(
+        "pairs-tokenizer-without-eos",
+        SECTION,
+        "passthrough.default pairs with a tokenizer that has no eos token",
+        "The tokenizer has no eos token, which passthrough.default responses end with.",
+        "Each response ends with the eos token (as TRL tokenizes such pairs). Use a tokenizer that defines "
+        "`eos_token` (`tokenizer_config`).",
+    ),
+    Entry(
+        "pairs-chat-template-not-prefix-stable",
+        SECTION,
+        "chat_template.default pairs with a template that renders the prompt differently before a response",
+        "the chat template is not prefix-stable: the prompt with the generation prompt does not render to a "
+        "token prefix of the prompt followed by the response",
+        "cptune finds each response's tokens after the prompt's; a template that changes the prompt's text "
+        "when a response follows (here: it starts with the message count) hides them. Set "
+        "`chat_template: chatml`, or use a template that renders earlier turns the same.",
+    ),
+    Entry(
+        "label-smoothing-ipo",
+        SECTION,
+        "dpo_label_smoothing with rl: ipo",
+        "dpo_label_smoothing: applies only with rl: dpo (not rl: ipo); remove it.",
+        "Remove it: IPO's loss has no label smoothing.",
+    ),
+)
+
+DOCUMENTED: tuple[Documented, ...] = ()

@@ -1,0 +1,154 @@
+"""Preference pairs: turn a row (prompt, chosen, rejected) into one sample of two documents.
+
+The sample is ``prompt + chosen`` then ``prompt + rejected``, each a document of its own
+(positions restart at 0), with the prompt's labels -100: the targets of a document are its
+response's tokens (``docs/preference-training.md``). Two layouts, with Axolotl's type names:
+
+* ``chat_template.default``: the prompt's messages (``field_messages``: a list of messages, or a
+  text that becomes one user message) and each response (``field_chosen``, ``field_rejected``: a
+  text, a message, or a list of messages whose last is the response) rendered with the chat
+  template. The prompt is the conversation with the generation prompt (the assistant header); a
+  response is what rendering it after the prompt adds, through its end-of-turn token (whitespace
+  after that token is left out, as Axolotl's ``rstrip`` of the rendered response does).
+* ``passthrough.default``: prompt, chosen and rejected as text, tokenized as TRL 1.16's DPOTrainer
+  tokenizes such rows: the tokenizer's eos text is appended to a response that does not end with
+  it, ``prompt + response`` is tokenized whole (the tokenizer's own special tokens included), and the
+  response starts where that and the prompt tokenized alone first differ (a token can straddle the
+  boundary; then the prompt's last token counts as the response's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from cptune.config.data import DatasetConfig
+from cptune.data.chat_templates import resolve_chat_template
+from cptune.data.formats import (
+    Formatter,
+    RowProblem,
+    Sample,
+    end_token,
+    field_problem,
+    message_list,
+    render_chat,
+    special_token_ids,
+    text_field,
+)
+from cptune.errors import DataError
+from cptune.labels import IGNORE_INDEX
+
+__all__ = ["build_pair_formatter", "pair_sample"]
+
+
+def pair_sample(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence[int]) -> Sample:
+    """The two-document sample of a pair: prompt + chosen, prompt + rejected; only the responses trained."""
+    masked = [IGNORE_INDEX] * len(prompt)
+    return Sample(
+        input_ids=[*prompt, *chosen, *prompt, *rejected],
+        labels=[*masked, *chosen, *masked, *rejected],
+        document_lengths=(len(prompt) + len(chosen), len(prompt) + len(rejected)),
+    )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _passthrough(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+    eos = tokenizer.eos_token
+    if eos is None:
+        raise DataError(
+            "The tokenizer has no eos token, which passthrough.default responses end with. "
+            "Use a tokenizer that defines eos_token (tokenizer_config in the recipe)."
+        )
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        prompt = text_field(row, config.field_prompt)
+        responses = [text_field(row, name) for name in (config.field_chosen, config.field_rejected)]
+        responses = [text if text.endswith(eos) else text + eos for text in responses]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        chosen, rejected = (tokenizer(prompt + text)["input_ids"] for text in responses)
+        start = min(_common_prefix(prompt_ids, chosen), _common_prefix(prompt_ids, rejected))
+        return pair_sample(prompt_ids[:start], chosen[start:], rejected[start:])
+
+    return format_row
+
+
+def _response(value: Any, name: str, config: DatasetConfig) -> list[dict[str, str]]:
+    """A response column as one message: a text is the assistant's, a list's last message is the response."""
+    role_key, content_key = config.resolved_message_fields
+    if isinstance(value, str):
+        value = [{role_key: "assistant", content_key: value}]
+    elif isinstance(value, Mapping):
+        value = [value]
+    elif isinstance(value, Sequence) and value:
+        value = [value[-1]]
+    if value is None:
+        raise field_problem(name, "is missing")
+    return message_list(value, name, config)
+
+
+def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, template: str | None) -> Formatter:
+    special_ids = special_token_ids(tokenizer)
+
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        return render_chat(tokenizer, template, messages, messages, add_generation_prompt)
+
+    def response_ids(prompt: list[dict[str, str]], prompt_ids: list[int], response: list[dict[str, str]]):
+        full = render([*prompt, *response], add_generation_prompt=False)
+        if full[: len(prompt_ids)] != prompt_ids:
+            raise RowProblem(
+                "chat template is not prefix-stable",
+                "the chat template is not prefix-stable: the prompt with the generation prompt does not render "
+                "to a token prefix of the prompt followed by the response, so the response cannot be located. "
+                "Set chat_template: chatml in the recipe, or use a template that renders earlier turns the same "
+                "whatever follows them.",
+                skippable=False,
+            )
+        tail = full[len(prompt_ids) :]
+        _, end = end_token(tail, special_ids, tokenizer)
+        return tail[:end]
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        name = config.field_messages
+        value = row.get(name)
+        if isinstance(value, str):
+            role_key, content_key = config.resolved_message_fields
+            value = [{role_key: "user", content_key: value}]
+        if value is None:
+            raise field_problem(name, "is missing")
+        prompt = message_list(value, name, config)
+        prompt_ids = render(prompt, add_generation_prompt=True)
+        chosen, rejected = (
+            response_ids(prompt, prompt_ids, _response(row.get(field), field, config))
+            for field in (config.field_chosen, config.field_rejected)
+        )
+        return pair_sample(prompt_ids, chosen, rejected)
+
+    return format_row
+
+
+def build_pair_formatter(
+    config: DatasetConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None,
+    label: str,
+    chat_template_jinja: str | None = None,
+) -> Formatter:
+    """The formatter of a preference dataset (``config.type`` one of the preference types).
+
+    Raises:
+        DataError: The tokenizer cannot serve the format (no eos, no chat template).
+    """
+    if config.type == "passthrough.default":
+        return _passthrough(config, tokenizer)
+    template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
+    return _chat_pairs(config, tokenizer, template)

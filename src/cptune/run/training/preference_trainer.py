@@ -1,0 +1,107 @@
+"""cptune's Trainer for preference training (``rl: dpo``, ``rl: ipo``): one loss per pair, exact under CP.
+
+Each micro batch goes through :func:`cptune.parallel.preference.pair_forward` (the reference with the
+adapter disabled, then the policy, each on this rank's shard, completed over the CP group) and this
+rank backpropagates its share of the pair losses scaled to the mean over the optimizer step's pairs
+(:func:`~cptune.parallel.preference.preference_step_loss`). The step's pairs are counted as the SFT
+loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS`) are
+summed per pair and logged as means over the pairs since the last log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cptune.models.reference import adapter_disabled
+from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.loss import step_target_count
+from cptune.parallel.preference import (
+    METRICS,
+    PairBatch,
+    PreferenceLoss,
+    pair_forward,
+    preference_step_loss,
+)
+from cptune.run.training.trainer import CptuneTrainer
+
+
+class PreferenceTrainer(CptuneTrainer):
+    """A :class:`CptuneTrainer` whose loss is the mean preference loss over the optimizer step's pairs."""
+
+    def __init__(self, *args: Any, preference_loss: PreferenceLoss, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.preference_loss = preference_loss
+        # None at cp=1: each rank holds whole rows, its sums are complete.
+        self._cp_group = self.accelerator.torch_device_mesh["cp"].get_group() if self.cp_size > 1 else None
+        self._reference_context = adapter_disabled(self.accelerator.unwrap_model(self.model))
+        self._metrics = PairMetrics()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)
+        # Every rank of a CP group counts its group's pairs: the sum over the world counts each cp_size times.
+        return step_target_count(local.to(device), self.cp_size)
+
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | None = None,
+    ):
+        if model.training and "num_tokens" in inputs:
+            self._throughput.add(int(inputs["num_tokens"]))
+
+        def key_dropout(sharded: Any) -> None:
+            if model.training and self._dropout_keys is not None:
+                self._key_dropout(sharded.coords)
+
+        outputs = pair_forward(
+            model,
+            self.accelerator.unwrap_model(model),
+            self.cp_backend,
+            self._shard_loss,
+            PairBatch.from_inputs(inputs),
+            self.preference_loss,
+            self._cp_group,
+            reference_context=self._reference_context,
+            on_shard=key_dropout,
+            attention_layers=self._attention_layers,
+        )
+        if model.training:
+            self._metrics.add(outputs.metric_sums(), len(outputs.losses))
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], outputs.losses.device)
+        loss = preference_step_loss(outputs, num_items_in_batch, self.cp_size, self.accelerator.num_processes)
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            # Every rank logs training steps together, so this collective is matched.
+            logs.update(self._metrics.means())
+        super().log(logs, start_time)
+
+
+class PairMetrics:
+    """Sums of the preference metrics and the pairs they cover since the last log, on this rank."""
+
+    def __init__(self) -> None:
+        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+
+    def add(self, sums: dict[str, torch.Tensor], pairs: int) -> None:
+        values = [float(sums[name]) for name in METRICS]
+        self._sums += torch.tensor([*values, pairs], dtype=torch.float64)
+
+    def means(self) -> dict[str, float]:
+        """Each metric's mean over the pairs of every rank since the last call (a collective), then reset.
+
+        The ranks of a CP group hold the same pairs: they count in the sums and in the pair count
+        alike, so the mean is over distinct pairs.
+        """
+        totals = all_reduce_sum(self._sums)
+        self._sums.zero_()
+        pairs = float(totals[-1])
+        if pairs == 0:
+            return {}
+        return {name: float(totals[i]) / pairs for i, name in enumerate(METRICS)}

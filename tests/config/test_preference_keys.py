@@ -1,0 +1,64 @@
+"""The recipe's preference keys (rl, rl_beta/dpo_beta, dpo_label_smoothing) and what they refuse.
+
+The catalogue (tests/reliability/catalogue/preference.py) runs every refusal through the CLI; this
+checks what the keys resolve to and that the layouts that are built validate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cptune.config.loader import validate_recipe
+from cptune.errors import RecipeError
+
+PAIRS = {"path": "pairs.jsonl", "type": "chat_template.default"}
+
+
+def recipe(**keys):
+    return validate_recipe({"base_model": "m", "adapter": "lora", "datasets": [PAIRS], "rl": "dpo", **keys})
+
+
+@pytest.mark.parametrize(
+    ("keys", "beta"),
+    [({}, 0.1), ({"rl_beta": 0.3}, 0.3), ({"dpo_beta": 0.2}, 0.2), ({"rl_beta": 0.2, "dpo_beta": 0.2}, 0.2)],
+)
+def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
+    assert recipe(**keys).resolved_beta == beta
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"rl": "ipo"},
+        {"adapter": "qlora", "load_in_4bit": True},
+        {"dpo_label_smoothing": 0.1},
+        {"context_parallel_size": 4},
+        {"context_parallel_size": 2, "sample_packing": True, "cut_cross_entropy": True},
+        {"datasets": [{"path": "p.jsonl", "type": "passthrough.default", "field_prompt": "question"}]},
+    ],
+)
+def test_the_built_layouts_validate(keys):
+    assert recipe(**keys).is_preference
+
+
+@pytest.mark.parametrize(
+    ("keys", "key"),
+    [
+        ({"rl": "orpo"}, "rl"),
+        ({"rl": "simpo"}, "rl"),
+        ({"rl": "grpo"}, "rl"),
+        ({"adapter": None}, "adapter"),
+        ({"context_parallel_size": 2, "cp_backend": "deepspeed"}, "cp_backend"),
+        ({"test_datasets": [PAIRS]}, "test_datasets"),
+    ],
+)
+def test_what_is_not_built_is_refused_naming_the_key(keys, key):
+    with pytest.raises(RecipeError) as refused:
+        recipe(**keys)
+    assert f"  - {key}:" in str(refused.value)
+
+
+def test_a_supervised_recipe_is_not_preference():
+    plain = validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}]})
+    assert not plain.is_preference and plain.rl_refusal() is None

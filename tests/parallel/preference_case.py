@@ -1,0 +1,228 @@
+"""A preference (DPO/IPO) parity case of the shared parity launch: cptune's CP path against the cp=1 run.
+
+Run by parity_worker.py for a case with ``preference`` (``dpo`` or ``ipo``). Every rank builds the
+same tiny Llama with a LoRA adapter, the same pair batches (through the training collator), and
+runs 3 SGD steps three ways: the cp=1 reference in fp32 and in float64 (one process, whole rows,
+``LocalBackend``) and its own shard through the case's CP backend, each micro batch through
+:func:`cptune.parallel.preference.pair_forward` (reference with the adapter disabled, then the policy)
+and :func:`~cptune.parallel.preference.preference_step_loss`, gradients averaged over the world as
+DDP does. It reports what ``test_parity.check`` reads (losses of the 3 steps, step-0 gradients and
+their distances from float64) plus the step-0 metrics and the floors of the preference loss.
+
+``inject`` plants a bug in the cross-rank sum (:data:`PLANTED`): the check must fail on it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from case_features import install_case_features  # tests/parallel/, next to this script
+from float64_reference import float64_twin
+
+from cptune.data.collator import PackedCollator
+from cptune.data.preference_formats import pair_sample
+from cptune.labels import IGNORE_INDEX
+from cptune.models.head_loss import logits_loss
+from cptune.models.reference import adapter_disabled
+from cptune.parallel.backends.base import step_context
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.dropout import use_exact_lora_dropout
+from cptune.parallel.preference import (
+    METRICS,
+    PairBatch,
+    PreferenceLoss,
+    pair_forward,
+    preference_step_loss,
+)
+from tests.numerics import relative_errors, reorder_bound
+
+BETA = 0.5  # larger than TRL's 0.1: the 3 steps move the rewards well away from 0
+
+
+class _SumForwardOnly(torch.autograd.Function):
+    """Planted bug: the sum completed in the forward, but the gradient not summed back over the group."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        return all_reduce_sum(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+PLANTED = {
+    # Each rank keeps the sums of its own shard: the pair losses are those of partial sequences.
+    "pair_sum_local": lambda tensor, group: tensor.clone(),
+    # The forward sums over the group, the backward does not: each rank's tokens get 1/cp of the gradient.
+    "pair_sum_backward": lambda tensor, group: _SumForwardOnly.apply(tensor, group),
+}
+
+
+def _pair(generator: torch.Generator, vocab: int) -> dict[str, list[int]]:
+    """A random pair: a prompt of 2-5 tokens, responses of 2-7 tokens (ids 3..vocab-1)."""
+
+    def tokens(low: int, high: int) -> list[int]:
+        length = int(torch.randint(low, high + 1, (1,), generator=generator))
+        return torch.randint(3, vocab, (length,), generator=generator).tolist()
+
+    sample = pair_sample(tokens(2, 5), tokens(2, 7), tokens(2, 7))
+    return {"input_ids": sample.input_ids, "labels": sample.labels, "position_ids": sample.position_ids}
+
+
+def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
+    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1."""
+    generator = torch.Generator().manual_seed(case["seed"])
+    collate = PackedCollator(pad_token_id=0, preference=True)
+    per_row = 2 if case["packed"] else 1
+    out = []
+    for _ in range(dp_size):
+        micro = []
+        for _ in range(case["ga"]):
+            rows = []
+            for _ in range(case["mbs"]):
+                pairs = [_pair(generator, vocab) for _ in range(per_row)]
+                rows.append({key: [v for pair in pairs for v in pair[key]] for key in pairs[0]})
+            micro.append(PairBatch.from_inputs(collate(rows)))
+        out.append(micro)
+    return out
+
+
+def float64_segment_loss(model, model_kwargs, shift_labels, segments):
+    """``logits_loss`` per segment with the cross-entropy in float64 (cptune's is fp32) for the float64 model."""
+    outputs = model(**model_kwargs, use_cache=False)
+    logits = outputs.logits.reshape(-1, outputs.logits.shape[-1]).double()
+    labels = shift_labels.reshape(-1)
+    ids, count = segments
+    ids = ids.reshape(-1)
+    per_token = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    kept = labels != IGNORE_INDEX
+    return per_token.new_zeros(count).index_add(0, ids[kept], per_token[kept]), outputs
+
+
+def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, shard_loss, keys, complete):
+    """One optimizer step's micro batches: forward, scaled loss, backward. Returns (loss, metric sums, magnitude)."""
+    total, sums, magnitude = 0.0, dict.fromkeys(METRICS, 0.0), 0.0
+    for batch, first_row in micro:
+
+        def on_shard(sharded, first_row=first_row):
+            if keys is not None:
+                keys.set_coords(sharded.coords, first_row)
+
+        kwargs = {"complete": complete} if complete is not None else {}
+        with step_context(backend):
+            outputs = pair_forward(
+                model,
+                model,
+                backend,
+                shard_loss,
+                batch,
+                loss,
+                group,
+                reference_context=adapter_disabled(model),
+                on_shard=on_shard,
+                **kwargs,
+            )
+            scaled = preference_step_loss(outputs, step_pairs, cp_size, world)
+            scaled.backward()
+        total += scaled.item()
+        for name, value in outputs.metric_sums().items():
+            sums[name] += float(value)
+        magnitude = max(magnitude, float((outputs.chosen_logps.abs() + outputs.rejected_logps.abs()).max()))
+    return total, sums, magnitude
+
+
+def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> dict:
+    """3 SGD steps of the cp=1 references (fp32, float64) and of this rank's CP path; see the module docstring.
+
+    ``worker``: the parity worker's helpers (``build_model``, ``make_backend``, ``grads``, ``grad_diffs``,
+    ``first_rows``, ``VOCAB``, ``LEARNING_RATE``), so both kinds of case build and compare alike.
+    """
+    world, cp_size = groups.world, groups.cp_size
+    torch.manual_seed(0)
+    reference = worker.build_model(case, "sdpa")
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation("cptune")
+    reference64 = float64_twin(reference)
+    keys = [use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, reference64, model)]
+    shard_loss = install_case_features(model, case)
+    local = LocalBackend(causal=True)
+    backend = worker.make_backend(case, groups, kernels)
+    loss = PreferenceLoss(case["preference"], BETA)
+    complete = PLANTED.get(case.get("inject"))
+    optimizers = [
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=worker.LEARNING_RATE)
+        for m in (reference, reference64, model)
+    ]
+    result: dict = {}
+    ref_losses, ref64_losses, cp_losses, floors = [], [], [], []
+    for step in range(3):
+        batches = make_pair_batches({**case, "seed": case["seed"] + step}, groups.dp_size, worker.VOCAB)
+        rows = worker.first_rows(case, step, groups.dp_size)
+        step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
+        everything = [(b, r) for g, r in zip(batches, rows, strict=True) for b, r in zip(g, r, strict=True)]
+        longest = max(int(b.target_counts().max()) for b, _ in everything)
+        ref_loss, ref_sums, _ = _run_step(
+            reference, local, everything, 1, 1, None, step_pairs, loss, logits_loss, keys[0], None
+        )
+        ref64_loss, ref64_sums, magnitude = _run_step(
+            reference64, local, everything, 1, 1, None, step_pairs, loss, float64_segment_loss, keys[1], None
+        )
+        mine = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
+        cp_loss, cp_sums, _ = _run_step(
+            model,
+            backend,
+            mine,
+            world,
+            cp_size,
+            groups.cp_group,
+            step_pairs,
+            loss,
+            shard_loss,
+            keys[2],
+            complete,
+        )
+        total = torch.tensor([cp_loss, *cp_sums.values()], dtype=torch.float64)
+        dist.all_reduce(total)
+        ref_losses.append(ref_loss)
+        ref64_losses.append(ref64_loss)
+        cp_losses.append(float(total[0]) / world)
+        # Luck floor of the loss: the reorder bound of the log-prob sums behind it (the longest sequence's
+        # targets; the sums' magnitudes times β), relative to the loss.
+        floors.append(reorder_bound(longest, 2 * BETA * magnitude) / abs(ref64_loss))
+        for p in model.parameters():
+            if p.requires_grad:
+                dist.all_reduce(p.grad)  # DDP: mean over the world
+                p.grad /= world
+        if step == 0:
+            pairs = float(step_pairs)
+            # Each CP rank holds its group's pairs: the world's sums count every pair cp_size times.
+            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp_size) for i, n in enumerate(METRICS)}
+            result["ref_metrics"] = {n: v / pairs for n, v in ref_sums.items()}
+            result["ref64_metrics"] = {n: v / pairs for n, v in ref64_sums.items()}
+            result["metric_floors"] = {
+                n: reorder_bound(longest, (1.0 if n.startswith("logps") else 2 * BETA) * magnitude)
+                / max(abs(v), 1e-30)
+                for n, v in result["ref64_metrics"].items()
+            }
+            ref_g, cp_g, ref64_g = worker.grads(reference), worker.grads(model), worker.grads(reference64)
+            result["grad_rel"], result["grad_worst"] = worker.grad_diffs(cp_g, ref_g)
+            result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
+            result["grad_errors"] = relative_errors(cp_g, ref64_g)
+            result["ref_grad_errors"] = relative_errors(ref_g, ref64_g)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    result.update(
+        ref_losses=ref_losses,
+        cp_losses=cp_losses,
+        ref64_losses=ref64_losses,
+        loss_floors=floors,
+        targets=[0] * 3,
+    )
+    return result

@@ -1,0 +1,252 @@
+"""The preference losses: per-sequence sums, the per-pair loss, and equality with TRL's DPOTrainer at cp=1.
+
+The CP parity of the same code (cp=2 against cp=1, with a bug planted in the cross-rank sum) runs in
+the shared parity launch: tests/parallel/test_parity.py, ``PREFERENCE_CASES``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cptune.config.data import DatasetConfig
+from cptune.data.collator import PackedCollator
+from cptune.data.preference_formats import build_pair_formatter
+from cptune.models.head_loss import logits_loss
+from cptune.models.reference import adapter_disabled
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.collectives import differentiable_all_reduce_sum
+from cptune.parallel.loss import head_token_loss_sum, token_loss_sum
+from cptune.parallel.preference import (
+    METRICS,
+    PairBatch,
+    PreferenceLoss,
+    pair_forward,
+    preference_step_loss,
+)
+from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
+from tests.conftest import REPO
+from tests.numerics import EPS32, float64_excess, float64_excesses, relative_errors, reorder_bound
+
+TRL_VERSION = "1.16.0"
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+# --- the per-sequence sums ------------------------------------------------------------------------
+
+
+def test_segment_sums_are_each_sequences_cross_entropy_sum_chunked_or_not():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 9, 11, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 9), generator=generator)
+    labels[0, :2] = labels[1, 7:] = -100
+    ids = torch.tensor([[0] * 5 + [1] * 4, [2] * 3 + [3] * 6])
+    per_token = F.cross_entropy(
+        logits.reshape(-1, 11), labels.reshape(-1), reduction="none", ignore_index=-100
+    )
+    expected = torch.zeros(4, dtype=torch.float64).index_add(0, ids.reshape(-1), per_token)
+    for chunk in (11 * 18, 11 * 4, 11):  # whole, in chunks of 4 tokens, token by token
+        got = token_loss_sum(logits, labels, chunk_elements=chunk, segments=(ids, 4))
+        assert torch.allclose(got, expected.float(), rtol=4 * 18 * EPS32), chunk  # bound: 18-term fp32 sums
+    # The chunked head loss: the same sums from hidden states and the head.
+    head = torch.nn.Linear(5, 11, bias=False).double()
+    hidden = torch.randn(2, 9, 5, generator=generator, dtype=torch.float64)
+    from_head = head_token_loss_sum(head, hidden, labels, 11, chunk_elements=11 * 3, segments=(ids, 4))
+    from_logits = token_loss_sum(head(hidden), labels, segments=(ids, 4))
+    assert torch.allclose(from_head, from_logits, rtol=4 * 18 * EPS32)
+    # Without segments: the scalar of before, and the sum of the segments.
+    assert torch.allclose(token_loss_sum(logits, labels), expected.sum().float(), rtol=4 * 18 * EPS32)
+
+
+def test_the_differentiable_sum_is_the_tensor_itself_in_one_process():
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = differentiable_all_reduce_sum(x)
+    (y * torch.tensor([3.0, 4.0])).sum().backward()
+    assert y.tolist() == [1.0, 2.0] and x.grad.tolist() == [3.0, 4.0]
+
+
+# --- the per-pair loss -----------------------------------------------------------------------------
+
+
+def test_pair_losses_are_the_dpo_and_ipo_formulas():
+    policy = torch.tensor([-10.0, -12.0, -7.0, -6.5], dtype=torch.float64)
+    reference = torch.tensor([-11.0, -11.5, -7.5, -6.0], dtype=torch.float64)
+    targets = torch.tensor([4, 5, 2, 3])
+    chosen, rejected = policy[0::2] - reference[0::2], policy[1::2] - reference[1::2]
+    beta, eps = 0.2, 0.1
+    s = beta * (chosen - rejected)
+    sigmoid = torch.sigmoid
+    dpo = PreferenceLoss("dpo", beta).pair_outputs(policy, reference, targets)
+    assert torch.allclose(dpo.losses, -torch.log(sigmoid(s)))
+    smoothed = PreferenceLoss("dpo", beta, eps).pair_outputs(policy, reference, targets)
+    assert torch.allclose(smoothed.losses, -(1 - eps) * torch.log(sigmoid(s)) - eps * torch.log(sigmoid(-s)))
+    ipo = PreferenceLoss("ipo", beta).pair_outputs(policy, reference, targets)
+    x = chosen / targets[0::2] - rejected / targets[1::2]
+    assert torch.allclose(ipo.losses, (x - 1 / (2 * beta)) ** 2)
+    sums = dpo.metric_sums()
+    assert torch.allclose(sums["rewards/chosen"], beta * chosen.sum())
+    assert torch.allclose(sums["rewards/margins"], beta * (chosen - rejected).sum())
+    assert sums["rewards/accuracies"] == float((chosen > rejected).sum())
+    assert sums["logps/rejected"] == policy[1::2].sum()
+    assert set(sums) == set(METRICS)
+
+
+# --- equal to TRL at cp=1 --------------------------------------------------------------------------
+
+PAIRS = [
+    json.loads(line) for line in (REPO / "examples" / "data" / "preference.jsonl").read_text().splitlines()
+]
+BETA = 0.1
+
+
+def _trl_trainer(rows, tokenizer, dtype, loss_type):
+    """TRL's DPOTrainer on the tiny model (a fresh LoRA adapter), its adapter then moved off zero."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
+    model = build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3).to(dtype)
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        beta=BETA,
+        loss_type=[loss_type],
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=len(rows),
+        seed=5,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    trainer = DPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=lora,
+    )
+    # A fresh adapter's B is zero (policy = reference, rewards 0): set every LoRA weight, so the
+    # policy differs from the reference and every adapter weight gets a gradient.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.3)
+    return trainer
+
+
+def _trl_step(trainer, rows):
+    """TRL's loss, metrics and LoRA gradients of one batch of ``rows``."""
+    trainer.model.train()
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    metrics = {name: trainer._metrics["train"][name][-1] for name in METRICS}
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return float(loss.detach()), metrics, grads
+
+
+def _cptune_step(trainer, rows, tokenizer, kind):
+    """cptune's loss, metrics and LoRA gradients on the same pairs, the same base and adapter weights."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    adapter = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                param.copy_(adapter[name].float())
+    model.train()
+    format_row = build_pair_formatter(
+        DatasetConfig(path="pairs", type="passthrough.default"), tokenizer, None, "pairs"
+    )
+    samples = [format_row(row) for row in rows]
+    for sample, trl_row in zip(samples, trainer.train_dataset, strict=False):
+        # The same tokens as TRL's tokenization of the same text.
+        prompt, chosen, rejected = trl_row["prompt_ids"], trl_row["chosen_ids"], trl_row["rejected_ids"]
+        assert sample.input_ids == prompt + chosen + prompt + rejected
+    # All pairs packed into one row: four pairs, eight documents.
+    packed = {"input_ids": [], "labels": [], "position_ids": []}
+    for sample in samples:
+        packed["input_ids"] += sample.input_ids
+        packed["labels"] += sample.labels
+        packed["position_ids"] += sample.position_ids
+    batch = PairBatch.from_inputs(
+        PackedCollator(pad_token_id=tokenizer.pad_token_id, preference=True)([packed])
+    )
+    outputs = pair_forward(
+        model,
+        model,
+        LocalBackend(causal=True),
+        logits_loss,
+        batch,
+        PreferenceLoss(kind, BETA),
+        None,
+        reference_context=adapter_disabled(model),
+    )
+    loss = preference_step_loss(outputs, torch.tensor(len(rows)), cp_size=1, gradient_divisor=1)
+    loss.backward()
+    metrics = {name: float(value) / len(rows) for name, value in outputs.metric_sums().items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    magnitude = float((outputs.chosen_logps.abs() + outputs.rejected_logps.abs()).mean())
+    return float(loss), metrics, grads, magnitude, int(batch.target_counts().max())
+
+
+@pytest.mark.skipif(not HAS_TRL, reason=f"TRL is a test-only dependency (pip install trl=={TRL_VERSION})")
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type):
+    """cptune's DPO (TRL's ``sigmoid``) and IPO against TRL 1.16.0's DPOTrainer on the same 4 pairs and reference.
+
+    The same tiny model and adapter weights; TRL tokenizes the text itself and cptune's passthrough.default
+    gives the same tokens (asserted). TRL runs its own padded batch of 8 sequences; cptune packs the 4 pairs
+    into one row of 8 documents. Tolerance, the float64-reference rule (tests/numerics.py): TRL also runs
+    in float64; cptune's fp32 loss, each metric and each LoRA gradient tensor land at most 8x as far from
+    TRL's float64 value as TRL's own fp32 run does, plus a floor against TRL's fp32 landing on float64 by
+    luck: the reorder bound of the log-prob sums behind the value (the longest sequence's targets, the
+    magnitude of the sums times β, relative to the value; 2 ulps for gradients).
+    """
+    import trl
+
+    assert trl.__version__ == TRL_VERSION, f"written against TRL {TRL_VERSION}, found {trl.__version__}"
+    tokenizer = build_tiny_tokenizer(GENERIC_CORPUS)
+    rows = PAIRS[:4]
+    trl32 = _trl_trainer(rows, tokenizer, torch.float32, loss_type)
+    trl64 = _trl_trainer(rows, tokenizer, torch.float64, loss_type)
+    loss32, metrics32, grads32 = _trl_step(trl32, rows)
+    loss64, metrics64, grads64 = _trl_step(trl64, rows)
+    kind = "ipo" if loss_type == "ipo" else "dpo"  # TRL's sigmoid is rl: dpo
+    loss, metrics, grads, magnitude, longest = _cptune_step(trl32, rows, tokenizer, kind)
+    assert metrics["rewards/accuracies"] == metrics64["rewards/accuracies"] == metrics32["rewards/accuracies"]
+    assert 0 < metrics64["rewards/accuracies"] < 1, "the adapter moves some pairs each way: a real test"
+
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / abs(b)
+
+    def floor(value: float) -> float:
+        return reorder_bound(longest, 2 * BETA * magnitude) / abs(value)
+
+    sums = reorder_bound(longest, 1.0)  # logps: sums of one sign, Σ|terms| is the sum itself
+    scalars = {
+        "loss": (loss, loss32, loss64),
+        **{n: (metrics[n], metrics32[n], metrics64[n]) for n in METRICS},
+    }
+    excesses = {
+        name: float64_excess(
+            rel(ours, ref64), rel(ref32, ref64), floor(ref64) if "logps" not in name else sums
+        )
+        for name, (ours, ref32, ref64) in scalars.items()
+        if name != "rewards/accuracies"
+    }
+    excesses |= float64_excesses(relative_errors(grads, grads64), relative_errors(grads32, grads64))
+    worst = max(excesses, key=excesses.get)
+    print(
+        f"{loss_type}: loss {loss:.9g} (TRL fp32 {loss32:.9g}, fp64 {loss64:.12g}); "
+        f"worst {worst} at {excesses[worst]:.3g} of its tolerance"
+    )
+    assert excesses[worst] <= 1, (worst, excesses[worst], scalars.get(worst))
+    assert math.isfinite(loss) and len(grads) == len(grads64) > 0

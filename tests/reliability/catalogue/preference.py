@@ -1,0 +1,74 @@
+"""Catalogue cases of the section "Preference training (rl)" (their text: devtools/docgen/errors/preference.py)."""
+
+from __future__ import annotations
+
+from tests.reliability.catalogue.framework import DELETE, Case, Workspace
+from tests.reliability.catalogue.setups import COUNTING_TEMPLATE, _tokenizer_folder
+
+PAIR_ROWS = [{"prompt": "Say hi.", "chosen": "Hi.", "rejected": "Go away."}] * 4
+
+
+def _pairs(ws: Workspace) -> dict:
+    """Preference data (the recipe is refused before any row is read) and rl: dpo."""
+    return {
+        "rl": "dpo",
+        "datasets": [{"path": str(ws.data / "train.jsonl"), "type": "chat_template.default"}],
+    }
+
+
+def _pair_data(ws: Workspace, type_: str, **tokenizer: object) -> dict:
+    """Real pair rows (the error comes from preparing them) with a tokenizer built for the case."""
+    path = ws.write_rows("pairs.jsonl", PAIR_ROWS)
+    dataset = {"path": path, "type": type_, "field_messages": "prompt"}
+    return {"rl": "dpo", "datasets": [dataset], "tokenizer_config": _tokenizer_folder(ws, **tokenizer)}
+
+
+CASES: tuple[Case, ...] = (
+    Case("rl-not-built", setup=lambda ws: {**_pairs(ws), "rl": "kto"}),
+    Case("rl-unknown", setup=lambda ws: {**_pairs(ws), "rl": "ppo"}),
+    Case("preference-type-without-rl", setup=lambda ws: {**_pairs(ws), "rl": DELETE}),
+    Case("beta-without-rl", keys={"rl_beta": 0.2}),
+    Case("label-smoothing-without-rl", keys={"dpo_label_smoothing": 0.1}),
+    Case("rl-supervised-type", keys={"rl": "dpo"}),
+    Case("rl-full-fine-tune", setup=lambda ws: {**_pairs(ws), "adapter": DELETE}),
+    Case("rl-lora-model-dir", setup=lambda ws: {**_pairs(ws), "lora_model_dir": str(ws.root / "adapter")}),
+    Case("rl-train-on-inputs", setup=lambda ws: {**_pairs(ws), "train_on_inputs": True}),
+    Case("rl-eval-data", setup=lambda ws: {**_pairs(ws), "val_set_size": 0.1}),
+    Case("rl-fsdp", setup=lambda ws: {**_pairs(ws), "fsdp_version": 2}),
+    Case("rl-deepspeed", setup=lambda ws: {**_pairs(ws), "zero_stage": 2}),
+    Case(
+        "rl-tensor-parallel",
+        setup=lambda ws: {**_pairs(ws), "tensor_parallel_size": 2, "fsdp_version": 2, "adapter": "lora"},
+    ),
+    Case(
+        "rl-cp-backend",
+        setup=lambda ws: {
+            **_pairs(ws),
+            "context_parallel_size": 2,
+            "cp_backend": "torch",
+            "sample_packing": False,
+        },
+    ),
+    Case(
+        "rl-zigzag",
+        setup=lambda ws: {
+            **_pairs(ws),
+            "context_parallel_size": 2,
+            "ring_attn_func": "batch_zigzag",
+            "bf16": True,
+            "sample_packing": False,
+        },
+    ),
+    Case("beta-disagree", setup=lambda ws: {**_pairs(ws), "rl_beta": 0.2, "dpo_beta": 0.3}),
+    Case(
+        "pairs-tokenizer-without-eos",
+        setup=lambda ws: _pair_data(ws, "passthrough.default", name="no-eos-tokenizer", drop=("eos_token",)),
+    ),
+    Case(
+        "pairs-chat-template-not-prefix-stable",
+        setup=lambda ws: _pair_data(
+            ws, "chat_template.default", name="counting-tokenizer", template=COUNTING_TEMPLATE
+        ),
+    ),
+    Case("label-smoothing-ipo", setup=lambda ws: {**_pairs(ws), "rl": "ipo", "dpo_label_smoothing": 0.1}),
+)
