@@ -168,3 +168,15 @@ def test_json_form_has_the_collators_labels_per_token_and_colour_marks_the_same_
     assert "── padding: " in plain and "[[" not in coloured
     as_plain = re.sub(r"\x1b\[1;32m(.*?)\x1b\[0m", r"[[\1]]", coloured, flags=re.S)
     assert re.sub(r"\x1b\[[0-9;]*m", "", as_plain) == plain
+
+
+def test_alpaca_rows_show_axolotls_preamble_unmarked_and_the_answer_marked(
+    tmp_path: Path, make_recipe, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    recipe, prepared = _prepared(tmp_path, make_recipe, tokenizer, ALPACA[:2], type="alpaca")
+    rows, _ = _all_rows(recipe, prepared, tokenizer)
+    text = format_rows(rows, tokenizer, split="train", total=len(rows), colour=False)
+    # Row 0 has an input, row 1 none: each opens with its own preamble of Axolotl's, never trained.
+    assert "<s>Below is an instruction that describes a task, paired with an input that provides further " in text
+    assert "<s>Below is an instruction that describes a task. Write a response that appropriately " in text
+    assert sorted(_marked_per_document(text)) == [("The sum is 1.</s>",), ("The sum is 3.</s>",)]
