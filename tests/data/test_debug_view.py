@@ -177,6 +177,9 @@ def test_alpaca_rows_show_axolotls_preamble_unmarked_and_the_answer_marked(
     rows, _ = _all_rows(recipe, prepared, tokenizer)
     text = format_rows(rows, tokenizer, split="train", total=len(rows), colour=False)
     # Row 0 has an input, row 1 none: each opens with its own preamble of Axolotl's, never trained.
-    assert "<s>Below is an instruction that describes a task, paired with an input that provides further " in text
+    assert (
+        "<s>Below is an instruction that describes a task, paired with an input that provides further "
+        in text
+    )
     assert "<s>Below is an instruction that describes a task. Write a response that appropriately " in text
     assert sorted(_marked_per_document(text)) == [("The sum is 1.</s>",), ("The sum is 3.</s>",)]
