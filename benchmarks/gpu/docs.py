@@ -214,7 +214,11 @@ def _memory_features(features: dict[str, Any], title: str = "Memory features") -
     for row in rows:
         predicted = f"{row['predicted_peak_gib']:.1f}" if "predicted_peak_gib" in row else ""
         if "error" in row:
-            lines.append(f"| {row['setting']} | {row['length']:,} | {row['error']} | | | | {predicted} |")
+            # an out-of-memory row keeps the peak allocated when the allocation failed
+            peak = f"{row['peak_gib']:.1f} at the failure" if "peak_gib" in row else ""
+            lines.append(
+                f"| {row['setting']} | {row['length']:,} | {row['error']} | | | {peak} | {predicted} |"
+            )
             continue
         lines.append(
             f"| {row['setting']} | {row['length']:,} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | "

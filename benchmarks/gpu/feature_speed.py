@@ -68,16 +68,26 @@ def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, de
                 sharded = backend.shard(batch)
                 loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
                 loss = scaled_step_loss(loss_sum, count_targets(batch.shift_labels), 1)
+                if device == "cuda":  # where a step that runs out of memory got to
+                    torch.cuda.synchronize()
+                    print(f"[features]   S={seq_len} step {index}: forward done after "
+                          f"{time.perf_counter() - started:.1f} s, peak so far "
+                          f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)  # fmt: skip
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if device == "cuda":
                 torch.cuda.synchronize()
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as err:
             optimizer.zero_grad(set_to_none=True)
+            # torch's message says what it tried to allocate and how much was reserved but unallocated
+            # (fragmentation), which tells a peak the line missed from a fragmented cache.
+            row = {"error": "out of memory", "message": " ".join(str(err).split())[:500],
+                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                   "reserved_gib": torch.cuda.max_memory_reserved() / 2**30}  # fmt: skip
             if device == "cuda":
                 torch.cuda.empty_cache()
-            return {"error": "out of memory", "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            return row
         losses.append(float(loss.detach()))
         if index >= warmup:
             times.append(time.perf_counter() - started)
@@ -105,6 +115,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--longest", action="store_true",
         help="then fit a line through the 'everything' peaks and run one step at the longest length it allows",
+    )  # fmt: skip
+    parser.add_argument(
+        "--until-fits", action="store_true",
+        help="stop after the first length that trains (give the lengths longest first)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--above", action="store_true",
+        help="--longest: then one step at the next length (longest + resolution), which should run out of memory",
     )  # fmt: skip
     parser.add_argument(
         "--resolution", type=int, default=16384, help="--longest: the length is a multiple of this"
@@ -168,9 +186,22 @@ def main(argv: list[str] | None = None) -> int:
             for length in args.lengths:
                 results["rows"].append(run_one(model, optimizer, loss_fn, name, length, args, device, shape))
                 save()
+                if args.until_fits and "tokens_per_second_per_gpu" in results["rows"][-1]:
+                    break
         if args.longest and "everything" in settings:
             results["longest"] = longest_step(model, optimizer, loss_fn, results, args, device, shape, usable)
             save()
+            step = results["longest"].get("step", {})
+            if args.above and "tokens_per_second_per_gpu" in step:
+                # Recorded before it starts: a step cut by the phase's time limit still says it began.
+                above = step["length"] + args.resolution
+                results["longest"]["above"] = {
+                    "length": above,
+                    "outcome": "started; no result (cut by the time limit)",
+                }
+                save()
+                results["longest"]["above"] = run_one(model, optimizer, loss_fn, "everything", above, args, device, shape, steps=1, warmup=0)  # fmt: skip
+                save()
     finally:
         dist.destroy_process_group()
     print(markdown(results))
@@ -186,6 +217,7 @@ def run_one(
     from benchmarks.gpu import predict
 
     print(f"[features] {name} at S={length} ...", flush=True)
+    began = time.perf_counter()
     if device == "cuda":
         torch.cuda.empty_cache()
     steps = args.steps if steps is None else steps
@@ -194,6 +226,12 @@ def run_one(
         row = measure(model, optimizer, loss_fn, length, steps, warmup, device)
     except Exception as err:
         row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+    if "message" in row:
+        print(f"[features]   {row['message']}", flush=True)
+    print(
+        f"[features] {name} at S={length}: {row.get('error', 'done')} after {time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
     if "tokens_per_second_per_gpu" in row:
         row |= utilization(
             shape, length, row["tokens_per_second_per_gpu"], lora_parameters(shape, 16), recompute=True

@@ -8,7 +8,6 @@ backend), and the patches applied only around importing a backend's library (``i
 from __future__ import annotations
 
 from collections.abc import Iterable
-from types import SimpleNamespace
 from typing import Any
 
 from cptune.patches.core import Patch, always
@@ -73,7 +72,7 @@ def run_patches() -> list[Patch]:
 
     merged: dict[str, Patch] = {}
     for backend in BACKENDS:
-        for patch in build_patches(SimpleNamespace(cp_backend=backend), BACKENDS.values()):
+        for patch in build_patches(BACKENDS[backend], BACKENDS.values()):
             known = merged.setdefault(patch.name, patch)
             if _description(known) != _description(patch):
                 raise AssertionError(f"patch {patch.name} describes itself differently for {backend}")

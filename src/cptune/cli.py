@@ -141,7 +141,7 @@ def train(
         ),
     ] = False,
 ) -> None:
-    from cptune.run.training.distributed import read_dist_env, under_launcher
+    from cptune.run.training.distributed import close_process_groups, read_dist_env, under_launcher
 
     env = read_dist_env()
     _setup_logging(env.rank)
@@ -156,6 +156,7 @@ def train(
         from cptune.run.training.train import train as run_train
 
         result = run_train(loaded)
+        close_process_groups()
         if env.rank == 0:
             typer.echo(
                 f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}"
@@ -181,6 +182,7 @@ def train(
         from cptune.run.training.train import train as run_train
 
         result = run_train(loaded, plan=plan)
+        close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
     code = launch(launching, ["train", str(recipe), *ctx.args, *flags])
@@ -284,7 +286,7 @@ def evaluate(
     from cptune.run.launch.preflight import preflight
     from cptune.run.launch.processes import LaunchPlan, launch
     from cptune.run.plan import RunPlan
-    from cptune.run.training.distributed import read_dist_env, under_launcher
+    from cptune.run.training.distributed import close_process_groups, read_dist_env, under_launcher
 
     env = read_dist_env()
     _setup_logging(env.rank)
@@ -299,6 +301,7 @@ def evaluate(
         preflight(plan, training=False)
     if under_launcher() or launching.world_size == 1:
         metrics = run_evaluate(loaded, checkpoint, plan=plan)
+        close_process_groups()
         if env.rank == 0:
             typer.echo(json.dumps(metrics))
         return

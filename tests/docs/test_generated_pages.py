@@ -67,7 +67,7 @@ def test_reference_names_every_key_and_every_refused_axolotl_key():
 
 def test_patch_page_lists_every_patch_of_every_backend():
     page = PAGES["docs/reference/patches.md"]
-    names = {p.name for backend in BACKENDS for p in build_patches(_Stub(backend), BACKENDS.values())}
+    names = {p.name for backend in BACKENDS for p in build_patches(BACKENDS[backend], BACKENDS.values())}
     at_import = {patch.name for _, found in import_patches() for patch, _ in found}
     names |= at_import
     assert names == {p.name for p in run_patches()} | at_import
@@ -89,8 +89,3 @@ def test_check_command_reports_a_stale_page(tmp_path, capsys):
     )
     assert main(["--root", str(tmp_path)]) == 0
     assert stale_pages(tmp_path) == []
-
-
-class _Stub:
-    def __init__(self, cp_backend: str):
-        self.cp_backend = cp_backend

@@ -28,7 +28,7 @@ def test_selected_for_deepspeed_only_and_fit_the_installed_libraries():
     pytest.importorskip("deepspeed")
     ours = [*deepspeed_engine_patches(FOR_DEEPSPEED), *ulysses_patches(FOR_DEEPSPEED)]
     names = {p.name for p in ours}
-    plan = PatchSet(build_patches(DEEPSPEED, BACKENDS.values())).plan(DEEPSPEED)
+    plan = PatchSet(build_patches(BACKENDS[DEEPSPEED.cp_backend], BACKENDS.values())).plan(DEEPSPEED)
     assert plan.ok, plan.describe()
     # Ulysses trains on accelerate's cp mesh axis and shards its batches itself, as ring-flash-attn does.
     assert names | {
@@ -37,7 +37,13 @@ def test_selected_for_deepspeed_only_and_fit_the_installed_libraries():
         "trainer-cp-inputs-noop",
     } <= {p.name for p in plan.selected}
     assert not PatchSet(ours).plan(RING).selected
-    assert not {p.name for p in PatchSet(build_patches(RING, BACKENDS.values())).plan(RING).selected} & names
+    assert (
+        not {
+            p.name
+            for p in PatchSet(build_patches(BACKENDS[RING.cp_backend], BACKENDS.values())).plan(RING).selected
+        }
+        & names
+    )
 
 
 def test_deepspeed_on_cpu_gets_the_real_world_size(monkeypatch):
@@ -128,7 +134,7 @@ def _zero(backend: str, **keys: object) -> SimpleNamespace:
 def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_not_ulysses_one():
     pytest.importorskip("deepspeed")
     for recipe in (_zero("ring-flash-attn", zero_stage=3), _zero("torch", deepspeed="zero2.json")):
-        plan = PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe)
+        plan = PatchSet(build_patches(BACKENDS[recipe.cp_backend], BACKENDS.values())).plan(recipe)
         assert plan.ok, plan.describe()
         selected = {p.name for p in plan.selected}
         assert {
@@ -141,7 +147,12 @@ def test_ring_and_torch_under_zero_get_the_engine_patches_and_the_loader_patch_n
     # DDP's loader already shares the batches, and at cp=1 no engine runs (the recipe rules refuse the keys there).
     at_cp1 = _zero("ring-flash-attn", zero_stage=3, context_parallel_size=1)
     for recipe in (_zero("ring-flash-attn"), _zero("torch"), at_cp1):
-        selected = {p.name for p in PatchSet(build_patches(recipe, BACKENDS.values())).plan(recipe).selected}
+        selected = {
+            p.name
+            for p in PatchSet(build_patches(BACKENDS[recipe.cp_backend], BACKENDS.values()))
+            .plan(recipe)
+            .selected
+        }
         assert "accelerate-deepspeed-loader-cp-batches" not in selected, recipe
     # The predicate the registry builds, as `cptune validate` prints it.
     assert str(OnDeepSpeedEngine(("deepspeed",), ("ring-flash-attn", "torch"))) == (

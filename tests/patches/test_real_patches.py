@@ -62,18 +62,21 @@ def _raw(target: str):
 
 
 def _selected(recipe) -> list[str]:
-    return [patch.name for patch in build_patch_set(recipe, BACKENDS.values()).plan(recipe).selected]
+    return [
+        patch.name
+        for patch in build_patch_set(BACKENDS[recipe.cp_backend], BACKENDS.values()).plan(recipe).selected
+    ]
 
 
 def test_ring_plan_matches_installed_versions():
-    plan = build_patch_set(RING, BACKENDS.values()).plan(RING)
+    plan = build_patch_set(BACKENDS[RING.cp_backend], BACKENDS.values()).plan(RING)
     assert plan.ok, plan.describe()
     assert len(plan.selected) == 5
     assert "torch-cp-cpu-sdpa-handlers" in [skipped.patch.name for skipped in plan.skipped]
 
 
 def test_torch_plan_matches_installed_versions():
-    plan = build_patch_set(TORCH, BACKENDS.values()).plan(TORCH)
+    plan = build_patch_set(BACKENDS[TORCH.cp_backend], BACKENDS.values()).plan(TORCH)
     assert plan.ok, plan.describe()
     assert [patch.name for patch in plan.selected][-1] == "torch-cp-cpu-sdpa-handlers"
     assert len(plan.selected) == 6
@@ -99,7 +102,9 @@ def test_selection_by_backend():
 
 
 def test_apply_then_revert_restores_identity():
-    patch_set = build_patch_set(TORCH, BACKENDS.values())  # ring's patches and torch's CPU handlers
+    patch_set = build_patch_set(
+        BACKENDS[TORCH.cp_backend], BACKENDS.values()
+    )  # ring's patches and torch's CPU handlers
     before = {patch.target: _raw(patch.target) for patch in patch_set.plan(TORCH).selected}
     with patch_set.applied(TORCH):
         for target, original in before.items():
@@ -339,7 +344,7 @@ def test_fsdp_recipes_get_the_fsdp_patch_and_not_the_plain_ddp_ones():
     assert "parallelism-config-allow-multi-cpu" not in selected
     assert "accelerator-prepare-cp-by-backend" in selected
     assert "accelerator-state-fsdp-on-cpu" not in _selected(RING)
-    assert build_patch_set(FSDP_RING, BACKENDS.values()).plan(FSDP_RING).ok
+    assert build_patch_set(BACKENDS[FSDP_RING.cp_backend], BACKENDS.values()).plan(FSDP_RING).ok
 
 
 @contextlib.contextmanager
@@ -481,7 +486,7 @@ def test_tensor_parallel_recipes_pass_accelerates_prepare_tp_through():
     tp = SimpleNamespace(**{**vars(FSDP_RING), "tensor_parallel_size": 2})
     assert "accelerate-prepare-tp-passthrough" in _selected(tp)
     assert "accelerate-prepare-tp-passthrough" not in _selected(FSDP_RING)
-    patch_set = build_patch_set(tp, BACKENDS.values())
+    patch_set = build_patch_set(BACKENDS[tp.cp_backend], BACKENDS.values())
     assert patch_set.plan(tp).ok
     model, optimizer = torch.nn.Linear(2, 2), object()
     with patch_set.applied(tp):

@@ -12,13 +12,14 @@ from pathlib import Path
 
 from cptune.config.loader import load_recipe
 from cptune.run.commands.evaluate import evaluate
-from cptune.run.training.distributed import read_dist_env
+from cptune.run.training.distributed import close_process_groups, read_dist_env
 
 
 def main() -> None:
     out_dir, recipes = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     results = {path.stem: evaluate(load_recipe(path)) for path in recipes}
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps(results))
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from cptune.parallel.backends.table import BACKENDS
 from cptune.patches.core import Target
 from cptune.patches.registry import build_patches
 from cptune.run.training import train as train_module
+from cptune.run.training.distributed import close_process_groups
 
 
 def raw_object(target: Target) -> object:
@@ -30,7 +31,8 @@ def raw_object(target: Target) -> object:
 
 def snapshot(recipe) -> dict[str, int]:
     return {
-        p.target: id(raw_object(Target.parse(p.target))) for p in build_patches(recipe, BACKENDS.values())
+        p.target: id(raw_object(Target.parse(p.target)))
+        for p in build_patches(BACKENDS[recipe.cp_backend], BACKENDS.values())
     }
 
 
@@ -80,6 +82,7 @@ def main() -> None:
             }
         )
     )
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
+from cptune.run.training.distributed import close_process_groups
 from cptune.run.training.train import train
 
 
@@ -57,6 +58,7 @@ def main() -> None:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 
 from cptune.config.loader import load_recipe
 from cptune.run.training import train as train_module
-from cptune.run.training.distributed import read_dist_env
+from cptune.run.training.distributed import close_process_groups, read_dist_env
 
 FIXED_TEXT = "### Instruction:\nName a colour of the sea.\n\n### Response:\nBlue, green or grey."
 
@@ -44,6 +44,7 @@ def main() -> None:
     out_dir, recipes = Path(args[0]), args[1:]
     reports = [train_one(recipe, crash_step) for recipe in recipes]
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps({"runs": reports}))
+    close_process_groups()  # as cptune's own ranks end
 
 
 def train_one(recipe_path: str, crash_step: int | None) -> dict:

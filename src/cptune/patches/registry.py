@@ -57,17 +57,18 @@ class PatchingBackend(Protocol):
     def runtime(self) -> PatchingRuntime: ...
 
 
-def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patch]:
-    """All patches of a training run, bound to ``recipe``'s backend where a wrapper needs it.
+def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) -> list[Patch]:
+    """All patches of a training run, bound to the run's backend where a wrapper needs it.
 
     Args:
-        recipe: The recipe (only ``cp_backend`` is read here; the predicates read more).
+        chosen: The backend the recipe's ``cp_backend`` names (the run plan's ``cp_backend``): the
+            wrappers of ``Accelerator._prepare_cp`` and of the CP context guard are its.
         backends: Every backend of the table, in its order.
 
-    Plan and apply the resulting set with the same recipe.
+    Plan and apply the resulting set with the recipe whose ``cp_backend`` names ``chosen``; the
+    patches' predicates read that recipe.
     """
     backends = tuple(backends)
-    chosen = next(backend for backend in backends if backend.name == recipe.cp_backend)
     self_sharding = ContextParallelWith(tuple(b.name for b in backends if b.shards_inputs_itself))
     # Every backend trains on accelerate's cp mesh axis: these accelerate patches let it exist without FSDP2.
     cp_mesh_without_fsdp = ContextParallelWith(tuple(b.name for b in backends if b.name), plain_ddp=True)
@@ -89,9 +90,9 @@ def build_patches(recipe: Any, backends: Iterable[PatchingBackend]) -> list[Patc
     return patches
 
 
-def build_patch_set(recipe: Any, backends: Iterable[PatchingBackend]) -> PatchSet:
-    """The :class:`PatchSet` for a training run: ``with build_patch_set(r, BACKENDS.values()).applied(r): ...``."""
-    return PatchSet(build_patches(recipe, backends))
+def build_patch_set(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) -> PatchSet:
+    """The :class:`PatchSet` for a training run (:func:`build_patches`); ``RunPlan.patches`` is the one a run applies."""
+    return PatchSet(build_patches(chosen, backends))
 
 
 def import_patch_set(runtime: PatchingRuntime) -> PatchSet:

@@ -1,10 +1,13 @@
 """One process's plan of a run, worked out once from the recipe and the launch: :class:`RunPlan`.
 
-Every command builds it once, with :meth:`RunPlan.build`, and passes it down: the launcher
-(preflight, ``cptune validate``, the data report), each rank of ``cptune train`` and ``cptune
-evaluate``, ``cptune inference``'s one process and the benchmarks' workers. Nothing below it asks
-the recipe again which backend runs, how the processes are laid out or which patches apply.
-Building it loads nothing and imports no torch.
+Every command that runs a backend builds it once, with :meth:`RunPlan.build`, and passes it down:
+the launcher (preflight, ``cptune validate``), each rank of ``cptune train`` and ``cptune evaluate``,
+and the benchmarks' workers. Nothing below it asks the recipe again which backend runs, how the
+processes are laid out or which patches apply. (``cptune inference`` and ``merge-lora`` run no
+backend: one process, the model's own attention; they share the weights loading of
+:mod:`cptune.run.commands.weights` with ``evaluate``. ``cptune preprocess`` starts no processes: it
+asks the table once for the backend whose rows it checks and reports.) Building it loads nothing and
+imports no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from cptune.config.recipe import Recipe
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy, TrainerParallelism
-from cptune.parallel.backends.table import BACKENDS, LOCAL, backend_for, named_backend
+from cptune.parallel.backends.table import BACKENDS, LOCAL, named_backend
 from cptune.parallel.backends.zero import trains_on_deepspeed
 from cptune.parallel.layout import ParallelDims
 from cptune.patches.registry import build_patch_set
@@ -51,12 +54,13 @@ class RunPlan:
             LaunchError: the processes do not split into the recipe's axes.
         """
         dims = ParallelDims.from_recipe(recipe, world_size)
+        cp_backend = named_backend(recipe)
         return cls(
             recipe=recipe,
             dims=dims,
-            backend=backend_for(recipe, dims.cp_size),
-            cp_backend=named_backend(recipe),
-            patches=build_patch_set(recipe, BACKENDS.values()),
+            backend=LOCAL if dims.cp_size <= 1 else cp_backend,
+            cp_backend=cp_backend,
+            patches=build_patch_set(cp_backend, BACKENDS.values()),
         )
 
     def backend_at(self, cp_size: int) -> BackendPolicy:

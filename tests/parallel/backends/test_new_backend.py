@@ -4,8 +4,10 @@ The test copies ``src/cptune`` into a temporary folder, adds ``tests/parallel/ba
 there as the package ``cptune/parallel/backends/toy`` and adds the package to the table's rows
 (``parallel/backends/rows.py``: its import and its entry in ``ROWS``). In that copy, with no other
 file changed, the recipe accepts ``cp_backend: toy`` and validates the toy's own key, the toy's rules
-run with the others, ``RunPlan`` picks the toy and its plan line, and the toy's patch is applied with
-the run's patch set and reverted after it (and skipped for another backend).
+run with the others, ``RunPlan`` picks the toy and its plan line, the memory estimate takes the toy's
+K/V buffer term, the data report its sequence split, the toy's patch is applied with the run's patch
+set and reverted after it (and skipped for another backend), and the generated reference pages (the
+recipe keys, the patches) list the toy's key and patch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,11 @@ from cptune.config.loader import validate_recipe
 from cptune.errors import RecipeError
 from cptune.parallel.backends.rows import NAMES
 from cptune.parallel.backends.toy import upstream
+from cptune.parallel.memory import ModelShape
+from cptune.run.memory_plan import activation_setup
 from cptune.run.plan import RunPlan
+from devtools.docgen.patch_list import render_patch_list
+from devtools.docgen.recipe_reference import render_recipe_reference
 
 base = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
 
@@ -57,6 +63,10 @@ print(json.dumps({
     "rounds": toy.toy_ring_rounds,
     "backend": plan.backend.name,
     "plan_lines": plan.backend.plan_lines(toy),
+    "split": plan.backend.sequence_split(toy),
+    "buffers": activation_setup(plan, 4).attention_buffers(ModelShape(2, 64, 128, 4, 2, 16, 100), 4, 2),
+    "patches_page": "### toy-upstream-describe" in render_patch_list(),
+    "recipe_page": "| `toy_ring_rounds` |" in render_recipe_reference(),
     "patch_plan": plan.patches.plan(toy).describe(),
     "upstream": [before, during, after, under_ring],
     "bad_value": problems({"cp_backend": "toy", "context_parallel_size": 2, "toy_ring_rounds": 0}),
@@ -85,7 +95,8 @@ def add_toy_backend(root: Path) -> None:
 @pytest.mark.e2e
 def test_a_new_backend_is_its_package_and_one_row(tmp_path):
     add_toy_backend(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    # The copy first; the checkout's root after it for devtools (the page generators), which is no package of src.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SRC.parents[1])])}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, cwd=tmp_path
     )
@@ -107,6 +118,9 @@ def test_a_new_backend_is_its_package_and_one_row(tmp_path):
         "apply toy-upstream-describe: cptune.parallel.backends.toy.upstream:describe" in found["patch_plan"]
     )
     assert "apply trainer-cp-inputs-noop" in found["patch_plan"]  # it shards inputs itself
+    # Its memory term: 2 x cp x kv_width x dtype bytes per token (the toy's policy), with kv_width 2 x 16.
+    assert (found["split"], found["buffers"]) == ("contiguous", 2.0 * 4 * 32 * 2)
+    assert found["patches_page"] and found["recipe_page"]
     before, during, after, under_ring = found["upstream"]
     assert (before, during, after) == ("upstream", "patched by toy", "upstream")
     assert under_ring == "upstream"  # another backend's run leaves it alone

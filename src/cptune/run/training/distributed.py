@@ -75,3 +75,35 @@ def collective_timeout_message(err: BaseException) -> str | None:
         "one rank is stuck or far slower than the others, and the launcher's last line says how each "
         "rank ended. If a step can legitimately take that long, raise ddp_timeout in the recipe."
     )
+
+
+def close_process_groups() -> None:
+    """Destroy this process's process groups once its work succeeded; a rank calls it as its last step.
+
+    A rank that exits with its groups alive lets gloo's worker threads run into interpreter shutdown.
+    A worker lets go of a finished collective just after the caller's ``wait`` returned, and with it
+    the collective's tensors; letting go of a tensor that Python also holds takes the GIL, and a thread
+    that asks for the GIL once the interpreter is finalizing is ended inside that destructor, which
+    aborts the process: "terminate called without an active exception" (core dump, torch 2.13, Python
+    3.11: ``ProcessGroupGloo::runLoop`` → ``~AsyncAllreduceWork`` → ``TensorImpl::decref_pyobject``
+    → ``take_gil`` → ``pthread_exit``). It hits at random when a rank exits right after a collective.
+
+    Destroying the groups (torch's documentation asks every process to, and NCCL warns when one does
+    not) and collecting the finished run's garbage, while Python is whole, joins the threads of every
+    group nothing else references, and lets a worker still letting go of a collective take the GIL
+    before shutdown. The default group can stay referenced, its threads idle: functions imported after
+    it exists keep it as a default argument (``torch.distributed.nn.functional.all_reduce``, DeepSpeed's
+    ``TorchBackend.barrier``). Measured with two gloo processes that exit right after an all_reduce,
+    on a loaded 2-core machine: 11 aborts in 160 launches without this, none in 160 with it while the
+    group stayed referenced.
+
+    Only after success: after a failure another rank may still wait in a collective, and destroying a
+    group then can hang; the launcher stops the ranks instead.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        gc.collect()  # the finished Trainer (DDP, FSDP2, device meshes) waits in reference cycles
