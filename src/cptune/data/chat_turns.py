@@ -29,6 +29,28 @@ Message = dict[str, Any]
 _PLACEHOLDERS = ("<<cptune placeholder>>", "~~CPTUNE PLACEHOLDER~~")
 
 
+_BLOCK = 4096  # characters compared at once (in C) before a binary search narrows the difference down
+
+
+def _common_prefix(a: str, b: str, limit: int) -> int:
+    """How many leading characters ``a`` and ``b`` share, up to ``limit``.
+
+    Long conversations render to hundreds of thousands of characters, rendered again for every message:
+    blocks and slices are compared in C, never a character at a time in Python.
+    """
+    same = 0
+    while same + _BLOCK <= limit and a[same : same + _BLOCK] == b[same : same + _BLOCK]:
+        same += _BLOCK
+    high = min(same + _BLOCK, limit)
+    while same < high:  # a[:same] == b[:same] holds; the first difference is in (same, high]
+        middle = (same + high + 1) // 2
+        if a[same:middle] == b[same:middle]:
+            same = middle
+        else:
+            high = middle - 1
+    return same
+
+
 def changed_span(full: str, other: str) -> tuple[int, int]:
     """``(start, end)``: the characters of ``full`` that differ from ``other`` (empty when end <= start).
 
@@ -36,12 +58,8 @@ def changed_span(full: str, other: str) -> tuple[int, int]:
     overlap when the template repeats itself around the change.
     """
     limit = min(len(full), len(other))
-    start = 0
-    while start < limit and full[start] == other[start]:
-        start += 1
-    suffix = 0
-    while suffix < limit - start and full[-1 - suffix] == other[-1 - suffix]:
-        suffix += 1
+    start = _common_prefix(full, other, limit)
+    suffix = _common_prefix(full[::-1], other[::-1], limit - start)
     return start, len(full) - suffix
 
 
