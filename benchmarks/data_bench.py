@@ -96,7 +96,7 @@ def preprocess_throughput(settings: Settings, spec: dict[str, Any]) -> dict[str,
             yaml.safe_dump(
                 {
                     "base_model": str(EXAMPLE_MODEL),
-                    "datasets": [{"path": str(data), "type": "alpaca"}],
+                    "datasets": [{"path": str(data), "type": "alpaca_instruct.load_no_prompt"}],
                     "dataset_prepared_path": str(work / f"prepared{repeat}"),
                     "sequence_len": mix.sequence_len,
                     "sample_packing": True,

@@ -31,7 +31,7 @@ def write_recipe(work: Path, spec: dict[str, Any]) -> Path:
     data = write_alpaca(work / "data.jsonl", lengths, seed=3)
     recipe = {
         "base_model": str(EXAMPLE_MODEL),
-        "datasets": [{"path": str(data), "type": "alpaca"}],
+        "datasets": [{"path": str(data), "type": "alpaca_instruct.load_no_prompt"}],
         "dataset_prepared_path": str(work / "prepared"),
         "sequence_len": spec["sequence_len"],
         "sample_packing": True,

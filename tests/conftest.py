@@ -67,7 +67,9 @@ def write_recipe(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Path]:
     def write(name: str = "recipe.yaml", **keys: Any) -> Path:
         recipe: dict[str, Any] = {
             "base_model": str(tiny_model_dir),
-            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
+            # Axolotl's alpaca without its preamble: the rows the tiny model was trained on (type: alpaca's
+            # preamble is checked in tests/data and tests/axolotl).
+            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
             "dataset_prepared_path": str(tmp_path / "prepared"),
             "sequence_len": 128,
             "sample_packing": True,

@@ -56,7 +56,7 @@ def make_recipe(cp_size: int, **keys: Any) -> Any:
 
     data = {
         "base_model": str(EXAMPLE_MODEL),
-        "datasets": [{"path": str(EXAMPLE_DATA), "type": "alpaca"}],
+        "datasets": [{"path": str(EXAMPLE_DATA), "type": "alpaca_instruct.load_no_prompt"}],
         "adapter": "lora",
         "lora_r": 16,
         "lora_alpha": 32,

@@ -9,12 +9,14 @@ hand, so it cannot drift from the code.
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cptune.config.axolotl.data_differences import DATA_DIFFERENCES, PARITY_RECIPES
 from cptune.config.axolotl.fsdp1 import FSDP1_CONFIG_KEYS, Fsdp1Keys
 from cptune.config.axolotl.mapped import AxolotlKeys
 from cptune.config.data import BUILT_IN_CHAT_TEMPLATES, DatasetConfig
@@ -105,6 +107,43 @@ unchanged into `tests/axolotl/recipes/` from axolotl-ai-cloud/axolotl (Apache-2.
 in `ORIGIN.md`). *supported*: same meaning as in Axolotl; *mapped*: accepted, with what it does in
 cptune; *refused*: the message `cptune validate` prints. A test validates each recipe and checks
 this page against it.
+"""
+
+DATA_SECTION = """
+## The same recipe trains the same tokens
+
+cptune renders each row as Axolotl 0.21.0 does and trains the same tokens of it:
+
+- **`type: alpaca`** opens the prompt with Axolotl's system preamble ("Below is an instruction that
+  describes a task, ..."; the variant for rows without an input omits the input sentence). The prompt
+  styles `alpaca:chat`, `alpaca:chatml` and `alpaca:phi`, and Axolotl's `alpaca_instruct` /
+  `alpaca_chat` loaders, are accepted; `alpaca_instruct.load_no_prompt` is the bare `### Instruction:`
+  prompt without the preamble (what cptune rendered for `alpaca` before).
+- **`type: chat_template`** trains each trained message's content (not the template's headers), then the
+  first end-of-turn token within three tokens after it (`train_on_eot`, default `train_on_eos`:
+  `turn`). The end-of-turn tokens are `eot_tokens`, by default the tokenizer's eos only: a template that
+  never writes eos (ChatML ends turns with `<|im_end|>`) trains no end of turn, as in Axolotl, and
+  preprocessing warns, naming the token to set (`eot_tokens: ['<|im_end|>']`, or `special_tokens:
+  {{eos_token: '<|im_end|>'}}`). `train_on_inputs: true` trains every message's content.
+- **`chat_template: chatml`** writes no bos before the first `<|im_start|>`.
+- **`type: completion`** cuts a text longer than `sequence_len` into `sequence_len` pieces (bos in the
+  first, eos in the last), each a sample, after cutting it at 64 × `sequence_len` tokens;
+  `excess_length_strategy` does not apply to it.
+- **A dataset without `type`** holds pre-tokenized rows (`input_ids`, `labels`, `attention_mask`), as
+  `type: pretokenized`. `ds_type` names the file format (json, csv, parquet, arrow, text) when the
+  extension does not, and `shuffle_merged_datasets` is accepted.
+
+cptune's own examples on the tiny model (`examples/quickstart.yaml`, `examples/cpu/`) use
+`alpaca_instruct.load_no_prompt`: the tiny model was pretrained on that format, and the preamble would
+add about 75 tokens to each of their rows.
+
+{parity}
+
+What is still trained differently, and what to set:
+
+| difference | what to set |
+|---|---|
+{differences}
 """
 
 FOOTER = """
@@ -210,7 +249,17 @@ def render_axolotl_migration(recipes_dir: Path = RECIPES_DIR) -> str:
         where = f"{len(used_by)} of {len(recipes)}" if len(used_by) > 2 else ", ".join(used_by)
         text = "<br>".join(_cell(o) for o in outcomes)
         rows.append(f"| `{key}` | {where} | {text} |")
-    return HEADER + "\n" + "\n".join(rows) + "\n" + FOOTER
+    differences = "\n".join(f"| {_cell(what)} | {_cell(fix)} |" for what, fix in DATA_DIFFERENCES)
+    parity = textwrap.fill(
+        "A test compares `cptune preprocess` with Axolotl's own output, example by example and token by "
+        f"token, for {PARITY_RECIPES}; packed (`sample_packing: true`) too for `alpaca`, `chat_template` "
+        "with `eot_tokens`, `completion` and pre-tokenized rows (`tests/axolotl/test_axolotl_parity.py`, "
+        "fixture in `tests/axolotl/parity/`).",
+        width=100,
+        break_on_hyphens=False,
+    )
+    data = DATA_SECTION.format(parity=parity, differences=differences)
+    return HEADER + "\n" + "\n".join(rows) + "\n" + data + FOOTER
 
 
 def _scalar(value: Any) -> str:

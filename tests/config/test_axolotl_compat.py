@@ -43,7 +43,7 @@ def test_empty_values_of_known_keys_mean_not_set():
     )
     assert recipe.dataset_prepared_path == "prepared" and recipe.max_grad_norm == 1.0
     assert recipe.wandb_project is None and not recipe.wandb_enabled and recipe.fp16 is False
-    assert recipe.datasets[0].type == "alpaca" and recipe.resolved_fsdp_config.reshard_after_forward
+    assert recipe.datasets[0].type is None and recipe.resolved_fsdp_config.reshard_after_forward
 
 
 def test_empty_typo_still_fails_with_a_suggestion():
@@ -250,3 +250,51 @@ def test_axolotls_fused_kernels_are_accepted_with_a_note_and_refused_where_dropo
     partial = {**lora, "lora_dropout": 0.05, "lora_target_modules": ["q_proj", "k_proj", "v_proj", "up_proj"]}
     assert set(problems(partial)) == {"lora_qkv_kernel"}
     assert validate_recipe({**lora, "lora_dropout": 0.05, "lora_qkv_kernel": False, "lora_mlp_kernel": False})
+
+
+def test_axolotls_data_keys_are_accepted_with_their_meaning():
+    """ds_type, eot_tokens, train_on_eot, shuffle_merged_datasets, and the alpaca family's type names."""
+    recipe = validate_recipe(
+        {
+            **MINIMAL,
+            "datasets": [
+                {"path": "d.txt", "ds_type": "json", "type": "alpaca:chat"},
+                {"path": "c.jsonl", "type": "chat_template", "train_on_eot": "last"},
+                {"path": "p.jsonl"},
+            ],
+            "eot_tokens": "<|im_end|>",
+            "shuffle_merged_datasets": False,
+        }
+    )
+    first, chat, tokens = recipe.datasets
+    assert (first.ds_type, first.row_format) == ("json", "alpaca")
+    assert (chat.train_on_eos, chat.resolved_train_on_eot) == ("turn", "last")
+    assert tokens.row_format == "pretokenized"
+    assert recipe.eot_tokens == ("<|im_end|>",) and recipe.shuffle_merged_datasets is False
+    assert validate_recipe({**MINIMAL, "shuffle_merged_datasets": True}).shuffle_merged_datasets
+    for name in ("alpaca:instruct", "alpaca:chatml", "alpaca:phi", "alpaca_instruct.load_no_prompt"):
+        assert (
+            validate_recipe({**MINIMAL, "datasets": [{"path": "d", "type": name}]}).datasets[0].row_format
+            == "alpaca"
+        )
+    found = problems({**MINIMAL, "datasets": [{"path": "d", "type": "alpaca:concise", "ds_type": "xml"}]})
+    assert "alpaca:chat" in found["datasets[0].type"] and "json" in found["datasets[0].ds_type"]
+
+
+def test_validate_notes_where_the_data_is_trained_differently():
+    chat = {"datasets": [{"path": "c.jsonl", "type": "chat_template"}]}
+    notes = axolotl_notes(validate_recipe({**MINIMAL, **chat, "chat_template": "mistral_v2v3"}))
+    assert any(
+        "chat_template: mistral_v2v3 writes a system message before the first user message" in n
+        for n in notes
+    )
+    assert not axolotl_notes(validate_recipe({**MINIMAL, **chat, "chat_template": "chatml"}))
+    completion = {
+        "datasets": [{"path": "t.jsonl", "type": "completion"}],
+        "excess_length_strategy": "truncate",
+    }
+    notes = axolotl_notes(validate_recipe({**MINIMAL, **completion}))
+    assert any("excess_length_strategy: truncate does not apply to datasets[0]" in n for n in notes)
+    notes = axolotl_notes(validate_recipe({**MINIMAL, "shuffle_merged_datasets": True}))
+    assert any("shuffle_merged_datasets: true adds no shuffle" in n for n in notes)
+    assert not axolotl_notes(validate_recipe({**MINIMAL, "shuffle_merged_datasets": False}))

@@ -24,7 +24,8 @@ def test_minimal_recipe_gets_defaults_and_is_frozen():
     recipe = validate_recipe(MINIMAL)
     assert recipe.context_parallel_size == 1
     assert recipe.cp_backend == "ring-flash-attn"
-    assert recipe.datasets[0].type == "alpaca"
+    # No type: Axolotl's pre-tokenized rows (input_ids, labels), not alpaca.
+    assert recipe.datasets[0].type is None and recipe.datasets[0].row_format == "pretokenized"
     with pytest.raises(Exception, match="frozen"):
         recipe.sequence_len = 5
 

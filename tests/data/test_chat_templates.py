@@ -1,4 +1,8 @@
-"""Chat templates by name: each family's documented format, trained tokens, roles and end-of-turn tokens."""
+"""Chat templates by name: each family's documented format, trained tokens, roles and end-of-turn tokens.
+
+What is trained follows Axolotl 0.21.0's chat_template strategy: a message's content, then the
+end-of-turn token (``eot_tokens``; by default the tokenizer's eos) within three tokens after it.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +27,10 @@ CONVERSATION = [
 ]
 
 # The formats as the model families document them, rendered with bos <s> and eos </s>. Mistral and
-# Gemma have no system turn: cptune puts the system message before the first user message.
+# Gemma have no system turn: cptune puts the system message before the first user message. ChatML has
+# no bos, as in Axolotl's chatml template (src/axolotl/utils/chat_templates/templates/chatml.jinja).
 DOCUMENTED = {
-    "chatml": "<s><|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
+    "chatml": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
     "qwen_25": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
@@ -55,21 +60,39 @@ GENERATION_PROMPT = {
     "gemma": "<start_of_turn>model\n",
     "phi_3": "<|assistant|>\n",
 }
-# What each template trains of CHAT with the family's marker tokens added as special tokens.
+# Each family's end-of-turn token, for eot_tokens (Mistral's turns end with eos, the default).
+END_OF_TURN = {
+    "chatml": "<|im_end|>",
+    "qwen_25": "<|im_end|>",
+    "qwen3": "<|im_end|>",
+    "llama3": "<|eot_id|>",
+    "gemma": "<end_of_turn>",
+    "phi_3": "<|end|>",
+}
+# What each template trains of CHAT with the family's marker tokens added as special tokens and its
+# end-of-turn token in eot_tokens: each assistant message's content, then its end token (the tiny
+# tokenizer keeps the space Mistral writes before the content apart from it, so it is not trained).
+# Qwen3's empty thinking block is the same with any content, so it is not trained either.
 TRAINED = {
     "chatml": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen_25": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
-    "qwen3": ["It is 4.<|im_end|>", "<think>\n\n</think>\n\nYes, I am.<|im_end|>"],
+    "qwen3": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "llama3": ["It is 4.<|eot_id|>", "Yes, I am.<|eot_id|>"],
-    "mistral_v1": [" It is 4.</s>", " Yes, I am.</s>"],
-    "mistral_v2v3": [" It is 4.</s>", " Yes, I am.</s>"],
+    "mistral_v1": ["It is 4.</s>", "Yes, I am.</s>"],
+    "mistral_v2v3": ["It is 4.</s>", "Yes, I am.</s>"],
     "mistral_v3_tekken": ["It is 4.</s>", "Yes, I am.</s>"],
     "gemma": ["It is 4.<end_of_turn>", "Yes, I am.<end_of_turn>"],
     "phi_3": ["It is 4.<|end|>", "Yes, I am.<|end|>"],
 }
 
 
-def build(tokenizer, chat_template: str | None = "chatml", jinja: str | None = None, **config):
+def build(
+    tokenizer,
+    chat_template: str | None = "chatml",
+    jinja: str | None = None,
+    eot_tokens: tuple[str, ...] | None = ("<|im_end|>",),
+    **config,
+):
     return build_formatter(
         DatasetConfig(path="data.jsonl", type="chat_template", **config),
         tokenizer,
@@ -77,6 +100,7 @@ def build(tokenizer, chat_template: str | None = "chatml", jinja: str | None = N
         chat_template=chat_template,
         label="datasets[0] (data.jsonl)",
         chat_template_jinja=jinja,
+        eot_tokens=eot_tokens,
     )
 
 
@@ -111,16 +135,17 @@ def test_template_trains_the_assistant_turns_and_their_end_token(
     tokenizer: PreTrainedTokenizerFast, name: str
 ):
     marked = with_markers(tokenizer)
-    sample = build(marked, name)({"messages": CHAT})
+    end = END_OF_TURN.get(name)
+    sample = build(marked, name, eot_tokens=None if end is None else (end,))({"messages": CHAT})
     assert trained_text(marked, sample) == TRAINED[name]
 
 
 def test_missing_marker_tokens_are_reported_not_refused(tokenizer: PreTrainedTokenizerFast, caplog):
     with caplog.at_level(logging.WARNING, logger="cptune.data.chat_templates"):
-        sample = build(tokenizer, "llama3")({"messages": CHAT})
+        sample = build(tokenizer, "llama3", eot_tokens=None)({"messages": CHAT})
     assert "chat_template llama3 writes <|start_header_id|>, <|end_header_id|>, <|eot_id|>" in caplog.text
-    # Written as text, the end-of-turn marker is still trained with the turn.
-    assert trained_text(tokenizer, sample) == ["It is 4.<|eot_id|>", "Yes, I am.<|eot_id|>"]
+    # Written as text, the end-of-turn marker is no token to train: the content is trained (as Axolotl does).
+    assert trained_text(tokenizer, sample) == ["It is 4.", "Yes, I am."]
 
 
 def test_sharegpt_rows_through_message_property_mappings(tokenizer: PreTrainedTokenizerFast):
@@ -211,9 +236,11 @@ def test_qwen3_trains_every_assistant_turn_as_the_whole_conversation_renders_it(
     marked = with_markers(tokenizer)
     sample = build(marked, "qwen3")({"messages": THINKING})
     assert marked.decode(sample.input_ids) == QWEN3_THINKING
+    # The content is what differs from the message rendered with a placeholder content and no reasoning
+    # (Axolotl's rule): the last turn opens a thinking block either way, so its "<think>\n" is not trained.
     assert trained_text(marked, sample) == [
         "It is 4.<|im_end|>",
-        "<think>\nCheck again.\n</think>\n\nYes, I am.<|im_end|>",
+        "Check again.\n</think>\n\nYes, I am.<|im_end|>",
     ]
     # After the last query every assistant turn shows its reasoning; tool responses share one user turn.
     tools = [
@@ -230,9 +257,10 @@ def test_qwen3_trains_every_assistant_turn_as_the_whole_conversation_renders_it(
         "<|im_start|>user\n<tool_response>\nrain\n</tool_response>\n<tool_response>\n12 C\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\n<think>\nBoth came back.\n</think>\n\nRain, 12 C.<|im_end|>\n"
     )
+    # A turn before the last shows a thinking block only when it has reasoning: all of it is trained.
     assert trained_text(marked, sample) == [
         "<think>\nCall the tool.\n</think>\n\nLet me look.<|im_end|>",
-        "<think>\nBoth came back.\n</think>\n\nRain, 12 C.<|im_end|>",
+        "Both came back.\n</think>\n\nRain, 12 C.<|im_end|>",
     ]
 
 
@@ -243,7 +271,7 @@ def test_reasoning_key_by_field_thinking_or_mapping(tokenizer: PreTrainedTokeniz
     mapped = build(tokenizer, "qwen3", message_property_mappings={"reasoning_content": "thought"})
     assert mapped({"messages": renamed}) == expected
     # A template that does not show reasoning says so instead of dropping it unseen.
-    with caplog.at_level(logging.WARNING, logger="cptune.data.formats"):
+    with caplog.at_level(logging.WARNING, logger="cptune.data.chat_format"):
         sample = build(tokenizer, "chatml")({"messages": THINKING})
     assert (
         "messages carry reasoning ('reasoning_content') that the chat template does not show" in caplog.text

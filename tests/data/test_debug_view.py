@@ -51,10 +51,21 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> str:
     return str(path)
 
 
-def _prepared(tmp_path: Path, make_recipe: Callable[..., Recipe], tokenizer, rows, **dataset: Any):
+def _prepared(
+    tmp_path: Path,
+    make_recipe: Callable[..., Recipe],
+    tokenizer,
+    rows,
+    recipe_keys: dict[str, Any] | None = None,
+    **dataset: Any,
+):
     path = _write(tmp_path / "data.jsonl", rows)
     recipe = make_recipe(
-        [{"path": path, **dataset}], sample_packing=True, sequence_len=256, chat_template="chatml"
+        [{"path": path, **dataset}],
+        sample_packing=True,
+        sequence_len=256,
+        chat_template="chatml",
+        **(recipe_keys or {}),
     )
     prepared = prepare_datasets(recipe, tokenizer, log=lambda _: None)
     return recipe, prepared
@@ -72,14 +83,23 @@ def _marked_per_document(text: str) -> list[tuple[str, ...]]:
     return [tuple(re.findall(r"\[\[(.*?)\]\]", block, flags=re.S)) for block in blocks]
 
 
+# (rows, dataset keys, the trained text of each row, recipe keys). Chat rows train as Axolotl trains them:
+# the assistant's text, and its end-of-turn token only when eot_tokens names it (ChatML never writes eos).
 CASES = {
-    "alpaca": (ALPACA, {"type": "alpaca"}, lambda row: (row["output"] + "</s>",)),
+    "alpaca": (ALPACA, {"type": "alpaca"}, lambda row: (row["output"] + "</s>",), {}),
     "chat-assistant": (
         CHAT,
         {"type": "chat_template", "roles_to_train": ["assistant"]},
-        lambda row: tuple(m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"),
+        lambda row: tuple(m["content"] for m in row["messages"] if m["role"] == "assistant"),
+        {},
     ),
-    "completion": (COMPLETION, {"type": "completion"}, lambda row: (row["text"] + "</s>",)),
+    "chat-assistant-eot-tokens": (
+        CHAT,
+        {"type": "chat_template", "roles_to_train": ["assistant"]},
+        lambda row: tuple(m["content"] + "<|im_end|>" for m in row["messages"] if m["role"] == "assistant"),
+        {"eot_tokens": ["<|im_end|>"]},
+    ),
+    "completion": (COMPLETION, {"type": "completion"}, lambda row: (row["text"] + "</s>",), {}),
 }
 
 
@@ -87,8 +107,8 @@ CASES = {
 def test_marks_exactly_the_trained_tokens_and_nothing_but_the_answers(
     case: str, tmp_path: Path, make_recipe, tokenizer: PreTrainedTokenizerFast
 ) -> None:
-    source, dataset, answers = CASES[case]
-    recipe, prepared = _prepared(tmp_path, make_recipe, tokenizer, source, **dataset)
+    source, dataset, answers, recipe_keys = CASES[case]
+    recipe, prepared = _prepared(tmp_path, make_recipe, tokenizer, source, recipe_keys, **dataset)
     rows, collator = _all_rows(recipe, prepared, tokenizer)
     assert len(prepared.train) < len(source), "rows are packed"
     for row, stored in zip(rows, prepared.train, strict=True):
@@ -148,3 +168,18 @@ def test_json_form_has_the_collators_labels_per_token_and_colour_marks_the_same_
     assert "── padding: " in plain and "[[" not in coloured
     as_plain = re.sub(r"\x1b\[1;32m(.*?)\x1b\[0m", r"[[\1]]", coloured, flags=re.S)
     assert re.sub(r"\x1b\[[0-9;]*m", "", as_plain) == plain
+
+
+def test_alpaca_rows_show_axolotls_preamble_unmarked_and_the_answer_marked(
+    tmp_path: Path, make_recipe, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    recipe, prepared = _prepared(tmp_path, make_recipe, tokenizer, ALPACA[:2], type="alpaca")
+    rows, _ = _all_rows(recipe, prepared, tokenizer)
+    text = format_rows(rows, tokenizer, split="train", total=len(rows), colour=False)
+    # Row 0 has an input, row 1 none: each opens with its own preamble of Axolotl's, never trained.
+    assert (
+        "<s>Below is an instruction that describes a task, paired with an input that provides further "
+        in text
+    )
+    assert "<s>Below is an instruction that describes a task. Write a response that appropriately " in text
+    assert sorted(_marked_per_document(text)) == [("The sum is 1.</s>",), ("The sum is 3.</s>",)]

@@ -71,10 +71,15 @@ def test_alpaca_and_chat_prompts_are_the_training_prefix_of_the_answer(
 def test_text_prompts_use_the_instruction_or_a_user_message(tokenizer: PreTrainedTokenizerFast) -> None:
     alpaca = Prompter(DatasetConfig(path="a.jsonl", type="alpaca"), tokenizer, None)
     text = tokenizer.decode(alpaca.prompt_ids(alpaca.row("Say hello.")))
-    assert text == "<s>### Instruction:\nSay hello.\n\n### Response:\n"
-    chat = Prompter(DatasetConfig(path="c.jsonl", type="chat_template"), tokenizer, "chatml")
+    assert text == (
+        "<s>Below is an instruction that describes a task. Write a response that appropriately completes the "
+        "request.\n\n### Instruction:\nSay hello.\n\n### Response:\n"
+    )
+    chat = Prompter(
+        DatasetConfig(path="c.jsonl", type="chat_template"), tokenizer, "chatml", None, ("<|im_end|>",)
+    )
     text = tokenizer.decode(chat.prompt_ids(chat.row("Hi")))
-    assert text == "<s><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # Axolotl's chatml: no bos
     # Generation stops where training taught the answer to end.
     assert alpaca.stop_token_ids() == [EOS_TOKEN_ID]
     assert chat.stop_token_ids() == [EOS_TOKEN_ID, IM_END_TOKEN_ID]

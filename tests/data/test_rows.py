@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from cptune.config.data import DatasetConfig
-from cptune.data.formats import build_formatter, required_columns
-from cptune.data.rows import count_tokens, tokenize_dataset
+from cptune.data.formats import build_formatter, missing_columns_advice, required_columns
+from cptune.data.rows import CHUNKED_TEXT_LIMIT, count_tokens, tokenize_dataset
 from cptune.errors import DataError
 from cptune.labels import trained_token_count
 
@@ -102,14 +101,72 @@ def test_missing_column_is_reported_once_even_when_skipping(
         run(tokenizer, [GOOD], tmp_path, skip=True, type="alpaca", field_output="answer")
 
 
-def test_prefix_unstable_template_is_not_skipped(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
-    unstable = copy.deepcopy(tokenizer)
-    unstable.chat_template = (
-        "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}"
+def test_missing_columns_of_a_dataset_without_type_point_at_type(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    # No type is Axolotl's pre-tokenized form; alpaca rows there are a missing type, not a field name.
+    dataset_config = DatasetConfig(path="data/train.jsonl")
+    with pytest.raises(DataError) as error:
+        tokenize_dataset(
+            datasets.Dataset.from_list([GOOD]),
+            build_formatter(
+                dataset_config, tokenizer, train_on_inputs=False, chat_template=None, label=LABEL
+            ),
+            label=LABEL,
+            key="datasets[0]",
+            required=required_columns(dataset_config),
+            sequence_len=256,
+            excess_length_strategy="drop",
+            skip_invalid_rows=False,
+            scratch_dir=tmp_path,
+            column_advice=missing_columns_advice(dataset_config, "datasets[0]"),
+        )
+    assert "no column 'input_ids' (it has 'instruction', 'input', 'output')" in str(error.value)
+    assert "datasets[0] has no type, which (as in Axolotl) means pre-tokenized rows" in str(error.value)
+    assert "set datasets[0].type to the format of the rows (alpaca, chat_template, completion)" in str(
+        error.value
     )
-    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
-    with pytest.raises(DataError, match=r"row 0: the chat template is not prefix-stable"):
-        run(unstable, rows, tmp_path, skip=True, type="chat_template")
+
+
+def test_completion_rows_are_cut_into_sequence_len_pieces(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    # Axolotl's completion type cuts a tokenized text (bos ... eos) into sequence_len pieces, each its own
+    # sample (CompletionPromptTokenizingStrategy.tokenize_prompt, axolotl 0.21.0); a one-token piece (the eos
+    # alone) is dropped, as Axolotl drops samples under two tokens.
+    text = "The river runs past the old mill and under the stone bridge before it reaches the sea."
+    whole = [1, *tokenizer(text, add_special_tokens=False)["input_ids"], 2]
+    rows = [{"text": text}, {"text": "Hi."}]
+    table, stats, documents = run_with_documents(
+        tokenizer, rows, tmp_path, sequence_len=8, strategy="chunk", type="completion"
+    )
+    pieces = [whole[i : i + 8] for i in range(0, len(whole), 8)]
+    pieces = [p for p in pieces if len(p) > 1]
+    short = [1, *tokenizer("Hi.", add_special_tokens=False)["input_ids"], 2]
+    assert table.column("input_ids").to_pylist() == [*pieces, short]
+    assert table.column("labels").to_pylist() == [*pieces, short]
+    assert table.column("position_ids").to_pylist()[1] == list(range(len(pieces[1])))
+    assert (stats.rows_in, stats.rows_out, stats.chunked, stats.dropped_too_long) == (
+        2,
+        len(pieces) + 1,
+        1,
+        0,
+    )
+    assert documents.column("status").to_pylist() == ["chunked", "kept"]
+    assert documents.column("formatted_length").to_pylist() == [len(whole), len(short)]
+
+
+def test_completion_pieces_stop_at_64_times_sequence_len(
+    tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    # Axolotl tokenizes a completion text with max_length 64 * sequence_len: what lies beyond is never
+    # trained, and the cut text has no eos.
+    text = " ".join(str(i) for i in range(200))
+    whole = [1, *tokenizer(text, add_special_tokens=False)["input_ids"], 2]
+    assert len(whole) > CHUNKED_TEXT_LIMIT * 4
+    table, _ = run(tokenizer, [{"text": text}], tmp_path, sequence_len=4, strategy="chunk", type="completion")
+    kept = [t for piece in table.column("input_ids").to_pylist() for t in piece]
+    assert kept == whole[: CHUNKED_TEXT_LIMIT * 4]
 
 
 def lengths_rows(tokenizer: PreTrainedTokenizerFast) -> tuple[list[dict[str, Any]], list[int]]:

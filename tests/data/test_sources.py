@@ -115,6 +115,25 @@ def test_unreadable_file_type(tmp_path: Path) -> None:
         resolve_source(DatasetConfig(path=str(tmp_path / "data.txt")), "test_datasets", 0)
 
 
+def test_ds_type_names_the_format_the_extension_does_not(tmp_path: Path) -> None:
+    """Axolotl's ds_type: the loader for a file whatever its name (utils/data/shared.py, axolotl 0.21.0)."""
+    rows = tmp_path / "rows.data"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert load(rows, tmp_path, ds_type="json")["n"] == [0, 1, 2, 3, 4]
+    lines = tmp_path / "notes.txt"
+    lines.write_text("first line\nsecond line\n")
+    assert load(lines, tmp_path, ds_type="text")["text"] == ["first line", "second line"]
+    # In a folder: the files of that format, or those data_files selects.
+    folder = tmp_path / "folder"
+    write(folder / "a.jsonl", ROWS[:2])
+    write(folder / "b.csv", ROWS[2:])
+    assert load(folder, tmp_path, ds_type="csv")["n"] == [2, 3, 4]
+    (folder / "c.rows").write_text(json.dumps(ROWS[0]) + "\n")
+    assert load(folder, tmp_path, ds_type="json", data_files="*.rows")["n"] == [0]
+    with pytest.raises(DataError, match=r"the folder holds no parquet files by their extension"):
+        load(folder, tmp_path, ds_type="parquet")
+
+
 def compress(path: Path, suffix: str) -> Path:
     """``path`` compressed next to it as ``path`` + ``suffix`` (the plain file removed)."""
     import bz2

@@ -123,7 +123,7 @@ def test_the_source_has_user_facing_errors_to_check():
     assert len(sites) > 100
     assert {
         "src/cptune/config/rules.py",
-        "src/cptune/data/formats.py",
+        "src/cptune/data/chat_end_tokens.py",
         "src/cptune/run/commands/merge.py",
     } <= {site.path for site in sites}
 

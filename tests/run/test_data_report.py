@@ -51,7 +51,11 @@ def report_recipe(tmp_path: Path, write_recipe):
     def make(**keys):
         path = write_recipe(
             datasets=[
-                {"path": str(_write(tmp_path / "alpaca.jsonl", alpaca)), "type": "alpaca"},
+                # Axolotl's alpaca without its preamble: the short prompts keep most rows under sequence_len.
+                {
+                    "path": str(_write(tmp_path / "alpaca.jsonl", alpaca)),
+                    "type": "alpaca_instruct.load_no_prompt",
+                },
                 {"path": str(_write(tmp_path / "completion.jsonl", completion)), "type": "completion"},
             ],
             sequence_len=64,
@@ -113,6 +117,7 @@ def test_report_numbers_equal_an_independent_computation(strategy, report_recipe
             "rows": len(over),
             "dropped": len(over) if strategy == "drop" else 0,
             "truncated": len(over) if strategy == "truncate" else 0,
+            "chunked": 0,
             "tokens_lost": sum(over) if strategy == "drop" else sum(n - S for n in over),
         }
         assert section["over_sequence_len"] == expected
@@ -169,6 +174,22 @@ def test_report_numbers_equal_an_independent_computation(strategy, report_recipe
     verb = "dropped" if strategy == "drop" else "truncated to 64 tokens"
     assert f"6 over sequence_len 64 (15.0%): {verb}" in text
     assert "contiguous (this recipe):" in text
+
+
+def test_report_says_completion_rows_are_cut_into_pieces(tmp_path: Path, write_recipe):
+    # Completion rows longer than sequence_len are cut into pieces (as Axolotl cuts them), not dropped.
+    rows = [{"text": " ".join(WORDS * 3)}, {"text": "apple river."}]
+    path = write_recipe(
+        datasets=[{"path": str(_write(tmp_path / "long.jsonl", rows)), "type": "completion"}], sequence_len=16
+    )
+    recipe = load_recipe(path)
+    prepared = prepare_datasets(recipe, load_tokenizer(recipe), log=lambda _: None)
+    report = build_report(recipe, prepared, backend_for(recipe))
+    over = report["datasets"][0]["over_sequence_len"]
+    assert (over["rows"], over["chunked"], over["dropped"], over["truncated"]) == (1, 1, 0, 0)
+    text = format_report(report, recipe, backend_for(recipe))
+    assert "1 over sequence_len 16 (50.0%): cut into sequence_len pieces" in text
+    assert prepared.stats.datasets[0].chunked == 1 and prepared.stats.datasets[0].rows_out > 2
 
 
 def test_preprocess_report_writes_the_page_beside_the_cache_and_json_holds_everything(

@@ -60,7 +60,7 @@ def runs(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict[str, dict]]:
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     common = {
         "base_model": str(tiny_model_dir),
-        "datasets": [{"path": str(data), "type": "alpaca"}],
+        "datasets": [{"path": str(data), "type": "alpaca_instruct.load_no_prompt"}],
         "dataset_prepared_path": str(root / "prepared"),
         "sequence_len": 128,
         "sample_packing": True,

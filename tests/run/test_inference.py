@@ -23,6 +23,7 @@ from cptune.run.commands.inference import (
     InferenceSession,
     Score,
     load_inference_model,
+    prompter_for,
     run_inference,
 )
 from cptune.run.commands.weights import ModelSource
@@ -220,3 +221,25 @@ def test_an_adapter_trained_with_new_tokens_loads_with_its_grown_embeddings(
         prompt="What is a <fact>?", echo=_quiet, options=GenerationOptions(max_new_tokens=2)
     )
     assert len(answer.output_ids) <= 2
+
+
+def test_prompts_use_the_recipes_chat_template_jinja_and_eot_tokens():
+    """prompter_for passes chat_template_jinja and eot_tokens on: prompts render as training renders rows."""
+    from transformers import AutoTokenizer
+
+    from cptune.config.loader import validate_recipe
+    from cptune.data.chat_templates import TEMPLATES
+
+    keys = {
+        "base_model": "m",
+        "datasets": [{"path": "c.jsonl", "type": "chat_template"}],
+        "chat_template_jinja": TEMPLATES["phi_3"],
+    }
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "tiny-llama")
+    prompter = prompter_for(validate_recipe(keys), tokenizer)
+    assert (
+        tokenizer.decode(prompter.prompt_ids(prompter.row("Hi"))) == "<s><|user|>\nHi<|end|>\n<|assistant|>\n"
+    )
+    assert prompter_for(validate_recipe({**keys, "eot_tokens": ["<|end|>"]}), tokenizer).eot_tokens == (
+        "<|end|>",
+    )

@@ -39,7 +39,7 @@ MAX_STEPS, SAVE_STEPS = 7, 3
 def recipe_for(root: Path, model_dir: Path, name: str) -> Path:
     recipe = {
         "base_model": str(model_dir),
-        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
+        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
         "val_set_size": 8,
         "dataset_prepared_path": str(root / "prepared"),
         "sequence_len": 128,

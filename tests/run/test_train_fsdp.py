@@ -48,7 +48,7 @@ EXAMPLE = REPO / "examples" / "cpu" / "fsdp2.yaml"
 def write_recipe(root: Path, model_dir: Path, name: str, **keys) -> Path:
     recipe = {
         "base_model": str(model_dir),
-        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
+        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
         "dataset_prepared_path": str(root / "prepared"),
         "sequence_len": 128,
         "sample_packing": True,

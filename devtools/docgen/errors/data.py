@@ -229,6 +229,24 @@ ENTRIES: tuple[Entry, ...] = (
         "`labels` holds one entry per token (-100 for tokens not trained); fix the row or remove `labels`.",
     ),
     Entry(
+        "pretokenized-attention-mask-padding",
+        SECTION,
+        "A pre-tokenized row whose attention_mask masks tokens (padding)",
+        "row 0: field 'attention_mask' holds 0 at position 3: cptune attends to every token of a pre-tokenized "
+        "row",
+        "cptune reads Axolotl's pre-tokenized rows (`input_ids`, `labels`, `attention_mask`) but attends to "
+        "every token of a row, so padding inside a row would be read as text. Remove the padding from the rows "
+        "(cptune pads batches itself; `sample_packing: true` packs rows).",
+    ),
+    Entry(
+        "data-without-type",
+        SECTION,
+        "A dataset without a type whose rows are not pre-tokenized",
+        "alpaca.jsonl): no column 'input_ids' (it has 'instruction', 'input', 'output')",
+        "A dataset entry without `type` holds pre-tokenized rows, as in Axolotl (before, cptune read it as "
+        "alpaca). Set `type:` to the rows' format: `alpaca`, `chat_template` or `completion`.",
+    ),
+    Entry(
         "chat-message-not-an-object",
         SECTION,
         "A chat row whose messages are not objects",
@@ -251,22 +269,22 @@ ENTRIES: tuple[Entry, ...] = (
         "Give the reasoning as text (or leave it out), or set `field_thinking` to the key your data keeps it in.",
     ),
     Entry(
-        "chat-template-not-prefix-stable",
+        "chat-eot-token-not-one-token",
         SECTION,
-        "A chat template that renders earlier turns differently as a conversation grows",
-        "the chat template is not prefix-stable: messages[:1] does not render to a token prefix of messages[:2]",
-        "cptune finds the tokens of each trained turn by rendering the conversation up to it; a template "
-        "that changes earlier text when more messages follow (here: it starts with the message count) "
-        "hides them. Set `chat_template: chatml`, or use a template whose earlier turns render the same.",
+        "An end-of-turn token (eot_tokens) that is several tokens of the tokenizer",
+        "tokens of the tokenizer, not one, so cptune cannot find it after a turn",
+        "cptune trains the end-of-turn token found right after a message, so it must be one token, as in "
+        "Axolotl. Add it with `tokens:` (or `special_tokens`), or list the token the chat template really ends "
+        "a turn with (`<|im_end|>` for ChatML).",
     ),
     Entry(
-        "chat-template-not-prefix-stable-whole",
+        "chat-eot-eos-conflict",
         SECTION,
-        "A chat template that renders long conversations differently",
-        "the chat template is not prefix-stable: messages[:2] does not render to a token prefix of the whole "
-        "conversation",
-        "The same problem, found against the whole conversation (here the template marks conversations of "
-        "more than two messages at the start). Set `chat_template: chatml`, or fix the template.",
+        "eot_tokens listing the eos token while train_on_eos and train_on_eot differ",
+        "train_on_eot (none) say different things about it",
+        "The eos token is then both an end-of-turn token and eos, and the two keys disagree on whether to train "
+        "it (Axolotl refuses this too). Set `train_on_eos` and `train_on_eot` alike, or leave eos out of "
+        "`eot_tokens`.",
     ),
     Entry(
         "chat-template-jinja-file-missing",

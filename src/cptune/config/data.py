@@ -8,12 +8,27 @@ from pydantic import BaseModel, Field, field_validator
 
 from cptune.config.base import Frozen, one_or_many
 
-DatasetType = Literal[
-    "alpaca", "chat_template", "completion", "pretokenized", "chat_template.default", "passthrough.default"
-]
+# Axolotl's alpaca family: the prompt style after a colon (alpaca:chat), and the loaders that drop the preamble.
+ALPACA_TYPES = (
+    "alpaca",
+    "alpaca:instruct",
+    "alpaca:chat",
+    "alpaca:chatml",
+    "alpaca:phi",
+    "alpaca_instruct",
+    "alpaca_instruct.load_no_prompt",
+    "alpaca_chat",
+    "alpaca_chat.load_no_prompt",
+)
+"""The alpaca types cptune renders as Axolotl does (:mod:`cptune.data.alpaca`)."""
+
 PREFERENCE_TYPES = ("chat_template.default", "passthrough.default")
 """Dataset types whose rows are preference pairs (prompt, chosen, rejected), with Axolotl's names; for ``rl``."""
+
+DatasetType = Literal[(*ALPACA_TYPES, "chat_template", "completion", "pretokenized", *PREFERENCE_TYPES)]  # type: ignore[valid-type]
+RowFormat = Literal["alpaca", "chat_template", "completion", "pretokenized"]
 TrainOnEos = Literal["turn", "all", "last", "none"]
+DataFileType = Literal["json", "csv", "parquet", "arrow", "text"]
 
 BUILT_IN_CHAT_TEMPLATES = (
     "chatml",
@@ -36,7 +51,17 @@ class DatasetConfig(Frozen):
     """One dataset source and how to read its rows."""
 
     path: str = Field(description="Local file or folder, a `save_to_disk` folder, or a hub dataset id.")
-    type: DatasetType = Field("alpaca", description="Row format.")
+    type: DatasetType | None = Field(
+        None,
+        description="Row format: alpaca (and Axolotl's alpaca styles, e.g. alpaca:chat, "
+        "alpaca_instruct.load_no_prompt), chat_template, completion, pretokenized; unset: pre-tokenized rows "
+        "(input_ids, labels), as in Axolotl.",
+    )
+    ds_type: DataFileType | None = Field(
+        None,
+        description="The file format of path (or of data_files), when its extension does not say it (Axolotl's "
+        "key); text reads each line as a row with a `text` column.",
+    )
     split: str = Field("train", description="Split to read.")
     data_files: str | tuple[str, ...] | None = Field(None, description="Files to read inside `path`.")
     name: str | None = Field(None, description="Hub dataset configuration name.")
@@ -74,8 +99,13 @@ class DatasetConfig(Frozen):
     )
     train_on_eos: TrainOnEos = Field(
         "turn",
-        description="chat_template: which end-of-turn tokens are trained: `turn` (those of trained turns), "
-        "`last` (the last trained turn's), `all` (every turn's), `none`.",
+        description="chat_template: which eos tokens are trained: `turn` (the one after each trained turn), "
+        "`last` (the last one), `all` (every turn's), `none`.",
+    )
+    train_on_eot: TrainOnEos | None = Field(
+        None,
+        description="chat_template: the same choice for the end-of-turn tokens of eot_tokens; default: "
+        "train_on_eos's.",
     )
     # preference pairs (rl)
     field_prompt: str = Field(
@@ -113,6 +143,20 @@ class DatasetConfig(Frozen):
     def is_preference(self) -> bool:
         """Rows are preference pairs (a type of :data:`PREFERENCE_TYPES`)."""
         return self.type in PREFERENCE_TYPES
+
+    @property
+    def row_format(self) -> RowFormat:
+        """How single-sample rows are read: the alpaca family, chat_template, completion, or pre-tokenized (no type)."""
+        if self.type is None:
+            return "pretokenized"
+        if self.type in ALPACA_TYPES:
+            return "alpaca"
+        return self.type  # type: ignore[return-value]
+
+    @property
+    def resolved_train_on_eot(self) -> TrainOnEos:
+        """Which end-of-turn tokens are trained: train_on_eot, or train_on_eos when it is unset (Axolotl's rule)."""
+        return self.train_on_eot or self.train_on_eos
 
     @property
     def resolved_message_fields(self) -> tuple[str, str]:
@@ -183,8 +227,14 @@ class TokenKeys(BaseModel):
         description="A Jinja chat template (the text, or the path of a .jinja file) for chat_template datasets; "
         "goes with chat_template: jinja (or no chat_template).",
     )
+    eot_tokens: tuple[str, ...] | None = Field(
+        None,
+        description="chat_template: the tokens that end a turn (e.g. <|im_end|>), trained after each trained turn "
+        "as train_on_eot says; default: the tokenizer's eos token only, as in Axolotl (a template that never "
+        "writes it then trains no end of turn: preprocessing warns).",
+    )
 
-    @field_validator("tokens", mode="before")
+    @field_validator("tokens", "eot_tokens", mode="before")
     @classmethod
     def _many_tokens(cls, value: Any) -> Any:
         return one_or_many(value)

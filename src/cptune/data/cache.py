@@ -49,10 +49,12 @@ __all__ = [
     "tokenizer_fingerprint",
 ]
 
-DATA_FORMAT_VERSION = 2
+DATA_FORMAT_VERSION = 3
 """Bump when cptune changes how rows are tokenized, packed or stored: old caches then stop matching.
 
 2: the cache holds ``documents.arrow`` (every row's length before the length policy).
+3: rows are rendered and trained as Axolotl's (the alpaca preamble, chat content and end tokens, chatml
+   without bos, completion rows cut into pieces).
 """
 
 BUILT_MARKER = "COMPLETE"
@@ -75,6 +77,7 @@ _RECIPE_KEYS = (
     "chat_template",
     "chat_template_jinja",
     "min_sample_len",
+    "eot_tokens",
 )
 
 

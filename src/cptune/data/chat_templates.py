@@ -36,14 +36,15 @@ def _user_text() -> str:
     return "((system + '\\n\\n') if system is not none and loop.first else '') + message['content']"
 
 
+# No bos before the first <|im_start|>: Axolotl's chatml template has none
+# (src/axolotl/utils/chat_templates/templates/chatml.jinja, axolotl 0.21.0).
 CHATML = (
-    "{%- if bos_token %}{{ bos_token }}{% endif -%}"
     "{%- for message in messages -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
 )
-"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per turn, after the bos token if there is one."""
+"""ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per turn, without a bos token (as Axolotl's)."""
 
 QWEN_25 = (
     "{%- if not messages or messages[0]['role'] != 'system' -%}"

@@ -25,18 +25,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from cptune.config.data import DatasetConfig
+from cptune.data.chat_format import message_list, render_chat
 from cptune.data.chat_templates import resolve_chat_template
-from cptune.data.formats import (
-    Formatter,
-    RowProblem,
-    Sample,
-    end_token,
-    field_problem,
-    message_list,
-    render_chat,
-    special_token_ids,
-    text_field,
-)
+from cptune.data.sample import Formatter, RowProblem, Sample, field_problem, text_field
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX
 
@@ -51,6 +42,25 @@ def pair_sample(prompt: Sequence[int], chosen: Sequence[int], rejected: Sequence
         labels=[*masked, *chosen, *masked, *rejected],
         document_lengths=(len(prompt) + len(chosen), len(prompt) + len(rejected)),
     )
+
+
+def _end_token(span: list[int], special_ids: set[int], tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """Where a response's end-of-turn token is in its tokens: (start, end); (len, len) when it has none.
+
+    The end-of-turn token is the span's last special token when only whitespace follows it
+    ("<|im_end|>\n"): generation stops at the token, so the whitespace is never trained.
+    """
+    last_special = max((i for i, t in enumerate(span) if t in special_ids), default=None)
+    if last_special is None or tokenizer.decode(span[last_special + 1 :]).strip():
+        return len(span), len(span)
+    return last_special, last_special + 1
+
+
+def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Named special tokens and every token added as special (a family's <end_of_turn>, <|eot_id|> ...)."""
+    return set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -97,7 +107,7 @@ def _response(value: Any, name: str, config: DatasetConfig) -> list[dict[str, st
 
 
 def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, template: str | None) -> Formatter:
-    special_ids = special_token_ids(tokenizer)
+    special_ids = _special_token_ids(tokenizer)
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         return render_chat(tokenizer, template, messages, messages, add_generation_prompt)
@@ -114,7 +124,7 @@ def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, templ
                 skippable=False,
             )
         tail = full[len(prompt_ids) :]
-        _, end = end_token(tail, special_ids, tokenizer)
+        _, end = _end_token(tail, special_ids, tokenizer)
         return tail[:end]
 
     def format_row(row: Mapping[str, Any]) -> Sample:

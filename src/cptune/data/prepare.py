@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from cptune.config.data import DatasetConfig
 from cptune.config.recipe import Recipe
 from cptune.data.cache import build_once, compute_fingerprint, is_built
-from cptune.data.formats import build_formatter, required_columns
+from cptune.data.formats import build_formatter, missing_columns_advice, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
 from cptune.data.preference_formats import build_pair_formatter
 from cptune.data.rows import count_tokens, tokenize_dataset
@@ -161,8 +161,8 @@ def load_documents(path: str | Path) -> pa.Table:
     One row per formatted row of the data (rows skipped as invalid excepted), dataset by
     dataset in recipe order (``datasets`` then ``test_datasets``), in source order:
     ``dataset`` (the index of its entry in ``stats.datasets``), ``formatted_length`` (its
-    tokens before the length policy) and ``status`` (``kept``, ``truncated``, ``too long``
-    (dropped) or ``no trained tokens`` (dropped)).
+    tokens before the length policy) and ``status`` (``kept``, ``truncated``, ``chunked`` (cut into
+    pieces), ``too long`` (dropped), ``too short`` (dropped) or ``no trained tokens`` (dropped)).
     """
     with pa.memory_map(str(Path(path) / _DOCUMENTS_FILE)) as source:
         return pa.ipc.open_file(source).read_all()
@@ -191,7 +191,10 @@ def _tokenize_all(
                 chat_template=recipe.chat_template,
                 label=source.label,
                 chat_template_jinja=recipe.chat_template_jinja,
+                eot_tokens=recipe.eot_tokens,
             )
+        # Completion rows are cut into sequence_len pieces, as Axolotl's completion type does.
+        chunk = config.row_format == "completion"
         table, stats, formatted = tokenize_dataset(
             rows,
             formatter,
@@ -199,11 +202,12 @@ def _tokenize_all(
             key=source.key,
             required=required_columns(config),
             sequence_len=recipe.sequence_len,
-            excess_length_strategy=recipe.excess_length_strategy,
+            excess_length_strategy="chunk" if chunk else recipe.excess_length_strategy,
             skip_invalid_rows=recipe.skip_invalid_rows,
             scratch_dir=scratch,
             num_proc=recipe.dataset_processes,
             min_sample_len=recipe.min_sample_len,
+            column_advice=missing_columns_advice(config, source.key),
         )
         tables[key].append(table)
         all_stats.append(stats)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +52,31 @@ class Prompter:
         config: The dataset entry whose format to use (``type`` and field names).
         tokenizer: The model's tokenizer.
         chat_template: The recipe's ``chat_template``.
+        chat_template_jinja: The recipe's ``chat_template_jinja``.
+        eot_tokens: The recipe's ``eot_tokens``.
     """
 
     config: DatasetConfig
     tokenizer: PreTrainedTokenizerBase
     chat_template: str | None
+    chat_template_jinja: str | None = None
+    eot_tokens: tuple[str, ...] | None = None
 
     @property
     def kind(self) -> str:
         # Pretokenized data has no text format: a text prompt is encoded as completion text is.
-        return "completion" if self.config.type == "pretokenized" else self.config.type
+        row_format = self.config.row_format
+        return "completion" if row_format == "pretokenized" else row_format
 
     @property
     def answer_role(self) -> str:
         return self.config.roles_to_train[0] if self.config.roles_to_train else "assistant"
 
+    @cached_property
     def _formatter(self) -> Formatter:
+        # Built once: building a chat formatter checks the template's end tokens (and may warn).
         config = self.config
-        if config.type == "pretokenized":
+        if config.row_format == "pretokenized":
             config = DatasetConfig(path=config.path, type="completion")
         # The prompt's tokens do not depend on train_on_inputs; without it the labels show where
         # the answer starts.
@@ -78,6 +86,8 @@ class Prompter:
             train_on_inputs=False,
             chat_template=self.chat_template,
             label="the prompt",
+            chat_template_jinja=self.chat_template_jinja,
+            eot_tokens=self.eot_tokens,
         )
 
     def row(self, text: str) -> dict[str, Any]:
@@ -87,7 +97,7 @@ class Prompter:
             return {c.field_instruction: text, c.field_input: ""}
         if self.kind == "chat_template":
             return {c.field_messages: [{c.message_field_role: "user", c.message_field_content: text}]}
-        return {c.field if c.type == "completion" else "text": text}
+        return {c.field if c.row_format == "completion" else "text": text}
 
     def _with_answer(self, row: Mapping[str, Any], answer: str) -> dict[str, Any]:
         c = self.config
@@ -100,10 +110,10 @@ class Prompter:
         return {**row, c.field_messages: messages}
 
     def _format(self, row: Mapping[str, Any]) -> tuple[list[int], list[int]]:
-        if self.config.type == "pretokenized":
+        if self.config.row_format == "pretokenized":
             row = {"text": row["text"]}
         try:
-            sample = self._formatter()(row)
+            sample = self._formatter(row)
         except RowProblem as problem:
             raise DataError(f"{problem.reason}.") from None
         return sample.input_ids, sample.labels

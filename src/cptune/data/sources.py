@@ -4,6 +4,8 @@ A ``path`` is, in this order: a local data file (json, jsonl, csv, tsv,
 parquet, arrow; the text formats also compressed, :mod:`cptune.data.compression`), a local folder written by ``Dataset.save_to_disk`` /
 ``DatasetDict.save_to_disk``, a local folder of data files, or a Hugging Face
 hub dataset id. Relative local paths are relative to the working directory.
+A file's format comes from its extension, or from ``ds_type`` (Axolotl's key: json,
+csv, parquet, arrow, or text, one row per line in a ``text`` column).
 Resolving (which files, which loader) is kept apart from loading so that the
 preprocess cache can fingerprint the exact files that will be read.
 """
@@ -39,7 +41,7 @@ DATA_FILE_BUILDERS: dict[str, tuple[str, dict[str, str]]] = {
 # Builders that read text: their files must be UTF-8 (the json reader takes other bytes and
 # fails later, deep inside the tokenizing loop, with a traceback). Only these may be compressed
 # (parquet and arrow compress inside the file).
-_TEXT_BUILDERS = ("json", "csv")
+_TEXT_BUILDERS = ("json", "csv", "text")
 
 
 def _readable(path: Path) -> bool:
@@ -103,12 +105,22 @@ def _is_saved_dataset(folder: Path) -> bool:
     )
 
 
-def _builder_for(files: list[Path], label: str, key: str) -> tuple[str, dict[str, str]]:
+def _builder_for(files: list[Path], label: str, key: str, ds_type: str | None) -> tuple[str, dict[str, str]]:
+    if ds_type is not None:
+        # Axolotl's ds_type names the loader whatever the files are called; a file whose extension
+        # names the same format keeps its options (the tsv separator).
+        suffixes = {format_suffix(f) for f in files}
+        if len(suffixes) == 1:
+            builder = DATA_FILE_BUILDERS.get(suffixes.pop())
+            if builder is not None and builder[0] == ds_type:
+                return ds_type, dict(builder[1])
+        return ds_type, {}
     unknown = sorted({format_suffix(f) + (compression(f) or "") or f.name for f in files if not _readable(f)})
     if unknown:
         raise DataError(
             f"{label}: cannot read files of type {', '.join(unknown)}. Supported: {_supported()}. "
-            f"Convert the files, or select readable ones with {key}.data_files."
+            f"Convert the files, name their format with {key}.ds_type, or select readable ones with "
+            f"{key}.data_files."
         )
     # One builder per dataset entry: json and csv rows cannot share a loader call.
     builders = {(DATA_FILE_BUILDERS[format_suffix(f)][0], format_suffix(f) == ".tsv") for f in files}
@@ -129,12 +141,14 @@ def _folder_files(folder: Path, config: DatasetConfig, label: str, key: str) -> 
             for p in folder.rglob("*")
             if p.is_file()
             and _readable(p)
+            and (config.ds_type is None or DATA_FILE_BUILDERS[format_suffix(p)][0] == config.ds_type)
             and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         )
         if not found:
+            what = "data files" if config.ds_type is None else f"{config.ds_type} files by their extension"
             raise DataError(
-                f"{label}: the folder holds no data files ({_supported()}). "
-                f"Point {key}.path at a data file or a folder of them."
+                f"{label}: the folder holds no {what} ({_supported()}). "
+                f"Point {key}.path at a data file or a folder of them, or select the files with {key}.data_files."
             )
         return found
     files: list[Path] = []
@@ -171,14 +185,14 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
             raise DataError(
                 f"{label}: {entry}.data_files selects files inside a folder; {entry}.path is a file. Remove data_files."
             )
-        name, kwargs = _builder_for([path], label, entry)
+        name, kwargs = _builder_for([path], label, entry, config.ds_type)
         return ResolvedSource("files", label, entry, (path,), name, kwargs)
     if path.is_dir():
         if _is_saved_dataset(path):
             files = tuple(sorted(p for p in path.rglob("*") if p.is_file()))
             return ResolvedSource("saved", label, entry, files)
         files_list = _folder_files(path, config, label, entry)
-        name, kwargs = _builder_for(files_list, label, entry)
+        name, kwargs = _builder_for(files_list, label, entry, config.ds_type)
         return ResolvedSource("files", label, entry, tuple(files_list), name, kwargs)
     looks_local = (
         config.path.startswith((".", "/", "~"))

@@ -24,6 +24,8 @@ class DatasetStats:
         skipped: Invalid rows skipped (``skip_invalid_rows``), by reason.
         dropped_too_long: Samples longer than ``sequence_len`` dropped.
         truncated: Samples longer than ``sequence_len`` cut to it (and kept).
+        chunked: Completion rows longer than ``sequence_len`` cut into pieces of it (each piece a
+            sample, counted in ``rows_out``).
         dropped_no_trained_tokens: Samples without a single target token.
         dropped_too_short: Samples shorter than ``min_sample_len`` dropped.
         tokens: Tokens in the kept samples.
@@ -38,6 +40,7 @@ class DatasetStats:
     skipped: dict[str, int] = field(default_factory=dict)
     dropped_too_long: int = 0
     truncated: int = 0
+    chunked: int = 0
     dropped_no_trained_tokens: int = 0
     dropped_too_short: int = 0
     tokens: int = 0
@@ -123,6 +126,7 @@ class PrepStats:
                 for what, count in (
                     ("too long (dropped)", d.dropped_too_long),
                     ("truncated", d.truncated),
+                    ("cut into sequence_len pieces", d.chunked),
                     ("without trained tokens (dropped)", d.dropped_no_trained_tokens),
                     ("shorter than min_sample_len (dropped)", d.dropped_too_short),
                 )

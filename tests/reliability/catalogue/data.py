@@ -7,10 +7,9 @@ from tests.reliability.catalogue.setups import (
     HELLO,
     _bad_json,
     _chat,
+    _chat_eot_eos_conflict,
     _chat_jinja_file_missing,
     _chat_messages_not_a_list,
-    _chat_template_counting,
-    _chat_template_marking_long,
     _chat_unknown_role,
     _chat_without_assistant,
     _csv_header_only,
@@ -145,6 +144,20 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: _pretokenized(ws, [{"input_ids": [5, 6, 7], "labels": [6, 7]}]),
     ),
     Case(
+        "pretokenized-attention-mask-padding",
+        setup=lambda ws: _pretokenized(
+            ws, [{"input_ids": [5, 6, 7, 0], "labels": [5, 6, 7, -100], "attention_mask": [1, 1, 1, 0]}]
+        ),
+    ),
+    Case(
+        "data-without-type",
+        setup=lambda ws: {
+            "datasets": [
+                {"path": ws.write_rows("alpaca.jsonl", [{"instruction": "a", "input": "", "output": "b"}])}
+            ]
+        },
+    ),
+    Case(
         "chat-message-not-an-object",
         setup=lambda ws: _chat(ws, [{"messages": ["Hi", "Hello!"]}]),
     ),
@@ -159,12 +172,12 @@ CASES: tuple[Case, ...] = (
         ),
     ),
     Case(
-        "chat-template-not-prefix-stable",
-        setup=_chat_template_counting,
+        "chat-eot-token-not-one-token",
+        setup=lambda ws: _chat(ws, [{"messages": HELLO}], eot_tokens=["assistant"]),
     ),
     Case(
-        "chat-template-not-prefix-stable-whole",
-        setup=_chat_template_marking_long,
+        "chat-eot-eos-conflict",
+        setup=_chat_eot_eos_conflict,
     ),
     Case(
         "chat-template-jinja-file-missing",

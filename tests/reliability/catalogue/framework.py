@@ -50,7 +50,8 @@ def base_keys(ws: Workspace) -> dict[str, Any]:
     """A small valid LoRA recipe for the tiny model; every case breaks one thing of it."""
     return {
         "base_model": str(ws.model_dir),
-        "datasets": [{"path": str(ws.data / "train.jsonl"), "type": "alpaca"}],
+        # The tiny model's format (Axolotl's alpaca without its preamble), as the other tiny-model fixtures.
+        "datasets": [{"path": str(ws.data / "train.jsonl"), "type": "alpaca_instruct.load_no_prompt"}],
         "dataset_prepared_path": str(ws.root / "prepared"),
         "sequence_len": 128,
         "sample_packing": True,

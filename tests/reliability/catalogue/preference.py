@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from tests.reliability.catalogue.framework import DELETE, Case, Workspace
-from tests.reliability.catalogue.setups import COUNTING_TEMPLATE, _tokenizer_folder
+from tests.reliability.catalogue.setups import _tokenizer_folder
+
+# A ChatML-like template that starts with the number of messages: rendering fewer messages
+# is then never a prefix of rendering more (a pair's response cannot be located after its prompt).
+COUNTING_TEMPLATE = (
+    "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 PAIR_ROWS = [{"prompt": "Say hi.", "chosen": "Hi.", "rejected": "Go away."}] * 4
 

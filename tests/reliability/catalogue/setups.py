@@ -280,33 +280,17 @@ def _tokenizer_without_pad_or_eos(ws: Workspace) -> dict[str, Any]:
     return {"tokenizer_config": _tokenizer_folder(ws, "bare-tokenizer", drop=("eos_token", "pad_token"))}
 
 
-# A ChatML-like template that starts with the number of messages: rendering fewer messages
-# is then never a prefix of rendering more.
-COUNTING_TEMPLATE = (
-    "{{ messages | length }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-# A ChatML-like template that marks conversations of more than two messages at the start.
-LONG_MARK_TEMPLATE = (
-    "{% if messages | length > 2 %}[long]{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 HELLO = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
 
 
-def _chat_template_counting(ws: Workspace) -> dict[str, Any]:
-    folder = _tokenizer_folder(ws, "counting-tokenizer", template=COUNTING_TEMPLATE)
-    return _chat(ws, [{"messages": HELLO}], tokenizer_config=folder)
-
-
-def _chat_template_marking_long(ws: Workspace) -> dict[str, Any]:
-    folder = _tokenizer_folder(ws, "marking-tokenizer", template=LONG_MARK_TEMPLATE)
-    rows = [{"messages": [*HELLO, {"role": "user", "content": "Thanks"}]}]
-    return _chat(ws, rows, tokenizer_config=folder)
+def _chat_eot_eos_conflict(ws: Workspace) -> dict[str, Any]:
+    # eos is <|im_end|>, listed in eot_tokens, and the dataset trains eos and end-of-turn tokens differently.
+    rows = [{"messages": HELLO}]
+    keys = _chat(
+        ws, rows, eot_tokens=["<|im_start|>", "<|im_end|>"], special_tokens={"eos_token": "<|im_end|>"}
+    )
+    keys["datasets"][0]["train_on_eot"] = "none"
+    return keys
 
 
 def _saved_model(ws: Workspace, name: str, config: Any) -> dict[str, Any]:

@@ -70,7 +70,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "neftune_noise_alpha": "NEFTune is not supported; remove it.",
     "noisy_embedding_alpha": "NEFTune is not supported; remove it.",
     "default_system_message": "not supported; put the system message in the data.",
-    "shuffle_merged_datasets": "datasets are always shuffled by the trainer's sampler; remove it.",
     "dataset_exact_deduplication": "deduplication is not supported; deduplicate the data beforehand.",
     "gpu_memory_limit": "not supported; remove it.",
     "debug": "use `cptune validate` to see the resolved recipe; remove it.",
@@ -79,7 +78,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
 }
 
 UNSUPPORTED_DATASET_KEYS: dict[str, str] = {
-    "ds_type": "the file format is taken from the file extension; remove it.",
     "conversation": "use type: chat_template.",
     "shards": "sharding datasets is not supported; remove it.",
     "chat_template": "set chat_template at the top level of the recipe.",

@@ -61,6 +61,11 @@ class AxolotlKeys(BaseModel):
         None, ge=1, description="Drop samples shorter than this many tokens (counted in the data report)."
     )
     strict: bool | None = Field(None, description="Accepted; cptune always validates recipes strictly.")
+    shuffle_merged_datasets: bool | None = Field(
+        None,
+        description="Accepted: cptune stores the prepared rows in the datasets' order (false) and the trainer's "
+        "sampler shuffles them every epoch (seeded), so true adds no shuffle of its own.",
+    )
     # Axolotl's fused kernels compute what the layers they replace compute (within rounding); cptune runs
     # those layers. Where a kernel drops LoRA inputs differently, cptune.config.axolotl.rules refuses the combination.
     lora_mlp_kernel: bool | None = Field(

@@ -61,6 +61,12 @@ def axolotl_notes(r: Recipe) -> list[str]:
         )
     if r.strict is not None:
         notes.append("strict is not used: cptune always refuses unknown keys.")
+    if r.shuffle_merged_datasets:
+        notes.append(
+            "shuffle_merged_datasets: true adds no shuffle: cptune stores the prepared rows in the datasets' order and "
+            "the trainer's sampler shuffles them every epoch (seeded)."
+        )
+    notes += data_notes(r)
     if (r.wandb_entity or r.wandb_name or r.wandb_mode or r.wandb_run_id) and not r.wandb_enabled:
         notes.append(
             "wandb_* keys are not used: W&B logging is on only with wandb_project or use_wandb: true."
@@ -112,5 +118,35 @@ def fsdp1_notes(r: Recipe) -> list[str]:
         notes.append(
             "fsdp_config.cpu_ram_efficient_loading is not used: every process loads the base model before it is "
             "sharded, so the host needs memory for one copy per process on the node."
+        )
+    return notes
+
+
+# Named chat templates whose cptune rendering differs from Axolotl's template of the same name.
+_TEMPLATE_DIFFERENCES = {
+    "mistral_v2v3": "writes a system message before the first user message; Axolotl's template writes it only "
+    "into a user message that ends the conversation, so in training rows (which end with an answer) it drops it",
+    "mistral_v3_tekken": "writes a system message before the first user message; Axolotl's template writes it "
+    "only into a user message that ends the conversation, so in training rows (which end with an answer) it drops it",
+    "gemma": "writes a system message before the first user message; Axolotl's gemma template refuses a system "
+    "message",
+}
+
+
+def data_notes(r: Recipe) -> list[str]:
+    """Where the recipe's data would be tokenized or trained differently from Axolotl, one line each."""
+    notes = []
+    if r.chat_template in _TEMPLATE_DIFFERENCES and any(d.row_format == "chat_template" for d in r.datasets):
+        notes.append(f"chat_template: {r.chat_template} {_TEMPLATE_DIFFERENCES[r.chat_template]}.")
+    chunked = [
+        f"{key}[{i}]"
+        for key, entries in (("datasets", r.datasets), ("test_datasets", r.test_datasets or ()))
+        for i, d in enumerate(entries)
+        if d.row_format == "completion"
+    ]
+    if chunked and r.excess_length_strategy != "drop":
+        notes.append(
+            f"excess_length_strategy: {r.excess_length_strategy} does not apply to {', '.join(chunked)}: completion "
+            "rows longer than sequence_len are cut into sequence_len pieces, as Axolotl cuts them."
         )
     return notes

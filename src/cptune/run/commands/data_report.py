@@ -90,6 +90,7 @@ def _dataset_section(
     over = lengths > recipe.sequence_len
     dropped = over & (status == "too long")
     truncated = over & (status == "truncated")
+    chunked = over & (status == "chunked")
     return {
         "label": label,
         "rows": rows_in,
@@ -100,6 +101,7 @@ def _dataset_section(
             "rows": int(over.sum()),
             "dropped": int(dropped.sum()),
             "truncated": int(truncated.sum()),
+            "chunked": int(chunked.sum()),
             "tokens_lost": int(lengths[dropped].sum() + (lengths[truncated] - recipe.sequence_len).sum()),
         },
     }
@@ -251,6 +253,9 @@ def _over_line(over: dict[str, Any], recipe: Recipe, documents: int) -> str:
     if not over["rows"]:
         return f"none over sequence_len {recipe.sequence_len}"
     share = f"{over['rows'] / documents:.1%}" if documents else "-"
+    if over.get("chunked") == over["rows"]:
+        # Completion rows: cut into sequence_len pieces, whatever excess_length_strategy says.
+        return f"{_n(over['rows'])} over sequence_len {recipe.sequence_len} ({share}): cut into sequence_len pieces"
     what = (
         f"dropped (excess_length_strategy: drop), {_n(over['tokens_lost'])} tokens never trained"
         if recipe.excess_length_strategy == "drop"

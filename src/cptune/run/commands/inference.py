@@ -128,7 +128,9 @@ def weights_source(recipe: Recipe, checkpoint: str | Path | None, base: bool) ->
 
 def prompter_for(recipe: Recipe, tokenizer: Any) -> Prompter:
     """Prompts in the format of the recipe's first dataset."""
-    return Prompter(recipe.datasets[0], tokenizer, recipe.chat_template)
+    return Prompter(
+        recipe.datasets[0], tokenizer, recipe.chat_template, recipe.chat_template_jinja, recipe.eot_tokens
+    )
 
 
 def context_length(recipe: Recipe, source: ModelSource) -> int | None:

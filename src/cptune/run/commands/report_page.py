@@ -26,6 +26,11 @@ REPORT_TEXT = "report.txt"
 def _length_chart(section: dict[str, Any], sequence_len: int, strategy: str) -> str:
     bins = section["documents"]["histogram"]["bins"]
     counts = section["documents"]["histogram"]["counts"]
+    over = section.get("over_sequence_len", {})
+    if over.get("rows") and over.get("chunked") == over["rows"]:
+        done = "cut into pieces"  # completion rows
+    else:
+        done = "dropped" if strategy == "drop" else "truncated"
     return histogram(
         f"Document lengths: {section['label']}",
         [f"{lo:,}-{hi:,}" for lo, hi in bins],
@@ -33,7 +38,7 @@ def _length_chart(section: dict[str, Any], sequence_len: int, strategy: str) -> 
         x_label="tokens per document (before the length policy)",
         marked=[lo > sequence_len for lo, _ in bins],
         unmarked_name=f"within sequence_len {sequence_len:,}",
-        marked_name=f"over sequence_len ({'dropped' if strategy == 'drop' else 'truncated'})",
+        marked_name=f"over sequence_len ({done})",
     )
 
 
