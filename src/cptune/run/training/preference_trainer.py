@@ -33,8 +33,6 @@ class PreferenceTrainer(CptuneTrainer):
     def __init__(self, *args: Any, preference_loss: PreferenceLoss, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.preference_loss = preference_loss
-        # None at cp=1: each rank holds whole rows, its sums are complete.
-        self._cp_group = self.accelerator.torch_device_mesh["cp"].get_group() if self.cp_size > 1 else None
         self._reference_context = adapter_disabled(self.accelerator.unwrap_model(self.model))
         self._metrics = PairMetrics()
 
