@@ -128,7 +128,13 @@ PLANTED_CASES = [
 # load-balancing loss on (output_router_logits, router_aux_loss_coef 0.02), fully fine-tuned so the
 # routers train. The unpacked rows of 23 tokens end in collator padding (counted, as transformers
 # counts it without an attention mask) and get a CP padding token (not counted: cp=1 has none).
-MOE_CP2_CASES = [case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2)]
+MOE_CP2_CASES = [
+    case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2),
+    # LoRA all-linear: peft wraps the attention projections and the routers (the experts' 3-d weights it
+    # leaves alone); the router loss trains the routers' adapters.
+    case("moe-packed-causal-lora", arch="qwen3_moe"),
+]
+MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
 ]
@@ -194,7 +200,7 @@ SPAWNS = {
         + PREFERENCE_PLANTED_CASES
         + MOE_CP2_CASES,
     ),
-    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES),
+    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + MOE_CP4_CASES),
     "dp2xcp2": (
         4,
         2,
@@ -386,11 +392,13 @@ def test_planted_bugs_in_the_pair_sum_fail_the_fp32_parity_check(parity_results)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("spawn", "cases"), [("cp2", MOE_CP2_CASES), ("dp2xcp2", MOE_DP2_CP2_CASES)], ids=["cp2", "dp2xcp2"]
+    ("spawn", "cases"),
+    [("cp2", MOE_CP2_CASES), ("cp4", MOE_CP4_CASES), ("dp2xcp2", MOE_DP2_CP2_CASES)],
+    ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_moe_router_loss_parity_fp32(parity_results, spawn, cases):
-    """A MoE model with its router loss at cp=2 (ring-flash-attn varlen_llama3), alone and as 2 data-parallel
-    groups: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run (router loss included), by the
+    """A MoE model with its router loss at cp=2 and cp=4 (ring-flash-attn varlen_llama3), and at cp=2 as 2
+    data-parallel groups: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run (router loss included), by the
     float64 rule; and the router loss logged each step (``router_aux_loss``) is the cp=1 run's."""
     results = parity_results(spawn)
     check(results, cases)
