@@ -130,8 +130,8 @@ PLANTED_CASES = [
 # counts it without an attention mask) and get a CP padding token (not counted: cp=1 has none).
 MOE_CP2_CASES = [
     case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2),
-    # LoRA all-linear: peft wraps the attention projections and the routers (the experts' 3-d weights it
-    # leaves alone); the router loss trains the routers' adapters.
+    # LoRA all-linear: peft wraps the attention projections, the routers and the experts' weights; the
+    # router loss trains the routers' adapters too.
     case("moe-packed-causal-lora", arch="qwen3_moe"),
 ]
 MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
