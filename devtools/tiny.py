@@ -222,6 +222,40 @@ def build_tiny_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
+def build_tiny_qwen3_moe(vocab_size: int, seed: int, **overrides: object) -> torch.nn.Module:
+    """A randomly initialised float32 ``Qwen3MoeForCausalLM`` of the tiny Llama's sizes, every layer sparse.
+
+    4 experts of width 32, 2 per token; the router loss is on (``output_router_logits``,
+    ``router_aux_loss_coef`` 0.02) unless ``overrides`` say otherwise. The caller's RNG is untouched.
+
+    Args:
+        vocab_size: Number of embedding rows.
+        seed: Seed for the weight initialisation.
+        **overrides: Any ``Qwen3MoeConfig`` field.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    llama = tiny_llama_config(vocab_size)
+    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    names += ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
+    fields: dict[str, object] = {name: getattr(llama, name) for name in names}
+    fields.update(
+        vocab_size=vocab_size,
+        intermediate_size=llama.intermediate_size,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    )
+    fields.update(overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields))
+    return model.to(torch.float32)
+
+
 def _generation_config(config: LlamaConfig) -> GenerationConfig:
     # Stop at </s> (alpaca-style data) and at <|im_end|> (chat-style data).
     return GenerationConfig(

@@ -155,6 +155,11 @@ FOOTER = """
 - **Packed data is never silently wrong.** A combination that cannot keep packed documents
   apart (packing with `batch_zigzag`, with `cp_backend: torch`, or with Ulysses on `sdpa`) is
   refused when the recipe is validated, not trained.
+- **A mixture-of-experts model's router loss** (`overrides_of_model_config` with
+  `output_router_logits: true` and a `router_aux_loss_coef`) is averaged over the micro batches and
+  data-parallel groups of a step; the Hugging Face Trainer (transformers 5.23) adds it once per micro
+  batch and process, which weights it by `gradient_accumulation_steps` times the data-parallel size
+  ([concepts](concepts.md#the-router-loss-of-a-mixture-of-experts-model)).
 - **Evaluation is split like training**, and `eval_loss` is the token mean over the whole
   evaluation set.
 - **`ring_attn_func: batch_ring` is not available**: `varlen_llama3` (default) handles packed and

@@ -46,3 +46,37 @@ def test_a_damaged_weight_file_is_a_clear_error_when_loading(tiny_model_dir, tmp
     folder = copy_truncated(tiny_model_dir, tmp_path / "model", "pytorch_model.bin", 0.5)
     with pytest.raises(CptuneError, match=r"base_model: cannot load '.*' \(PytorchStreamReader failed"):
         load_model(recipe_for(folder), "sdpa")
+
+
+def test_overrides_of_model_config_turn_on_a_moe_models_router_loss(tmp_path):
+    from cptune.models.loading import model_config
+    from cptune.parallel.router_loss import RouterBalance
+    from devtools.tiny import build_tiny_qwen3_moe
+
+    folder = tmp_path / "moe"
+    build_tiny_qwen3_moe(97, seed=1, output_router_logits=False).save_pretrained(folder)
+    assert RouterBalance.from_config(model_config(recipe_for(folder))) is None
+    recipe = validate_recipe(
+        {
+            "base_model": str(folder),
+            "datasets": [{"path": "d.jsonl"}],
+            "overrides_of_model_config": {"output_router_logits": True, "router_aux_loss_coef": 0.05},
+        }
+    )
+    assert RouterBalance.from_config(model_config(recipe)) == RouterBalance(coef=0.05, num_experts=4, top_k=2)
+
+
+def test_an_override_of_a_field_the_config_lacks_is_refused(tiny_model_dir):
+    from cptune.models.loading import model_config
+
+    recipe = validate_recipe(
+        {
+            "base_model": str(tiny_model_dir),
+            "datasets": [{"path": "d.jsonl"}],
+            "overrides_of_model_config": {"output_router_logits": True},
+        }
+    )
+    with pytest.raises(
+        CptuneError, match=r"overrides_of_model_config: LlamaConfig has no field 'output_router_logits'"
+    ):
+        model_config(recipe)

@@ -54,11 +54,14 @@ from cptune.parallel.backends.ring_flash_attn.sharding import (
 from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
-from cptune.parallel.loss import count_targets, scaled_step_loss
+from cptune.parallel.loss import count_targets
+from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
-from devtools.tiny import build_tiny_model, tiny_llama_config
+from cptune.run.training.micro_loss import training_loss
+from cptune.run.training.trainer import RouterLossLog
+from devtools.tiny import build_tiny_model, build_tiny_qwen3_moe, tiny_llama_config
 from tests import reorder
 from tests.numerics import float64_logits_loss, relative_errors
 
@@ -121,7 +124,15 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
-    model = tiny_qwen3(config) if case.get("arch") == "qwen3" else build_tiny_model(config, seed=1234)
+    if case.get("arch") == "qwen3_moe":
+        # 4 experts, 2 per token, router loss on (output_router_logits, router_aux_loss_coef 0.02).
+        model = build_tiny_qwen3_moe(VOCAB, seed=1234, num_key_value_heads=config.num_key_value_heads)
+        # The experts as a loop of matrix products: torch's grouped_mm (the default) takes no float64 reference.
+        model.set_experts_implementation("eager")
+    elif case.get("arch") == "qwen3":
+        model = tiny_qwen3(config)
+    else:
+        model = build_tiny_model(config, seed=1234)
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
     model.to(dtype)
     model.set_attn_implementation(attn_implementation)
@@ -172,13 +183,32 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+@dataclass(frozen=True)
+class RouterTerm:
+    """A MoE model's router loss as CptuneTrainer adds it: its settings, the step's micro batches
+    counted as ``accumulation``, and the CP group its sums are all-reduced over (None: whole rows)."""
+
+    balance: RouterBalance
+    accumulation: int
+    cp_group: dist.ProcessGroup | None = None
+
+
 def run_step(
-    model, backend, micro_batches, world_size, step_targets, keys=None, loss_fn=logits_loss
+    model,
+    backend,
+    micro_batches,
+    world_size,
+    step_targets,
+    keys=None,
+    loss_fn=logits_loss,
+    router: RouterTerm | None = None,
+    router_log: RouterLossLog | None = None,
 ) -> float:
     """Forward/backward of one optimizer step's micro batches; returns the summed scaled loss.
 
     ``micro_batches`` holds (batch, number of its first row in the data order); with exact
-    dropout (``keys``) the masks are keyed as CptuneTrainer keys them.
+    dropout (``keys``) the masks are keyed as CptuneTrainer keys them. The loss is CptuneTrainer's
+    (``training_loss``), with the router loss of ``router``, each micro batch's value kept in ``router_log``.
     """
     total = 0.0
     for batch, first_row in micro_batches:
@@ -186,9 +216,20 @@ def run_step(
             sharded = backend.shard(batch)
             if keys is not None:
                 keys.set_coords(sharded.coords, first_row)
-            loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
-            loss = scaled_step_loss(loss_sum, step_targets, world_size)
+            loss_sum, outputs = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
+            loss, aux = training_loss(
+                loss_sum,
+                outputs,
+                sharded.coords,
+                step_targets=step_targets,
+                gradient_divisor=world_size,
+                router=router and router.balance,
+                accumulation=router.accumulation if router else 1,
+                cp_group=router and router.cp_group,
+            )
             loss.backward()
+        if aux is not None and router_log is not None:
+            router_log.add(aux)
         total += loss.item()
     return total
 
@@ -340,6 +381,16 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         }
     local = LocalBackend(causal=case["causal"])
     backend = make_backend(case, groups, kernels)
+    ref_router = cp_router = None
+    balance = RouterBalance.from_config(reference.config)
+    if balance is not None:
+        # The reference trains every data-parallel group's micro batches as one step's: the router loss's
+        # mean over all of them, as the CP run's mean over its micro batches and DDP's over the groups.
+        ref_router = RouterTerm(balance, case["ga"] * groups.dp_size)
+        # Planted bug router_local: each rank's router loss from its own shard's sums, not the CP group's.
+        cp_group = None if case.get("inject") == "router_local" else groups.cp_group
+        cp_router = RouterTerm(balance, case["ga"], cp_group)
+    ref_log, cp_log = RouterLossLog(), RouterLossLog()
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LEARNING_RATE)
         for m in (reference, model, twin, reference64)
@@ -356,19 +407,43 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         step_targets.append(int(targets))
         # The reorder stress accumulates the reference's micro batches the other way (tests/reorder.py).
         ref_losses.append(
-            run_step(reference, local, reorder.in_stress_order(ref_batches), 1, targets, ref_keys)
+            run_step(
+                reference,
+                local,
+                reorder.in_stress_order(ref_batches),
+                1,
+                targets,
+                ref_keys,
+                router=ref_router,
+            )
         )
         if twin is not None:
-            twin_losses.append(run_step(twin, local, ref_batches, 1, targets))
+            twin_losses.append(run_step(twin, local, ref_batches, 1, targets, router=ref_router))
         if reference64 is not None:
             ref64_losses.append(
-                run_step(reference64, local, ref_batches, 1, targets, ref64_keys, float64_logits_loss)
+                run_step(
+                    reference64,
+                    local,
+                    ref_batches,
+                    1,
+                    targets,
+                    ref64_keys,
+                    float64_logits_loss,
+                    router=ref_router,
+                    router_log=ref_log,
+                )
             )
         mine_batches = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
         # As CptuneTrainer counts: every rank of a TP group counts its batch too, so the count is tp
         # times the step's, as the world size the loss is scaled by is while FSDP2 averages over world / tp.
         counted = targets * groups.tp_size
-        loss = torch.tensor(run_step(model, backend, mine_batches, world, counted, keys, loss_fn))
+        loss = torch.tensor(
+            run_step(model, backend, mine_batches, world, counted, keys, loss_fn, cp_router, cp_log)
+        )
+        if balance is not None:
+            # What CptuneTrainer logs as router_aux_loss (a collective), and the float64 cp=1 run's value.
+            result.setdefault("cp_router_aux", []).append(cp_log.mean()["router_aux_loss"])
+            result.setdefault("ref64_router_aux", []).append(ref_log.mean()["router_aux_loss"])
         dist.all_reduce(loss)
         cp_losses.append(loss.item() / world)
         # Planted bug grad_scale: gradients averaged over the data-parallel groups only, not the world.

@@ -120,6 +120,23 @@ PLANTED_CASES = [
     case("planted-grad-scale", inject="grad_scale"),
     case("planted-window", inject="window", packed=False, lora=False),
     case("planted-boundary", inject="boundary", lora=False),
+    # Each rank's router loss from its own shard's tokens, not summed over the CP group.
+    case("planted-router-local", inject="router_local", arch="qwen3_moe", lora=False),
+]
+
+# Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
+# load-balancing loss on (output_router_logits, router_aux_loss_coef 0.02), fully fine-tuned so the
+# routers train. The unpacked rows of 23 tokens end in collator padding (counted, as transformers
+# counts it without an attention mask) and get a CP padding token (not counted: cp=1 has none).
+MOE_CP2_CASES = [
+    case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2),
+    # LoRA all-linear: peft wraps the attention projections, the routers and the experts' weights; the
+    # router loss trains the routers' adapters too.
+    case("moe-packed-causal-lora", arch="qwen3_moe"),
+]
+MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
+MOE_DP2_CP2_CASES = [
+    case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
 ]
 
 
@@ -180,10 +197,15 @@ SPAWNS = {
         + ZIGZAG_CASES
         + PLANTED_CASES
         + PREFERENCE_CP2_CASES
-        + PREFERENCE_PLANTED_CASES,
+        + PREFERENCE_PLANTED_CASES
+        + MOE_CP2_CASES,
     ),
-    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES),
-    "dp2xcp2": (4, 2, DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES + PREFERENCE_DP2_CP2_CASES),
+    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + MOE_CP4_CASES),
+    "dp2xcp2": (
+        4,
+        2,
+        DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES + PREFERENCE_DP2_CP2_CASES + MOE_DP2_CP2_CASES,
+    ),
 }
 
 
@@ -369,9 +391,31 @@ def test_planted_bugs_in_the_pair_sum_fail_the_fp32_parity_check(parity_results)
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"),
+    [("cp2", MOE_CP2_CASES), ("cp4", MOE_CP4_CASES), ("dp2xcp2", MOE_DP2_CP2_CASES)],
+    ids=["cp2", "cp4", "dp2xcp2"],
+)
+def test_moe_router_loss_parity_fp32(parity_results, spawn, cases):
+    """A MoE model with its router loss at cp=2 and cp=4 (ring-flash-attn varlen_llama3), and at cp=2 as 2
+    data-parallel groups: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run (router loss included), by the
+    float64 rule; and the router loss logged each step (``router_aux_loss``) is the cp=1 run's."""
+    results = parity_results(spawn)
+    check(results, cases)
+    for name in (c["name"] for c in cases):
+        for rank, per_rank in enumerate(results):
+            r = per_rank[name]
+            # Against the float64 cp=1 value: fp32 rounding of sums over at most 4 rows x 24 tokens x 2 layers
+            # (192 terms of magnitude <= 1, 192 x 2**-24 ~ 1.1e-5 each for the two per-expert sums and the
+            # forward's own fp32 rounding before the router, the same bound again): 4e-5.
+            errors = [rel(cp, ref) for cp, ref in zip(r["cp_router_aux"], r["ref64_router_aux"], strict=True)]
+            assert max(errors) <= 4e-5, (name, rank, errors, r["cp_router_aux"])
+
+
+@pytest.mark.distributed
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
-    """A wrong gradient scale, a sliding window and a dropped document boundary, each planted in the
-    cp=2 ring path: the fp32 check of the tests above fails on every one."""
+    """A wrong gradient scale, a sliding window, a dropped document boundary and a per-rank router loss, each
+    planted in the cp=2 ring path: the fp32 check of the tests above fails on every one."""
     results = parity_results("cp2")
     for case_ in PLANTED_CASES:
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]

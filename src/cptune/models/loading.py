@@ -164,7 +164,7 @@ def model_config(recipe: Recipe, path: str | None = None) -> Any:
 
     source = path or recipe.base_model
     try:
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             source,
             trust_remote_code=recipe.trust_remote_code,
             revision=None if path else recipe.model_revision,
@@ -174,6 +174,27 @@ def model_config(recipe: Recipe, path: str | None = None) -> Any:
             f"base_model: cannot load a model config from '{source}' ({_first_line(err)}). "
             "Give a local folder with config.json and weights, or a hub id that is reachable from here."
         ) from None
+    if path is None:
+        override_config(config, recipe.overrides_of_model_config or {})
+    return config
+
+
+def override_config(config: Any, overrides: dict[str, Any]) -> None:
+    """Set the recipe's ``overrides_of_model_config`` on the (text) config, each a field it already has.
+
+    A saved full model's config (``path``) already carries them and is left as saved.
+
+    Raises:
+        CptuneError: naming the first field the config does not have.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name, value in overrides.items():
+        if not hasattr(text, name):
+            raise CptuneError(
+                f"overrides_of_model_config: {type(text).__name__} has no field '{name}'. Set only fields of the "
+                "base model's config.json (e.g. output_router_logits, router_aux_loss_coef)."
+            )
+        setattr(text, name, value)
 
 
 def load_model(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cptune.errors import CptuneError
 from cptune.models.reference import adapter_disabled
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.loss import step_target_count
@@ -32,9 +33,13 @@ class PreferenceTrainer(CptuneTrainer):
 
     def __init__(self, *args: Any, preference_loss: PreferenceLoss, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        if self._router is not None:
+            raise CptuneError(
+                "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef "
+                f"{self._router.coef}), which cptune's preference loss does not include yet. Set "
+                "output_router_logits: false in overrides_of_model_config to train without it."
+            )
         self.preference_loss = preference_loss
-        # None at cp=1: each rank holds whole rows, its sums are complete.
-        self._cp_group = self.accelerator.torch_device_mesh["cp"].get_group() if self.cp_size > 1 else None
         self._reference_context = adapter_disabled(self.accelerator.unwrap_model(self.model))
         self._metrics = PairMetrics()
 

@@ -30,7 +30,8 @@ from cptune.parallel.backends.attention import check_layers_served, count_attent
 from cptune.parallel.backends.base import BatchSharder
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
-from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count
+from cptune.parallel.loss import count_targets, step_target_count
+from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch, TokenCoords
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.overrides import check_overrides
@@ -39,6 +40,7 @@ from cptune.run.training.adapter_save import zero3_adapter_state_dict
 from cptune.run.training.checkpoints import save_checkpoint_atomically
 from cptune.run.training.eval_loop import all_reduce_totals, build_eval_dataloader, evaluate_batches
 from cptune.run.training.fsdp import gathered_state_dict
+from cptune.run.training.micro_loss import training_loss
 
 # Builds the backend once the accelerator (and so the process groups) exists: (accelerator, model).
 BackendFactory = Callable[[Any, Any], BatchSharder]
@@ -77,6 +79,11 @@ class CptuneTrainer(Trainer):
             # On the tp axis of accelerate's own mesh, which FSDP2 shards over (cptune.parallel.tensor_parallel).
             apply_tensor_parallel(self.model, self.accelerator.torch_device_mesh["tp"])
         self.cp_backend = backend_factory(self.accelerator, self.model)
+        # None at cp=1: each rank holds whole rows, its sums are complete.
+        self._cp_group = self.accelerator.torch_device_mesh["cp"].get_group() if cp_size > 1 else None
+        # A mixture-of-experts model's router loss, which its own forward adds to the loss cptune replaces.
+        self._router = RouterBalance.from_config(self.accelerator.unwrap_model(self.model).config)
+        self._router_log = RouterLossLog()
         self.data_collator = self.cp_backend.wrap_collator(self.data_collator)
         self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
         self._throughput = Throughput()
@@ -115,15 +122,27 @@ class CptuneTrainer(Trainer):
     ):
         if model.training and "num_tokens" in inputs:
             self._throughput.add(int(inputs["num_tokens"]))
-        loss_sum, _, outputs = self._shard_forward(model, inputs)
+        loss_sum, sharded, outputs = self._shard_forward(model, inputs)
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], loss_sum.device)
         # DDP, FSDP2 and DeepSpeed (given no sequence-parallel group) average the gradients over every rank.
-        loss = scaled_step_loss(loss_sum, num_items_in_batch, self.accelerator.num_processes)
+        # Evaluation reports the token loss alone (eval_loop), so the router loss is a training term only.
+        loss, router_aux = training_loss(
+            loss_sum,
+            outputs,
+            sharded.coords,
+            step_targets=num_items_in_batch,
+            gradient_divisor=self.accelerator.num_processes,
+            router=self._router if model.training else None,
+            accumulation=self.current_gradient_accumulation_steps if model.training else 1,
+            cp_group=self._cp_group,
+        )
+        if router_aux is not None:
+            self._router_log.add(router_aux)
         return (loss, outputs) if return_outputs else loss
 
     def _shard_forward(self, model: torch.nn.Module, inputs: dict[str, Any]):
-        """This rank's shard of the batch through the model: (token loss sum, shard targets, outputs)."""
+        """This rank's shard of the batch through the model: (token loss sum, the shard's inputs, outputs)."""
         batch = TokenBatch(
             input_ids=inputs["input_ids"],
             position_ids=inputs["position_ids"],
@@ -137,7 +156,7 @@ class CptuneTrainer(Trainer):
         loss_sum, outputs = self._shard_loss(model, sharded.model_kwargs, sharded.shift_labels)
         if sharded.call is not None:
             check_layers_served(sharded.call, self._attention_layers)
-        return loss_sum, sharded.shift_labels, outputs
+        return loss_sum, sharded, outputs
 
     def _key_dropout(self, coords: TokenCoords | None) -> None:
         """Tell the exact dropout where this micro batch's tokens sit in the training data."""
@@ -200,8 +219,8 @@ class CptuneTrainer(Trainer):
         def local_loss(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
             inputs = self._prepare_inputs(inputs)
             with self.cp_backend.step_context(), self.compute_loss_context_manager():
-                loss_sum, shift_labels, _ = self._shard_forward(model, inputs)
-            return loss_sum, count_targets(shift_labels)
+                loss_sum, sharded, _ = self._shard_forward(model, inputs)
+            return loss_sum, count_targets(sharded.shift_labels)
 
         def progress() -> None:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -258,6 +277,8 @@ class CptuneTrainer(Trainer):
                 logs["tokens_per_second_per_process"] = round(
                     tokens_per_second / self.accelerator.num_processes, 1
                 )
+            if self._router is not None:
+                logs.update(self._router_log.mean())
         super().log(logs, start_time)
 
 
@@ -278,6 +299,29 @@ class LogLastStep(TrainerCallback):
         if control.should_training_stop:
             control.should_log = True
         return control
+
+
+class RouterLossLog:
+    """The router loss of the micro batches this rank trained since the last log, for ``router_aux_loss``."""
+
+    def __init__(self) -> None:
+        self._sums = torch.zeros(2, dtype=torch.float64)
+
+    def add(self, aux: torch.Tensor) -> None:
+        self._sums += torch.tensor([float(aux), 1.0], dtype=torch.float64)
+
+    def mean(self) -> dict[str, float]:
+        """The mean router loss per micro batch over every rank since the last call (a collective), then reset.
+
+        The ranks of a CP group hold the same value (the loss of their whole micro batch) and count in
+        the sum and the count alike, so the mean is over the data-parallel groups' micro batches: what the
+        cp=1 run with the same data parallelism logs.
+        """
+        totals = all_reduce_sum(self._sums)
+        self._sums.zero_()
+        if float(totals[1]) == 0:
+            return {}
+        return {"router_aux_loss": float(totals[0]) / float(totals[1])}
 
 
 class MicroBatchCounter:
