@@ -252,14 +252,27 @@ def validate(
         ),
     ] = None,
 ) -> None:
+    from cptune.data.sources import source_problems
+    from cptune.errors import RecipeError, RecipeProblem
     from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
-    plan = RunPlan.build(loaded, per_node * nnodes)
-    typer.echo(describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory))
+    # Missing or unreadable data is found first (no model, no rows read) and reported together with
+    # what the plan finds, so that one run of validate names every problem it can see.
+    problems = source_problems(loaded)
+    try:
+        per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
+        plan = RunPlan.build(loaded, per_node * nnodes)
+        described = describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory)
+    except CptuneError as err:
+        if not problems:
+            raise
+        problems.append(RecipeProblem("", str(err)))
+    if problems:
+        raise RecipeError(problems, source=str(recipe))
+    typer.echo(described)
 
 
 CheckpointOption = Annotated[
