@@ -141,6 +141,14 @@ def train(
             "train log (same as overwrite_output_dir: true).",
         ),
     ] = False,
+    data_reported: Annotated[
+        bool,
+        typer.Option(
+            "--data-reported",
+            hidden=True,
+            help="Set by cptune's launcher for its ranks: its preflight prepared the data and reported it.",
+        ),
+    ] = False,
 ) -> None:
     from cptune.run.training.distributed import close_process_groups, read_dist_env, under_launcher
 
@@ -161,7 +169,7 @@ def train(
     if under_launcher():
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded)
+        result = run_train(loaded, data_reported=data_reported)
         close_process_groups()
         if env.rank == 0:
             typer.echo(
@@ -187,11 +195,12 @@ def train(
     if launching.world_size == 1:
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, plan=plan)
+        result = run_train(loaded, plan=plan, data_reported=True)
         close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
-    code = launch(launching, ["train", str(recipe), *ctx.args, *flags])
+    # The ranks of a node whose preflight prepared no data (multi-node, node_rank > 0) are not rank 0.
+    code = launch(launching, ["train", str(recipe), *ctx.args, *flags, "--data-reported"])
     if code:
         raise typer.Exit(code)
 

@@ -62,6 +62,8 @@ def preflight(
             highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
         )
         plan.check_prepared_rows(prepared)
+        # Here the data was prepared or found in the cache: the one place that knows which.
+        log.info("%s", prepared.stats.format())
 
 
 def check_resume(recipe: Recipe) -> None:
