@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create (or update) .venv with the CPU build of torch and cptune installed for
-# development. Safe to run again: what is already installed is kept.
+# Create (or update) .venv with torch and cptune installed for development.
+# Safe to run again: what is already installed is kept.
 #
-# torch goes in first and on its own: asked for as a dependency, an unpinned
-# torch would pull a multi-GB CUDA build. On machines whose package index has no
-# CPU build of torch 2.13.0, install one first (e.g. from PyTorch's CPU index)
-# and this script keeps it.
+# torch goes in first and on its own, pinned, from the configured package index:
+# which build that is depends on the index (plain PyPI gives Linux the multi-GB
+# CUDA build). For the CPU build, install it into .venv first (e.g. from PyTorch's
+# CPU index, https://download.pytorch.org/whl/cpu) and this script keeps it.
 #
 #   --deepspeed  also install the deepspeed extra (cp_backend: deepspeed), as the
 #                test suite does (scripts/test.sh); the quickstart does without it.
@@ -42,7 +42,9 @@ pip_install() {
 }
 
 if ! python -c "import torch" >/dev/null 2>&1; then
-  echo "cptune setup: installing torch 2.13.0 (CPU build)"
+  echo "cptune setup: installing torch==2.13.0 from the configured package index (plain PyPI gives Linux" \
+    "the CUDA build; for the CPU build, install torch from https://download.pytorch.org/whl/cpu into .venv" \
+    "first, and this script keeps it)"
   pip_install "torch==2.13.0"
 fi
 echo "cptune setup: installing cptune and its dependencies (extras: $extras)"
