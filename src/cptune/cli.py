@@ -257,7 +257,7 @@ def validate(
     gpu_memory: Annotated[
         float | None,
         typer.Option(
-            help="GiB of memory per GPU to estimate against (default: this machine's GPU, else 80 GB)."
+            help="GiB of memory per GPU to estimate against (default: this machine's GPU; without one, the estimate is a plan for an H100 80GB)."
         ),
     ] = None,
 ) -> None:
