@@ -21,6 +21,7 @@ from cptune.errors import CptuneError
 from cptune.run.plan import RunPlan
 from cptune.run.training.checkpoints import resume_checkpoint
 from cptune.run.training.output_dir import check_earlier_run, check_output_dir
+from cptune.run.training.run_recipe import check_resumed_recipe
 
 log = logging.getLogger("cptune.preflight")
 
@@ -67,8 +68,12 @@ def preflight(
 
 
 def check_resume(recipe: Recipe) -> None:
-    """Refuse a resume without a complete checkpoint; name the checkpoint a resume starts from."""
+    """Refuse a resume without a complete checkpoint, or one that changes how the run is shaped.
+
+    Names the checkpoint a resume starts from.
+    """
     resume = resume_checkpoint(recipe)
+    check_resumed_recipe(recipe, resume)
     if resume is not None:
         log.info("will resume from %s", resume)
 

@@ -38,6 +38,7 @@ from cptune.run.training.output_dir import (
     check_output_dir,
     clear_earlier_run,
 )
+from cptune.run.training.run_recipe import check_resumed_recipe, save_run_recipe
 
 log = logging.getLogger("cptune.train")
 
@@ -104,8 +105,10 @@ def _train(
     # first check, and it runs before anything is loaded or written.
     check_output_dir(recipe)
     check_earlier_run(recipe)
+    check_resumed_recipe(recipe, resume_checkpoint(recipe))
     if env.rank == 0:
         clear_earlier_run(recipe)
+        save_run_recipe(recipe)
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
