@@ -22,12 +22,12 @@ def test_the_saved_recipe_holds_the_overrides_and_a_resume_is_checked_against_it
     assert yaml.safe_load(saved.read_text()) == started.model_dump(mode="json")
     checkpoint = tmp_path / "out" / "checkpoint-2"
 
-    # The same run, with a change that does not shape it (logging): continues.
-    check_resumed_recipe(
+    # The same run, with a change that does not shape it (logging): continues, and says what changed.
+    assert check_resumed_recipe(
         load_recipe(path, ["--max_steps=6", "--learning_rate=0.01", "--logging_steps=3"]), checkpoint
-    )
+    ) == ["logging_steps: 1 -> 3", "save_steps: 2 -> unset"]
     # Not resuming: nothing to check.
-    check_resumed_recipe(load_recipe(path), None)
+    assert check_resumed_recipe(load_recipe(path), None) == []
 
     with pytest.raises(CptuneError) as refused:
         check_resumed_recipe(load_recipe(path, ["--resume_from_checkpoint=true"]), checkpoint)
@@ -68,4 +68,20 @@ def test_train_resume_with_other_steps_and_batch_is_refused_before_any_work(
             "train", str(recipe), "--resume", "--max_steps=2", "--save_steps=1", "--micro_batch_size=1"
         )
     )
-    assert any(r.getMessage().startswith("resuming from") for r in caplog.records), caplog.text
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("resuming from") for m in said), said
+    # Resuming with --logging_steps=2 (the run logged every step) is allowed and listed.
+    caplog.clear()
+    succeeded(
+        cptune_in_process(
+            "train",
+            str(recipe),
+            "--resume",
+            "--max_steps=2",
+            "--save_steps=1",
+            "--micro_batch_size=1",
+            "--logging_steps=2",
+        )
+    )
+    said = [r.getMessage() for r in caplog.records]
+    assert "the resume changes settings that do not shape the run: logging_steps: 1 -> 2" in said, said

@@ -92,18 +92,26 @@ def save_run_recipe(recipe: Recipe) -> Path | None:
     return path
 
 
-def check_resumed_recipe(recipe: Recipe, checkpoint: Path | None) -> None:
+# Keys that differ between a run and its resume by the resume's nature.
+_RESUME_KEYS = frozenset({"resume_from_checkpoint", "overwrite_output_dir"})
+
+
+def check_resumed_recipe(recipe: Recipe, checkpoint: Path | None) -> list[str]:
     """Refuse a resume whose recipe changes a key that shapes the run it continues.
 
     Args:
         recipe: The resumed command's recipe, overrides included.
         checkpoint: The checkpoint it resumes from (None: not resuming); its run is the folder above it.
 
+    Returns:
+        The other keys the resume changes (logging, checkpoint and evaluation cadence, ...), one
+        ``key: run's value -> value now`` each, for the run to list.
+
     Raises:
         CptuneError: naming each changed key with the run's value and the value given now.
     """
     if checkpoint is None:
-        return
+        return []
     saved_path = checkpoint.parent / RUN_RECIPE_NAME
     if not saved_path.is_file():
         log.info(
@@ -111,12 +119,16 @@ def check_resumed_recipe(recipe: Recipe, checkpoint: Path | None) -> None:
             checkpoint.parent,
             RUN_RECIPE_NAME,
         )
-        return
+        return []
     saved = yaml.safe_load(saved_path.read_text(encoding="utf-8")) or {}
     now = _resolved(recipe)
     changed = [key for key in RUN_SHAPING_KEYS if saved.get(key) != now.get(key)]
     if not changed:
-        return
+        return [
+            f"{key}: {_show(saved.get(key))} -> {_show(now.get(key))}"
+            for key in sorted(set(saved) | set(now))
+            if key not in _RESUME_KEYS and saved.get(key) != now.get(key)
+        ]
     lines = [f"  - {key}: {_show(saved.get(key))} in the run, {_show(now.get(key))} now" for key in changed]
     raise CptuneError(
         f"--resume: the recipe and overrides given now change {len(changed)} setting"

@@ -105,8 +105,10 @@ def _train(
     # first check, and it runs before anything is loaded or written.
     check_output_dir(recipe)
     check_earlier_run(recipe)
-    check_resumed_recipe(recipe, resume_checkpoint(recipe))
+    changed = check_resumed_recipe(recipe, resume_checkpoint(recipe))
     if env.rank == 0:
+        if changed:
+            log.info("the resume changes settings that do not shape the run: %s", "; ".join(changed))
         clear_earlier_run(recipe)
         save_run_recipe(recipe)
 
