@@ -261,13 +261,14 @@ def validate(
         ),
     ] = None,
 ) -> None:
+    _setup_logging()
+    # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
+    loaded = _load(recipe, ctx)
     from cptune.data.sources import source_problems
     from cptune.errors import RecipeError, RecipeProblem
     from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
 
-    _setup_logging()
-    loaded = _load(recipe, ctx)
     # Missing or unreadable data is found first (no model, no rows read) and reported together with
     # what the plan finds, so that one run of validate names every problem it can see.
     problems = source_problems(loaded)

@@ -9,6 +9,8 @@ whose import path hides the package.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,24 @@ def test_validate_reports_missing_and_unreadable_data_with_the_other_problems(
         "lora_target_modules:",
     )
     assert done.stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_recipe_error_is_reported_before_torch_datasets_or_transformers_load(command, tmp_path):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(
+        f"base_model: m\nsequnce_len: 5\ndatasets:\n  - path: {QUICKSTART_DATA}\n    type: alpaca\n"
+    )
+    program = (
+        "import sys\n"
+        "from cptune.cli import main\n"
+        "try:\n"
+        f"    main([{command!r}, {str(recipe)!r}])\n"
+        "except SystemExit as exited:\n"
+        "    print('exit', exited.code)\n"
+        "print(sorted(m for m in ('torch', 'datasets', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert "sequnce_len: is not a known key. Did you mean 'sequence_len'?" in done.stderr, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["exit 2", "[]"], done.stdout
