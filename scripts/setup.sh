@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Create (or update) .venv with the CPU build of torch and cptune installed for
-# development. Safe to run again: what is already installed is kept.
+# Create (or update) .venv with torch and cptune installed for development.
+# Safe to run again: what is already installed is kept.
 #
-# torch goes in first and on its own: asked for as a dependency, an unpinned
-# torch would pull a multi-GB CUDA build. On machines whose package index has no
-# CPU build of torch 2.13.0, install one first (e.g. from PyTorch's CPU index)
-# and this script keeps it.
+# torch goes in first and on its own, pinned, from the configured package index:
+# which build that is depends on the index (plain PyPI gives Linux the multi-GB
+# CUDA build). For the CPU build, install it into .venv first (e.g. from PyTorch's
+# CPU index, https://download.pytorch.org/whl/cpu) and this script keeps it.
 #
 #   --deepspeed  also install the deepspeed extra (cp_backend: deepspeed), as the
 #                test suite does (scripts/test.sh); the quickstart does without it.
@@ -42,12 +42,36 @@ pip_install() {
 }
 
 if ! python -c "import torch" >/dev/null 2>&1; then
-  echo "cptune setup: installing torch 2.13.0 (CPU build)"
+  echo "cptune setup: installing torch==2.13.0 from the configured package index (plain PyPI gives Linux" \
+    "the CUDA build; for the CPU build, install torch from https://download.pytorch.org/whl/cpu into .venv" \
+    "first, and this script keeps it)"
   pip_install "torch==2.13.0"
 fi
-echo "cptune setup: installing cptune and its dependencies (extras: $extras)"
-# DeepSpeed builds its C++/CUDA ops at install time unless told not to; cptune needs
-# none of them (DeepSpeed compiles what it uses on first use).
-export DS_BUILD_OPS=0
-pip_install -c constraints/tested.txt -e ".[$extras]"
+# What the install below depends on: the package's metadata and the tested versions. A run that
+# finds them unchanged since its last install, with every extra asked for installed then and
+# cptune importable from this checkout, installs nothing (pip would spend most of a minute
+# finding that out).
+stamp=.venv/.cptune-setup
+inputs=$(python -c 'import hashlib, sys; print(hashlib.sha256(b"".join(open(f, "rb").read() for f in sys.argv[1:])).hexdigest())' \
+  pyproject.toml constraints/tested.txt)
+up_to_date() {
+  [ -f "$stamp" ] || return 1
+  read -r stamped_inputs stamped_extras <"$stamp" || return 1
+  [ "$stamped_inputs" = "$inputs" ] || return 1
+  for extra in ${extras//,/ }; do
+    case ",$stamped_extras," in *",$extra,"*) ;; *) return 1 ;; esac
+  done
+  python -c "import cptune, sys; sys.exit(not cptune.__file__.startswith('$PWD/src/'))" >/dev/null 2>&1
+}
+if up_to_date; then
+  echo "cptune setup: cptune and its dependencies are installed and unchanged (extras: $extras); nothing to install"
+else
+  echo "cptune setup: installing cptune and its dependencies (extras: $extras)"
+  # DeepSpeed builds its C++/CUDA ops at install time unless told not to; cptune needs
+  # none of them (DeepSpeed compiles what it uses on first use).
+  export DS_BUILD_OPS=0
+  rm -f "$stamp"
+  pip_install -c constraints/tested.txt -e ".[$extras]"
+  echo "$inputs $extras" >"$stamp"
+fi
 python -c "import cptune, torch, transformers; print(f'cptune setup: ok (torch {torch.__version__}, transformers {transformers.__version__})')"

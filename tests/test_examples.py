@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,43 @@ def test_quickstart_halves_its_loss_with_cp2(quickstart_run):
     assert losses[-1] <= 0.5 * losses[0], losses
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 16
     assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.distributed
+def test_quickstart_resume_continues_from_its_last_checkpoint(quickstart_run, tmp_path):
+    """``cptune train examples/quickstart.yaml --resume``, as scripts/quickstart.sh advertises it.
+
+    A copy of the session's finished quickstart run (the original is shared with other tests), less
+    its final checkpoint, stands for a run stopped between two saves: it continues from the newest
+    checkpoint left and trains the steps after it to the same end.
+    """
+    done, finished = quickstart_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = logged(finished, "loss")
+    out = tmp_path / "out"
+    shutil.copytree(finished, out)
+    checkpoints = sorted((p for p in out.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
+    assert len(checkpoints) == 2, (
+        f"the quickstart keeps 2 checkpoints: {sorted(p.name for p in out.iterdir())}"
+    )
+    shutil.rmtree(checkpoints.pop())  # the one the end of training wrote
+    newest = int(checkpoints[-1].name.split("-")[1])
+    resumed = run_cptune(
+        "train",
+        "examples/quickstart.yaml",
+        "--resume",
+        f"--output_dir={out}",
+        f"--dataset_prepared_path={finished.parent / 'prepared'}",
+        cwd=REPO,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {checkpoints[-1]}" in resumed.stderr, resumed.stderr[-3000:]
+    again = logged(out, "loss")
+    after = [step for step in first if step > newest]
+    assert sorted(again) == sorted(first) and after, (again, first)
+    # Exact: the resumed steps repeat the finished run's operations, in the same layout on the same
+    # machine, from a state restored bit for bit (as tests/run/test_resume.py shows for a killed run).
+    assert {step: again[step] for step in after} == {step: first[step] for step in after}
 
 
 @pytest.mark.distributed

@@ -141,6 +141,14 @@ def train(
             "train log (same as overwrite_output_dir: true).",
         ),
     ] = False,
+    data_reported: Annotated[
+        bool,
+        typer.Option(
+            "--data-reported",
+            hidden=True,
+            help="Set by cptune's launcher for its ranks: its preflight prepared the data and reported it.",
+        ),
+    ] = False,
 ) -> None:
     from cptune.run.training.distributed import close_process_groups, read_dist_env, under_launcher
 
@@ -161,7 +169,7 @@ def train(
     if under_launcher():
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded)
+        result = run_train(loaded, data_reported=data_reported)
         close_process_groups()
         if env.rank == 0:
             typer.echo(
@@ -187,11 +195,12 @@ def train(
     if launching.world_size == 1:
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, plan=plan)
+        result = run_train(loaded, plan=plan, data_reported=True)
         close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
-    code = launch(launching, ["train", str(recipe), *ctx.args, *flags])
+    # The ranks of a node whose preflight prepared no data (multi-node, node_rank > 0) are not rank 0.
+    code = launch(launching, ["train", str(recipe), *ctx.args, *flags, "--data-reported"])
     if code:
         raise typer.Exit(code)
 
@@ -248,18 +257,32 @@ def validate(
     gpu_memory: Annotated[
         float | None,
         typer.Option(
-            help="GiB of memory per GPU to estimate against (default: this machine's GPU, else 80 GB)."
+            help="GiB of memory per GPU to estimate against (default: this machine's GPU; without one, the estimate is a plan for an H100 80GB)."
         ),
     ] = None,
 ) -> None:
+    _setup_logging()
+    # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
+    loaded = _load(recipe, ctx)
+    from cptune.data.sources import source_problems
+    from cptune.errors import RecipeError, RecipeProblem
     from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
 
-    _setup_logging()
-    loaded = _load(recipe, ctx)
-    per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
-    plan = RunPlan.build(loaded, per_node * nnodes)
-    typer.echo(describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory))
+    # Missing or unreadable data is found first (no model, no rows read) and reported together with
+    # what the plan finds, so that one run of validate names every problem it can see.
+    problems = source_problems(loaded)
+    try:
+        per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
+        plan = RunPlan.build(loaded, per_node * nnodes)
+        described = describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory)
+    except CptuneError as err:
+        if not problems:
+            raise
+        problems.append(RecipeProblem("", str(err)))
+    if problems:
+        raise RecipeError(problems, source=str(recipe))
+    typer.echo(described)
 
 
 CheckpointOption = Annotated[

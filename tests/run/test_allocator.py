@@ -127,7 +127,7 @@ def test_a_run_in_this_process_has_the_setting_before_training(write_recipe, cle
     class Done:
         seconds, output_dir = 0.0, "out"
 
-    def train(recipe, plan=None):
+    def train(recipe, plan=None, **_):
         seen.append(os.environ.get(VARIABLE))
         return Done()
 

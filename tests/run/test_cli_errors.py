@@ -8,9 +8,14 @@ whose import path hides the package.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.conftest import run_cptune
+from tests.conftest import QUICKSTART_DATA, run_cptune
 
 
 def assert_clean_failure(done, *fragments: str) -> None:
@@ -106,3 +111,51 @@ def test_validate_shows_the_fsdp2_mesh_and_state_memory_per_rank(
             format_bytes(v) for v in (memory.weights, memory.gradients, memory.optimizer, memory.total)
         )
         assert " ".join(row.split()) == f"{name} {cells}", row
+
+
+def test_validate_reports_missing_and_unreadable_data_with_the_other_problems(
+    write_recipe, cptune_in_process, tmp_path, monkeypatch
+):
+    locked = tmp_path / "locked.jsonl"
+    locked.write_bytes(QUICKSTART_DATA.read_bytes())
+    access = os.access
+    # The tests run as root, for whom no permission bit hides a file: the check asks os.access.
+    monkeypatch.setattr(
+        os, "access", lambda path, mode, **kw: Path(path) != locked and access(path, mode, **kw)
+    )
+    recipe = write_recipe(
+        datasets=[{"path": str(QUICKSTART_DATA), "type": "alpaca"}, {"path": str(locked), "type": "alpaca"}],
+        test_datasets=[{"path": "missing-eval.jsonl", "type": "alpaca"}],
+        lora_target_modules=["no_such_proj"],
+    )
+    done = cptune_in_process("validate", str(recipe), "--datasets.0.path=other.jsonl")
+    assert_clean_failure(
+        done,
+        "has 4 problems",
+        "datasets[0].path 'other.jsonl' does not exist",
+        f"datasets[1] ({locked}): '{locked}' cannot be read (no read permission for this user)",
+        "test_datasets[0].path 'missing-eval.jsonl' does not exist",
+        "lora_target_modules:",
+    )
+    assert done.stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["validate", "train"])
+def test_a_recipe_error_is_reported_before_torch_datasets_or_transformers_load(command, tmp_path):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(
+        f"base_model: m\nsequnce_len: 5\ndatasets:\n  - path: {QUICKSTART_DATA}\n    type: alpaca\n"
+    )
+    program = (
+        "import sys\n"
+        "from cptune.cli import main\n"
+        "try:\n"
+        f"    main([{command!r}, {str(recipe)!r}])\n"
+        "except SystemExit as exited:\n"
+        "    print('exit', exited.code)\n"
+        "print(sorted(m for m in ('torch', 'datasets', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert "sequnce_len: is not a known key. Did you mean 'sequence_len'?" in done.stderr, done.stderr
+    assert done.stdout.splitlines()[-2:] == ["exit 2", "[]"], done.stdout

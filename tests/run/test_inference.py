@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -143,13 +144,21 @@ def test_inference_command_streams_the_answer_and_prints_the_score(
     )
 
 
-def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(write_recipe, one_thread):
+def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
+    write_recipe, one_thread, caplog
+):
     recipe = load_recipe(write_recipe())
     tokenizer = load_tokenizer(recipe)
     row = {"instruction": "Say hello.", "input": "", "output": "Hello there, friend."}
-    (result,) = run_inference(
-        recipe, base=True, prompt=row["instruction"], completion=row["output"], echo=_quiet
-    )
+    with caplog.at_level(logging.INFO, logger="cptune"):
+        (result,) = run_inference(
+            recipe, base=True, prompt=row["instruction"], completion=row["output"], echo=_quiet
+        )
+    # Scoring generates nothing, and the line that names the weights says so.
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if m.startswith(("scoring with", "generating with"))] == [
+        f"scoring with {ModelSource('base').describe(recipe)}"
+    ], said
     # Independently: the model's own loss on the training sample is the mean negative log-likelihood
     # of exactly the trained tokens.
     sample = build_formatter(

@@ -26,6 +26,7 @@ def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):
         in plan
     )
     assert "GPU memory 3 GiB [--gpu-memory]" in plan
+    assert "  longest sequence that fits per GPU (one sequence per step, dp=1):" in plan
     assert re.search(r"this recipe: 128 tokens per GPU -> peak [\d.]+ \w?i?B \(model states", plan)
     assert (
         "host RAM for the offloaded layer inputs: 64 KiB per process, 128 KiB per node (2 process(es))"
@@ -40,6 +41,17 @@ def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):
     small = describe_plan(RunPlan.build(recipe, 2), gpu_memory_gib=1.0)
     assert "warning: the estimate exceeds the usable GPU memory (-1 GiB)" in small
     assert re.search(r"^\s+1\s+none\s+-", small, re.M)
+
+
+def test_without_a_gpu_the_table_is_a_plan_for_the_named_gpu(write_recipe, monkeypatch):
+    monkeypatch.setattr(memory_plan.torch.cuda, "is_available", lambda: False)
+    plan = describe_plan(RunPlan.build(load_recipe(write_recipe()), 1))
+    assert (
+        "Memory per GPU, a plan for one H100 80GB (estimate from the config: fp32, LoRA, " in plan
+        and "GPU memory 79.6 GiB [this machine has no GPU; --gpu-memory GIB plans for another size]" in plan
+    ), plan
+    assert "  longest sequence that would fit on one H100 80GB (one sequence per step, dp=1):" in plan
+    assert "fits per GPU" not in plan
 
 
 def test_host_ram_check_refuses_offloading_that_does_not_fit(write_recipe, monkeypatch):

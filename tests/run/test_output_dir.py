@@ -61,7 +61,7 @@ def test_overwrite_flag_reaches_training(write_recipe, tmp_path, monkeypatch):
     finished_run(tmp_path / "out")
     seen = []
     monkeypatch.setattr(
-        "cptune.run.training.train.train", lambda recipe, plan=None: seen.append(recipe) or _Done(recipe)
+        "cptune.run.training.train.train", lambda recipe, plan=None, **_: seen.append(recipe) or _Done(recipe)
     )
     handlers = list(logging.root.handlers)
     try:

@@ -295,4 +295,16 @@ ENTRIES: tuple[Entry, ...] = (
     ),
 )
 
-DOCUMENTED: tuple[Documented, ...] = ()
+DOCUMENTED: tuple[Documented, ...] = (
+    Documented(
+        "data-file-unreadable",
+        SECTION,
+        "A data file this user may not read",
+        "cannot be read (no read permission for this user)",
+        "Make the file readable (`chmod +r`), or point the dataset at a copy you can read. "
+        "`cptune validate` lists it with the recipe's other problems.",
+        raised_in="src/cptune/data/sources.py",
+        why_not_in_catalogue="the catalogue runs as root in CI, for whom no permission bit hides a file",
+        tested_by="tests/run/test_cli_errors.py::test_validate_reports_missing_and_unreadable_data_with_the_other_problems",
+    ),
+)

@@ -65,6 +65,15 @@ ENTRIES: tuple[Entry, ...] = (
         "is not a complete cptune checkpoint",
         "Give a `checkpoint-N` folder that cptune finished writing, or `true` for the newest complete one.",
     ),
+    Entry(
+        "resume-changed-settings",
+        SECTION,
+        "--resume with a recipe or overrides that change the run (steps, schedule, batch, data, parallelism)",
+        "which a resume must keep (it would continue a different run from the middle of this one)",
+        "A resume takes its settings from the recipe and overrides given now; the run saved the ones it "
+        "started with in `output_dir/run_recipe.yaml`. Repeat the run's overrides (the message lists each "
+        "changed key with both values), or start a new run with `--overwrite` or another output_dir.",
+    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = ()

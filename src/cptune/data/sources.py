@@ -17,15 +17,25 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import datasets
 
 from cptune.config.data import DatasetConfig
 from cptune.data.compression import COMPRESSIONS, compression, format_suffix, open_decompressed
-from cptune.errors import DataError
+from cptune.errors import DataError, RecipeProblem
 
-__all__ = ["DATA_FILE_BUILDERS", "ResolvedSource", "load_source", "resolve_source", "source_label"]
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
+
+__all__ = [
+    "DATA_FILE_BUILDERS",
+    "ResolvedSource",
+    "load_source",
+    "resolve_source",
+    "source_label",
+    "source_problems",
+]
 
 DATA_FILE_BUILDERS: dict[str, tuple[str, dict[str, str]]] = {
     ".json": ("json", {}),
@@ -174,8 +184,8 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
         The resolved source.
 
     Raises:
-        DataError: If a local path does not exist, a folder holds no readable
-            files, or ``data_files`` matches nothing.
+        DataError: If a local path does not exist or cannot be read, a folder holds no
+            readable files, or ``data_files`` matches nothing.
     """
     label = source_label(key, index, config)
     entry = f"{key}[{index}]"
@@ -186,14 +196,14 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
                 f"{label}: {entry}.data_files selects files inside a folder; {entry}.path is a file. Remove data_files."
             )
         name, kwargs = _builder_for([path], label, entry, config.ds_type)
-        return ResolvedSource("files", label, entry, (path,), name, kwargs)
+        return _check_access(ResolvedSource("files", label, entry, (path,), name, kwargs))
     if path.is_dir():
         if _is_saved_dataset(path):
             files = tuple(sorted(p for p in path.rglob("*") if p.is_file()))
-            return ResolvedSource("saved", label, entry, files)
+            return _check_access(ResolvedSource("saved", label, entry, files))
         files_list = _folder_files(path, config, label, entry)
         name, kwargs = _builder_for(files_list, label, entry, config.ds_type)
-        return ResolvedSource("files", label, entry, tuple(files_list), name, kwargs)
+        return _check_access(ResolvedSource("files", label, entry, tuple(files_list), name, kwargs))
     looks_local = (
         config.path.startswith((".", "/", "~"))
         or format_suffix(Path(config.path)) in DATA_FILE_BUILDERS
@@ -205,6 +215,34 @@ def resolve_source(config: DatasetConfig, key: str, index: int) -> ResolvedSourc
             f"{os.getcwd()}). Fix {entry}.path, or use a hub dataset id such as 'owner/name'."
         )
     return ResolvedSource("hub", label, entry)
+
+
+def _check_access(source: ResolvedSource) -> ResolvedSource:
+    # A file the user may not read exists (is_file) but fails only when the loader opens it, inside
+    # the data preparation of every command; say so while resolving, with the file's name.
+    for path in source.files:
+        if not os.access(path, os.R_OK):
+            raise DataError(
+                f"{source.label}: '{path}' cannot be read (no read permission for this user). "
+                f"Make it readable (chmod +r), or point {source.key}.path at a copy you can read."
+            )
+    return source
+
+
+def source_problems(recipe: Recipe) -> list[RecipeProblem]:
+    """Every ``datasets`` / ``test_datasets`` entry whose local data is missing or unreadable.
+
+    Reads no rows and contacts no hub (a hub id is checked when it is loaded); cheap enough for
+    ``cptune validate`` to run before anything heavy, so that it reports these with the other problems.
+    """
+    problems = []
+    for key in ("datasets", "test_datasets"):
+        for index, config in enumerate(getattr(recipe, key) or ()):
+            try:
+                resolve_source(config, key, index)
+            except DataError as err:
+                problems.append(RecipeProblem("", str(err)))
+    return problems
 
 
 def _first_non_utf8_line(path: Path) -> int | None:

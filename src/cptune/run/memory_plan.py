@@ -44,10 +44,18 @@ CP_SIZES = (1, 2, 4, 8, 16)
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """The GPU memory the estimate assumes, and where that number comes from."""
+    """The GPU memory the estimate assumes, and where that number comes from.
+
+    Attributes:
+        total: Bytes of memory per GPU.
+        source: Where ``total`` comes from (the GPU's name, or ``--gpu-memory``).
+        assumed: The GPU the estimate plans for when this machine has none and no size was given
+            (then the estimate is a plan for that GPU, and says so); None otherwise.
+    """
 
     total: int
     source: str
+    assumed: str | None = None
 
     @classmethod
     def detect(cls, override_gib: float | None = None) -> GpuMemory:
@@ -59,7 +67,11 @@ class GpuMemory:
                 return cls(props.total_memory, props.name)
             except (RuntimeError, AssertionError):  # a GPU that cannot be queried from this process
                 pass
-        return cls(H100_BYTES, "no GPU here: an H100 80GB assumed (--gpu-memory GIB to change)")
+        return cls(
+            H100_BYTES,
+            "this machine has no GPU; --gpu-memory GIB plans for another size",
+            assumed="H100 80GB",
+        )
 
 
 def mixed_precision(recipe: Recipe) -> bool:
@@ -235,10 +247,19 @@ def describe_activation_memory(
     features = ", ".join(plan.memory_features) or "no memory features"
     checkpointing = "gradient checkpointing" if setup.gradient_checkpointing else "no gradient checkpointing"
     precision = "bf16/fp16 mixed precision" if setup.mixed_precision else "fp32"
+    setting = (
+        f"{precision}, {'LoRA' if recipe.is_lora else 'full fine-tune'}, {checkpointing}, {features}; "
+        f"GPU memory {format_bytes(gpu.total)} [{gpu.source}], {format_bytes(GPU_RESERVE)} of it kept for "
+        "CUDA and the allocator"
+    )
+    # Without a GPU here the numbers are for a GPU the run may later get, not for this machine.
+    if gpu.assumed is None:
+        head, fits = f"Memory per GPU (estimate from the config: {setting}):", "fits per GPU"
+    else:
+        head = f"Memory per GPU, a plan for one {gpu.assumed} (estimate from the config: {setting}):"
+        fits = f"would fit on one {gpu.assumed}"
     lines = [
-        f"Memory per GPU (estimate from the config: {precision}, {'LoRA' if recipe.is_lora else 'full fine-tune'}, "
-        f"{checkpointing}, {features}; GPU memory {format_bytes(gpu.total)} [{gpu.source}], "
-        f"{format_bytes(GPU_RESERVE)} of it kept for CUDA and the allocator):",
+        head,
         f"  this recipe: {tokens:,} tokens per GPU -> peak {format_bytes(states + estimate.peak)} "
         f"(model states {format_bytes(states)} + activations {format_bytes(estimate.peak)}, at the "
         f"{estimate.phase})",
@@ -253,7 +274,7 @@ def describe_activation_memory(
             f"  warning: the estimate exceeds the usable GPU memory ({format_bytes(usable)}); expect "
             "out-of-memory errors. See the longest sequences below."
         )
-    lines.append("  longest sequence that fits per GPU (one sequence per step, dp=1):")
+    lines.append(f"  longest sequence that {fits} (one sequence per step, dp=1):")
     lines.append(
         f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}"
     )

@@ -11,6 +11,7 @@ from tests.reliability.catalogue.setups import (
     _output_dir_is_file,
     _output_dir_read_only,
     _resume_path_incomplete,
+    _run_with_other_settings,
 )
 
 CASES: tuple[Case, ...] = (
@@ -43,5 +44,10 @@ CASES: tuple[Case, ...] = (
     Case(
         "resume-incomplete-path",
         setup=_resume_path_incomplete,
+    ),
+    Case(
+        "resume-changed-settings",
+        setup=_run_with_other_settings,
+        args=("--resume",),
     ),
 )

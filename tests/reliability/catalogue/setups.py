@@ -233,6 +233,16 @@ def _incomplete_checkpoint(ws: Workspace) -> dict[str, Any]:
     return {}
 
 
+def _run_with_other_settings(ws: Workspace) -> dict[str, Any]:
+    """An earlier run with a checkpoint, started with overrides that the resume does not repeat."""
+    from cptune.config.loader import validate_recipe
+    from cptune.run.training.run_recipe import save_run_recipe
+
+    _complete_checkpoint(ws, 2)
+    save_run_recipe(validate_recipe({**ws.keys, "max_steps": 6, "learning_rate": 0.01}))
+    return {}
+
+
 def _sharded_checkpoint(ws: Workspace) -> dict[str, Any]:
     """A complete checkpoint of an FSDP2 run: each rank's shards, no loadable model files."""
     from cptune.run.training.checkpoints import write_marker

@@ -236,9 +236,13 @@ class InferenceSession:
 
     @property
     def model(self) -> Any:
+        return self._loaded_model(scoring=False)
+
+    def _loaded_model(self, *, scoring: bool) -> Any:
+        # The line says what the first use does with the weights: a --score run generates nothing.
         if self._model is None:
             self._model = load_inference_model(self.recipe, self.source, self.tokenizer)
-            log.info("generating with %s", self.source.describe(self.recipe))
+            log.info("%s with %s", "scoring" if scoring else "generating", self.source.describe(self.recipe))
         return self._model
 
     def run(
@@ -276,7 +280,7 @@ class InferenceSession:
         from_file = prompts is not None
         if prompt is not None or from_file:
             items = [prepare_prompt(item, self.prompter, completion, self.context).item for item in items]
-        model = self.model
+        model = self._loaded_model(scoring=completion is not None)
         stops = self.prompter.stop_token_ids()
         if options.do_sample:
             from transformers import set_seed

@@ -82,7 +82,6 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         log.info("dequantized the %s base model to %s before merging", _bits(recipe), base.dtype)
     fit_embeddings(base, tokenizer, recipe.seed)  # new tokens: the adapter saved the grown embeddings
     merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
-    log.info("merged %s into %s", source.path, recipe.base_model)
     if not recipe.causal:
         log.warning(
             "the adapter was trained with bidirectional attention (causal: false); the merged model loads "
@@ -97,6 +96,13 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
     merged.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     publish_folder(staging, target)
+    # The base model's own files are only read: the merged weights are a new model in target.
+    log.info(
+        "merged the adapter in %s with the base model %s; wrote the merged model to %s",
+        source.path,
+        recipe.base_model,
+        target,
+    )
     return target
 
 

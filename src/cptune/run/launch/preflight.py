@@ -21,6 +21,7 @@ from cptune.errors import CptuneError
 from cptune.run.plan import RunPlan
 from cptune.run.training.checkpoints import resume_checkpoint
 from cptune.run.training.output_dir import check_earlier_run, check_output_dir
+from cptune.run.training.run_recipe import check_resumed_recipe
 
 log = logging.getLogger("cptune.preflight")
 
@@ -62,11 +63,17 @@ def preflight(
             highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
         )
         plan.check_prepared_rows(prepared)
+        # Here the data was prepared or found in the cache: the one place that knows which.
+        log.info("%s", prepared.stats.format())
 
 
 def check_resume(recipe: Recipe) -> None:
-    """Refuse a resume without a complete checkpoint; name the checkpoint a resume starts from."""
+    """Refuse a resume without a complete checkpoint, or one that changes how the run is shaped.
+
+    Names the checkpoint a resume starts from.
+    """
     resume = resume_checkpoint(recipe)
+    check_resumed_recipe(recipe, resume)
     if resume is not None:
         log.info("will resume from %s", resume)
 

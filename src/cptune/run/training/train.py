@@ -38,6 +38,7 @@ from cptune.run.training.output_dir import (
     check_output_dir,
     clear_earlier_run,
 )
+from cptune.run.training.run_recipe import check_resumed_recipe, save_run_recipe
 
 log = logging.getLogger("cptune.train")
 
@@ -55,7 +56,13 @@ class TrainResult:
         return [entry["loss"] for entry in self.log_history if "loss" in entry]
 
 
-def train(recipe: Recipe, callbacks: Sequence[Any] = (), *, plan: RunPlan | None = None) -> TrainResult:
+def train(
+    recipe: Recipe,
+    callbacks: Sequence[Any] = (),
+    *,
+    plan: RunPlan | None = None,
+    data_reported: bool = False,
+) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
     Environment variables that the libraries set while training (accelerate's
@@ -69,12 +76,16 @@ def train(recipe: Recipe, callbacks: Sequence[Any] = (), *, plan: RunPlan | None
             measure steps); they see the model as trained (wrapped, and sharded with FSDP2).
         plan: This process's plan of ``recipe`` when the caller has built it (a one-process run
             after the launcher's preflight); by default it is built here for the launch's processes.
+        data_reported: The launcher's preflight prepared the data (or found it cached) and said
+            which; rank 0 then does not report it again as loaded from the cache it just wrote.
     """
     with _restored_environment():
-        return _train(recipe, callbacks, plan)
+        return _train(recipe, callbacks, plan, data_reported)
 
 
-def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> TrainResult:
+def _train(
+    recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None, data_reported: bool
+) -> TrainResult:
     from transformers import set_seed
 
     from cptune.config.axolotl.notes import axolotl_notes
@@ -94,13 +105,17 @@ def _train(recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None) -> Tr
     # first check, and it runs before anything is loaded or written.
     check_output_dir(recipe)
     check_earlier_run(recipe)
+    changed = check_resumed_recipe(recipe, resume_checkpoint(recipe))
     if env.rank == 0:
+        if changed:
+            log.info("the resume changes settings that do not shape the run: %s", "; ".join(changed))
         clear_earlier_run(recipe)
+        save_run_recipe(recipe)
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
     plan.check_prepared_rows(prepared)
-    if env.rank == 0:
+    if env.rank == 0 and not data_reported:
         log.info("%s", prepared.stats.format())
 
     if recipe.is_fsdp and not plan.dims.sharded:
