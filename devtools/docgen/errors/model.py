@@ -276,6 +276,30 @@ ENTRIES: tuple[Entry, ...] = (
 
 DOCUMENTED: tuple[Documented, ...] = (
     Documented(
+        "model-config-override-unknown-field",
+        SECTION,
+        "overrides_of_model_config names a field the model's config does not have",
+        "overrides_of_model_config: ",
+        "Set only fields that the base model's `config.json` has (for a mixture-of-experts model, e.g. "
+        "`output_router_logits` and `router_aux_loss_coef`); a misspelt field would otherwise change nothing. "
+        "Raised when the model's config is loaded, in every process.",
+        raised_in="src/cptune/models/loading.py",
+        why_not_in_catalogue="it is raised while the model loads, after the processes started",
+        tested_by="tests/models/test_loading.py::test_an_override_of_a_field_the_config_lacks_is_refused",
+    ),
+    Documented(
+        "preference-with-router-loss",
+        SECTION,
+        "rl with a mixture-of-experts model that adds a router loss",
+        "which cptune's preference loss does not include yet",
+        "The preference loss does not carry the router's load-balancing term yet, and dropping it silently "
+        "would train another objective. Set `overrides_of_model_config: {output_router_logits: false}` to "
+        "train without it, or train without `rl`.",
+        raised_in="src/cptune/run/training/preference_trainer.py",
+        why_not_in_catalogue="it is raised when the trainer is built, after the model loaded",
+        tested_by="tests/run/test_train_moe.py::test_preference_training_of_a_moe_model_with_its_router_loss_is_refused",
+    ),
+    Documented(
         "tiled-mlp-mixture-of-experts",
         SECTION,
         "tiled_mlp with a mixture-of-experts model",
