@@ -42,8 +42,13 @@ VOCAB, TOKENS = 97, 40
 TARGETS = 2 * (TOKENS - 6)  # batch(): per row 5 prompt tokens and the last one have no target
 
 
-def build(lora: bool, checkpointing: bool = True, targets="all-linear", **config):
+def build(
+    lora: bool, checkpointing: bool = True, targets="all-linear", dtype: torch.dtype | None = None, **config
+):
+    """The tiny Llama (in ``dtype``; its LoRA adapters as peft makes them), checkpointed unless told not to."""
     model = build_tiny_model(tiny_llama_config(VOCAB, **config), seed=1)
+    if dtype is not None:
+        model = model.to(dtype)
     model.config.use_cache = False
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

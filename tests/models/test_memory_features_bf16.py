@@ -22,9 +22,9 @@ import torch
 from cptune.models.head_loss import HeadLoss
 from cptune.models.offload import enable_activation_offloading
 from cptune.models.tiled_mlp import decoder_mlps, enable_tiled_mlp
-from devtools.tiny import build_tiny_model, tiny_llama_config
 from tests import reorder
 from tests.models.test_memory_features import TARGETS, TOKENS, VOCAB, step
+from tests.models.test_memory_features import build as build_model
 from tests.numerics import assert_within, reorder_bound
 
 BF16 = torch.bfloat16
@@ -33,17 +33,8 @@ ROWS = 2  # batch(): 2 rows of TOKENS tokens
 
 def build(lora: bool, checkpointing: bool = True, targets="all-linear", **config) -> torch.nn.Module:
     """The tiny Llama in bf16 (LoRA adapters in fp32), its forward under bf16 autocast."""
-    model = build_tiny_model(tiny_llama_config(VOCAB, **config), seed=1).to(BF16)
-    model.config.use_cache = False
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(7)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-        model = get_peft_model(model, config)
-        assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    model = build_model(lora, checkpointing, targets, dtype=BF16, **config)
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad) or not lora
     # What accelerate's prepare_model does for mixed_precision bf16: only the forward is autocast.
     model.forward = torch.autocast("cpu", dtype=BF16)(model.forward)
     return model
