@@ -38,21 +38,16 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device(types[0])
 
 
-def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> torch.Tensor:
-    # A copy on the group's device, reduced there and brought back to ``tensor``'s device.
-    if not is_distributed():
-        return tensor.detach().clone()
-    reduced = tensor.detach().to(group_device(group), copy=True)
-    dist.all_reduce(reduced, op=op, group=group)
-    return reduced.to(tensor.device)
-
-
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The sum of ``tensor`` over ``group`` (the world by default), on ``tensor``'s device.
 
     A new tensor either way; in a single process, a copy. Every process of the group must call it.
     """
-    return _all_reduce(tensor, dist.ReduceOp.SUM, group)
+    if not is_distributed():
+        return tensor.detach().clone()
+    reduced = tensor.detach().to(group_device(group), copy=True)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
+    return reduced.to(tensor.device)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -60,7 +55,11 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
 
     A new tensor either way; in a single process, a copy. Every process of the group must call it.
     """
-    return _all_reduce(tensor, dist.ReduceOp.MAX, group)
+    if not is_distributed():
+        return tensor.detach().clone()
+    reduced = tensor.detach().to(group_device(group), copy=True)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    return reduced.to(tensor.device)
 
 
 class _SumOverGroup(torch.autograd.Function):
