@@ -13,7 +13,12 @@ other on the same model (not alternated: the features install hooks that stay fo
 * ``today``: the GPU recipe template as it is (full logits, cptune's token-weighted loss);
 * ``everything``: plus ``activation_offloading`` (checkpointed layer inputs in pinned host
   memory), ``tiled_mlp`` and ``cut_cross_entropy`` (cptune's chunked head loss), installed
-  with the functions cptune's trainer installs them with.
+  with the functions cptune's trainer installs them with;
+* ``trainer``: everything, with the step as cptune's Trainer runs a bf16 recipe: the forward and
+  the head loss under bf16 autocast (accelerate wraps the forward; the backward runs outside it)
+  and cptune's patch ``lora-input-kept-under-autocast`` applied. ``today`` and ``everything``
+  run without autocast (bf16 weights, fp32 adapters as peft makes them), as check B of
+  2026-11-26 measured them.
 
 Each setting's time is the median of its timed steps (CUDA-synchronised), its peak the largest
 ``max_memory_allocated`` over its steps, beside the memory model's prediction
@@ -47,7 +52,29 @@ def install_everything(model) -> Any:
     return HeadLoss(model)
 
 
-def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, device: str) -> dict[str, Any]:
+FEATURED = ("everything", "trainer")  # the settings with every memory feature installed
+
+
+def setting_patches(name: str):
+    """The patches cptune's Trainer applies for a bf16 LoRA recipe, applied for the ``trainer`` setting only."""
+    import contextlib
+
+    if name != "trainer":
+        return contextlib.nullcontext()
+    from types import SimpleNamespace
+
+    from cptune.patches.core import PatchSet
+    from cptune.patches.peft_patches import lora_input_cast_patch
+
+    recipe = SimpleNamespace(adapter="lora", bf16=True, fp16=False)  # what the patch's predicate reads
+    return PatchSet([lora_input_cast_patch()]).applied(recipe)
+
+
+def measure(
+    model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, device: str, autocast: bool = False
+) -> dict[str, Any]:
+    import contextlib
+
     import torch
 
     from benchmarks.gpu.multirank_cases import make_batch
@@ -66,7 +93,11 @@ def measure(model, optimizer, loss_fn, seq_len: int, steps: int, warmup: int, de
         try:
             with step_context(backend):
                 sharded = backend.shard(batch)
-                loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
+                forward = (
+                    torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+                )
+                with forward:
+                    loss_sum, _ = loss_fn(model, sharded.model_kwargs, sharded.shift_labels)
                 loss = scaled_step_loss(loss_sum, count_targets(batch.shift_labels), 1)
                 if device == "cuda":  # where a step that runs out of memory got to
                     torch.cuda.synchronize()
@@ -104,7 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m benchmarks.gpu.feature_speed", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--lengths", type=ints, default=[65536])
-    parser.add_argument("--settings", default="today,everything", help="comma-separated: today, everything")
+    parser.add_argument(
+        "--settings", default="today,everything", help="comma-separated, in order: today, everything, trainer"
+    )
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting and length")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LLAMA_31_8B.layers)
@@ -126,6 +159,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--resolution", type=int, default=16384, help="--longest: the length is a multiple of this"
+    )
+    parser.add_argument(
+        "--time-anchor", default=None, metavar="LENGTH:SECONDS",
+        help="--longest: a step measured before (e.g. 294912:281.2, check B on an H200); with --step-budget, "
+             "caps the length so that a step growing as the square of the length from there fits the budget",
+    )  # fmt: skip
+    parser.add_argument(
+        "--step-budget", type=float, default=None, help="--longest: seconds the long step may take"
     )
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu-features/features.json"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, the tiny Llama, 256 tokens")
@@ -180,28 +221,36 @@ def main(argv: list[str] | None = None) -> int:
         model.set_attn_implementation("sdpa")
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         loss_fn = logits_loss
+        featured = [name for name in settings if name in FEATURED]
         for name in settings:  # today first: the features' hooks stay on the model once installed
-            if name == "everything":
+            if name in FEATURED and loss_fn is logits_loss:
                 loss_fn = install_everything(model)
-            for length in args.lengths:
-                results["rows"].append(run_one(model, optimizer, loss_fn, name, length, args, device, shape))
+            with setting_patches(name):
+                for length in args.lengths:
+                    results["rows"].append(
+                        run_one(model, optimizer, loss_fn, name, length, args, device, shape)
+                    )
+                    save()
+                    if args.until_fits and "tokens_per_second_per_gpu" in results["rows"][-1]:
+                        break
+        if args.longest and featured:
+            name = featured[-1]
+            with setting_patches(name):
+                results["longest"] = longest_step(
+                    model, optimizer, loss_fn, results, args, device, shape, usable, name
+                )
                 save()
-                if args.until_fits and "tokens_per_second_per_gpu" in results["rows"][-1]:
-                    break
-        if args.longest and "everything" in settings:
-            results["longest"] = longest_step(model, optimizer, loss_fn, results, args, device, shape, usable)
-            save()
-            step = results["longest"].get("step", {})
-            if args.above and "tokens_per_second_per_gpu" in step:
-                # Recorded before it starts: a step cut by the phase's time limit still says it began.
-                above = step["length"] + args.resolution
-                results["longest"]["above"] = {
-                    "length": above,
-                    "outcome": "started; no result (cut by the time limit)",
-                }
-                save()
-                results["longest"]["above"] = run_one(model, optimizer, loss_fn, "everything", above, args, device, shape, steps=1, warmup=0)  # fmt: skip
-                save()
+                step = results["longest"].get("step", {})
+                if args.above and "tokens_per_second_per_gpu" in step:
+                    # Recorded before it starts: a step cut by the phase's time limit still says it began.
+                    above = step["length"] + args.resolution
+                    results["longest"]["above"] = {
+                        "length": above,
+                        "outcome": "started; no result (cut by the time limit)",
+                    }
+                    save()
+                    results["longest"]["above"] = run_one(model, optimizer, loss_fn, name, above, args, device, shape, steps=1, warmup=0)  # fmt: skip
+                    save()
     finally:
         dist.destroy_process_group()
     print(markdown(results))
@@ -223,7 +272,7 @@ def run_one(
     steps = args.steps if steps is None else steps
     warmup = args.warmup if warmup is None else warmup
     try:
-        row = measure(model, optimizer, loss_fn, length, steps, warmup, device)
+        row = measure(model, optimizer, loss_fn, length, steps, warmup, device, autocast=name == "trainer")
     except Exception as err:
         row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
     if "message" in row:
@@ -241,11 +290,11 @@ def run_one(
             "predicted_phase": guess.phase, "predicted_host_gib": guess.host_gib}  # fmt: skip
 
 
-def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable) -> dict[str, Any]:
-    """Fit the 'everything' peaks, then one step at the longest length the line (and the host RAM) allows."""
+def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable, name) -> dict[str, Any]:
+    """Fit the setting's peaks, then one step at the longest length the line (and the host RAM and time) allow."""
     from benchmarks.gpu import longest, predict
 
-    rows = [r for r in results["rows"] if r["setting"] == "everything" and "error" not in r]
+    rows = [r for r in results["rows"] if r["setting"] == name and "error" not in r]
     # The dry run has no CUDA peaks: the memory model's stand in, so the fit and the long step still run.
     measured = "predicted_peak_gib" if device == "cpu" else "peak_gib"
     points = {r["length"]: r[measured] * 2**30 for r in rows}
@@ -261,13 +310,23 @@ def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable
         candidate = longest.candidate_length(points, budget, args.resolution, host_tokens)
     except ValueError as err:
         return {"error": str(err), "points": points}
-    model_says = predict.longest(
-        predict.SETTINGS["everything"], gpu_bytes=usable or predict.H100_BYTES, shape=shape
-    )
-    row = run_one(model, optimizer, loss_fn, "everything", candidate, args, device, shape, steps=1, warmup=0)
-    return {"fitted_candidate": candidate, "host_limit_tokens": host_tokens, "fit_points_gib": {k: v / 2**30 for k, v in points.items()},
-            "memory_model_longest": model_says.tokens_per_gpu, "memory_model_host_gib": model_says.host_gib, "usable_gib": usable / 2**30,
-            "step": row}  # fmt: skip
+    length, time_limit = candidate, None
+    if args.time_anchor and args.step_budget:
+        anchor_length, anchor_seconds = (float(x) for x in args.time_anchor.split(":"))
+        time_limit = longest.length_within_time(
+            anchor_length, anchor_seconds, args.step_budget, args.resolution
+        )
+        length = min(candidate, time_limit)
+    model_says = predict.longest(predict.SETTINGS[name], gpu_bytes=usable or predict.H100_BYTES, shape=shape)
+    # Recorded before the step starts: a step cut by the phase's time limit still says it began.
+    result = {"setting": name, "fitted_candidate": candidate, "time_limit_tokens": time_limit, "host_limit_tokens": host_tokens,
+              "fit_points_gib": {k: v / 2**30 for k, v in points.items()}, "memory_model_longest": model_says.tokens_per_gpu,
+              "memory_model_host_gib": model_says.host_gib, "usable_gib": usable / 2**30,
+              "step": {"length": length, "outcome": "started; no result (cut by the time limit)"}}  # fmt: skip
+    results["longest"] = result
+    args.out.write_text(json.dumps(results, indent=1))
+    result["step"] = run_one(model, optimizer, loss_fn, name, length, args, device, shape, steps=1, warmup=0)
+    return result
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -275,7 +334,9 @@ def markdown(results: dict[str, Any]) -> str:
              "| setting | S | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     rows = list(results["rows"])
     if isinstance(results.get("longest", {}).get("step"), dict):
-        rows.append(results["longest"]["step"] | {"setting": "everything (longest by the fit)"})
+        step = results["longest"]["step"]
+        if "predicted_peak_gib" in step:
+            rows.append(step | {"setting": f"{step['setting']} (longest by the fit, time and host)"})
     for row in rows:
         if "error" in row:
             lines.append(

@@ -34,7 +34,8 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
         --check-b) CHECK_B=1 ;;
-        *) echo "lease.sh: unknown option $arg (known: --dry-run, --check-b)" >&2; exit 2 ;;
+        --trainer) CHECK_B=2 ;;
+        *) echo "lease.sh: unknown option $arg (known: --dry-run, --check-b, --trainer)" >&2; exit 2 ;;
     esac
 done
 OUT=${OUT:-outputs/gpu-lease}
@@ -94,7 +95,19 @@ else
     phase setup 30 5 bash -c setup
 fi
 export PYTHONPATH="$PYTHONPATH:$SITE"
-if [ "$CHECK_B" = 1 ] && [ "$DRY" = 1 ]; then
+# --trainer: check B again on the step as cptune's Trainer runs a bf16 recipe (autocast, cptune's
+# patches; feature_speed's "trainer" setting), with the long step capped to what the lease has left:
+# its time grows at most as the square of the length from check B's 281.2 s at 294,912 tokens.
+step_budget() { echo $((LEASE_SECONDS - (SECONDS - START) - 150)); }
+if [ "$CHECK_B" = 2 ] && [ "$DRY" = 1 ]; then
+    phase longest 300 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --settings trainer --longest \
+        --time-anchor 512:1 --step-budget 4 --out "$OUT/longest.json"
+elif [ "$CHECK_B" = 2 ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    phase longest 600 300 "$PYTHON" -m benchmarks.gpu.feature_speed --settings trainer --lengths 32768,98304 \
+        --steps 1 --warmup 0 --longest --gpu-gib 79.6 --time-anchor 294912:281.2 --step-budget "$(step_budget)" \
+        --out "$OUT/longest.json"
+elif [ "$CHECK_B" = 1 ] && [ "$DRY" = 1 ]; then
     phase longest 300 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --settings everything --longest --above --out "$OUT/longest.json"
 elif [ "$CHECK_B" = 1 ]; then
     # measured: the default allocator lost ~10 GiB to fragmentation at 278K tokens (LEASE.md)

@@ -64,6 +64,16 @@ def candidate_length(points: dict[int, float], usable: float, resolution: int, h
     return max(length, resolution)
 
 
+def length_within_time(anchor_length: float, anchor_seconds: float, budget: float, resolution: int) -> int:
+    """The longest multiple of ``resolution`` whose step fits ``budget`` seconds, from one measured step.
+
+    Pessimistic above the anchor: the step's time is taken to grow as the square of the length
+    (all of it attention), where the weights' share grows only linearly.
+    """
+    length = int(anchor_length * (budget / anchor_seconds) ** 0.5) // resolution * resolution
+    return max(length, resolution)
+
+
 def step_seconds_at(times: dict[int, float], length: int) -> float:
     """Projected seconds of one step at ``length`` from measured ``{length: seconds}``.
 

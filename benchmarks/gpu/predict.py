@@ -25,6 +25,9 @@ SETTINGS = {
     "tiled_mlp": {"tiled_mlp": True},
     "cut_cross_entropy": {"cut_cross_entropy": True},
     "everything": {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True},
+    # every feature, the forward under bf16 autocast and cptune's patches, as the Trainer runs it: the
+    # path the memory model describes (mixed precision), so its keys are everything's
+    "trainer": {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True},
 }
 
 
