@@ -114,7 +114,7 @@ def _run(run: dict[str, Any]) -> list[str]:
     if run.get("memory_features"):
         lines += _memory_features(run["memory_features"])
     if run.get("longest"):
-        lines += _memory_features(run["longest"], "The longest sequence with every feature on (check B)")
+        lines += _memory_features(run["longest"], "The longest sequence with every memory feature on")
     if run.get("strides"):
         lines += _strides(run["strides"], run.get("shape_layers"))
     if run.get("cudnn_probe"):
@@ -210,7 +210,7 @@ def _memory_features(features: dict[str, Any], title: str = "Memory features") -
     rows = _feature_rows(features)
     step = (features.get("longest") or {}).get("step")
     if isinstance(step, dict):
-        rows = [*rows, {**step, "setting": "everything, longest by the fit"}]
+        rows = [*rows, {**step, "setting": f"{step.get('setting', 'everything')}, longest by the fit"}]
     for row in rows:
         predicted = f"{row['predicted_peak_gib']:.1f}" if "predicted_peak_gib" in row else ""
         if "error" in row:
@@ -231,7 +231,13 @@ def _memory_features(features: dict[str, Any], title: str = "Memory features") -
             f"- **Longest by the fit:** {found['fitted_candidate']:,} tokens (peaks at "
             f"{', '.join(f'{int(k):,}: {v:.1f} GiB' for k, v in found['fit_points_gib'].items())}; "
             f"usable GPU memory {found['usable_gib']:.1f} GiB; host RAM allows "
-            f"{found['host_limit_tokens']:,} tokens); the memory model says {found['memory_model_longest']:,}.",
+            f"{found['host_limit_tokens']:,} tokens"
+            + (
+                f"; the lease's time allowed {found['time_limit_tokens']:,}"
+                if found.get("time_limit_tokens")
+                else ""
+            )
+            + f"); the memory model says {found['memory_model_longest']:,}.",
         ]
     elif found:
         lines += ["", f"- **Longest by the fit:** not found ({found['error']})."]

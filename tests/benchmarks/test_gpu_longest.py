@@ -87,3 +87,39 @@ def test_the_results_table_names_each_run_and_the_longest():
         "| everything | 327,680 | trained | 1,100 | 76.5 GiB | 77.6 GiB (layer backward) | 80 GiB |" in table
     )
     assert "**327680** tokens trained, 344064 ran out of memory" in table
+
+
+def test_the_long_step_is_capped_to_the_time_a_lease_has_left():
+    """From check B's step (281.2 s at 294,912 tokens), a 400 s budget allows sqrt(400/281.2) of the length."""
+    assert longest.length_within_time(294912, 281.2, 400, 16384) == 344064  # 351,733 rounded down
+    assert longest.length_within_time(294912, 281.2, 281.2, 16384) == 294912
+    assert longest.length_within_time(294912, 281.2, 1, 16384) == 16384  # never below one resolution step
+
+
+def test_the_trainer_setting_runs_the_lora_projections_on_the_bf16_input():
+    """'trainer' applies cptune's patch (lora_A receives the bf16 input under autocast); 'everything' does not."""
+    import torch
+    from benchmarks.gpu.feature_speed import setting_patches
+    from peft import LoraConfig, get_peft_model
+
+    from devtools.tiny import build_tiny_model, tiny_llama_config
+
+    model = get_peft_model(
+        build_tiny_model(tiny_llama_config(64), seed=0).to(torch.bfloat16),
+        LoraConfig(r=4, target_modules=["q_proj"]),
+    )
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            parameter.data = parameter.data.float()  # peft's fp32 adapters of a bf16 model
+    seen = []
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda module, args, out: seen.append(args[0].dtype))
+    ids = torch.randint(0, 50, (1, 8))
+    dtypes = {}
+    for setting in ("everything", "trainer"):
+        seen.clear()
+        with setting_patches(setting), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids)
+        dtypes[setting] = set(seen)
+    assert dtypes == {"everything": {torch.float32}, "trainer": {torch.bfloat16}}
