@@ -192,7 +192,8 @@ def train(
         prepare_data=node_rank == 0 or not launching.multi_node,
         processes_per_node=launching.nproc_per_node,
     )
-    if launching.world_size == 1:
+    if launching.world_size == 1 and not plan.dims.sharded:
+        # In this process. FSDP2 (offloaded states at world size 1) needs a process group: a launched rank.
         from cptune.run.training.train import train as run_train
 
         result = run_train(loaded, plan=plan, data_reported=True)

@@ -27,8 +27,11 @@ def test_fsdp_layout_shards_over_dp_shard_times_cp():
         "8 = 2 dp_replicate × 2 dp_shard × 2 cp; model states sharded (FSDP2) over 4 ranks (dp_shard × cp), "
         "replicated 2×"
     )
-    # A single process has nothing to shard.
+    # A single process has nothing to shard, unless FSDP2 is to keep the states in host memory.
     assert not ParallelDims(world_size=1, cp_size=1, fsdp=True).sharded
+    alone = ParallelDims(world_size=1, cp_size=1, fsdp=True, offload_params=True)
+    assert alone.sharded and alone.shard_group_size == 1
+    assert not ParallelDims(world_size=1, cp_size=1, offload_params=True).sharded  # no FSDP2 asked for
     plain = ParallelDims(world_size=4, cp_size=2)
     assert plain.shard_group_size == 1 and not plain.sharded
     assert plain.describe() == "4 = 2 data-parallel × 2 context-parallel; model states whole on every rank"

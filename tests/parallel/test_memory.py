@@ -7,6 +7,7 @@ from cptune.parallel.memory import (
     StateLayout,
     format_bytes,
     fsdp_state_memory,
+    gathered_in_flight,
     optimizer_state,
     state_memory,
     zero_state_memory,
@@ -125,6 +126,28 @@ def test_fsdp2_shards_4bit_weights_stored_in_a_float_dtype_and_not_those_stored_
     sharded = state_memory(**common).weights
     assert sharded == -(-(1_001_000 * 2 - 1_000 * 2 + 1_000 * 4) // 4) - (900_000 * 2 - 450_000) // 4
     assert abs(sharded - (rest + 450_000 // 4)) <= 1
+
+
+def test_fsdp2_offloaded_states_leave_the_gpu_the_weights_in_flight():
+    """offload_params: the sharded states are in host memory; the GPU holds the gathered root unit and two layers."""
+    common = {
+        "total": 1_001_000,
+        "trainable": 1_000,
+        "optimizer": OptimizerState(2_000),
+        "dtype_bytes": 2,
+        "lora": True,
+    }
+    # 10 decoder layers of 90,000 parameters: the root unit (embeddings, head) is the other 101,000.
+    in_flight = gathered_in_flight(1_001_000, 900_000, 90_000, 2)
+    assert in_flight == (101_000 + 2 * 90_000) * 2
+    for ranks in (1, 4):
+        kept = state_memory(**common, layout=StateLayout("fsdp", ranks))
+        offloaded = state_memory(
+            **common, layout=StateLayout("fsdp", ranks, offload=True), in_flight=in_flight
+        )
+        assert (offloaded.weights, offloaded.gradients, offloaded.optimizer) == (in_flight, 0, 0)
+        assert offloaded.total == in_flight and offloaded.host == kept.total and kept.host == 0
+    assert StateLayout("fsdp", 1, offload=True).describe() == "FSDP2 over 1 rank, offloaded to host RAM"
 
 
 def test_zero_stages_shard_one_more_state_each():

@@ -100,3 +100,30 @@ def test_longest_sequence_grows_with_each_feature(write_recipe):
     assert longest(cut_cross_entropy=True, tiled_mlp=True, activation_offloading=True) < longest(
         cut_cross_entropy=True, tiled_mlp=True
     )
+
+
+def test_offloaded_fsdp2_states_at_one_process_leave_the_gpu(write_recipe, monkeypatch):
+    """fsdp_config.offload_params with one process: FSDP2 over a mesh of one, the states counted in host RAM."""
+    monkeypatch.setattr(memory_plan.torch.cuda, "is_available", lambda: False)
+    keep = load_recipe(write_recipe(gradient_checkpointing=True, fsdp_version=2))
+    offload = load_recipe(
+        write_recipe(gradient_checkpointing=True, fsdp_version=2, fsdp_config={"offload_params": True})
+    )
+    assert not RunPlan.build(keep, 1).dims.sharded and RunPlan.build(offload, 1).dims.sharded
+    plan = describe_plan(RunPlan.build(offload, 1), gpu_memory_gib=3.0)
+    row = re.search(
+        r"^  FSDP2 over 1 rank, offloaded to host RAM\s+([\d.]+ \w?i?B)\s+0 B\s+0 B\s+([\d.]+ \w?i?B)$",
+        plan,
+        re.M,
+    )
+    assert row and row.group(1) == row.group(2), plan
+    assert "fsdp_config.offload_params: the sharded states take" in plan
+
+    # The longest sequence grows by what the states no longer take; their host RAM shows in the table.
+    def first_row(text: str) -> tuple[int, str]:
+        found = re.search(r"^\s+1\s+([\d,]+)\s+[\d,]+\s+[\d.]+ \w?i?B\s+(\S+(?: \w?i?B)?)$", text, re.M)
+        return int(found.group(1).replace(",", "")), found.group(2)
+
+    kept_tokens, kept_host = first_row(describe_plan(RunPlan.build(keep, 1), gpu_memory_gib=3.0))
+    offloaded_tokens, offloaded_host = first_row(plan)
+    assert offloaded_tokens >= kept_tokens and kept_host == "-" and offloaded_host != "-"

@@ -328,3 +328,29 @@ def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Pat
     got = torch.load(sharded / "logits.pt")
     print("logits, saved folder in one process vs the sharded model:", float((logits - got).abs().max()))
     assert_float64_rule({"logits": got}, {"logits": logits}, {"logits": logits64})
+
+
+@pytest.mark.distributed
+def test_offloaded_states_with_one_process_train_under_fsdp2_like_the_plain_run(tmp_path, tiny_model_dir):
+    """fsdp_config.offload_params with one process: a launched rank shards over a mesh of one (the layout that
+    keeps the base weights off a GPU), and trains as the plain one-process run does. On this CPU machine FSDP2
+    has nothing to offload to, which the run says; on a GPU the same layout moves the states to host RAM.
+    """
+    lora = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
+    keys = {**lora, "context_parallel_size": 1, "micro_batch_size": 2}
+    offload = write_recipe(tmp_path, tiny_model_dir, "offload", fsdp_config={"offload_params": True}, **keys)
+    plain = write_recipe(tmp_path, tiny_model_dir, "plain", fsdp_version=None, **keys)
+    offloaded = run_cptune("train", str(offload))
+    succeeded(offloaded)
+    assert "nothing to shard" not in offloaded.stderr
+    # Said where the Trainer's FSDP2 arguments are built, which happens only for a sharded layout.
+    assert "no GPU here, so the model states are in CPU memory already" in offloaded.stderr
+    succeeded(run_cptune("train", str(plain)))
+    expected = logged_losses(tmp_path / "plain")
+    assert len(expected) == MAX_STEPS and len(set(expected)) > 1
+    diffs = {
+        key: max_rel_diff(logged(tmp_path / "offload", key), logged(tmp_path / "plain", key))
+        for key in ("loss", "grad_norm")
+    }
+    print("one process, FSDP2 over a mesh of one vs plain:", diffs)
+    assert max(diffs.values()) <= LORA_TOL, diffs

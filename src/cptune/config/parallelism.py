@@ -37,7 +37,8 @@ class FsdpConfig(Frozen):
     offload_params: bool = Field(
         False,
         description="Keep the sharded weights, gradients and optimizer state in CPU memory between uses "
-        "(GPU runs; much slower, for models whose states do not fit on the GPUs).",
+        "(GPU runs; slower, for models whose states do not fit on the GPUs, or to give a single GPU's memory "
+        "to the sequence: with one process FSDP2 then runs over a mesh of one).",
     )
     state_dict_type: FsdpStateDictType = Field(
         "SHARDED_STATE_DICT",

@@ -28,20 +28,18 @@ class ParameterCounts:
     dtype_bytes: int
     #: frozen linear weights that bitsandbytes quantizes (load_in_4bit/8bit; 0 otherwise)
     quantized: int = 0
+    #: parameters of all decoder layers (the rest, embeddings and head, is FSDP2's root unit)
+    all_layers: int = 0
 
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
     """Parameter counts of ``recipe``'s model (``config`` is its transformers config)."""
     model = meta_model(recipe, config)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    largest_layer = max(
-        (
-            sum(p.numel() for p in m.parameters())
-            for m in model.modules()
-            if type(m).__name__ in layer_classes
-        ),
-        default=0,
-    )
+    layer_sizes = [
+        sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_classes
+    ]
+    largest_layer = max(layer_sizes, default=0)
     quantized = 0
     if recipe.is_quantized:
         # What transformers hands to bitsandbytes: every linear layer but the output head and the
@@ -63,6 +61,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         trainable=sum(p.numel() for p in trainable),
         trainable_shapes=tuple(tuple(p.shape) for p in trainable),
         largest_layer=largest_layer,
+        all_layers=sum(layer_sizes),
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
         quantized=quantized,
     )

@@ -31,9 +31,11 @@ class ParallelDims:
         cp_size: Ranks that split one sequence.
         dp_replicate_size: Replicas of the sharded model (FSDP2 only; 1 otherwise).
         fsdp: The recipe asks for FSDP2; the states are sharded only when there is more
-            than one process (see :attr:`sharded`).
+            than one process, or when they are offloaded (see :attr:`sharded`).
         tp_size: Ranks that split each weight (tensor parallelism, FSDP2 only); they see the
             same tokens.
+        offload_params: FSDP2 keeps the sharded states in host memory (``fsdp_config.offload_params``),
+            which one process can use too: the base weights leave the GPU but for the layers in flight.
     """
 
     world_size: int
@@ -41,6 +43,7 @@ class ParallelDims:
     dp_replicate_size: int = 1
     fsdp: bool = False
     tp_size: int = 1
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         if min(self.world_size, self.cp_size, self.dp_replicate_size, self.tp_size) < 1:
@@ -102,6 +105,7 @@ class ParallelDims:
             dp_replicate_size=recipe.resolved_dp_replicate_size,
             fsdp=recipe.is_fsdp,
             tp_size=recipe.tensor_parallel_size,
+            offload_params=recipe.is_fsdp and recipe.resolved_fsdp_config.offload_params,
         )
         if recipe.dp_shard_size is not None and recipe.dp_shard_size != dims.dp_shard_size:
             wanted = recipe.default_process_count
@@ -134,8 +138,11 @@ class ParallelDims:
 
     @property
     def sharded(self) -> bool:
-        """Model states are sharded with FSDP2 (asked for, and more than one process)."""
-        return self.fsdp and self.world_size > 1
+        """Model states are sharded with FSDP2: asked for, and more than one process or offloaded states.
+
+        One process shards over a mesh of one, which FSDP2 needs to keep the states in host memory.
+        """
+        return self.fsdp and (self.world_size > 1 or self.offload_params)
 
     @property
     def shard_group_size(self) -> int:

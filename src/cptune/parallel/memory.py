@@ -30,11 +30,12 @@ FP32 = 4
 
 @dataclass(frozen=True)
 class StateMemory:
-    """Bytes one rank holds for the model states."""
+    """Bytes one rank holds for the model states on its GPU, and in host memory when they are offloaded."""
 
     weights: int
     gradients: int
     optimizer: int
+    host: int = 0  # FSDP2's offloaded states (fsdp_config.offload_params); not on the GPU, not in total
 
     @property
     def total(self) -> int:
@@ -107,10 +108,17 @@ class StateLayout:
     ranks: int = 1
     zero_stage: int = 0
     tp_size: int = 1
+    offload: bool = False
 
     def describe(self) -> str:
         if self.sharding == "fsdp":
-            return f"FSDP2 over {self.ranks} ranks" + (f" × {self.tp_size} tp" if self.tp_size > 1 else "")
+            where = ", offloaded to host RAM" if self.offload else ""
+            rank_word = "rank" if self.ranks == 1 else "ranks"
+            return (
+                f"FSDP2 over {self.ranks} {rank_word}"
+                + (f" × {self.tp_size} tp" if self.tp_size > 1 else "")
+                + where
+            )
         if self.sharding == "zero":
             return f"ZeRO-{self.zero_stage} over {self.ranks} ranks"
         return "every rank whole (plain DDP)"
@@ -127,6 +135,7 @@ def state_memory(
     quantized: int = 0,
     quantized_bytes: float = 0.0,
     quantized_sharded: bool = True,
+    in_flight: int = 0,
 ) -> StateMemory:
     """Per-rank bytes for weights, gradients and optimizer state: the one estimate cptune reports.
 
@@ -144,7 +153,18 @@ def state_memory(
         quantized_sharded: Under FSDP2, the quantized weights are sharded like the others (4-bit weights
             stored in a float dtype, cptune's default); false when they are stored in uint8, which
             accelerate leaves out of FSDP2 (every rank holds them whole).
+        in_flight: With ``layout.offload``, the bytes of the whole (gathered) weights the GPU holds
+            while layers run (:func:`gathered_in_flight`): FSDP2's root module (embeddings, final
+            norm, output head), which stays gathered from the forward to the backward, and two
+            decoder layers (the one running and the one prefetched).
     """
+    if layout.offload:
+        sharded = state_memory(
+            total=total, trainable=trainable, optimizer=optimizer, dtype_bytes=dtype_bytes,
+            layout=replace(layout, offload=False), lora=lora, quantized=quantized,
+            quantized_bytes=quantized_bytes, quantized_sharded=quantized_sharded,
+        )  # fmt: skip
+        return StateMemory(weights=in_flight, gradients=0, optimizer=0, host=sharded.total)
     common = {"total": total, "trainable": trainable, "optimizer": optimizer, "dtype_bytes": dtype_bytes}
     if layout.sharding == "fsdp" and quantized and not quantized_sharded:
         # accelerate keeps 4-bit weights stored in uint8 out of FSDP2 (ignored_params): each rank holds them whole.
@@ -164,6 +184,16 @@ def state_memory(
         saved = quantized * dtype_bytes - math.ceil(quantized * quantized_bytes)
         memory = replace(memory, weights=memory.weights - saved // weight_ranks)
     return memory
+
+
+def gathered_in_flight(total: int, all_layers: int, largest_layer: int, dtype_bytes: int) -> int:
+    """Bytes of whole weights on a GPU while FSDP2 runs: its root module's and two decoder layers'.
+
+    ``total`` parameters, of which ``all_layers`` in the decoder layers (each its own FSDP2 unit);
+    the rest (embeddings, final norm, output head) belongs to the root unit, which FSDP2 keeps
+    gathered between the forward and the backward. Gathered weights are in the training dtype.
+    """
+    return ((total - all_layers) + 2 * largest_layer) * dtype_bytes
 
 
 def fsdp_state_memory(

@@ -26,6 +26,7 @@ from cptune.parallel.memory import (
     StateMemory,
     activation_memory,
     format_bytes,
+    gathered_in_flight,
     longest_tokens,
     optimizer_state,
     quantized_bytes_per_weight,
@@ -111,7 +112,8 @@ def state_layout(plan: RunPlan, dims: ParallelDims) -> StateLayout:
     """How ``dims`` (the plan's or another layout of its recipe) spreads the model states: FSDP2, DeepSpeed
     ZeRO (its JSON's stage), or whole."""
     if dims.sharded:
-        return StateLayout("fsdp", dims.shard_group_size // dims.tp_size, tp_size=dims.tp_size)
+        ranks = dims.shard_group_size // dims.tp_size
+        return StateLayout("fsdp", ranks, tp_size=dims.tp_size, offload=dims.offload_params)
     stage = plan.backend_at(dims.cp_size).zero_stage(plan.recipe)
     if stage is not None:
         return StateLayout("zero", dims.world_size, stage)
@@ -138,6 +140,9 @@ def states_per_rank(recipe: Recipe, counts: Any, layout: StateLayout) -> StateMe
         quantized_sharded=not (
             recipe.load_in_8bit
             or (recipe.bnb_config_kwargs and recipe.bnb_config_kwargs.bnb_4bit_quant_storage == "uint8")
+        ),
+        in_flight=gathered_in_flight(
+            counts.total, counts.all_layers, counts.largest_layer, counts.dtype_bytes
         ),
     )
 
@@ -170,7 +175,14 @@ def describe_state_memory(plan: RunPlan, config: Any) -> list[str]:
     for name, memory in rows:
         values = (memory.weights, memory.gradients, memory.optimizer, memory.total)
         lines.append(f"  {name:<{width}}  " + " ".join(f"{format_bytes(v):>10}" for v in values))
-    if dims.sharded:
+    if layouts[0].offload:
+        host = rows[0][1].host
+        lines.append(
+            f"  fsdp_config.offload_params: the sharded states take {format_bytes(host)} of host RAM per rank; the "
+            "GPU holds only the whole weights of the layers running (FSDP2's root module, with the embeddings and "
+            "the output head, and two decoder layers), and the optimizer steps on the CPU."
+        )
+    elif dims.sharded:
         gathered = 2 * counts.largest_layer * counts.dtype_bytes
         lines.append(
             f"  FSDP2 also gathers whole layers while they run: about {format_bytes(gathered)} more "
@@ -290,14 +302,19 @@ def _longest_row(plan: RunPlan, shape: ModelShape, counts: Any, cp: int, usable:
     recipe = plan.recipe
     if plan.backend_at(cp).splits_heads and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
-    alone = ParallelDims(world_size=cp, cp_size=cp, fsdp=recipe.is_fsdp)  # one sequence on cp ranks
-    states = states_per_rank(recipe, counts, state_layout(plan, alone)).total
+    # one sequence on cp ranks
+    alone = ParallelDims(
+        world_size=cp, cp_size=cp, fsdp=recipe.is_fsdp, offload_params=plan.dims.offload_params
+    )
+    memory = states_per_rank(recipe, counts, state_layout(plan, alone))
+    states = memory.total
     setup = activation_setup(plan, cp)
     tokens = longest_tokens(shape, setup, usable - states, step=1024)
     if tokens == 0:
         return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}"
     estimate = activation_memory(shape, setup, tokens)
-    host = format_bytes(estimate.host) if estimate.host else "-"
+    # offloaded layer inputs and offloaded model states (fsdp_config.offload_params)
+    host = format_bytes(estimate.host + memory.host) if estimate.host + memory.host else "-"
     peak = format_bytes(states + estimate.peak)
     return f"{cp:>3} {tokens:>15,} {tokens * cp // recipe.micro_batch_size:>12,} {peak:>10} {host:>17}"
 
