@@ -56,6 +56,7 @@ def predicted_peak(spec: dict[str, Any], cp: int, keys: dict[str, Any]) -> float
         loss_chunk_elements=spec["chunk_tokens"] * VOCAB,
         cp_size=cp,
         attention_buffers=default_attention_buffers("ring-flash-attn") if cp > 1 else None,
+        flash_attention=False,  # CPU traces: no FlashAttention-2 backward buffers
     )
     return activation_memory(shape, setup, spec["length"] // cp).peak
 
@@ -152,7 +153,18 @@ def render(result: dict[str, Any], save_chart) -> str:
                 f"{r['ratio_to_today']:.2f} | {r['predicted'] / MiB:.1f} | {r['prediction_error']:+.0%} | "
                 f"{r['host_peak'] / MiB:.1f} | {r['step_cpu_seconds']:.2f} | {r['loss']:.6f} |"
             )
-    lines += ["", *NOTES, "", *llama_8b_predictions(), "", *gpu_measurements()]
+    from benchmarks import memory_model_report
+
+    lines += [
+        "",
+        *NOTES,
+        "",
+        *llama_8b_predictions(),
+        "",
+        *memory_model_report.render(),
+        "",
+        *gpu_measurements(),
+    ]
     return "\n".join(lines)
 
 
