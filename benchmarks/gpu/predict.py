@@ -67,10 +67,16 @@ def setup_for(keys: dict, cp_size: int = 1, mixed: bool = True) -> memory.Activa
     )
 
 
-def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bool = True) -> float:
-    """Weights, gradients and AdamW state per GPU: the base in bf16 (fp32 unless ``mixed``), fp32 adapter."""
+def lora_states(
+    shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bool = True, qlora: bool = False
+) -> float:
+    """Weights, gradients and AdamW state per GPU: the base in bf16 (fp32 unless ``mixed``), fp32 adapter.
+
+    ``qlora``: the decoder's linear weights in 4 bits (NF4 with double quantization, as
+    :func:`cptune.parallel.memory.state_memory` counts a QLoRA base); embeddings, head and norms stay bf16.
+    """
     adapter = lora_parameters(shape, LORA_RANK)
-    return memory.fsdp_state_memory(
+    states = memory.fsdp_state_memory(
         total=shape.parameters + adapter,
         trainable=adapter,
         optimizer=memory.OptimizerState(2 * adapter),
@@ -78,6 +84,18 @@ def lora_states(shape: ModelShape = LLAMA_31_8B, shard_ranks: int = 1, mixed: bo
         shard_ranks=shard_ranks,
         trained_bytes=4,
     ).total
+    if not qlora:
+        return states
+    quantized = linear_weights(shape)
+    saved = quantized * (2 if mixed else 4) - quantized * memory.quantized_bytes_per_weight(4)
+    return states - saved / shard_ranks
+
+
+def linear_weights(shape: ModelShape) -> int:
+    """Weights of the decoder's linear layers (what QLoRA quantizes)."""
+    q_out, kv_out = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * shape.hidden * q_out + 2 * shape.hidden * kv_out + 3 * shape.hidden * shape.intermediate
+    return shape.layers * per_layer
 
 
 @dataclass(frozen=True)
@@ -95,11 +113,12 @@ def predict(
     shard_ranks: int = 1,
     shape: ModelShape = LLAMA_31_8B,
     mixed: bool = True,
+    qlora: bool = False,
 ) -> Prediction:
     """Predicted peak per GPU (states + activations) for ``tokens`` tokens per GPU."""
     setup = setup_for(keys, cp_size, mixed=mixed)
     estimate = memory.activation_memory(activation_shape(shape), setup, tokens)
-    states = lora_states(shape, shard_ranks, mixed)
+    states = lora_states(shape, shard_ranks, mixed, qlora)
     return Prediction(tokens, (states + estimate.peak) / GiB, estimate.phase, estimate.host / GiB)
 
 
@@ -112,9 +131,10 @@ def longest(
     mixed: bool = True,
     reserve: float = GPU_RESERVE,
     step: int = 1024,
+    qlora: bool = False,
 ) -> Prediction:
     """The longest tokens per GPU (a multiple of ``step``) the memory model fits into ``gpu_bytes - reserve``."""
-    budget = gpu_bytes - reserve - lora_states(shape, shard_ranks, mixed)
+    budget = gpu_bytes - reserve - lora_states(shape, shard_ranks, mixed, qlora)
     setup = setup_for(keys, cp_size, mixed=mixed)
     tokens = memory.longest_tokens(activation_shape(shape), setup, budget, step=step)
-    return predict(keys, tokens, cp_size, shard_ranks, shape, mixed)
+    return predict(keys, tokens, cp_size, shard_ranks, shape, mixed, qlora)

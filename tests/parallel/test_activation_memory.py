@@ -77,15 +77,52 @@ def test_memory_features_move_the_limit_and_the_peak():
     )
     base = activation_memory(LLAMA_8B, today, 65536)
     offloaded = activation_memory(LLAMA_8B, ActivationSetup(True, True, offload=True), 65536)
-    # Offloading moves the checkpoints (32 layers x 8 KiB per token) to the host; three layers' inputs
-    # stay on the device (measured on CPU traces: the one recomputed, the one prefetched, one more).
+    # Offloading moves the checkpoints (32 layers x 8 KiB per token) to the host; two layers' inputs
+    # stay on the device (measured on CPU traces at 2 and 4 layers: benchmarks/memory_coefficients.py).
     assert offloaded.host == 32 * 4096 * 2 * 65536
-    assert base.peak - offloaded.peak == pytest.approx(29 * 4096 * 2 * 65536)
+    assert base.peak - offloaded.peak == pytest.approx(30 * 4096 * 2 * 65536)
     # With the head loss the logits no longer set the peak; with tiles the MLP does not either.
     assert activation_memory(LLAMA_8B, ActivationSetup(True, True, head_loss=True), 65536).phase != "loss"
     longest = longest_tokens(LLAMA_8B, everything, budget)
     assert longest > 6 * longest_tokens(LLAMA_8B, today, budget)
     assert activation_memory(LLAMA_8B, everything, longest).phase == "layer backward"
+
+
+def test_llama_8b_with_every_feature_against_the_gpu_check_b():
+    """Check B (issue 27; one H200 capped to 79.6 GiB): 22.2, 36.3 and 77.5 GiB at 32,768, 98,304 and
+    294,912 tokens with every feature on. It ran without autocast, so every LoRA layer kept an fp32 copy
+    of its input: the CPU traces measure what that adds (benchmarks/memory_model_report.py). The model
+    for that setup is never under the GPU (its FlashAttention term is an upper bound) and within issue 27's
+    10% goal; before the refit it was under at 294,912 (73.7 GiB, -4.9%, for cptune's own setup)."""
+    import json
+
+    from benchmarks import memory_coefficients, memory_model_report
+
+    traces = json.loads(memory_coefficients.TRACES.read_text())["traces"]
+    for tokens, measured, _, check_b_setup in memory_model_report.check_b_rows(traces):
+        assert measured <= check_b_setup <= 1.10 * measured, (tokens, check_b_setup, measured)
+
+
+def test_offloading_and_flash_attention_set_the_8b_limit_with_every_feature():
+    """cptune's run (autocast, LoRA inputs kept once) holds less per token than check B's run, which
+    trained 294,912 tokens: the model puts its limit above that, in the layer backward, and the GPU-only
+    FlashAttention buffers (24 KiB per token for Llama-3.1-8B beyond the CPU's) are part of it."""
+    from cptune.parallel.memory import flash_backward_bytes
+
+    assert flash_backward_bytes(LLAMA_8B, 2) == 24 * 1024
+    everything = ActivationSetup(True, True, offload=True, tiled_mlp=True, head_loss=True)
+    budget = H100_USABLE - lora_states()
+    longest = longest_tokens(LLAMA_8B, everything, budget)
+    assert longest > 294_912
+    assert activation_memory(LLAMA_8B, everything, longest).phase == "layer backward"
+    without_flash = ActivationSetup(
+        True, True, offload=True, tiled_mlp=True, head_loss=True, flash_attention=False
+    )
+    gap = (
+        activation_memory(LLAMA_8B, everything, longest).peak
+        - activation_memory(LLAMA_8B, without_flash, longest).peak
+    )
+    assert gap == 24 * 1024 * longest
 
 
 def test_context_parallel_buffers_grow_with_the_whole_sequence():
@@ -203,6 +240,7 @@ def test_predicted_peak_matches_the_cpu_trace(config, mixed, lora, features):
         tiled_mlp="tiled" in features,
         head_loss="head" in features,
         loss_chunk_elements=chunk,
+        flash_attention=False,  # a CPU trace: no FlashAttention-2 backward buffers
     )
     predicted = activation_memory(shape, setup, TOKENS).peak
     assert abs(predicted - measured) <= 0.15 * measured, (predicted / measured, predicted, measured)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from cptune.parallel import memory_fit
+
 FP32 = 4
 
 
@@ -278,25 +280,37 @@ def _ceil_div(a: int, b: int) -> int:
 
 # --- activations -------------------------------------------------------------------------------
 #
-# Per-token bytes of one decoder layer, as ``h·hidden + i·intermediate + kv·(KV heads x head dim)``
-# for Llama-style layers (RMSNorm, GQA attention, SwiGLU MLP). Measured with torch's CPU allocator
-# trace (benchmarks.memtrace) on a LlamaDecoderLayer at six shapes (hidden 64-512, MLP 2.5-4x,
-# 1-6 KV heads), T = 1,024 and 2,048 tokens, torch 2.13, transformers 5.23, peft 0.21:
-# ``python -m benchmarks.memory_coefficients`` prints them again (fits within 5%, tiled 17%).
-# "mixed" is bf16/fp16 training as the Trainer runs it: weights in half precision, the forward
-# under autocast, LoRA adapters in fp32 (peft's default); "fp32" is everything in fp32.
+# Per-token bytes of one decoder layer, as ``h·hidden + i·intermediate + kv·(KV heads x head dim) + token``
+# for Llama-style layers (RMSNorm, GQA attention, SwiGLU MLP). "mixed" is bf16/fp16 training as the
+# Trainer runs it: weights in half precision, the forward under autocast, LoRA adapters in fp32
+# (peft's default) with cptune's lora-input-kept-under-autocast patch; "fp32" is everything in fp32.
+#
+# The mixed rows with gradient checkpointing, the head loss and the checkpoint rows offloading leaves
+# on the device are fitted by ``python -m benchmarks.memory_coefficients fit`` from CPU traces of an
+# 8B-shaped scaled model (hidden 512 = 4 heads x 128, one KV head, MLP 3.5x, and three neighbouring
+# shapes) kept in docs/benchmarks/memory_traces.json; they live in cptune.parallel.memory_fit.
+LEGACY_NOTE = (
+    "Not refitted (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase and the LoRA "
+    "input patch; the script that printed them was not kept): the fp32 rows, the mixed-precision full "
+    "fine-tune with the tiled MLP, what a layer saves without gradient checkpointing, and the loss from "
+    "whole or chunked logits."
+)
 
 
 @dataclass(frozen=True)
 class Widths:
-    """Bytes per token as ``h·hidden + i·intermediate + kv·kv_width``."""
+    """Bytes per token as ``h·hidden + i·intermediate + kv·kv_width + token``.
+
+    ``token`` is what does not grow with a width (the rotary tables, the labels), measured at head_dim 128.
+    """
 
     h: float
     i: float = 0.0
     kv: float = 0.0
+    token: float = 0.0
 
     def per_token(self, shape: ModelShape) -> float:
-        return self.h * shape.hidden + self.i * shape.intermediate + self.kv * shape.kv_width
+        return self.h * shape.hidden + self.i * shape.intermediate + self.kv * shape.kv_width + self.token
 
 
 @dataclass(frozen=True)
@@ -306,30 +320,76 @@ class LayerBytes:
     backward: Widths
     forward: Widths
     saved: Widths | None  # kept per layer without gradient checkpointing (None: tiled, not measured)
+    # The head loss's, above the checkpoints (None: HEAD_LOSS_BYTES_PER_HIDDEN).
+    head_loss: Widths | None = None
 
 
-# (precision, adapter, tiled MLP) -> measured coefficients
+def _fitted(key: tuple[str, str, bool], legacy: LayerBytes) -> LayerBytes:
+    """The fitted row of ``key`` with the legacy row's saved bytes; the legacy row where none is fitted."""
+    row = memory_fit.LAYERS.get(key)
+    if row is None:
+        return legacy
+    return LayerBytes(Widths(*row["backward"]), Widths(*row["forward"]), legacy.saved, Widths(*row["loss"]))
+
+
+# (precision, adapter, tiled MLP) -> coefficients; the saved rows (no gradient checkpointing) are legacy.
 LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
-    ("mixed", "lora", False): LayerBytes(Widths(33, 14, 4), Widths(8, 8), Widths(20.5, 9.5, 6.7)),
-    ("mixed", "lora", True): LayerBytes(Widths(40, 0, 4), Widths(16, 0, 4), None),
-    ("mixed", "full", False): LayerBytes(Widths(20, 12, 4), Widths(4, 6), Widths(21.4, 8.2, 4.3)),
-    ("mixed", "full", True): LayerBytes(Widths(32, 0, 8), Widths(9, 0, 7), None),
+    ("mixed", "lora", False): _fitted(
+        ("mixed", "lora", False), LayerBytes(Widths(33, 14, 4), Widths(8, 8), Widths(20.5, 9.5, 6.7))
+    ),
+    ("mixed", "lora", True): _fitted(
+        ("mixed", "lora", True), LayerBytes(Widths(40, 0, 4), Widths(16, 0, 4), None)
+    ),
+    ("mixed", "full", False): _fitted(
+        ("mixed", "full", False), LayerBytes(Widths(20, 12, 4), Widths(4, 6), Widths(21.4, 8.2, 4.3))
+    ),
+    ("mixed", "full", True): _fitted(
+        ("mixed", "full", True), LayerBytes(Widths(32, 0, 8), Widths(9, 0, 7), None)
+    ),
     ("fp32", "lora", False): LayerBytes(Widths(21.8, 23.8, 8.2), Widths(8, 16), Widths(13.8, 18.8, 13.1)),
     ("fp32", "lora", True): LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None),
     ("fp32", "full", False): LayerBytes(Widths(28, 24, 8), Widths(8, 12), Widths(31.4, 16.2, 8.3)),
     ("fp32", "full", True): LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None),
 }
-# The loss, per token (measured the same way, with the final norm and the output layer): from
-# logits the model returns in fp32 (accelerate's mixed precision upcasts the model's outputs, so
-# both precisions hold fp32 logits), whole or in chunks (LOSS_CHUNK_ELEMENTS); or from the hidden
-# states, a chunk of logits at a time (cut_cross_entropy).
+# Checkpointed layer inputs that activation offloading leaves on the device (fitted: the one being
+# recomputed and the one prefetched).
+OFFLOAD_ROWS_ON_DEVICE = memory_fit.OFFLOAD_ROWS_ON_DEVICE
+# The loss, per token (legacy fits, with the final norm and the output layer): from logits the model
+# returns in fp32 (accelerate's mixed precision upcasts the model's outputs, so both precisions hold
+# fp32 logits), whole or in chunks (LOSS_CHUNK_ELEMENTS).
 LOGITS_LOSS_BYTES_PER_VOCAB = 12.3  # whole: logits, log-softmax and their gradients in fp32
 CHUNKED_LOSS_BYTES_PER_VOCAB = 8.25  # in chunks: the logits and their gradient stay whole
-# From the hidden states: the final norm's, the selected rows' and their gradients' bytes per hidden unit.
-HEAD_LOSS_BYTES_PER_HIDDEN = {"mixed": 26.0, "fp32": 24.0}
-HEAD_CHUNK_BYTES_PER_HIDDEN = 10.0  # what of it is alive while a chunk is computed
-# One chunk of logits in flight (measured: 12 bytes per logit in fp32 and in bf16).
+# From the hidden states, a chunk of logits at a time (cut_cross_entropy): fitted for mixed precision
+# (LayerBytes.head_loss); the legacy rows keep the legacy figure per hidden unit, from before the lean
+# loss phase.
+HEAD_LOSS_BYTES_PER_HIDDEN = {"fp32": 24.0, "mixed": 26.0}
+# One chunk of logits in flight (legacy: 12 bytes per logit in fp32 and in bf16).
 CHUNK_BYTES_PER_ELEMENT = 12
+
+# GPU-only terms: what CPU traces cannot show, each with its source.
+#
+# - FlashAttention-2's backward (flash-attn's mha_bwd, and torch's copy of it behind SDPA's flash
+#   backend) accumulates dQ in fp32 (heads x head_dim x 4 bytes per token) and, with GQA, writes dK
+#   and dV for every query head before summing them per KV head (2 x heads x head_dim in the compute
+#   dtype): 32 KiB per token for Llama-3.1-8B in bf16, as issue 30 lists them. torch's CPU attention
+#   backward, which the traces hold, keeps one such expanded gradient at a time (measured:
+#   memory_fit.CPU_ATTENTION_BACKWARD_ROWS), so the model adds the difference, 24 KiB per token for
+#   Llama-3.1-8B. It adds it to the layer backward's peak, wherever in the layer that peak is: an upper
+#   bound. Against the GPU's check B (issue 27, docs/benchmarks/lease-2026-11-26-check-b: 77.5 GiB at
+#   294,912 tokens, without autocast) the model for that setup is 5.5% over (docs/benchmarks.md).
+# - The allocator's reserve and the CUDA context: cptune.run.memory_plan.GPU_RESERVE (2 GiB); check B
+#   measured 0.8 GiB outside torch's allocator at its out-of-memory error, and trained 294,912 tokens
+#   at 77.5 GiB allocated of 79.6 with expandable segments (the default allocator lost ~10 GiB).
+FLASH_DQ_ACCUMULATOR_BYTES = FP32
+
+
+def flash_backward_bytes(shape: ModelShape, dtype_bytes: int) -> float:
+    """Per-token bytes FlashAttention-2's backward holds on a GPU beyond what the CPU traces hold: the fp32
+    dQ accumulator, and dK/dV expanded to every query head when the model has fewer KV heads (GQA), less
+    the expanded rows torch's CPU kernel holds."""
+    query_row = shape.heads * shape.head_dim * dtype_bytes
+    expanded = 2 - memory_fit.CPU_ATTENTION_BACKWARD_ROWS if shape.kv_heads < shape.heads else 0
+    return FLASH_DQ_ACCUMULATOR_BYTES * shape.heads * shape.head_dim + expanded * query_row
 
 
 @dataclass(frozen=True)
@@ -360,6 +420,8 @@ class ActivationSetup:
         attention_buffers: The CP backend's K/V buffers: per-token bytes in one layer's forward, given
             the model's shape, ``cp_size`` and the dtype's bytes (a backend's ``attention_buffer_bytes``
             bound to its recipe); ``None`` at cp=1.
+        flash_attention: The attention backward is FlashAttention-2's on a GPU, with its buffers
+            (:func:`flash_backward_bytes`); False for the CPU traces the coefficients are checked against.
     """
 
     mixed_precision: bool
@@ -372,6 +434,7 @@ class ActivationSetup:
     loss_chunk_elements: int = 1 << 26
     cp_size: int = 1
     attention_buffers: Callable[[ModelShape, int, int], float] | None = None
+    flash_attention: bool = True
 
     @property
     def dtype_bytes(self) -> int:
@@ -415,9 +478,9 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
         saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)
         kept, host = shape.layers * saved * tokens, 0.0
     elif setup.offload:
-        # Measured: three layers' inputs stay on the device (the one being recomputed, the one prefetched,
-        # and one more), all of them in host memory.
-        kept, host = 3 * hidden_row * tokens, shape.layers * hidden_row * tokens
+        # Fitted: OFFLOAD_ROWS_ON_DEVICE layers' inputs stay on the device, all of them in host memory.
+        kept = min(OFFLOAD_ROWS_ON_DEVICE, shape.layers) * hidden_row * tokens
+        host = shape.layers * hidden_row * tokens
     else:
         kept, host = shape.layers * hidden_row * tokens, 0.0
     tile = 0.0
@@ -429,10 +492,10 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
     attention = _attention_buffers(shape, setup) * tokens
     forward = kept + layer.forward.per_token(shape) * tokens + tile + attention
     if setup.head_loss:
-        # The most of: the norm's and the rows' backward after the chunks, or a chunk in flight.
+        # What the loss keeps per token (the gradient it hands back among it), and one chunk in flight.
         chunk = CHUNK_BYTES_PER_ELEMENT * min(setup.loss_chunk_elements, tokens * shape.vocab)
-        loss = max(HEAD_LOSS_BYTES_PER_HIDDEN[key[0]], HEAD_CHUNK_BYTES_PER_HIDDEN) * shape.hidden * tokens
-        loss = max(loss, HEAD_CHUNK_BYTES_PER_HIDDEN * shape.hidden * tokens + chunk)
+        head = layer.head_loss or Widths(HEAD_LOSS_BYTES_PER_HIDDEN[key[0]])
+        loss = head.per_token(shape) * tokens + chunk
         if not setup.lora:  # the output layer's weight gradient, summed over the chunks
             loss += 2 * shape.vocab * shape.hidden * b
     elif tokens * shape.vocab > setup.loss_chunk_elements:
@@ -441,8 +504,14 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
     else:
         loss = LOGITS_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
     # The incoming gradient and the residual stream's (two hidden rows), one recomputed layer, its buffers.
+    flash = flash_backward_bytes(shape, b) * tokens if setup.flash_attention else 0.0
     backward = (
-        kept + 2 * hidden_row * tokens + layer.backward.per_token(shape) * tokens + tile + 2 * attention
+        kept
+        + 2 * hidden_row * tokens
+        + layer.backward.per_token(shape) * tokens
+        + tile
+        + 2 * attention
+        + flash
     )
     phases = {"forward": forward, "loss": kept + loss, "layer backward": backward}
     phase = max(phases, key=phases.__getitem__)

@@ -1,0 +1,290 @@
+"""The activation memory model's coefficients, re-derived: trace an 8B-shaped scaled model, fit, write them.
+
+``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
+:mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
+(docs/benchmarks/memory_traces.json; 44 traces, about 15 minutes of one core);
+``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
+writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
+``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
+test_memory_coefficients.py runs the same comparison, so CI notices a hand edit or a stale module).
+
+**The model traced.** Llama-3.1-8B at an eighth of its width: hidden 512 = 4 query heads x 128, one KV
+head (GQA 4:1), MLP 3.5x (1,792), vocabulary 2,048, and three neighbours of that shape which move one
+width at a time (MLP, KV heads, hidden), so that a layer's per-token bytes split into
+``h·hidden + i·intermediate + kv·kv_width + token`` (:class:`cptune.parallel.memory.Widths`;
+``token`` holds what does not grow with a width at head_dim 128: the rotary tables, the labels). bf16
+weights, the forward under bf16 autocast and the backward outside it (as accelerate runs bf16), LoRA
+r=16 on every linear layer in fp32 (peft's default) with cptune's ``lora-input-kept-under-autocast``
+patch (what ``cptune train`` applies), or a full fine-tune; gradient checkpointing; the chunked head
+loss (``cut_cross_entropy``) in chunks of 512 tokens.
+
+**A trace.** One step after a warm-up step (the gradients exist), torch's CPU allocator events replayed
+(:mod:`benchmarks.memtrace`), split into three phases by markers: *forward* (until the last layer's
+forward returns), *loss* (until the first layer is recomputed in the backward) and *layer backward*
+(the rest). Each phase's peak is counted above the bytes allocated when the step began.
+
+**The fit.** Per case and shape, the slope of each phase's peak between two lengths (what a chunk,
+a tile or a kernel's scratch weighs is the same at both). From the slopes, with ``b`` = 2 bytes and
+``R`` checkpoint rows on the device (``layers``, or :data:`OFFLOAD_ROWS` measured with offloading):
+layer backward = slope - (R + 2)·hidden·b (the incoming gradient and the residual stream's), forward =
+slope - R·hidden·b, loss = slope - R·hidden·b; then the four widths solved from the four shapes. The checkpoint rows left on the device by offloading are measured on the base shape at 2
+and 4 layers: the drop in the layer backward's slope against the same run without offloading.
+
+What the traces cannot show (GPU kernels' own buffers, the allocator's reserve) is listed in
+:mod:`cptune.parallel.memory` with its source. The fp32 rows, the peaks without gradient checkpointing
+and the whole-logits loss keep their earlier fits (see :data:`cptune.parallel.memory.LEGACY_NOTE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO / "docs" / "benchmarks" / "memory_traces.json"
+FITTED = REPO / "src" / "cptune" / "parallel" / "memory_fit.py"
+
+BASE = {"hidden_size": 512, "intermediate_size": 1792, "num_attention_heads": 4, "num_key_value_heads": 1}
+SHAPES = {
+    "base": BASE,
+    "mlp": {**BASE, "intermediate_size": 1024},
+    "kv": {**BASE, "num_key_value_heads": 2},
+    "hidden": {**BASE, "hidden_size": 768, "num_attention_heads": 6},
+}
+HEAD_DIM, VOCAB, CHUNK_TOKENS, LORA_RANK = 128, 2048, 512, 16
+# From 2,048 tokens on, each phase's peak is the same moment at every length (the base shape with every
+# feature on: the same slope between 2,048, 4,096 and 8,192 tokens, to the byte); at 1,024 an MLP tile
+# still set it.
+LENGTHS = (2048, 4096)
+DTYPE_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one traced step computes."""
+
+    lora: bool
+    offload: bool
+    tiled: bool
+    patched: bool = True  # cptune's lora-input-kept-under-autocast (LoRA only)
+    autocast: bool = True  # False: bf16 weights, fp32 LoRA, no autocast (the GPU check B's setup)
+
+
+SETTINGS = {
+    "lora": Setting(lora=True, offload=False, tiled=False),
+    "lora-everything": Setting(lora=True, offload=True, tiled=True),
+    "full": Setting(lora=False, offload=False, tiled=False),
+    "full-everything": Setting(lora=False, offload=True, tiled=True),
+    # For the checkpoint rows offloading leaves on the device: the same as lora-everything, not offloaded.
+    "lora-tiled": Setting(lora=True, offload=False, tiled=True),
+    # Before the LoRA input patch (peft's fp32 cast of every LoRA input), for the page's table.
+    "lora-peft": Setting(lora=True, offload=False, tiled=False, patched=False),
+    "lora-everything-peft": Setting(lora=True, offload=True, tiled=True, patched=False),
+    # As the GPU's check B ran: no autocast, so every LoRA layer keeps an fp32 copy of its input.
+    "lora-everything-eager": Setting(lora=True, offload=True, tiled=True, autocast=False),
+}
+# (setting, shapes, layers) traced at both LENGTHS.
+CASES = [
+    ("lora-everything", "base", 2),
+    ("lora-tiled", "base", 2),
+    ("lora-tiled", "base", 4),
+    ("lora-everything", "base", 4),
+    ("lora", "base", 2),
+    ("lora-peft", "base", 2),
+    ("lora-everything-peft", "base", 2),
+    ("lora-everything-eager", "base", 2),
+    *((name, shape, 2) for name in ("lora-everything", "lora") for shape in SHAPES if shape != "base"),
+    *((name, shape, 2) for name in ("full", "full-everything") for shape in SHAPES),
+]
+# The fitted rows: memory model key (precision, adapter, tiled MLP) -> the setting traced for it.
+FITTED_ROWS = {
+    ("mixed", "lora", False): "lora",
+    ("mixed", "lora", True): "lora-everything",
+    ("mixed", "full", False): "full",
+    # ("mixed", "full", True) from "full-everything" is not fitted: its phase peaks are not one moment at
+    # both lengths (the MLP shape's layer backward grows 17.4 KB per token against the base shape's 12.7,
+    # with a smaller MLP), so the memory model keeps its earlier row; the traces stay in the file.
+}
+PHASES = ("forward", "loss", "backward")
+
+
+# --- the fit (pure arithmetic on the traces) ----------------------------------------------------
+
+
+def attention_rows(peaks: dict[str, int]) -> float:
+    """Query-width bf16 rows per token the CPU attention backward holds beyond the q, k, v gradients (base shape)."""
+    query_row = BASE["num_attention_heads"] * HEAD_DIM * DTYPE_BYTES
+    gradients = query_row + 2 * BASE["num_key_value_heads"] * HEAD_DIM * DTYPE_BYTES
+    slope = (peaks[str(LENGTHS[1])] - peaks[str(LENGTHS[0])]) / (LENGTHS[1] - LENGTHS[0])
+    return (slope - gradients) / query_row
+
+
+def slopes(traces: list[dict[str, Any]], setting: str, shape: str, layers: int) -> dict[str, float]:
+    """Bytes per token of each phase's peak between the two lengths."""
+    short, long = (
+        next(
+            t
+            for t in traces
+            if (t["setting"], t["shape"], t["layers"], t["tokens"]) == (setting, shape, layers, tokens)
+        )
+        for tokens in LENGTHS
+    )
+    span = LENGTHS[1] - LENGTHS[0]
+    return {phase: (long[phase] - short[phase]) / span for phase in PHASES}
+
+
+def widths_of(shape: dict[str, int]) -> tuple[int, int, int, int]:
+    """A shape's (hidden, intermediate, kv_width, 1): what :class:`Widths` multiplies."""
+    return (
+        shape["hidden_size"],
+        shape["intermediate_size"],
+        shape["num_key_value_heads"] * HEAD_DIM,
+        1,
+    )
+
+
+def least_squares(rows: list[tuple[int, ...]], values: list[float]) -> list[float]:
+    """Coefficients c minimising sum((rows·c - values)^2), by the normal equations (exact in float64 here)."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    y = [sum(r[i] * v for r, v in zip(rows, values, strict=True)) for i in range(n)]
+    for col in range(n):  # Gauss-Jordan with partial pivoting
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot], y[col], y[pivot] = a[pivot], a[col], y[pivot], y[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * p for x, p in zip(a[r], a[col], strict=True)]
+                y[r] -= f * y[col]
+    return [y[i] / a[i][i] for i in range(n)]
+
+
+def offload_rows(traces: list[dict[str, Any]], layers: int) -> float:
+    """Checkpoint rows offloading leaves on the device: layers less the rows its backward no longer holds."""
+    row = BASE["hidden_size"] * DTYPE_BYTES
+    kept = slopes(traces, "lora-tiled", "base", layers)["backward"]
+    offloaded = slopes(traces, "lora-everything", "base", layers)["backward"]
+    return layers - (kept - offloaded) / row
+
+
+def layer_terms(traces: list[dict[str, Any]], setting: str, shape: str, layers: int, rows: float) -> dict:
+    """Per-token bytes of one layer's forward and backward and of the loss, above ``rows`` checkpoint rows."""
+    s = slopes(traces, setting, shape, layers)
+    row = SHAPES[shape]["hidden_size"] * DTYPE_BYTES
+    return {
+        "forward": s["forward"] - rows * row,
+        "loss": s["loss"] - rows * row,
+        "backward": s["backward"] - (rows + 2) * row,
+    }
+
+
+def fit(traces: list[dict[str, Any]], attention: dict[str, int]) -> dict[str, Any]:
+    """Every coefficient the memory model reads, and the checks beside them (see the module docstring)."""
+    measured_rows = {layers: offload_rows(traces, layers) for layers in (2, 4)}
+    rows_on_device = round(measured_rows[4])
+    per_layer = {  # what one more layer adds to the backward's slope without offloading: one checkpoint row
+        "lora-tiled": (
+            slopes(traces, "lora-tiled", "base", 4)["backward"]
+            - slopes(traces, "lora-tiled", "base", 2)["backward"]
+        )
+        / 2
+    }
+    layers_fit: dict[str, Any] = {}
+    traced = {t["setting"] for t in traces}
+    for key, setting in FITTED_ROWS.items():
+        if setting not in traced:
+            continue  # the memory model keeps its earlier row
+        rows = rows_on_device if SETTINGS[setting].offload else 2
+        terms = {shape: layer_terms(traces, setting, shape, 2, rows) for shape in SHAPES}
+        design = [widths_of(SHAPES[shape]) for shape in SHAPES]
+        layers_fit["/".join(map(str, key))] = {
+            # + 0.0: no -0.0 in the module or on the page
+            phase: [
+                round(x, 2) + 0.0 for x in least_squares(design, [terms[shape][phase] for shape in SHAPES])
+            ]
+            for phase in PHASES
+        }
+    return {
+        "cpu_attention_backward_rows": round(attention_rows(attention), 3),
+        "offload_rows_on_device": rows_on_device,
+        "offload_rows_measured": {str(k): round(v, 3) for k, v in measured_rows.items()},
+        "checkpoint_row_bytes_per_token": {k: round(v, 1) for k, v in per_layer.items()},
+        "layers": layers_fit,
+    }
+
+
+def per_token_8b(traces: list[dict[str, Any]], setting: str) -> dict[str, float]:
+    """The base shape's per-token phase peaks at 2 layers, x 8 for Llama-3.1-8B's widths (KiB per token).
+
+    Every width of the base shape is an eighth of Llama-3.1-8B's (hidden, MLP, KV width), so x 8 scales
+    every width term exactly; the per-token constants (rotary tables, labels) are overstated so.
+    """
+    return {phase: round(v * 8 / 1024, 1) for phase, v in slopes(traces, setting, "base", 2).items()}
+
+
+def render_module(fitted: dict[str, Any], about: dict[str, Any]) -> str:
+    """The text of :data:`FITTED`: the fit as Python literals, with where it comes from."""
+    lines = [
+        '"""The activation memory model\'s fitted coefficients. Generated: do not edit.',
+        "",
+        "Written by ``python -m benchmarks.memory_coefficients fit`` from the traces in",
+        f"docs/benchmarks/memory_traces.json ({about['date']}; {about['versions']}).",
+        "Each layer row is (h, i, kv, token): bytes per token per unit of hidden, intermediate and KV",
+        "width, and per token (see cptune.parallel.memory.Widths).",
+        '"""',
+        "",
+        f"OFFLOAD_ROWS_ON_DEVICE = {fitted['offload_rows_on_device']}",
+        "# Query-width rows per token the CPU attention backward holds beyond the q, k, v gradients",
+        f"CPU_ATTENTION_BACKWARD_ROWS = {fitted['cpu_attention_backward_rows']!r}",
+        "# (precision, adapter, tiled MLP) -> {phase: (h, i, kv, token)}",
+        "LAYERS = {",
+    ]
+    for key, row in fitted["layers"].items():
+        precision, adapter, tiled = key.split("/")
+        lines.append(f'    ("{precision}", "{adapter}", {tiled}): {{')
+        for phase in PHASES:
+            values = ", ".join(repr(x) for x in row[phase])
+            lines.append(f'        "{phase}": ({values}),')
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.memory_coefficients", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("action", choices=("trace", "fit"))
+    parser.add_argument("--check", action="store_true", help="fit: only compare with the checked-in module")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, help="trace: only these settings' cases")
+    parser.add_argument("--traces", type=Path, default=TRACES, help="trace: write here (to merge by hand)")
+    args = parser.parse_args(argv)
+    if args.action == "trace":
+        from benchmarks.memory_traces import trace_all
+
+        trace_all(args.traces, [case for case in CASES if not args.settings or case[0] in args.settings])
+        return 0
+    data = json.loads(TRACES.read_text())
+    fitted = fit(data["traces"], data["attention_backward"])
+    text = render_module(fitted, data["about"])
+    if args.check:
+        same = FITTED.exists() and FITTED.read_text() == text
+        print(
+            "memory_fit.py is what the traces give" if same else "memory_fit.py differs from the traces' fit"
+        )
+        return 0 if same else 1
+    FITTED.write_text(text)
+    print(json.dumps({k: v for k, v in fitted.items() if k != "layers"}, indent=1))
+    for key, row in fitted["layers"].items():
+        print(key, row)
+    for setting in ("lora", "lora-peft", "lora-everything", "lora-everything-peft", "lora-everything-eager"):
+        print(f"{setting:>22} KiB/token at 8B widths:", per_token_8b(data["traces"], setting))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

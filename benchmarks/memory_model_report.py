@@ -1,0 +1,160 @@
+"""The benchmarks page's section on the memory model's coefficients: per-token bytes, the fit, predictions.
+
+Rendered from docs/benchmarks/memory_traces.json (``python -m benchmarks.memory_coefficients trace``)
+and the memory model as it stands; measures nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from benchmarks import memory_coefficients as mc
+
+GiB = float(1 << 30)
+# Check B (issue 27, docs/benchmarks/lease-2026-11-26-check-b): Llama-3.1-8B LoRA r=16, every memory
+# feature on, cp=1, one H200 capped to 79.6 GiB, bf16 weights and fp32 LoRA without autocast.
+CHECK_B = [(32_768, 22.2), (98_304, 36.3), (294_912, 77.5)]
+CHECK_B_OUT_OF_MEMORY = 311_296
+# Before the lean loss phase (commit 2bd2c44, benchmarks/loss_phase.py, 4,096/8,192 tokens): the loss
+# phase's peak per token at Llama-3.1-8B's widths before and after. The old path is gone, so it is cited.
+LEAN_LOSS_PHASE = (88.0, 8.2)
+ALST_CP8_TOKENS = 3_700_000
+
+
+def eager_delta_per_token(traces: list[dict[str, Any]]) -> float:
+    """What check B's setup (no autocast: an fp32 copy of every LoRA input) adds to the layer backward's
+    peak per token at Llama-3.1-8B's widths, from the base shape's traces (x 8, see per_token_8b)."""
+    eager = mc.slopes(traces, "lora-everything-eager", "base", 2)["backward"]
+    autocast = mc.slopes(traces, "lora-everything", "base", 2)["backward"]
+    return (eager - autocast) * 8
+
+
+def check_b_rows(traces: list[dict[str, Any]]) -> list[tuple[int, float, float, float]]:
+    """(tokens, measured GiB, the model for cptune's autocast run, the model for check B's eager run)."""
+    from benchmarks.gpu import predict
+
+    delta = eager_delta_per_token(traces)
+    rows = []
+    for tokens, measured in CHECK_B:
+        model = predict.predict(predict.SETTINGS["everything"], tokens).peak_gib
+        rows.append((tokens, measured, model, model + delta * tokens / GiB))
+    return rows
+
+
+def render() -> list[str]:
+    from benchmarks.gpu import predict
+    from cptune.parallel import memory
+
+    data = json.loads(mc.TRACES.read_text())
+    traces, about = data["traces"], data["about"]
+    fitted = mc.fit(traces, data["attention_backward"])
+    lines = [
+        "### The memory model's coefficients, re-derived (benchmarks/memory_coefficients.py)",
+        "",
+        f"`{about['command']}` ({about['date']}; {about['versions']}) traces one step per case of Llama-3.1-8B at "
+        "an eighth of its width (hidden 512 = 4 heads x 128, one KV head, MLP 1,792, vocabulary 2,048; three "
+        "neighbouring shapes move the MLP, the KV heads and the hidden size one at a time), bf16 under autocast, "
+        "LoRA r=16 on every linear layer in fp32, gradient checkpointing, the chunked head loss, at "
+        f"{mc.LENGTHS[0]:,} and {mc.LENGTHS[1]:,} tokens; `python -m benchmarks.memory_coefficients fit` turns the "
+        "phase peaks into the coefficients `cptune.parallel.memory` reads (`cptune/parallel/memory_fit.py`; a test "
+        "checks that the module is the fit of the committed traces). Raw numbers: "
+        "[`benchmarks/memory_traces.json`](benchmarks/memory_traces.json).",
+        "",
+        "Per token at Llama-3.1-8B's widths (the base shape's slope x 8), 2 layers, KiB; *layer backward* is the "
+        "step's peak with every feature on:",
+        "",
+        "| setup | forward | loss | layer backward |",
+        "|---|---:|---:|---:|",
+    ]
+    named = [
+        ("lora-peft", "gradient checkpointing + chunked loss, peft's LoRA input cast (before e5b9050)"),
+        ("lora", "the same, LoRA input kept once (today)"),
+        ("lora-everything-peft", "every feature, peft's LoRA input cast (before e5b9050)"),
+        ("lora-everything", "every feature, LoRA input kept once (today)"),
+        ("lora-everything-eager", "every feature, no autocast (check B's setup: fp32 LoRA input copies)"),
+    ]
+    for setting, label in named:
+        kib = mc.per_token_8b(traces, setting)
+        lines.append(f"| {label} | {kib['forward']} | {kib['loss']} | {kib['backward']} |")
+    before, after = LEAN_LOSS_PHASE
+    lines += [
+        "",
+        "Issue 30's target for the layer backward, 110 KiB per token or less, is not met by these two savings "
+        "alone (169.3 with every feature).",
+        "",
+        f"The lean loss phase (2bd2c44) took the loss phase's own peak from {before} to {after} KiB per token at "
+        "these widths (`python -m benchmarks.loss_phase`, measured then; the old path is gone, so every trace "
+        "here has the lean one). The loss column above also holds the checkpoint rows and the last layer's "
+        "output.",
+        "",
+        "Fitted, bytes per token as `h·hidden + i·intermediate + kv·kv_width + token` (above the checkpoint rows; "
+        "the layer backward also above the incoming gradient and the residual stream's, two hidden rows):",
+        "",
+        "| precision, adapter, tiled MLP | forward (h, i, kv, token) | loss | layer backward |",
+        "|---|---|---|---|",
+    ]
+    for key, row in fitted["layers"].items():
+        cells = " | ".join(", ".join(f"{x:g}" for x in row[phase]) for phase in mc.PHASES)
+        lines.append(f"| {key.replace('/', ', ')} | {cells} |")
+    rows = fitted["offload_rows_measured"]
+    lines += [
+        "",
+        f"Activation offloading leaves **{fitted['offload_rows_on_device']} checkpoint rows** on the device "
+        f"(measured: {rows['2']} at 2 layers, {rows['4']} at 4; the model charged 3 before this fit); without "
+        "offloading one more layer adds "
+        f"{fitted['checkpoint_row_bytes_per_token']['lora-tiled']:g} bytes per token to the layer backward "
+        "(one bf16 row of hidden 512 is 1,024). The full fine-tune with the tiled MLP keeps its earlier row: its "
+        "traces (in the file) are not one moment at both lengths for every shape, so no linear fit. "
+        f"{memory.LEGACY_NOTE}",
+        "",
+        "Not in the traces, so listed with their source: FlashAttention-2's backward keeps an fp32 dQ accumulator "
+        "and, with GQA, dK and dV expanded to every query head (32 KiB per token for Llama-3.1-8B in bf16; "
+        "flash-attn's `mha_bwd` and torch's copy of it). torch's CPU attention backward, in the traces, holds "
+        f"{fitted['cpu_attention_backward_rows']:g} expanded row at a time (measured, `attention_backward` in the "
+        "file), so the model adds the other 24 KiB per token to the layer backward on a GPU "
+        "(`memory.flash_backward_bytes`), wherever in the layer the traced peak is: an upper bound. Also "
+        "the CUDA context and allocator reserve, 2 GiB per GPU "
+        "(`cptune.run.memory_plan.GPU_RESERVE`; check B saw 0.8 GiB outside torch's allocator, and needs "
+        "`expandable_segments`).",
+        "",
+        "Against check B (issue 27; bf16 weights and fp32 LoRA without autocast, so every LoRA layer kept an fp32 "
+        f"copy of its input: +{eager_delta_per_token(traces) / 1024:.1f} KiB per token by the traces). *Model* is "
+        "cptune's run (autocast, the LoRA input patch); *model, check B's setup* adds what the traces say the "
+        "eager run keeps more:",
+        "",
+        "| tokens | measured GiB | model GiB | model, check B's setup GiB | error (check B's setup) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for tokens, measured, model, eager in check_b_rows(traces):
+        lines.append(f"| {tokens:,} | {measured} | {model:.1f} | {eager:.1f} | {eager / measured - 1:+.1%} |")
+    everything = predict.SETTINGS["everything"]
+    one = predict.longest(everything)
+    qlora = predict.longest(everything, qlora=True)
+    cp8 = predict.longest(everything, cp_size=8)
+    cp8_fsdp = predict.longest(everything, cp_size=8, shard_ranks=8)
+    lines += [
+        "",
+        f"Check B trained 294,912 tokens and ran out of memory at {CHECK_B_OUT_OF_MEMORY:,}.",
+        "",
+        "**Predictions, not measurements** (Llama-3.1-8B, LoRA r=16 on every linear layer, every memory feature "
+        "on, H100 80GB, 2 GiB reserve; *host* is the pinned host memory of the offloaded checkpoints per GPU):",
+        "",
+        "| run | tokens per GPU | sequence | peak set by | host per GPU |",
+        "|---|---:|---:|---|---:|",
+        f"| LoRA, one H100 | {one.tokens_per_gpu:,} | **{one.tokens_per_gpu:,}** | {one.phase} | "
+        f"{one.host_gib:.0f} GiB |",
+        f"| QLoRA (NF4 base), one H100 | {qlora.tokens_per_gpu:,} | **{qlora.tokens_per_gpu:,}** | {qlora.phase} | "
+        f"{qlora.host_gib:.0f} GiB |",
+        f"| LoRA, 8x H100, cp=8, replicated | {cp8.tokens_per_gpu:,} | **{cp8.tokens_per_gpu * 8:,}** | "
+        f"{cp8.phase} | {cp8.host_gib:.0f} GiB |",
+        f"| LoRA, 8x H100, cp=8, FSDP2 over 8 | {cp8_fsdp.tokens_per_gpu:,} | **{cp8_fsdp.tokens_per_gpu * 8:,}** | "
+        f"{cp8_fsdp.phase} | {cp8_fsdp.host_gib:.0f} GiB |",
+        "",
+        f"ALST reports {ALST_CP8_TOKENS / 1e6:.1f}M tokens on 8x H100 (measured; a full fine-tune with DeepSpeed "
+        "Ulysses, weights and optimizer offloaded). cp=8 is ring-flash-attn (`varlen_llama3`), whose gathered "
+        "K/V of the whole sequence the model counts. These are not bounded by host memory here: one GPU's pinned "
+        "checkpoints fit check B's 128 GB host (125 GiB available), but at cp=8 a node needs 8 x the host "
+        "column, which only a host of about 1 TB has.",
+    ]
+    return lines
