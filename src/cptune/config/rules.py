@@ -165,9 +165,9 @@ def _tensor_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
 def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
     """Memory for long sequences.
 
-    - `activation_offloading` takes `true` or `false` (Axolotl's CPU modes `legacy` and `hidden_states` mean
-      `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
-      checkpointing keeps).
+    - `activation_offloading` takes `true`, `two_level` or `false` (Axolotl's CPU modes `legacy` and
+      `hidden_states` mean `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads
+      the layer inputs that checkpointing keeps).
     - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
     """
     if r.activation_offloading == "disk":
