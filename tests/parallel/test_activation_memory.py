@@ -88,6 +88,40 @@ def test_memory_features_move_the_limit_and_the_peak():
     assert activation_memory(LLAMA_8B, everything, longest).phase == "layer backward"
 
 
+def test_two_level_halves_the_pinned_memory_and_moves_the_host_limit():
+    """Llama-3.1-8B LoRA with every feature on, an H100's memory: 512K tokens of offloaded layer inputs
+    take 128 GiB of pinned host memory (32 layers x 8 KiB per token), 64 GiB with two-level
+    checkpointing (16 layers). The host limit is 90% of the node's RAM over 8 KiB per token per
+    offloaded layer; the longest sequence is the lesser of the two limits and names it."""
+    from cptune.parallel.memory import Longest, longest_within
+
+    budget = H100_USABLE - lora_states()
+    plain = ActivationSetup(True, True, offload=True, tiled_mlp=True, head_loss=True)
+    two_level = ActivationSetup(True, True, offload=True, two_level=True, tiled_mlp=True, head_loss=True)
+    tokens = 512 * 1024
+    assert activation_memory(LLAMA_8B, plain, tokens).host == 128 * GiB
+    assert activation_memory(LLAMA_8B, two_level, tokens).host == 64 * GiB
+    # The regenerating forward (the layer before, keeping nothing) is not what sets the peak.
+    phases = activation_memory(LLAMA_8B, two_level, tokens).phases
+    assert phases["regeneration"] < phases["layer backward"]
+    gpu_tokens = longest_tokens(LLAMA_8B, plain, budget)
+    assert longest_tokens(LLAMA_8B, two_level, budget) == gpu_tokens  # the device keeps the same rows
+    for host_gib in (125, 64):
+        pinnable = 0.9 * host_gib * GiB
+        for setup, layers in ((plain, 32), (two_level, 16)):
+            host_tokens = int(pinnable // (layers * 4096 * 2)) // 1024 * 1024
+            got = longest_within(LLAMA_8B, setup, budget, pinnable)
+            assert (got.gpu_tokens, got.host_tokens) == (gpu_tokens, host_tokens)
+            assert got.tokens == min(gpu_tokens, host_tokens)
+            assert got.limit == ("host RAM" if host_tokens < gpu_tokens else "GPU memory")
+    # A 64 GiB host binds plain offloading below the GPU's limit; two-level gives it back to the GPU.
+    assert longest_within(LLAMA_8B, plain, budget, 0.9 * 64 * GiB).limit == "host RAM"
+    assert longest_within(LLAMA_8B, two_level, budget, 0.9 * 64 * GiB).limit == "GPU memory"
+    # Without offloading, or without a known host, only the GPU binds.
+    unbounded = Longest(gpu_tokens, "GPU memory", gpu_tokens, None)
+    assert longest_within(LLAMA_8B, two_level, budget, None) == unbounded
+
+
 def test_context_parallel_buffers_grow_with_the_whole_sequence():
     """ring-flash-attn gathers K/V of the whole sequence: per-rank cost per token grows with cp."""
     from cptune.run.memory_plan import default_attention_buffers
