@@ -163,7 +163,7 @@ class ActivationOffloader:
         elif hidden is not None:
             # Only a layer called with its hidden states alone can be run again from them (other
             # positional tensors would have to be kept as well).
-            self._replay = (functools.partial(function, **kwargs_for_function(kwargs)), hidden)
+            self._replay = (functools.partial(function, **_function_kwargs(kwargs)), hidden)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 output = checkpoint(function, *args, **kwargs)
@@ -321,7 +321,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def kwargs_for_function(kwargs: dict) -> dict:
+def _function_kwargs(kwargs: dict) -> dict:
     """The keyword arguments of a checkpoint call that are the function's (not the checkpoint's own)."""
     return {k: v for k, v in kwargs.items() if k not in _CHECKPOINT_KEYWORDS}
 
