@@ -235,6 +235,51 @@ def llama_8b_predictions() -> list[str]:
         "(FSDP2 sharding the frozen weights), against ALST's 3.7M (DeepSpeed Ulysses, tiled MLP and loss, "
         "checkpoint offload; measured) and Axolotl's 129K (QLoRA, no gradient checkpointing; measured). "
         "The host RAM is the next limit: 8 processes x the host column per node.",
+        "",
+        *host_limit_predictions(),
+    ]
+    return lines
+
+
+# The RAM check B's H100-class host had available (docs/benchmarks.md, check B: a 128 GB host).
+HOST_AVAILABLE_GIB = 125
+
+
+def host_limit_predictions() -> list[str]:
+    """The longest sequence bounded by the host's RAM too, with and without two-level checkpointing."""
+    from dataclasses import replace
+
+    from benchmarks.gpu import predict
+    from cptune.parallel.memory import activation_memory, longest_within
+    from cptune.run.memory_plan import HOST_PINNABLE_FRACTION
+
+    shape = predict.activation_shape()
+    budget = predict.H100_BYTES - predict.GPU_RESERVE - predict.lora_states()
+    pinnable = HOST_PINNABLE_FRACTION * HOST_AVAILABLE_GIB * (1 << 30)
+    plain = predict.setup_for(predict.SETTINGS["everything"])
+    lines = [
+        f"The same on one H100 80GB with a host of {HOST_AVAILABLE_GIB} GiB of available RAM, "
+        f"{HOST_PINNABLE_FRACTION:.0%} of it for the pinned layer inputs (`cptune validate --host-memory "
+        f"{HOST_AVAILABLE_GIB}`); `two_level` is `activation_offloading: two_level`, which offloads the inputs of "
+        "16 of the 32 layers and makes the others again in the backward:",
+        "",
+        "| settings | tokens per GPU | limit | GPU allows | host allows | pinned host RAM | pinned at 512K |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for name, setup in (("everything", plain), ("everything, two_level", replace(plain, two_level=True))):
+        found = longest_within(shape, setup, budget, pinnable)
+        pinned = activation_memory(shape, setup, found.tokens).host / (1 << 30)
+        at_512k = activation_memory(shape, setup, 512 * 1024).host / (1 << 30)
+        lines.append(
+            f"| {name} | **{found.tokens:,}** | {found.limit} | {found.gpu_tokens:,} | {found.host_tokens:,} | "
+            f"{pinned:.0f} GiB | {at_512k:.0f} GiB |"
+        )
+    lines += [
+        "",
+        "**Prediction, not a measurement.** Two-level checkpointing moves the host's limit from about 460K to "
+        "about 920K tokens at one more forward of half the layers; the GPU's own limit is unchanged (the device "
+        "keeps the same layer inputs), so on this machine the GPU memory binds either way until the per-token "
+        "savings of issue 30 lower the layer backward's peak.",
     ]
     return lines
 

@@ -261,6 +261,12 @@ def validate(
             help="GiB of memory per GPU to estimate against (default: this machine's GPU; without one, the estimate is a plan for an H100 80GB)."
         ),
     ] = None,
+    host_memory: Annotated[
+        float | None,
+        typer.Option(
+            help="GiB of host RAM per node to plan the offloaded activations for (default: the RAM this machine has available now, /proc/meminfo MemAvailable); a run whose pinned layer inputs need more than 90% of it is refused."
+        ),
+    ] = None,
 ) -> None:
     _setup_logging()
     # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
@@ -276,7 +282,9 @@ def validate(
     try:
         per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
         plan = RunPlan.build(loaded, per_node * nnodes)
-        described = describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory)
+        described = describe_plan(
+            plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory, host_memory_gib=host_memory
+        )
     except CptuneError as err:
         if not problems:
             raise

@@ -168,6 +168,7 @@ ALL_FEATURES = {"offload": True, "tiles": 3, "head_loss": True}
 FEATURE_CP2_CASES = [
     case("packed-causal-lora+offload", features={"offload": True}),
     case("packed-causal-full+offload", lora=False, features={"offload": True}),
+    case("packed-causal-lora+offload-two-level", features={"offload": "two_level"}),
     case("packed-causal-lora+all-features", features=ALL_FEATURES),
     case("unpacked-causal-full+all-features", packed=False, lora=False, features=ALL_FEATURES),
     torch_case("causal-lora+offload", features={"offload": True}),
@@ -182,7 +183,7 @@ FEATURE_BF16_CP2_CASES = [
     case("packed-causal-lora+all-features-bf16", bf16=True, autocast=True, features=ALL_FEATURES),
 ]
 FEATURE_TWINS = {
-    c["name"]: c["name"].split("+")[0] for c in FEATURE_CP2_CASES if c["features"] == {"offload": True}
+    c["name"]: c["name"].split("+")[0] for c in FEATURE_CP2_CASES if set(c["features"]) == {"offload"}
 }
 
 # spawn id -> (world size, cp size, cases of every backend run in that spawn)
@@ -314,7 +315,7 @@ def test_memory_features_parity_cp2(parity_results):
     """Offloading, tiled MLP and the chunked head loss on at cp=2 (ring and torch), off at cp=1.
 
     Offloading changes no bit: each offload case's CP losses and step-0 gradients equal its twin's
-    without offloading. With every feature on, the fp32 parity check holds, and the bf16 one under
+    without offloading (two-level checkpointing too: layer 1's input made again from layer 0's). With every feature on, the fp32 parity check holds, and the bf16 one under
     autocast (the reorder floor of the same run's eager-attention reference).
     """
     results = parity_results("cp2")

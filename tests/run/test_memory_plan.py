@@ -26,13 +26,15 @@ def test_validate_prints_the_peak_and_the_longest_sequence_per_cp(write_recipe):
         in plan
     )
     assert "GPU memory 3 GiB [--gpu-memory]" in plan
-    assert "  longest sequence that fits per GPU (one sequence per step, dp=1):" in plan
+    assert "  longest sequence that fits per GPU and the node's host RAM (one sequence per step, dp=1" in plan
     assert re.search(r"this recipe: 128 tokens per GPU -> peak [\d.]+ \w?i?B \(model states", plan)
     assert (
-        "host RAM for the offloaded layer inputs: 64 KiB per process, 128 KiB per node (2 process(es))"
-        in plan
+        "pinned host RAM for the offloaded layer inputs (every layer's input): 64 KiB per process, 128 KiB per "
+        "node (2 process(es))" in plan
     )
-    rows = re.findall(r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+ \w?i?B\s+[\d.]+ \w?i?B$", plan, re.M)
+    rows = re.findall(
+        r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+ \w?i?B\s+[\d.]+ \w?i?B  GPU memory", plan, re.M
+    )
     assert [int(cp) for cp, _, _ in rows] == [1, 2, 4, 8, 16]
     for cp, per_gpu, sequence in rows:  # the sequence is the tokens per GPU times cp (micro batch 2)
         assert int(sequence.replace(",", "")) == int(per_gpu.replace(",", "")) * int(cp) // 2
@@ -50,7 +52,7 @@ def test_without_a_gpu_the_table_is_a_plan_for_the_named_gpu(write_recipe, monke
         "Memory per GPU, a plan for one H100 80GB (estimate from the config: fp32, LoRA, " in plan
         and "GPU memory 79.6 GiB [this machine has no GPU; --gpu-memory GIB plans for another size]" in plan
     ), plan
-    assert "  longest sequence that would fit on one H100 80GB (one sequence per step, dp=1):" in plan
+    assert "  longest sequence that would fit on one H100 80GB (one sequence per step, dp=1)" in plan
     assert "fits per GPU" not in plan
 
 
@@ -60,11 +62,12 @@ def test_host_ram_check_refuses_offloading_that_does_not_fit(write_recipe, monke
     )
     config = model_config(recipe)
     per_process = 2 * 4096 * 64 * 4 * 2  # layers x (micro batch 2 x 4096 tokens) x hidden x fp32
-    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: 4 * per_process - 1)
+    # Pinned memory may take 90% of the RAM available: 4 processes' inputs do not fit, 3 do.
+    monkeypatch.setattr(memory_plan, "available_host_memory", lambda: int(4 * per_process / 0.9) - 1)
     memory_plan.check_host_memory(recipe, config, processes_per_node=3)
     with pytest.raises(
         CptuneError,
-        match=r"need 16 MiB of host RAM on this node \(4 process\(es\) x 4 MiB: 2 layers x 8,192 tokens",
+        match=r"need 16 MiB of pinned host RAM on a node \(4 process\(es\) x 4 MiB: 2 layers x 8,192 tokens",
     ):
         memory_plan.check_host_memory(recipe, config, processes_per_node=4)
     # Without offloading there is nothing to check.
@@ -121,9 +124,62 @@ def test_offloaded_fsdp2_states_at_one_process_leave_the_gpu(write_recipe, monke
 
     # The longest sequence grows by what the states no longer take; their host RAM shows in the table.
     def first_row(text: str) -> tuple[int, str]:
-        found = re.search(r"^\s+1\s+([\d,]+)\s+[\d,]+\s+[\d.]+ \w?i?B\s+(\S+(?: \w?i?B)?)$", text, re.M)
+        found = re.search(r"^\s+1\s+([\d,]+)\s+[\d,]+\s+[\d.]+ \w?i?B\s+(-|[\d.]+ \w?i?B)  ", text, re.M)
         return int(found.group(1).replace(",", "")), found.group(2)
 
     kept_tokens, kept_host = first_row(describe_plan(RunPlan.build(keep, 1), gpu_memory_gib=3.0))
     offloaded_tokens, offloaded_host = first_row(plan)
     assert offloaded_tokens >= kept_tokens and kept_host == "-" and offloaded_host != "-"
+
+
+def test_validate_refuses_offloading_the_stated_host_cannot_hold(write_recipe, cptune_in_process):
+    """``--host-memory`` plans for another node: 2 layers x 256 tokens x hidden 64 x fp32 = 128 KiB of pinned
+    inputs per process; a node of 128 KiB may pin 90% of it. Two-level checkpointing pins half and fits."""
+    recipe = write_recipe(gradient_checkpointing=True, activation_offloading=True)
+    host_gib = str(128 / (1 << 20))  # 128 KiB
+    done = cptune_in_process("validate", str(recipe), "--host-memory", host_gib)
+    assert done.returncode != 0
+    assert (
+        "activation_offloading: the offloaded layer inputs need 128 KiB of pinned host RAM on a node (1 process(es) "
+        "x 128 KiB: 2 layers x 256 tokens per process x hidden 64), more than 90% of the host's 128 KiB "
+        "[--host-memory]: the host RAM is the limit here, not the GPU." in done.stderr
+    ), done.stderr
+    assert "or activation_offloading: two_level (pins 64 KiB)" in done.stderr
+    two_level = write_recipe(gradient_checkpointing=True, activation_offloading="two_level")
+    done = cptune_in_process("validate", str(two_level), "--host-memory", host_gib)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "pinned host RAM for the offloaded layer inputs (1 of 2 layers' inputs, two-level): 64 KiB per process"
+        in done.stdout
+    )
+    assert "the node's RAM: 128 KiB [--host-memory], 90% of it for pinned layer inputs" in done.stdout
+
+
+def test_the_longest_sequence_names_the_host_when_it_binds(write_recipe):
+    """A node of 32 MiB: 90% of it holds 58,982 tokens of the tiny model's two fp32 layer inputs (512 bytes
+    per token), fewer than a 3 GiB GPU allows; with two-level checkpointing it holds twice as many, more
+    than the GPU allows, and the GPU binds."""
+    from cptune.models.sizing import count_parameters, model_shape
+    from cptune.parallel.memory import StateLayout, longest_tokens
+
+    rows = {}
+    for value in (True, "two_level"):
+        recipe = load_recipe(
+            write_recipe(gradient_checkpointing=True, activation_offloading=value, tiled_mlp=True)
+        )
+        plan = describe_plan(RunPlan.build(recipe, 1), gpu_memory_gib=3.0, host_memory_gib=32 / 1024)
+        rows[value] = re.search(r"^\s+1\s+([\d,]+)\s+[\d,]+\s+.+B  (.+)$", plan, re.M).groups()
+    config = model_config(recipe)
+    budget = (
+        3 * memory_plan.GiB
+        - memory_plan.GPU_RESERVE
+        - memory_plan.states_per_rank(recipe, count_parameters(recipe, config), StateLayout()).total
+    )
+    setup = memory_plan.activation_setup(RunPlan.build(recipe, 1), 1)
+    gpu_tokens = longest_tokens(model_shape(config), setup, budget)  # offloading one layer or two: the same
+    pinnable = int(0.9 * (32 << 20))
+    plain_tokens = pinnable // (2 * 64 * 4) // 1024 * 1024
+    two_level_tokens = pinnable // (64 * 4) // 1024 * 1024
+    assert plain_tokens < gpu_tokens < two_level_tokens  # the premise
+    assert rows[True] == (f"{plain_tokens:,}", f"host RAM (the GPU allows {gpu_tokens:,})")
+    assert rows["two_level"] == (f"{gpu_tokens:,}", f"GPU memory (the host allows {two_level_tokens:,})")

@@ -235,9 +235,12 @@ ENTRIES: tuple[Entry, ...] = (
         "activation_offloading needs more host RAM than the machine has",
         "activation_offloading: the offloaded layer inputs need",
         "The message gives the arithmetic (layers x tokens per process x hidden size x bytes, times the processes "
-        "on the node). Split each sequence over more processes (`context_parallel_size`), train shorter rows, "
-        "or remove `activation_offloading`. `cptune validate` prints the host RAM a recipe needs. Checked "
-        "before anything is loaded.",
+        "on the node) against 90% of the node's RAM (what it has available now, or `cptune validate "
+        "--host-memory GIB` when planning for another machine). Use `activation_offloading: two_level` (half "
+        "the layers' inputs offloaded, the others made again in the backward: the same bits), split each "
+        "sequence over more processes (`context_parallel_size`), train shorter rows, or remove "
+        "`activation_offloading`. `cptune validate` prints the host RAM a recipe needs and whether the host or "
+        "the GPU limits the longest sequence. Checked before anything is loaded.",
     ),
     Entry(
         "tp-not-dividing",

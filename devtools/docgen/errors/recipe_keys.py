@@ -210,6 +210,16 @@ ENTRIES: tuple[Entry, ...] = (
         "Use `activation_offloading: true` (pinned host memory, copied on a side stream).",
     ),
     Entry(
+        "activation-offloading-two-level-sharded",
+        SECTION,
+        "activation_offloading: two_level with FSDP2 or DeepSpeed",
+        "activation_offloading: two_level with sharded weights (fsdp_version) is not built yet: its backward runs "
+        "a layer's forward again outside the layer's call, where FSDP2 and DeepSpeed gather the layer's weights. "
+        "Use activation_offloading: true.",
+        "Use `activation_offloading: true` with sharded weights (twice the pinned host memory), or train without "
+        "FSDP2/DeepSpeed: a LoRA adapter's states are small enough to replicate.",
+    ),
+    Entry(
         "tiled-mlp-generic-mlp",
         SECTION,
         "tiled_mlp_use_original_mlp: false",

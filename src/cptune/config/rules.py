@@ -165,9 +165,9 @@ def _tensor_parallel(r: Recipe) -> Iterator[tuple[str, str]]:
 def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
     """Memory for long sequences.
 
-    - `activation_offloading` takes `true` or `false` (Axolotl's CPU modes `legacy` and `hidden_states` mean
-      `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads the layer inputs that
-      checkpointing keeps).
+    - `activation_offloading` takes `true`, `two_level` or `false` (Axolotl's CPU modes `legacy` and
+      `hidden_states` mean `true`; `disk` is refused) and needs `gradient_checkpointing: true` (it offloads
+      the layer inputs that checkpointing keeps); `two_level` is refused with FSDP2 or DeepSpeed.
     - `tiled_mlp_num_shards` needs `tiled_mlp: true`; `tiled_mlp_use_original_mlp: false` is refused.
     """
     if r.activation_offloading == "disk":
@@ -181,6 +181,16 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
             "activation_offloading",
             "offloads the layer inputs that gradient checkpointing keeps for the backward pass; set "
             "gradient_checkpointing: true as well.",
+        )
+    sharded = (
+        "fsdp_version" if r.is_fsdp else next((k for k in ("deepspeed", "zero_stage") if getattr(r, k)), None)
+    )
+    if r.two_level_offloading and sharded:
+        yield (
+            "activation_offloading",
+            f"two_level with sharded weights ({sharded}) is not built yet: its backward runs a layer's forward "
+            "again outside the layer's call, where FSDP2 and DeepSpeed gather the layer's weights. Use "
+            "activation_offloading: true.",
         )
     if r.tiled_mlp_num_shards is not None and not r.tiled_mlp:
         yield (

@@ -136,12 +136,15 @@ class MemoryKeys(BaseModel):
     """Key group of :class:`~cptune.config.recipe.Recipe`: the memory features for long sequences."""
 
     # --- memory for long sequences ----------------------------------------------
-    activation_offloading: bool | Literal["legacy", "hidden_states", "disk"] = Field(
+    activation_offloading: bool | Literal["two_level", "legacy", "hidden_states", "disk"] = Field(
         False,
         description="Keep the layer inputs that gradient checkpointing saves in (pinned) host memory between "
         "the forward and the backward pass, copied back on a side stream while the layer after runs; exact. "
-        "Needs gradient_checkpointing: true and host RAM for them (`cptune validate` says how much). Axolotl's "
-        "`legacy` and `hidden_states` (and `gradient_checkpointing: offload`) mean the same here; `disk` is refused.",
+        "Needs gradient_checkpointing: true and host RAM for them (`cptune validate` says how much). "
+        "`two_level` offloads every second layer's input only and regenerates the others in the backward pass "
+        "with one more forward of the layer before (its RNG state replayed, so dropout too is exact): half the "
+        "host RAM for a forward of half the layers. Axolotl's `legacy` and `hidden_states` (and "
+        "`gradient_checkpointing: offload`) mean `true` here; `disk` is refused.",
     )
     tiled_mlp: bool = Field(
         False,
@@ -181,7 +184,12 @@ class MemoryKeys(BaseModel):
     @property
     def offloads_activations(self) -> bool:
         """Checkpointed layer inputs go to host memory (``activation_offloading`` true, or Axolotl's CPU modes)."""
-        return self.activation_offloading in (True, "legacy", "hidden_states")
+        return self.activation_offloading in (True, "two_level", "legacy", "hidden_states")
+
+    @property
+    def two_level_offloading(self) -> bool:
+        """Only every second layer's input is offloaded, the others regenerated (``activation_offloading: two_level``)."""
+        return self.activation_offloading == "two_level"
 
     @property
     def resolved_head_loss(self) -> bool:

@@ -78,7 +78,7 @@ def install_memory_features(model: torch.nn.Module, recipe: Recipe) -> MemoryFea
     """Put the recipe's memory features on ``model`` (after LoRA, before DDP/FSDP/DeepSpeed wrap it)."""
     features = MemoryFeatures()
     if recipe.offloads_activations:
-        features.offloader = enable_activation_offloading(model)
+        features.offloader = enable_activation_offloading(model, two_level=recipe.two_level_offloading)
     if recipe.tiled_mlp:
         features.tiled = enable_tiled_mlp(model, recipe.tiled_mlp_num_shards)
     if recipe.resolved_head_loss:

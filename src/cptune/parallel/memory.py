@@ -416,6 +416,9 @@ class ActivationSetup:
     Attributes:
         mixed_precision: bf16/fp16 training (half-precision activations, autocast); else fp32.
         lora: LoRA adapter (the output layer frozen); else a full fine-tune.
+        offload: The checkpointed layer inputs are kept in host memory (activation offloading).
+        two_level: Only every second layer's input is offloaded, the others regenerated in the backward
+            (two-level checkpointing, :func:`offloaded_layers`).
         tiled_mlp: The MLP runs over tiles of ``tiled_mlp_num_shards`` (default ceil(tokens / hidden)).
         attention_buffers: The CP backend's K/V buffers: per-token bytes in one layer's forward, given
             the model's shape, ``cp_size`` and the dtype's bytes (a backend's ``attention_buffer_bytes``
@@ -428,6 +431,7 @@ class ActivationSetup:
     lora: bool
     gradient_checkpointing: bool = True
     offload: bool = False
+    two_level: bool = False
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
     head_loss: bool = False
@@ -443,6 +447,12 @@ class ActivationSetup:
     def tile_tokens(self, tokens: int, hidden: int) -> int:
         """Tokens per MLP tile."""
         return -(-tokens // mlp_tiles(tokens, hidden, self.tiled_mlp_num_shards))
+
+
+def offloaded_layers(layers: int, two_level: bool = False) -> int:
+    """Layers whose input activation offloading keeps in host memory: all, or with two-level checkpointing
+    layers 0, 2, 4, ... (the others are made again from them in the backward)."""
+    return -(-layers // 2) if two_level else layers
 
 
 def mlp_tiles(tokens: int, hidden: int, num_shards: int | None = None) -> int:
@@ -478,9 +488,10 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
         saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)
         kept, host = shape.layers * saved * tokens, 0.0
     elif setup.offload:
-        # Fitted: OFFLOAD_ROWS_ON_DEVICE layers' inputs stay on the device, all of them in host memory.
+        # Fitted: OFFLOAD_ROWS_ON_DEVICE layers' inputs stay on the device (two-level checkpointing keeps the
+        # same rows: its regenerated input replaces the one it did not offload), the offloaded ones in host memory.
         kept = min(OFFLOAD_ROWS_ON_DEVICE, shape.layers) * hidden_row * tokens
-        host = shape.layers * hidden_row * tokens
+        host = offloaded_layers(shape.layers, setup.two_level) * hidden_row * tokens
     else:
         kept, host = shape.layers * hidden_row * tokens, 0.0
     tile = 0.0
@@ -514,6 +525,10 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
         + flash
     )
     phases = {"forward": forward, "loss": kept + loss, "layer backward": backward}
+    if setup.offload and setup.two_level and setup.gradient_checkpointing:
+        # A layer's input made again in the backward: the layer before runs its forward (keeping nothing)
+        # while the incoming gradient and the residual stream's wait.
+        phases["regeneration"] = forward + 2 * hidden_row * tokens
     phase = max(phases, key=phases.__getitem__)
     return ActivationEstimate(peak=phases[phase], phase=phase, phases=phases, host=host)
 
@@ -543,3 +558,40 @@ def longest_tokens(
         else:
             high = mid - 1
     return low * step
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest sequence per rank that fits both the GPU and the host, and which of the two binds.
+
+    Attributes:
+        tokens: Tokens per rank (a multiple of the search's step); 0 if none fit.
+        limit: ``"GPU memory"`` or ``"host RAM"``: the one that allows fewer tokens.
+        gpu_tokens: The most tokens the GPU alone allows.
+        host_tokens: The most tokens the host alone allows (None: nothing offloaded, or no host bound).
+    """
+
+    tokens: int
+    limit: str
+    gpu_tokens: int
+    host_tokens: int | None
+
+
+def longest_within(
+    shape: ModelShape,
+    setup: ActivationSetup,
+    gpu_budget: float,
+    host_budget: float | None,
+    *,
+    step: int = 1024,
+) -> Longest:
+    """Most tokens per rank whose activation peak fits ``gpu_budget`` bytes and whose offloaded layer inputs
+    fit ``host_budget`` bytes of host RAM (None: not bounded), naming the limit that binds."""
+    gpu_tokens = longest_tokens(shape, setup, gpu_budget, step=step)
+    host_per_token = activation_memory(shape, setup, step).host / step
+    if host_budget is None or not host_per_token:
+        return Longest(gpu_tokens, "GPU memory", gpu_tokens, None)
+    host_tokens = max(0, int(host_budget // host_per_token) // step * step)
+    if host_tokens < gpu_tokens:
+        return Longest(host_tokens, "host RAM", gpu_tokens, host_tokens)
+    return Longest(gpu_tokens, "GPU memory", gpu_tokens, host_tokens)

@@ -27,7 +27,8 @@ from cptune.parallel.memory import (
     activation_memory,
     format_bytes,
     gathered_in_flight,
-    longest_tokens,
+    longest_within,
+    offloaded_layers,
     optimizer_state,
     quantized_bytes_per_weight,
     state_memory,
@@ -41,6 +42,10 @@ GPU_RESERVE = 2 * GiB
 # An H100 80GB as nvidia-smi reports it (81,559 MiB), for estimates on a machine without a GPU.
 H100_BYTES = 81_559 * (1 << 20)
 CP_SIZES = (1, 2, 4, 8, 16)
+# The share of a node's host RAM the offloaded layer inputs may pin: the rest is for the processes'
+# own memory (Python, torch, the data, the weights on their way to the GPU) and the system. 90% is what
+# check B pinned without trouble on a 128 GB host (docs/benchmarks.md; benchmarks/gpu/run_longest.py).
+HOST_PINNABLE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,34 @@ class GpuMemory:
         )
 
 
+@dataclass(frozen=True)
+class HostMemory:
+    """The host RAM of a node that the estimate and the refusal before a launch assume, and its source.
+
+    Attributes:
+        total: Bytes of RAM on the node for the run (None: unknown, the host is not a limit).
+        source: Where ``total`` comes from (``--host-memory``, or this machine's ``MemAvailable``).
+    """
+
+    total: int | None
+    source: str
+
+    @classmethod
+    def detect(cls, override_gib: float | None = None) -> HostMemory:
+        """``--host-memory GIB`` (planning for another machine), else the RAM available on this one now."""
+        if override_gib is not None:
+            return cls(int(override_gib * GiB), "--host-memory")
+        available = available_host_memory()
+        if available is None:
+            return cls(None, "unknown: /proc/meminfo unreadable; --host-memory GIB plans for a size")
+        return cls(available, "available on this machine (MemAvailable); --host-memory GIB plans for another")
+
+    @property
+    def pinnable(self) -> int | None:
+        """Bytes the offloaded layer inputs of a node may take (:data:`HOST_PINNABLE_FRACTION` of the total)."""
+        return None if self.total is None else int(HOST_PINNABLE_FRACTION * self.total)
+
+
 def mixed_precision(recipe: Recipe) -> bool:
     """bf16 or fp16 training (``bf16: auto`` when this machine has a GPU)."""
     return bool(recipe.bf16 is True or recipe.fp16 or (recipe.bf16 == "auto" and torch.cuda.is_available()))
@@ -88,6 +121,7 @@ def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
         lora=recipe.is_lora,
         gradient_checkpointing=recipe.resolved_gradient_checkpointing,
         offload=recipe.offloads_activations,
+        two_level=recipe.two_level_offloading,
         tiled_mlp=recipe.tiled_mlp,
         tiled_mlp_num_shards=recipe.tiled_mlp_num_shards,
         head_loss=recipe.resolved_head_loss,
@@ -196,7 +230,8 @@ def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> i
     if not recipe.offloads_activations:
         return 0
     dtype_bytes = ActivationSetup(mixed_precision=mixed_precision(recipe), lora=recipe.is_lora).dtype_bytes
-    return int(shape.layers * shape.hidden * dtype_bytes * tokens_per_rank(recipe, cp_size))
+    layers = offloaded_layers(shape.layers, recipe.two_level_offloading)
+    return int(layers * shape.hidden * dtype_bytes * tokens_per_rank(recipe, cp_size))
 
 
 def tokens_per_rank(recipe: Recipe, cp_size: int) -> int:
@@ -214,34 +249,52 @@ def available_host_memory() -> int | None:
     return None
 
 
-def check_host_memory(recipe: Recipe, config: Any, processes_per_node: int) -> None:
-    """Refuse, before any weight is loaded, offloaded activations that do not fit this machine's RAM.
+def check_host_memory(
+    recipe: Recipe, config: Any, processes_per_node: int, host: HostMemory | None = None
+) -> None:
+    """Refuse, before any weight is loaded, offloaded activations that do not fit the node's host RAM.
+
+    Args:
+        host: The node's RAM (default: :meth:`HostMemory.detect`, what this machine has available now).
 
     Raises:
-        CptuneError: the processes of this node would offload more than the RAM available now.
+        CptuneError: the processes of a node would pin more than :data:`HOST_PINNABLE_FRACTION` of its RAM.
     """
     from cptune.models.sizing import model_shape
 
     shape = model_shape(config)
     if not recipe.offloads_activations or shape is None:
         return
+    host = host or HostMemory.detect()
     per_process = host_bytes_per_process(recipe, shape, recipe.context_parallel_size)
     need = per_process * processes_per_node
-    available = available_host_memory()
-    if available is None or need <= available:
+    if host.pinnable is None or need <= host.pinnable:
         return
     tokens = tokens_per_rank(recipe, recipe.context_parallel_size)
+    layers = offloaded_layers(shape.layers, recipe.two_level_offloading)
+    which = f"{layers} of {shape.layers} layers" if layers < shape.layers else f"{layers} layers"
+    fix = (
+        "Use fewer tokens per process (a larger context_parallel_size, or a shorter sequence_len or "
+        "micro_batch_size)"
+    )
+    if not recipe.two_level_offloading:
+        fix += f", or activation_offloading: two_level (pins {format_bytes(-(-need // 2))})"
     raise CptuneError(
-        f"activation_offloading: the offloaded layer inputs need {format_bytes(need)} of host RAM on this node "
-        f"({processes_per_node} process(es) x {format_bytes(per_process)}: {shape.layers} layers x {tokens:,} tokens "
-        f"per process x hidden {shape.hidden}), but this machine has {format_bytes(available)} available. Use "
-        "fewer tokens per process (a larger context_parallel_size, or a shorter sequence_len or micro_batch_size), "
+        f"activation_offloading: the offloaded layer inputs need {format_bytes(need)} of pinned host RAM on a "
+        f"node ({processes_per_node} process(es) x {format_bytes(per_process)}: {which} x {tokens:,} tokens per "
+        f"process x hidden {shape.hidden}), more than {HOST_PINNABLE_FRACTION:.0%} of the host's "
+        f"{format_bytes(host.total)} [{host.source}]: the host RAM is the limit here, not the GPU. {fix}, "
         "or remove activation_offloading."
     )
 
 
 def describe_activation_memory(
-    plan: RunPlan, config: Any, counts: Any, gpu: GpuMemory, processes_per_node: int
+    plan: RunPlan,
+    config: Any,
+    counts: Any,
+    gpu: GpuMemory,
+    processes_per_node: int,
+    host: HostMemory | None = None,
 ) -> list[str]:
     """Lines: the peak per GPU of the plan and the longest sequence per GPU at cp = 1, 2, 4, 8, 16."""
     from cptune.models.sizing import model_shape
@@ -276,29 +329,51 @@ def describe_activation_memory(
         f"(model states {format_bytes(states)} + activations {format_bytes(estimate.peak)}, at the "
         f"{estimate.phase})",
     ]
+    host = host or HostMemory.detect()
     if estimate.host:
+        offloaded = offloaded_layers(shape.layers, setup.two_level)
+        which = (
+            f"{offloaded} of {shape.layers} layers' inputs, two-level"
+            if setup.two_level
+            else "every layer's input"
+        )
         lines.append(
-            f"  host RAM for the offloaded layer inputs: {format_bytes(estimate.host)} per process, "
-            f"{format_bytes(estimate.host * processes_per_node)} per node ({processes_per_node} process(es))"
+            f"  pinned host RAM for the offloaded layer inputs ({which}): {format_bytes(estimate.host)} per "
+            f"process, {format_bytes(estimate.host * processes_per_node)} per node ({processes_per_node} "
+            f"process(es)); the node's RAM: {_describe_host(host)}"
         )
     if states + estimate.peak > usable:
         lines.append(
             f"  warning: the estimate exceeds the usable GPU memory ({format_bytes(usable)}); expect "
             "out-of-memory errors. See the longest sequences below."
         )
-    lines.append(f"  longest sequence that {fits} (one sequence per step, dp=1):")
+    bounded = " and the node's host RAM" if setup.offload and host.pinnable is not None else ""
+    shared = (
+        f"; at cp=c a node runs min(c, {processes_per_node}) process(es) (--nproc-per-node) sharing its RAM"
+        if setup.offload and host.pinnable is not None
+        else ""
+    )
+    lines.append(f"  longest sequence that {fits}{bounded} (one sequence per step, dp=1{shared}):")
     lines.append(
-        f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}"
+        f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}  limit"
     )
     for size in sorted({cp, *CP_SIZES}):
-        lines.append("    " + _longest_row(plan, shape, counts, size, usable))
+        lines.append("    " + _longest_row(plan, shape, counts, size, usable, host, processes_per_node))
     lines.append(
         "  (activations from per-token costs measured on CPU and checked against H100 runs: docs/benchmarks.md)"
     )
     return lines
 
 
-def _longest_row(plan: RunPlan, shape: ModelShape, counts: Any, cp: int, usable: int) -> str:
+def _longest_row(
+    plan: RunPlan,
+    shape: ModelShape,
+    counts: Any,
+    cp: int,
+    usable: int,
+    host: HostMemory,
+    processes_per_node: int,
+) -> str:
     recipe = plan.recipe
     if plan.backend_at(cp).splits_heads and shape.heads % cp:
         return f"{cp:>3} {'n/a':>15} {'(heads do not divide by cp)':>41}"
@@ -309,17 +384,36 @@ def _longest_row(plan: RunPlan, shape: ModelShape, counts: Any, cp: int, usable:
     memory = states_per_rank(recipe, counts, state_layout(plan, alone))
     states = memory.total
     setup = activation_setup(plan, cp)
-    tokens = longest_tokens(shape, setup, usable - states, step=1024)
+    # FSDP2 pins its offloaded states in host memory too: what is left is the layer inputs'.
+    host_budget = None if host.pinnable is None else host.pinnable / min(cp, processes_per_node) - memory.host
+    longest = longest_within(shape, setup, usable - states, host_budget, step=1024)
+    tokens = longest.tokens
     if tokens == 0:
-        return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}"
+        return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}  {longest.limit}"
     estimate = activation_memory(shape, setup, tokens)
     # offloaded layer inputs and offloaded model states (fsdp_config.offload_params)
-    host = format_bytes(estimate.host + memory.host) if estimate.host + memory.host else "-"
+    pinned = format_bytes(estimate.host + memory.host) if estimate.host + memory.host else "-"
     peak = format_bytes(states + estimate.peak)
-    return f"{cp:>3} {tokens:>15,} {tokens * cp // recipe.micro_batch_size:>12,} {peak:>10} {host:>17}"
+    limit = longest.limit
+    if longest.host_tokens is not None:
+        other = longest.gpu_tokens if limit == "host RAM" else longest.host_tokens
+        limit += f" (the {'GPU' if limit == 'host RAM' else 'host'} allows {other:,})"
+    sequence = tokens * cp // recipe.micro_batch_size
+    return f"{cp:>3} {tokens:>15,} {sequence:>12,} {peak:>10} {pinned:>17}  {limit}"
 
 
-def activation_memory_lines(plan: RunPlan, config: Any, gpu: GpuMemory, processes_per_node: int) -> list[str]:
+def _describe_host(host: HostMemory) -> str:
+    if host.total is None:
+        return f"not a limit here ({host.source})"
+    return (
+        f"{format_bytes(host.total)} [{host.source}], {HOST_PINNABLE_FRACTION:.0%} of it for pinned layer "
+        "inputs"
+    )
+
+
+def activation_memory_lines(
+    plan: RunPlan, config: Any, gpu: GpuMemory, processes_per_node: int, host: HostMemory | None = None
+) -> list[str]:
     """:func:`describe_activation_memory`, or one line saying why there is no estimate."""
     from cptune.models.sizing import count_parameters
 
@@ -328,4 +422,4 @@ def activation_memory_lines(plan: RunPlan, config: Any, gpu: GpuMemory, processe
     except (ValueError, TypeError, RuntimeError, CptuneError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return [f"Memory per GPU with activations: no estimate ({first})."]
-    return describe_activation_memory(plan, config, counts, gpu, processes_per_node)
+    return describe_activation_memory(plan, config, counts, gpu, processes_per_node, host)

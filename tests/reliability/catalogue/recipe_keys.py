@@ -115,6 +115,10 @@ CASES: tuple[Case, ...] = (
         keys={"activation_offloading": "disk", "gradient_checkpointing": True},
     ),
     Case(
+        "activation-offloading-two-level-sharded",
+        keys={"activation_offloading": "two_level", "gradient_checkpointing": True, "fsdp_version": 2},
+    ),
+    Case(
         "tiled-mlp-generic-mlp",
         keys={"tiled_mlp": True, "tiled_mlp_use_original_mlp": False},
     ),

@@ -145,6 +145,7 @@ def describe_plan(
     *,
     processes_per_node: int | None = None,
     gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
 ) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, memory, patches, data.
 
@@ -152,12 +153,15 @@ def describe_plan(
         plan: The launch's plan.
         processes_per_node: Processes on this node (default: all of the launch's), for the host-RAM check.
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
+        host_memory_gib: A node's host RAM to plan the offloaded activations for (default: what this
+            machine has available now); a run that would pin too much of it is refused.
     """
     from cptune.config.axolotl.notes import axolotl_notes
     from cptune.patches.overrides import check_overrides
     from cptune.patches.transformers_patches import TRAINER_OVERRIDES
     from cptune.run.memory_plan import (
         GpuMemory,
+        HostMemory,
         activation_memory_lines,
         check_host_memory,
         describe_state_memory,
@@ -167,7 +171,8 @@ def describe_plan(
     recipe, dims = plan.recipe, plan.dims
     config = check_model(plan)
     per_node = processes_per_node or dims.world_size
-    check_host_memory(recipe, config, per_node)
+    host = HostMemory.detect(host_memory_gib)
+    check_host_memory(recipe, config, per_node, host)
     lines = ["Resolved recipe:"]
     # In the order of the recipe's key groups (cptune.config.recipe.KEY_GROUPS_IN_ORDER).
     dumped = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False).rstrip()
@@ -191,7 +196,7 @@ def describe_plan(
             "reference: the base model (adapter disabled), a second forward without gradients"
         )
     lines += ["", *describe_state_memory(plan, config)]
-    lines += ["", *activation_memory_lines(plan, config, GpuMemory.detect(gpu_memory_gib), per_node)]
+    lines += ["", *activation_memory_lines(plan, config, GpuMemory.detect(gpu_memory_gib), per_node, host)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
     notes += [f"not installed here: {err}" for err in missing_packages(recipe)]
     if notes:
