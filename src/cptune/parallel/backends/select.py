@@ -21,10 +21,10 @@ __all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_ba
 
 
 def plan_backend(
-    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, pad_token_id: int
+    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any
 ) -> BackendPlan:
-    """The backend's plan for this recipe and process layout; imports its dependencies now."""
-    plan = backend.runtime().plan(recipe, dims, pad_token_id)
+    """The backend's plan for this recipe, process layout and model config; imports its dependencies now."""
+    plan = backend.runtime().plan(recipe, dims, pad_token_id, model_config)
     if plan.attn_implementation == ATTENTION_NAME:
         register_attention()
     return plan
