@@ -75,7 +75,9 @@ def check_model_config(
     text = config.get_text_config()
     check_tensor_parallel_model(config, model_class, dims.tp_size)
     if not dims.cp_enabled and recipe.causal:
-        return  # transformers' own attention (sdpa) runs: nothing of cptune's to refuse
+        # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
+        # serve it (local.runtime.attends_by_document): nothing to refuse
+        return
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"
