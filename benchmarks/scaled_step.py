@@ -1,4 +1,4 @@
-"""A training step's memory per token on the 8B-shaped scaled model, with peft's LoRA input cast and without it.
+"""A training step's memory per token on the 8B-shaped scaled model: peft's LoRA input cast, without it, recomputed norms.
 
 ``python -m benchmarks.scaled_step [--tokens 2048 4096] [--layers 2]`` prints, per variant, the traced
 step's peak above the state before it (gradients and model exist), per token.
@@ -13,7 +13,9 @@ recomputed layer. The variants:
   which saves that bf16 copy (q, k and v three copies of one tensor);
 - *cptune*: with the patch ``lora-input-kept-under-autocast``
   (:func:`cptune.patches.peft_patches.lora_input_cast_patch`, which ``cptune train`` applies to
-  a LoRA recipe in bf16): the input is passed as it is where autocast undoes the cast exactly.
+  a LoRA recipe in bf16): the input is passed as it is where autocast undoes the cast exactly;
+- *norms*: *cptune* and ``recompute_norms`` (:mod:`cptune.models.recomputed_norms`): each decoder
+  layer's RMSNorms keep their bf16 input instead of its fp32 copy and recompute in the backward.
 
 Per token: the slope between the two lengths, and x 8 for Llama-3.1-8B's width (as in
 :mod:`benchmarks.loss_phase`; the per-layer bytes of a step's peak scale with the width, the
@@ -32,9 +34,12 @@ from benchmarks.loss_phase import SHAPE, WIDTH_TO_8B, KiB, build
 from benchmarks.memtrace import replay, split_events
 
 
-def step_peak(tokens: int, layers: int, patched: bool, seed: int = 0) -> tuple[int, torch.Tensor, dict]:
+def step_peak(
+    tokens: int, layers: int, patched: bool, seed: int = 0, norms: bool = False
+) -> tuple[int, torch.Tensor, dict]:
     """(peak bytes above the start, loss, gradients) of one traced step of ``tokens`` tokens."""
     from cptune.models.offload import enable_activation_offloading
+    from cptune.models.recomputed_norms import enable_recomputed_norms
     from cptune.models.tiled_mlp import enable_tiled_mlp
     from cptune.patches.core import PatchSet
     from cptune.patches.peft_patches import lora_input_cast_patch
@@ -43,6 +48,8 @@ def step_peak(tokens: int, layers: int, patched: bool, seed: int = 0) -> tuple[i
     model, head_loss = build(seed, shape=shape)
     enable_activation_offloading(model)
     enable_tiled_mlp(model, None)
+    if norms:
+        enable_recomputed_norms(model)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, SHAPE["vocab_size"], (1, tokens), generator=generator)
     labels = ids.roll(-1, 1)
@@ -82,8 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     short, long = args.tokens
     results = {}
-    for name, patched in (("peft", False), ("cptune", True)):
-        (a, loss, grads), (b, _, _) = (step_peak(t, args.layers, patched) for t in (short, long))
+    for name, patched, norms in (("peft", False, False), ("cptune", True, False), ("norms", True, True)):
+        (a, loss, grads), (b, _, _) = (step_peak(t, args.layers, patched, norms=norms) for t in (short, long))
         results[name] = (loss, grads)
         slope = (b - a) / (long - short)
         print(
@@ -91,8 +98,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{slope / KiB:5.2f} KiB per token at hidden {SHAPE['hidden_size']}, "
             f"{slope * WIDTH_TO_8B / KiB:6.1f} KiB scaled to Llama-3.1-8B"
         )
-    (loss_a, grads_a), (loss_b, grads_b) = results.values()
-    same = torch.equal(loss_a, loss_b) and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    (loss_a, grads_a), *others = results.values()
+    same = all(
+        torch.equal(loss_a, loss_b) and all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+        for loss_b, grads_b in others
+    )
     print(f"losses and gradients bit-identical between the variants ({short} tokens): {same}")
 
 

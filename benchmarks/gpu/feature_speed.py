@@ -14,6 +14,8 @@ other on the same model (not alternated: the features install hooks that stay fo
 * ``everything``: plus ``activation_offloading`` (checkpointed layer inputs in pinned host
   memory), ``tiled_mlp`` and ``cut_cross_entropy`` (cptune's chunked head loss), installed
   with the functions cptune's trainer installs them with;
+* ``trainer_norms``: ``trainer`` with ``recompute_norms`` (each RMSNorm keeps its bf16 input and
+  recomputes in the backward), installed after the other settings ran;
 * ``trainer``: everything, with the step as cptune's Trainer runs a bf16 recipe: the forward and
   the head loss under bf16 autocast (accelerate wraps the forward; the backward runs outside it)
   and cptune's patch ``lora-input-kept-under-autocast`` applied. ``today`` and ``everything``
@@ -52,14 +54,14 @@ def install_everything(model) -> Any:
     return HeadLoss(model)
 
 
-FEATURED = ("everything", "trainer")  # the settings with every memory feature installed
+FEATURED = ("everything", "trainer", "trainer_norms")  # the settings with every memory feature installed
 
 
 def setting_patches(name: str):
     """The patches cptune's Trainer applies for a bf16 LoRA recipe, applied for the ``trainer`` setting only."""
     import contextlib
 
-    if name != "trainer":
+    if not name.startswith("trainer"):
         return contextlib.nullcontext()
     from types import SimpleNamespace
 
@@ -225,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in settings:  # today first: the features' hooks stay on the model once installed
             if name in FEATURED and loss_fn is logits_loss:
                 loss_fn = install_everything(model)
+            if name == "trainer_norms":  # after the settings without it: its hooks stay on the model
+                from cptune.models.recomputed_norms import enable_recomputed_norms
+
+                enable_recomputed_norms(model)
             with setting_patches(name):
                 for length in args.lengths:
                     results["rows"].append(
@@ -272,7 +278,9 @@ def run_one(
     steps = args.steps if steps is None else steps
     warmup = args.warmup if warmup is None else warmup
     try:
-        row = measure(model, optimizer, loss_fn, length, steps, warmup, device, autocast=name == "trainer")
+        row = measure(
+            model, optimizer, loss_fn, length, steps, warmup, device, autocast=name.startswith("trainer")
+        )
     except Exception as err:
         row = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
     if "message" in row:

@@ -28,6 +28,11 @@ SETTINGS = {
     # every feature, the forward under bf16 autocast and cptune's patches, as the Trainer runs it: the
     # path the memory model describes (mixed precision), so its keys are everything's
     "trainer": {"activation_offloading": True, "tiled_mlp": True, "cut_cross_entropy": True},
+    "trainer_norms": {
+        "activation_offloading": True,
+        "tiled_mlp": True,
+        "cut_cross_entropy": True,
+    },  # norms not modelled
 }
 
 

@@ -1,8 +1,8 @@
 """A parity case's memory features, put on the CP model with cptune's own installer (both parity workers).
 
 A case's ``features`` may hold ``offload`` (activation offloading, with gradient checkpointing;
-``"two_level"``: two-level checkpointing),
-``tiles`` (tiled MLP with that many tiles) and ``head_loss`` (the chunked loss from the hidden
+``"two_level"``: two-level checkpointing), ``tiles`` (tiled MLP with that many tiles), ``norms``
+(recomputed norms) and ``head_loss`` (the chunked loss from the hidden
 states; ``head_loss_chunk``: that many logits per chunk instead of the default). The cp=1 reference keeps none of them, so a case compares feature on at cp=N with
 feature off at cp=1.
 """
@@ -26,12 +26,13 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
         return logits_loss
     if features.get("offload"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    names = [name for name in ("offload", "tiles", "head_loss") if features.get(name)]
+    names = [name for name in ("offload", "tiles", "norms", "head_loss") if features.get(name)]
     recipe = SimpleNamespace(
         offloads_activations=bool(features.get("offload")),
         two_level_offloading=features.get("offload") == "two_level",
         tiled_mlp=bool(features.get("tiles")),
         tiled_mlp_num_shards=features.get("tiles") and reorder.tiles(features["tiles"]),
+        recompute_norms=bool(features.get("norms")),
         resolved_head_loss=bool(features.get("head_loss")),
         memory_features=tuple(names),
     )

@@ -164,7 +164,7 @@ PREFERENCE_PLANTED_CASES = [
 # Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
 # offload-only case repeats a case above with the same data and seeds: its CP run is compared with
 # that case's bit for bit (FEATURE_TWINS).
-ALL_FEATURES = {"offload": True, "tiles": 3, "head_loss": True}
+ALL_FEATURES = {"offload": True, "tiles": 3, "norms": True, "head_loss": True}
 FEATURE_CP2_CASES = [
     case("packed-causal-lora+offload", features={"offload": True}),
     case("packed-causal-full+offload", lora=False, features={"offload": True}),

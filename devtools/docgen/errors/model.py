@@ -314,6 +314,18 @@ DOCUMENTED: tuple[Documented, ...] = (
         tested_by="tests/models/test_memory_features.py::test_check_memory_features_refuses_a_mixture_of_experts_before_loading",
     ),
     Documented(
+        "recompute-norms-without-rmsnorm",
+        SECTION,
+        "recompute_norms with a model that has no RMSNorm in its layers",
+        "has nothing to recompute",
+        "Remove `recompute_norms`: it recomputes the RMSNorm modules of the decoder layers (Llama, Qwen, "
+        "Mistral...), and this model's layers normalise otherwise (a LayerNorm, or no norm module). Checked "
+        "from a weightless copy of the model before anything is loaded.",
+        raised_in="src/cptune/models/memory_features.py",
+        why_not_in_catalogue="cptune's tests know no small model without RMSNorm; the test stands one in",
+        tested_by="tests/models/test_recomputed_norms.py::test_a_model_without_rmsnorm_in_its_layers_is_refused_before_loading",
+    ),
+    Documented(
         "gpus-not-divisible-by-cp",
         SECTION,
         "A GPU count that is not a multiple of the CP group",

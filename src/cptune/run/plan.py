@@ -87,9 +87,10 @@ class RunPlan:
 
     def attention(self, pad_token_id: int) -> BackendPlan:
         """The model's attention and the factory of the process's sharder; imports the backend's packages."""
+        from cptune.models.loading import model_config
         from cptune.parallel.backends.select import plan_backend
 
-        return plan_backend(self.backend, self.recipe, self.dims, pad_token_id)
+        return plan_backend(self.backend, self.recipe, self.dims, pad_token_id, model_config(self.recipe))
 
     def check_model(self, config: Any, model_class: type | None) -> None:
         """Refuse a model whose attention the backend cannot split (from its config, before any weight)."""

@@ -1,13 +1,16 @@
-"""cptune's document-aware core attention for DeepSpeed's Ulysses (``ulysses_attn_implementation: cptune``).
+"""cptune's document-aware attention: DeepSpeed's Ulysses core attention (``ulysses_attn_implementation:
+cptune``) and the cp=1 path (``LocalBackend(documents=True)``).
 
 DeepSpeed's Ulysses wrapper drops the attention mask, so packed documents would attend to each
 other through SDPA. This core attention reads the documents from the call's ``position_ids``
 instead and attends each within itself: one varlen FlashAttention-2 call over all of them on GPUs
-(:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere.
+(:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere. At cp=1 it spares
+the ``tokens x tokens`` mask transformers' sdpa would build for a packed row.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +33,38 @@ def document_spans(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
+class RowDocuments:
+    """Where the documents of a batch's rows lie, worked out once per batch rather than once per layer.
+
+    ``cu_seqlens`` and ``max_seqlen`` describe the rows laid end to end (every row starts a document,
+    so they form one packed sequence) for the varlen kernel; ``lengths`` gives each row's document
+    lengths for the per-document calls elsewhere.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    lengths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, position_ids: torch.Tensor, rows: int) -> RowDocuments:
+        """The documents of ``rows`` rows whose positions are ``position_ids`` ((1 or rows, tokens))."""
+        starts = document_starts(position_ids.expand(rows, -1))
+        cu_seqlens = cu_seqlens_from_starts(starts.flatten())
+        ends = cu_seqlens.tolist()  # one copy to the host per batch
+        row_length = starts.shape[-1]
+        lengths: list[list[int]] = [[] for _ in range(rows)]
+        for begin, end in itertools.pairwise(ends):
+            lengths[begin // row_length].append(end - begin)
+        return cls(cu_seqlens, max(max(row) for row in lengths), tuple(map(tuple, lengths)))
+
+
+@dataclass(frozen=True)
 class DocumentAttention:
     """Exact attention within each document of the whole sequence, (batch, tokens, heads, head_dim) in and out.
 
     Where PyTorch's FlashAttention-2 takes the tensors (CUDA, bf16/fp16) every document of every
     row goes through one varlen call; elsewhere each document is one SDPA call, so memory grows
-    with the longest document, not the row.
+    with the longest document, not the row. No ``tokens x tokens`` mask is ever built.
     """
 
     causal: bool
@@ -55,27 +84,37 @@ class DocumentAttention:
         position_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens))."""
-        from cptune.parallel.kernels import torch_flash
+        return self.within(q, k, v, scale, RowDocuments.of(position_ids, q.shape[0]))
 
-        positions = position_ids.expand(q.shape[0], -1)
-        if torch_flash.runs(q):
+    def within(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: RowDocuments
+    ) -> torch.Tensor:
+        """Every row, its documents as ``documents`` says."""
+        if varlen_runs(q):
             from cptune.parallel.kernels.varlen import varlen_attention
 
-            # Every row starts a document, so the rows laid end to end are one packed sequence.
-            cu_seqlens = cu_seqlens_from_starts(document_starts(positions).flatten())
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             out = varlen_attention(
-                *(t.flatten(0, 1) for t in (q, k, v)), cu_seqlens, max_seqlen, scale=scale, causal=self.causal
+                *(t.flatten(0, 1) for t in (q, k, v)),
+                documents.cu_seqlens,
+                documents.max_seqlen,
+                scale=scale,
+                causal=self.causal,
             )
             return out.unflatten(0, q.shape[:2])
         rows = []
-        for b in range(q.shape[0]):
-            pieces = [
-                self(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scale)
-                for s, e in document_spans(positions[b])
-            ]
-            rows.append(torch.cat(pieces, dim=1))
+        for b, lengths in enumerate(documents.lengths):
+            # split, not one slice per document: its backward concatenates the documents' gradients
+            # instead of zero-filling a whole row for each of them.
+            pieces = zip(*(t[b : b + 1].split(lengths, dim=1) for t in (q, k, v)), strict=True)
+            rows.append(torch.cat([self(qd, kd, vd, scale) for qd, kd, vd in pieces], dim=1))
         return torch.cat(rows)
+
+
+def varlen_runs(q: torch.Tensor) -> bool:
+    """Whether :class:`DocumentAttention` takes ``q`` through one varlen FlashAttention-2 call."""
+    from cptune.parallel.kernels import torch_flash
+
+    return torch_flash.runs(q)
 
 
 def dense_attend(causal: bool) -> DocumentAttention:

@@ -21,10 +21,10 @@ __all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_ba
 
 
 def plan_backend(
-    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, pad_token_id: int
+    backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any
 ) -> BackendPlan:
-    """The backend's plan for this recipe and process layout; imports its dependencies now."""
-    plan = backend.runtime().plan(recipe, dims, pad_token_id)
+    """The backend's plan for this recipe, process layout and model config; imports its dependencies now."""
+    plan = backend.runtime().plan(recipe, dims, pad_token_id, model_config)
     if plan.attn_implementation == ATTENTION_NAME:
         register_attention()
     return plan
@@ -75,7 +75,9 @@ def check_model_config(
     text = config.get_text_config()
     check_tensor_parallel_model(config, model_class, dims.tp_size)
     if not dims.cp_enabled and recipe.causal:
-        return  # transformers' own attention (sdpa) runs: nothing of cptune's to refuse
+        # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
+        # serve it (local.runtime.attends_by_document): nothing to refuse
+        return
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"

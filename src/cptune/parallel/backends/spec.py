@@ -147,8 +147,11 @@ class BackendRuntime(Protocol):
         """accelerate's ``ParallelismConfig`` and the DeepSpeed config for the Trainer's arguments."""
         ...
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
-        """The model's attention and the factory of the process's sharder; imports the backend's packages."""
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
+        """The model's attention and the factory of the process's sharder; imports the backend's packages.
+
+        ``model_config`` is the model's config (no weights), as the run will load it.
+        """
         ...
 
     def training_patches(self) -> Sequence[Patch]:

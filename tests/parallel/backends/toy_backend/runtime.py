@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cptune.parallel.backends.spec import TrainerParallelism, accelerate_parallelism
 from cptune.parallel.backends.toy import NAME
@@ -42,7 +42,7 @@ class ToyRuntime:
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
         return accelerate_parallelism(dims)
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         raise NotImplementedError("the toy backend is never trained with")
 
     def training_patches(self) -> Sequence[Patch]:

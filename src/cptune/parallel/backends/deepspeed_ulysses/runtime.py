@@ -42,7 +42,7 @@ class DeepSpeedUlyssesRuntime:
         # config: cptune shards the batches and puts DeepSpeed's attention in place itself (.sharding).
         return TrainerParallelism(accelerate_parallelism(dims).parallelism, deepspeed_config(recipe))
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         from cptune.parallel.backends.deepspeed_ulysses import sharding as ulysses
 
         ulysses.load_deepspeed()

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
 
 
 class Local:
-    """No context parallelism: transformers' attention (causal) or cptune's bidirectional attention."""
+    """No context parallelism: cptune's attention, document by document (transformers' sdpa and its
+    tokens x tokens mask for a causal model it cannot serve: :func:`.runtime.attends_by_document`)."""
 
     name: str | None = None
     label = "cptune's bidirectional attention"

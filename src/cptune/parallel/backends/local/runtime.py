@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cptune.parallel.backends.spec import BackendPlan, TrainerParallelism, accelerate_parallelism
 from cptune.patches.accelerate_patches import torch_cp_context_unavailable
@@ -30,10 +30,10 @@ class LocalRuntime:
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
         return accelerate_parallelism(dims)  # FSDP2 without CP still needs accelerate's mesh
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         from cptune.parallel.backends.local.sharding import LocalBackend
 
-        local = LocalBackend(causal=recipe.causal)
+        local = LocalBackend(causal=recipe.causal, documents=attends_by_document(recipe, model_config))
         return BackendPlan(local.attn_implementation, lambda accelerator, model: local)
 
     def training_patches(self) -> Sequence[Patch]:
@@ -41,6 +41,30 @@ class LocalRuntime:
 
     def import_patches(self) -> Sequence[Patch]:
         return ()
+
+
+def attends_by_document(recipe: Recipe, model_config: Any) -> bool:
+    """Whether cp=1 attends each document within itself (cptune's attention) rather than through a mask.
+
+    Always for ``causal: false`` (cptune's attention computes it either way). For causal training,
+    whenever cptune's attention can compute the model's: full attention in every layer (a sliding
+    window needs transformers' masks), routed through transformers' AttentionInterface, and no
+    attention dropout. Otherwise transformers' ``sdpa`` runs, which keeps the documents of a row
+    (padding included) apart through a ``rows x tokens x tokens`` boolean mask: 256 GiB at 512K tokens.
+    """
+    if not recipe.causal:
+        return True
+    from transformers import AutoModelForCausalLM
+
+    from cptune.parallel.backends.attention import windowed_layer_types
+
+    text = model_config.get_text_config()
+    model_class = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    return (
+        not windowed_layer_types(text)
+        and bool(getattr(model_class, "_supports_attention_backend", False))
+        and not getattr(text, "attention_dropout", 0.0)
+    )
 
 
 RUNTIME = LocalRuntime()

@@ -1,9 +1,13 @@
 """No context parallelism (cp=1): the reference path every CP backend must equal.
 
-Causal training uses transformers' own ``sdpa`` path, which keeps packed
-documents apart from their ``position_ids`` (with ``use_cache=False``).
-Bidirectional training uses cptune's attention function with a block-diagonal
-document mask, since transformers builds no such mask for decoder models.
+Two ways to attend over whole rows. With ``documents`` (what a run picks whenever the model
+has full attention only, :mod:`.runtime`), cptune's attention function attends each document of
+each row within itself (:class:`DocumentAttention`: one varlen FlashAttention-2 call on GPUs,
+one SDPA call per document elsewhere), so no ``tokens x tokens`` mask is ever built. Without it,
+causal training uses transformers' own ``sdpa`` path, which keeps packed documents apart from
+their ``position_ids`` (with ``use_cache=False``) through a block-diagonal mask of
+``rows x tokens x tokens`` booleans (256 GiB at 512K tokens), and bidirectional training uses
+cptune's attention function with such a mask, since transformers builds none for decoder models.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from cptune.parallel.backends.attention import (
     sdpa_tokens_first,
 )
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
+from cptune.parallel.backends.document_attention import DocumentAttention, RowDocuments
 from cptune.parallel.shard import TokenBatch, full_coords
 
 
@@ -28,23 +33,37 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class LocalBackend(SameBatchForEveryCpRank):
-    """Single-rank attention over whole rows."""
+    """Single-rank attention over whole rows.
 
-    def __init__(self, causal: bool):
+    Args:
+        causal: Causal attention within each document; otherwise bidirectional.
+        documents: Attend document by document (no ``tokens x tokens`` mask); otherwise through a mask.
+    """
+
+    def __init__(self, causal: bool, *, documents: bool = False):
         self.causal = causal
-        self.attn_implementation = "sdpa" if causal else ATTENTION_NAME
+        self.documents = documents
+        self.attn_implementation = "sdpa" if causal and not documents else ATTENTION_NAME
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
         coords = full_coords(batch.shape, batch.input_ids.device)
-        if self.causal:
+        if self.attn_implementation == "sdpa":
             return ShardedInputs(
                 model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None, coords=coords
             )
-        mask = document_mask(batch.position_ids)
+        if self.documents:
+            attention = DocumentAttention(self.causal)
+            documents = RowDocuments.of(batch.position_ids, batch.shape[0])
 
-        def attend(q, k, v, scale):
-            return sdpa_tokens_first(q, k, v, scale, attn_mask=mask)
+            def attend(q, k, v, scale):
+                return attention.within(q, k, v, scale, documents)
+
+        else:
+            mask = document_mask(batch.position_ids)
+
+            def attend(q, k, v, scale):
+                return sdpa_tokens_first(q, k, v, scale, attn_mask=mask)
 
         call = AttentionCall(attend=attend)
         return ShardedInputs(

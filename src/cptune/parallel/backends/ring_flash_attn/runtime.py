@@ -40,7 +40,7 @@ class RingFlashAttnRuntime:
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
         return zero.parallelism_under_zero(recipe, dims)
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         import logging
 
         import torch

@@ -53,7 +53,7 @@ class TorchCpRuntime:
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
         return zero.parallelism_under_zero(recipe, dims)
 
-    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int) -> BackendPlan:
+    def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         from cptune.parallel.backends.attention import ATTENTION_NAME
         from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 
