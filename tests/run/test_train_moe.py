@@ -91,10 +91,12 @@ def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(tmp_
     }
     path = tmp_path / "dpo.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    done = run_cptune("train", str(path))
-    assert done.returncode != 0
-    assert (
-        "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef 0.02)"
-        in (done.stderr)
-    )
-    assert "Traceback" not in done.stderr
+    for command in ("validate", "train"):  # refused before any weight loads, by validate as by train
+        done = run_cptune(command, str(path))
+        assert done.returncode != 0
+        assert (
+            "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef 0.02)"
+            in (done.stderr)
+        ), (command, done.stderr)
+        assert "Traceback" not in done.stderr
+        assert "Loading weights" not in done.stderr

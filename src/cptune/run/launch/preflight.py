@@ -109,8 +109,30 @@ def check_model(plan: RunPlan) -> Any:
     check_lora_model_dir(recipe)
     check_lora_targets(recipe, config)
     check_new_tokens(recipe, config)
+    check_router_loss_with_rl(recipe, config)
     check_memory_features(recipe, config)
     return config
+
+
+def check_router_loss_with_rl(recipe: Recipe, config: Any) -> None:
+    """Refuse, before loading, preference training of a model that adds a router load-balancing loss.
+
+    The trainer refuses it too (a rank under torchrun runs no preflight); here it is said before any weight loads.
+    """
+    from cptune.parallel.router_loss import RouterBalance
+
+    if not recipe.rl:
+        return
+    try:
+        router = RouterBalance.from_config(config)
+    except ValueError:
+        return  # the trainer's model check names what the config lacks
+    if router is not None:
+        raise CptuneError(
+            "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef "
+            f"{router.coef}), which cptune's preference loss does not include yet. Set "
+            "output_router_logits: false in overrides_of_model_config to train without it."
+        )
 
 
 def check_new_tokens(recipe: Recipe, config: Any) -> None:
