@@ -154,3 +154,34 @@ def test_a_packed_cp1_run_of_a_full_attention_model_attends_document_by_document
 def test_a_model_cptunes_attention_cannot_serve_keeps_transformers_sdpa(write_recipe, tmp_path, overrides):
     implementation, sharder = local_plan(write_recipe, tmp_path, **overrides)
     assert implementation == "sdpa" and not sharder.documents
+
+
+def test_rows_of_one_document_keep_one_sdpa_call_where_varlen_would_run(monkeypatch):
+    """Unpacked rows go through one SDPA call over the batch (cuDNN's kernels on Hopper), packed ones through varlen.
+
+    The varlen FlashAttention-2 call is what a GPU takes for rows of several documents; here it is
+    stood in for, so the test sees which call a batch gets on any machine.
+    """
+    from cptune.parallel.backends import document_attention
+    from cptune.parallel.kernels import varlen
+
+    calls = []
+
+    def stand_in(q, k, v, cu_seqlens, max_seqlen, scale=None, causal=True):
+        calls.append(cu_seqlens.tolist())
+        return q.clone()
+
+    monkeypatch.setattr(document_attention, "varlen_runs", lambda q: True)
+    monkeypatch.setattr(varlen, "varlen_attention", stand_in)
+    attention = document_attention.DocumentAttention(causal=True)
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    whole = torch.arange(8).expand(2, 8)
+    out = attention.rows(q, k, v, None, whole)
+    assert calls == []
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+    )
+    assert torch.equal(out, expected.transpose(1, 2))
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]).expand(2, 8)
+    attention.rows(q, k, v, None, packed)
+    assert calls == [[0, 3, 8, 11, 16]]

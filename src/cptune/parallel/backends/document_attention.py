@@ -90,6 +90,11 @@ class DocumentAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: RowDocuments
     ) -> torch.Tensor:
         """Every row, its documents as ``documents`` says."""
+        if all(len(row) == 1 for row in documents.lengths):
+            # Rows of one document each (unpacked, unpadded): one SDPA call over the batch, as transformers'
+            # sdpa runs them, so that such rows keep SDPA's kernels (cuDNN's on Hopper, measured faster than
+            # FlashAttention-2: docs/benchmarks.md).
+            return self(q, k, v, scale)
         if varlen_runs(q):
             from cptune.parallel.kernels.varlen import varlen_attention
 
