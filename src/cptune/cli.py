@@ -157,6 +157,15 @@ def train(
     flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
+    from cptune.run.training.run_recipe import resumed_recipe
+
+    # A resume continues its run: the overrides that run was started with apply again.
+    loaded, reapplied = resumed_recipe(loaded, recipe, ctx.args)
+    # Said once: by the launcher, or by rank 0 where no cptune launcher started the ranks.
+    if reapplied and env.rank == 0 and not data_reported:
+        logging.getLogger("cptune.train").info(
+            "--resume: continuing with the overrides the run was started with: %s", " ".join(reapplied)
+        )
     from cptune.run.launch.allocator import use_expandable_segments
 
     # Before anything initialises CUDA; the ranks started below inherit it. A rank under a launcher
@@ -169,7 +178,7 @@ def train(
     if under_launcher():
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, data_reported=data_reported)
+        result = run_train(loaded, data_reported=data_reported, overrides=ctx.args)
         close_process_groups()
         if env.rank == 0:
             typer.echo(
@@ -195,7 +204,7 @@ def train(
     if launching.world_size == 1:
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, plan=plan, data_reported=True)
+        result = run_train(loaded, plan=plan, data_reported=True, overrides=ctx.args)
         close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
