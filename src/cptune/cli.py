@@ -273,22 +273,35 @@ def validate(
     _setup_logging()
     # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
     loaded = _load(recipe, ctx)
+    from cptune.data.first_rows import first_row_problems
     from cptune.data.sources import source_problems
     from cptune.errors import RecipeError, RecipeProblem
+    from cptune.models.loading import load_tokenizer
     from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
 
-    # Missing or unreadable data is found first (no model, no rows read) and reported together with
-    # what the plan finds, so that one run of validate names every problem it can see.
+    # Missing or unreadable data files, and the first rows of each that its dataset type cannot use,
+    # are found first (no model loaded) and reported together with what the plan finds, so that one
+    # run of validate names every problem it can see.
     problems = source_problems(loaded)
+    tokenizer = None
+    try:
+        tokenizer = load_tokenizer(loaded)
+    except CptuneError as err:
+        problems.append(RecipeProblem("", str(err)))
+    else:
+        problems += first_row_problems(loaded, tokenizer)
     try:
         per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
         plan = RunPlan.build(loaded, per_node * nnodes)
-        described = describe_plan(plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory)
+        described = describe_plan(
+            plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory, tokenizer=tokenizer
+        )
     except CptuneError as err:
         if not problems:
             raise
-        problems.append(RecipeProblem("", str(err)))
+        if str(err) not in {problem.message for problem in problems}:
+            problems.append(RecipeProblem("", str(err)))
     if problems:
         raise RecipeError(problems, source=str(recipe))
     typer.echo(described)

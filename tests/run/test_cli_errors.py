@@ -140,6 +140,25 @@ def test_validate_reports_missing_and_unreadable_data_with_the_other_problems(
     assert done.stdout == ""
 
 
+def test_validate_reports_rows_the_dataset_type_cannot_use_with_the_other_problems(
+    write_recipe, cptune_in_process, tmp_path
+):
+    data = tmp_path / "rows.jsonl"
+    first = QUICKSTART_DATA.read_text().splitlines()[:2]
+    data.write_text("\n".join([*first, '{"instruction": "Add.", "outpt": "5"}']) + "\n")
+    recipe = write_recipe(
+        datasets=[{"path": str(data), "type": "alpaca"}], lora_target_modules=["no_such_proj"]
+    )
+    done = cptune_in_process("validate", str(recipe))
+    assert_clean_failure(
+        done,
+        "has 2 problems",
+        f"datasets[0] ({data}), row 2 (line 3): field 'output' is missing.",
+        "lora_target_modules:",
+    )
+    assert done.stdout == ""
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_a_recipe_error_is_reported_before_torch_datasets_or_transformers_load(command, tmp_path):
