@@ -166,6 +166,9 @@ def train(
         logging.getLogger("cptune.train").info(
             "--resume: continuing with the overrides the run was started with: %s", " ".join(reapplied)
         )
+    from cptune.models.hub import check_hub_ids
+
+    check_hub_ids(loaded)  # before torch is imported: a hub id that cannot be fetched fails in a second
     from cptune.run.launch.allocator import use_expandable_segments
 
     # Before anything initialises CUDA; the ranks started below inherit it. A rank under a launcher
@@ -273,6 +276,11 @@ def validate(
     _setup_logging()
     # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
     loaded = _load(recipe, ctx)
+    from cptune.models.hub import check_hub_ids
+
+    # A hub id that cannot be fetched from here stops everything else: said at once, in one line,
+    # before torch and transformers are imported.
+    check_hub_ids(loaded)
     from cptune.data.first_rows import first_row_problems
     from cptune.data.sources import source_problems
     from cptune.errors import RecipeError, RecipeProblem
