@@ -138,3 +138,16 @@ def test_entries_that_do_not_resolve_and_hub_datasets_are_left_to_their_own_chec
         [{"path": "missing.jsonl", "type": "alpaca"}, {"path": "owner/name", "type": "alpaca"}]
     )
     assert first_row_problems(recipe, tokenizer) == []
+
+
+def test_a_saved_dataset_folder_is_checked_from_its_split(tmp_path, make_recipe, tokenizer):
+    rows = [*ROWS[:2], {"instruction": "Add.", "input": "", "output": None}]
+    folder = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(folder))
+    problems = first_row_problems(make_recipe([{"path": str(folder), "type": "alpaca"}]), tokenizer)
+    assert [str(p) for p in problems] == [
+        f"datasets[0] ({folder}), row 2: field 'output' is missing. {SKIP_HINT}"
+    ]
+    # A split the folder does not have is left to preprocess and train, which name the splits it has.
+    recipe = make_recipe([{"path": str(folder), "type": "alpaca", "split": "test"}])
+    assert first_row_problems(recipe, tokenizer) == []
