@@ -292,11 +292,11 @@ def validate(
     # are found first (no model loaded) and reported together with what the plan finds, so that one
     # run of validate names every problem it can see.
     problems = source_problems(loaded)
-    tokenizer = None
+    tokenizer, tokenizer_error = None, None
     try:
         tokenizer = load_tokenizer(loaded)
     except CptuneError as err:
-        problems.append(RecipeProblem("", str(err)))
+        tokenizer_error = err
     else:
         problems += first_row_problems(loaded, tokenizer)
     try:
@@ -306,10 +306,14 @@ def validate(
             plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory, tokenizer=tokenizer
         )
     except CptuneError as err:
-        if not problems:
+        # A base_model that gives no config gives no tokenizer either: its one problem is the config's.
+        if not loaded.tokenizer_config and str(err).startswith("base_model:"):
+            tokenizer_error = None
+        if not problems and tokenizer_error is None:
             raise
-        if str(err) not in {problem.message for problem in problems}:
-            problems.append(RecipeProblem("", str(err)))
+        problems.append(RecipeProblem("", str(err)))
+    if tokenizer_error is not None:
+        problems.append(RecipeProblem("", str(tokenizer_error)))
     if problems:
         raise RecipeError(problems, source=str(recipe))
     typer.echo(described)

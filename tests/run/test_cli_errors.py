@@ -140,6 +140,20 @@ def test_validate_reports_missing_and_unreadable_data_with_the_other_problems(
     assert done.stdout == ""
 
 
+def test_validate_names_a_base_model_folder_that_does_not_exist_once(
+    write_recipe, cptune_in_process, tmp_path
+):
+    """The folder gives neither a config nor a tokenizer: one problem, the config's, as train says it."""
+    missing = tmp_path / "no-such-model"
+    done = cptune_in_process("validate", str(write_recipe(base_model=str(missing))))
+    errors = [
+        line for line in done.stderr.splitlines() if line.startswith("error:") or line.startswith("  - ")
+    ]
+    assert done.returncode != 0
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"error: base_model: cannot load a model config from '{missing}'"), errors
+
+
 def test_validate_reports_rows_the_dataset_type_cannot_use_with_the_other_problems(
     write_recipe, cptune_in_process, tmp_path
 ):
