@@ -157,6 +157,18 @@ def train(
     flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
+    from cptune.run.training.run_recipe import resumed_recipe
+
+    # A resume continues its run: the overrides that run was started with apply again.
+    loaded, reapplied = resumed_recipe(loaded, recipe, ctx.args)
+    # Said once: by the launcher, or by rank 0 where no cptune launcher started the ranks.
+    if reapplied and env.rank == 0 and not data_reported:
+        logging.getLogger("cptune.train").info(
+            "--resume: continuing with the overrides the run was started with: %s", " ".join(reapplied)
+        )
+    from cptune.models.hub import check_hub_ids
+
+    check_hub_ids(loaded)  # before torch is imported: a hub id that cannot be fetched fails in a second
     from cptune.run.launch.allocator import use_expandable_segments
 
     # Before anything initialises CUDA; the ranks started below inherit it. A rank under a launcher
@@ -169,7 +181,7 @@ def train(
     if under_launcher():
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, data_reported=data_reported)
+        result = run_train(loaded, data_reported=data_reported, overrides=ctx.args)
         close_process_groups()
         if env.rank == 0:
             typer.echo(
@@ -196,7 +208,7 @@ def train(
         # In this process. FSDP2 (offloaded states at world size 1) needs a process group: a launched rank.
         from cptune.run.training.train import train as run_train
 
-        result = run_train(loaded, plan=plan, data_reported=True)
+        result = run_train(loaded, plan=plan, data_reported=True, overrides=ctx.args)
         close_process_groups()
         typer.echo(f"cptune: training finished in {result.seconds:.1f} s; model saved to {result.output_dir}")
         return
@@ -271,24 +283,48 @@ def validate(
     _setup_logging()
     # The recipe is checked before torch, datasets and transformers are imported: a typo fails in a second.
     loaded = _load(recipe, ctx)
+    from cptune.models.hub import check_hub_ids
+
+    # A hub id that cannot be fetched from here stops everything else: said at once, in one line,
+    # before torch and transformers are imported.
+    check_hub_ids(loaded)
+    from cptune.data.first_rows import first_row_problems
     from cptune.data.sources import source_problems
     from cptune.errors import RecipeError, RecipeProblem
+    from cptune.models.loading import load_tokenizer
     from cptune.run.launch.preflight import describe_plan
     from cptune.run.plan import RunPlan
 
-    # Missing or unreadable data is found first (no model, no rows read) and reported together with
-    # what the plan finds, so that one run of validate names every problem it can see.
+    # Missing or unreadable data files, and the first rows of each that its dataset type cannot use,
+    # are found first (no model loaded) and reported together with what the plan finds, so that one
+    # run of validate names every problem it can see.
     problems = source_problems(loaded)
+    tokenizer, tokenizer_error = None, None
+    try:
+        tokenizer = load_tokenizer(loaded)
+    except CptuneError as err:
+        tokenizer_error = err
+    else:
+        problems += first_row_problems(loaded, tokenizer)
     try:
         per_node = _nproc_per_node(nproc_per_node, nnodes, loaded)
         plan = RunPlan.build(loaded, per_node * nnodes)
         described = describe_plan(
-            plan, processes_per_node=per_node, gpu_memory_gib=gpu_memory, host_memory_gib=host_memory
+            plan,
+            processes_per_node=per_node,
+            gpu_memory_gib=gpu_memory,
+            host_memory_gib=host_memory,
+            tokenizer=tokenizer,
         )
     except CptuneError as err:
-        if not problems:
+        # A base_model that gives no config gives no tokenizer either: its one problem is the config's.
+        if not loaded.tokenizer_config and str(err).startswith("base_model:"):
+            tokenizer_error = None
+        if not problems and tokenizer_error is None:
             raise
         problems.append(RecipeProblem("", str(err)))
+    if tokenizer_error is not None:
+        problems.append(RecipeProblem("", str(tokenizer_error)))
     if problems:
         raise RecipeError(problems, source=str(recipe))
     typer.echo(described)

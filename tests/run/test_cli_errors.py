@@ -140,6 +140,39 @@ def test_validate_reports_missing_and_unreadable_data_with_the_other_problems(
     assert done.stdout == ""
 
 
+def test_validate_names_a_base_model_folder_that_does_not_exist_once(
+    write_recipe, cptune_in_process, tmp_path
+):
+    """The folder gives neither a config nor a tokenizer: one problem, the config's, as train says it."""
+    missing = tmp_path / "no-such-model"
+    done = cptune_in_process("validate", str(write_recipe(base_model=str(missing))))
+    errors = [
+        line for line in done.stderr.splitlines() if line.startswith("error:") or line.startswith("  - ")
+    ]
+    assert done.returncode != 0
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"error: base_model: cannot load a model config from '{missing}'"), errors
+
+
+def test_validate_reports_rows_the_dataset_type_cannot_use_with_the_other_problems(
+    write_recipe, cptune_in_process, tmp_path
+):
+    data = tmp_path / "rows.jsonl"
+    first = QUICKSTART_DATA.read_text().splitlines()[:2]
+    data.write_text("\n".join([*first, '{"instruction": "Add.", "outpt": "5"}']) + "\n")
+    recipe = write_recipe(
+        datasets=[{"path": str(data), "type": "alpaca"}], lora_target_modules=["no_such_proj"]
+    )
+    done = cptune_in_process("validate", str(recipe))
+    assert_clean_failure(
+        done,
+        "has 2 problems",
+        f"datasets[0] ({data}), row 2 (line 3): field 'output' is missing.",
+        "lora_target_modules:",
+    )
+    assert done.stdout == ""
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("command", ["validate", "train"])
 def test_a_recipe_error_is_reported_before_torch_datasets_or_transformers_load(command, tmp_path):

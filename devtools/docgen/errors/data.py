@@ -60,6 +60,24 @@ ENTRIES: tuple[Entry, ...] = (
         "one JSON object).",
     ),
     Entry(
+        "data-not-json-validate",
+        SECTION,
+        "cptune validate: a JSONL file with a broken line",
+        "broken.jsonl), row 1 (line 2): not valid JSON (Expecting property name enclosed in double quotes, "
+        "column 2). Each line of a JSON lines file must be one JSON object; fix the line.",
+        "`cptune validate` reads the first 10 rows of each local data file and names the row and the line "
+        "that does not parse, with the recipe's other problems. Fix that line.",
+    ),
+    Entry(
+        "data-first-rows-without-column",
+        SECTION,
+        "cptune validate: the first rows of a data file lack a column their type needs",
+        "columns.jsonl): its first 2 rows have no column 'output' (they have 'answer', 'instruction')",
+        "The dataset's `type` reads its columns by name (alpaca: instruction, input, output). Set the field "
+        "name keys of the entry (e.g. `field_output: answer`) to the columns the data uses, or give the "
+        "entry the type of its rows.",
+    ),
+    Entry(
         "data-not-utf8",
         SECTION,
         "A data file that is not UTF-8",

@@ -279,6 +279,20 @@ ENTRIES: tuple[Entry, ...] = (
 
 DOCUMENTED: tuple[Documented, ...] = (
     Documented(
+        "hub-id-unreachable",
+        SECTION,
+        "A hub id that is not cached, offline or without network",
+        "is neither a local folder nor in the Hugging Face cache",
+        "With `HF_HUB_OFFLINE=1` nothing is downloaded; without network the hub does not answer (cptune "
+        "waits 2 s for a connection instead of the libraries' retries). Give the path of a local model "
+        "folder, or download the model once where the hub is reachable (`hf download OWNER/NAME`) into "
+        "the cache the message names; set `HF_HUB_OFFLINE=1` so that cached models load without trying "
+        "the network. Checked before torch is imported.",
+        raised_in="src/cptune/models/hub.py",
+        why_not_in_catalogue="it depends on HF_HUB_OFFLINE and on the network of the machine that runs it",
+        tested_by="tests/models/test_hub.py::test_an_uncached_hub_id_with_hf_hub_offline_fails_in_one_line",
+    ),
+    Documented(
         "model-config-override-unknown-field",
         SECTION,
         "overrides_of_model_config names a field the model's config does not have",

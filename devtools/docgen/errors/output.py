@@ -70,9 +70,11 @@ ENTRIES: tuple[Entry, ...] = (
         SECTION,
         "--resume with a recipe or overrides that change the run (steps, schedule, batch, data, parallelism)",
         "which a resume must keep (it would continue a different run from the middle of this one)",
-        "A resume takes its settings from the recipe and overrides given now; the run saved the ones it "
-        "started with in `output_dir/run_recipe.yaml`. Repeat the run's overrides (the message lists each "
-        "changed key with both values), or start a new run with `--overwrite` or another output_dir.",
+        "A resume trains with the recipe file given now, the overrides the run was started with (saved in "
+        "`output_dir/run_recipe.yaml`; you need not repeat them) and the overrides given now. The message "
+        "lists each key that would change how the run is shaped, with the run's value and the new one: drop "
+        "the overrides that change them, or put the recipe file's values back. To train with the new values, "
+        "start a new run with `--overwrite` or another output_dir.",
     ),
 )
 

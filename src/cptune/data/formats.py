@@ -10,7 +10,7 @@ A dataset's ``type`` picks the format: the alpaca family (:mod:`cptune.data.alpa
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +18,7 @@ from cptune.config.data import DatasetConfig
 from cptune.data.alpaca import alpaca_formatter
 from cptune.data.chat_format import chat_formatter
 from cptune.data.chat_templates import CHATML, resolve_chat_template
+from cptune.data.preference_formats import build_pair_formatter
 from cptune.data.sample import (
     Formatter,
     RowProblem,
@@ -29,12 +30,16 @@ from cptune.data.sample import (
 )
 from cptune.labels import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    from cptune.config.recipe import Recipe
+
 __all__ = [
     "CHATML_TEMPLATE",
     "Formatter",
     "RowProblem",
     "Sample",
     "build_formatter",
+    "dataset_formatter",
     "missing_columns_advice",
     "required_columns",
     "resolve_chat_template",
@@ -191,3 +196,26 @@ def build_formatter(
         return _pretokenized(config, tokenizer)
     template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
     return chat_formatter(config, tokenizer, train_on_inputs, template, eot_tokens, label)
+
+
+def dataset_formatter(
+    recipe: Recipe, config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, label: str
+) -> Formatter:
+    """The formatter of one dataset entry of ``recipe``: its preference pairs, or its single samples.
+
+    Raises:
+        DataError: If the tokenizer cannot serve the dataset's format (see :func:`build_formatter`).
+    """
+    if config.is_preference:
+        return build_pair_formatter(
+            config, tokenizer, recipe.chat_template, label, recipe.chat_template_jinja
+        )
+    return build_formatter(
+        config,
+        tokenizer,
+        train_on_inputs=recipe.train_on_inputs,
+        chat_template=recipe.chat_template,
+        label=label,
+        chat_template_jinja=recipe.chat_template_jinja,
+        eot_tokens=recipe.eot_tokens,
+    )

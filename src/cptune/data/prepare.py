@@ -30,9 +30,8 @@ from transformers import PreTrainedTokenizerBase
 from cptune.config.data import DatasetConfig
 from cptune.config.recipe import Recipe
 from cptune.data.cache import build_once, compute_fingerprint, is_built
-from cptune.data.formats import build_formatter, missing_columns_advice, required_columns
+from cptune.data.formats import dataset_formatter, missing_columns_advice, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
-from cptune.data.preference_formats import build_pair_formatter
 from cptune.data.rows import count_tokens, tokenize_dataset
 from cptune.data.sources import ResolvedSource, load_source, resolve_source
 from cptune.data.stats import DatasetStats, PrepStats, SplitStats
@@ -179,20 +178,7 @@ def _tokenize_all(
     documents = []
     for index, (key, config, source) in enumerate(sources):
         rows = load_source(source, config, cache_dir=scratch / "sources", num_proc=recipe.dataset_processes)
-        if config.is_preference:
-            formatter = build_pair_formatter(
-                config, tokenizer, recipe.chat_template, source.label, recipe.chat_template_jinja
-            )
-        else:
-            formatter = build_formatter(
-                config,
-                tokenizer,
-                train_on_inputs=recipe.train_on_inputs,
-                chat_template=recipe.chat_template,
-                label=source.label,
-                chat_template_jinja=recipe.chat_template_jinja,
-                eot_tokens=recipe.eot_tokens,
-            )
+        formatter = dataset_formatter(recipe, config, tokenizer, source.label)
         # Completion rows are cut into sequence_len pieces, as Axolotl's completion type does.
         chunk = config.row_format == "completion"
         table, stats, formatted = tokenize_dataset(

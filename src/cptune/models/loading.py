@@ -29,7 +29,9 @@ def load_tokenizer_with_additions(recipe: Recipe) -> tuple[Any, list[str]]:
     from transformers import AutoTokenizer
 
     from cptune.models.added_tokens import add_recipe_tokens
+    from cptune.models.hub import check_hub_ids
 
+    check_hub_ids(recipe)
     key = "tokenizer_config" if recipe.tokenizer_config else "base_model"
     try:
         tokenizer = AutoTokenizer.from_pretrained(
@@ -162,6 +164,10 @@ def model_config(recipe: Recipe, path: str | None = None) -> Any:
     """
     from transformers import AutoConfig
 
+    from cptune.models.hub import check_hub_ids
+
+    if path is None:
+        check_hub_ids(recipe)
     source = path or recipe.base_model
     try:
         config = AutoConfig.from_pretrained(

@@ -56,6 +56,18 @@ CASES: tuple[Case, ...] = (
         setup=_bad_json,
     ),
     Case(
+        "data-not-json-validate",
+        setup=_bad_json,
+        command="validate",
+    ),
+    Case(
+        "data-first-rows-without-column",
+        setup=lambda ws: _dataset(
+            ws, ws.write_rows("columns.jsonl", [{"instruction": "Add 2 and 3.", "answer": "5"}] * 2)
+        ),
+        command="validate",
+    ),
+    Case(
         "data-not-utf8",
         setup=_latin1_rows,
     ),

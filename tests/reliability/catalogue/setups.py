@@ -234,7 +234,7 @@ def _incomplete_checkpoint(ws: Workspace) -> dict[str, Any]:
 
 
 def _run_with_other_settings(ws: Workspace) -> dict[str, Any]:
-    """An earlier run with a checkpoint, started with overrides that the resume does not repeat."""
+    """An earlier run with a checkpoint whose recipe file has since been edited (other steps and learning rate)."""
     from cptune.config.loader import validate_recipe
     from cptune.run.training.run_recipe import save_run_recipe
 

@@ -168,6 +168,7 @@ def describe_plan(
     processes_per_node: int | None = None,
     gpu_memory_gib: float | None = None,
     host_memory_gib: float | None = None,
+    tokenizer: Any = None,
 ) -> str:
     """Human-readable plan for ``cptune validate``: resolved recipe, layout, memory, patches, data.
 
@@ -177,6 +178,7 @@ def describe_plan(
         gpu_memory_gib: GPU memory to estimate against (default: this machine's GPU, else an H100 80GB).
         host_memory_gib: A node's host RAM to plan the offloaded activations for (default: what this
             machine has available now); a run that would pin too much of it is refused.
+        tokenizer: The recipe's tokenizer when the caller has loaded it (default: loaded here).
     """
     from cptune.config.axolotl.notes import axolotl_notes
     from cptune.patches.overrides import check_overrides
@@ -228,7 +230,7 @@ def describe_plan(
     lines += ["", "Private Trainer members cptune's Trainer relies on (checked like patches):"]
     lines += [f"  {override.name}: {override.target}" for override in TRAINER_OVERRIDES]
     lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
-    lines += ["", "Data:", *("  " + line for line in _data_status(recipe).splitlines())]
+    lines += ["", "Data:", *("  " + line for line in _data_status(recipe, tokenizer).splitlines())]
     return "\n".join(lines)
 
 
@@ -244,12 +246,12 @@ def _describe_processes(plan: RunPlan) -> str:
     )
 
 
-def _data_status(recipe: Recipe) -> str:
+def _data_status(recipe: Recipe, tokenizer: Any) -> str:
     from cptune.data.prepare import cached_stats
     from cptune.models.loading import load_tokenizer
 
     try:
-        stats = cached_stats(recipe, load_tokenizer(recipe))
+        stats = cached_stats(recipe, tokenizer or load_tokenizer(recipe))
     except CptuneError as err:
         return f"cannot check the cache: {err}"
     if stats is None:

@@ -62,6 +62,7 @@ def train(
     *,
     plan: RunPlan | None = None,
     data_reported: bool = False,
+    overrides: Sequence[str] = (),
 ) -> TrainResult:
     """Fine-tune as the recipe says, in this process (one rank of the launch).
 
@@ -78,13 +79,19 @@ def train(
             after the launcher's preflight); by default it is built here for the launch's processes.
         data_reported: The launcher's preflight prepared the data (or found it cached) and said
             which; rank 0 then does not report it again as loaded from the cache it just wrote.
+        overrides: The command-line overrides ``recipe`` was read with (``--key=value``); a run
+            saves them with its resolved recipe, and a resume applies them again.
     """
     with _restored_environment():
-        return _train(recipe, callbacks, plan, data_reported)
+        return _train(recipe, callbacks, plan, data_reported, overrides)
 
 
 def _train(
-    recipe: Recipe, callbacks: Sequence[Any], plan: RunPlan | None, data_reported: bool
+    recipe: Recipe,
+    callbacks: Sequence[Any],
+    plan: RunPlan | None,
+    data_reported: bool,
+    overrides: Sequence[str],
 ) -> TrainResult:
     from transformers import set_seed
 
@@ -110,7 +117,7 @@ def _train(
         if changed:
             log.info("the resume changes settings that do not shape the run: %s", "; ".join(changed))
         clear_earlier_run(recipe)
-        save_run_recipe(recipe)
+        save_run_recipe(recipe, overrides)
 
     tokenizer = load_tokenizer(recipe)
     prepared = prepare_datasets(recipe, tokenizer)
