@@ -22,6 +22,7 @@ import yaml
 
 from cptune.config.loader import load_recipe
 from tests.conftest import REPO, logged, logged_losses, run_cptune
+from tests.quiet_log import assert_quiet
 
 EXAMPLES_DIR = REPO / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.rglob("*.yaml"))
@@ -150,9 +151,10 @@ def test_cpu_example_trains_two_steps(path: Path, tmp_path):
     recipe = load_recipe(path)
     if recipe.cp_backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("the deepspeed extra is not installed (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')")
-    _, out = _train(path, tmp_path, "--max_steps=2", "--logging_steps=1")
+    done, out = _train(path, tmp_path, "--max_steps=2", "--logging_steps=1")
     losses = logged_losses(out)
     assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses), losses
+    assert_quiet(done)
     if recipe.is_lora:
         assert json.loads((out / "adapter_config.json").read_text())["r"] == recipe.lora_r
     else:
@@ -167,6 +169,23 @@ def test_quickstart_halves_its_loss_with_cp2(quickstart_run):
     assert losses[-1] <= 0.5 * losses[0], losses
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 16
     assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.distributed
+def test_quickstart_log_is_quiet(quickstart_run):
+    """No upstream noise, no progress bar redraws in a log file, each patch announced once (issue 33)."""
+    done, _ = quickstart_run
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_quiet(done)
+    assert done.stderr.count("(ring-flash-attn-import-compat)") == 1
+    assert "{'loss': '6.227'" in done.stdout  # each logged step, one line: the Trainer's PrinterCallback
+
+
+@pytest.mark.distributed
+def test_fsdp2_example_log_is_quiet(tmp_path):
+    """One step of the FSDP2 example on 4 processes (its training is tested in tests/run/test_train_fsdp.py)."""
+    done, _ = _train(EXAMPLES_DIR / "cpu" / "fsdp2.yaml", tmp_path, "--max_steps=1")
+    assert_quiet(done)
 
 
 @pytest.mark.distributed

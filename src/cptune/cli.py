@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from cptune.console import progress_bars_on_terminal_only, quiet_upstream_noise
 from cptune.errors import CptuneError
 
 app = typer.Typer(
@@ -31,21 +31,8 @@ _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 RecipeArg = Annotated[Path, typer.Argument(help="The recipe YAML file.", show_default=False)]
 
 
-# Deprecation notices from upstream code cptune cannot change (ring-flash-attn's
-# collectives, peft's checkpointing query); they say nothing about the user's run.
-_UPSTREAM_NOISE = (
-    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
-    r"`is_gradient_checkpointing` is deprecated",
-)
-
-
 def _setup_logging(rank: int = 0) -> None:
-    for pattern in _UPSTREAM_NOISE:
-        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
-    # bitsandbytes 0.50 warns at import, on CPUs with AVX512-BF16, that it cannot fetch a CPU inference
-    # kernel from the hub; cptune turns that kernel off (cptune.models.quantization), so the advice to
-    # install it is noise.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_upstream_noise()
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s" if rank == 0 else f"[rank {rank}] %(message)s")
     logging.getLogger("cptune").setLevel(level)
@@ -154,6 +141,12 @@ def train(
 
     env = read_dist_env()
     _setup_logging(env.rank)
+    if data_reported:
+        # cptune's launcher imported the backend in its preflight and listed the patches of that
+        # import; this rank imports it again, silently, so that a run lists them once.
+        from cptune.patches.core import IMPORT_TIME_LOG
+
+        logging.getLogger(IMPORT_TIME_LOG).setLevel(logging.WARNING)
     flags = [*(["--resume"] if resume else []), *(["--overwrite"] if overwrite else [])]
     # The recipe is checked before torch and transformers are imported: a typo fails in a second.
     loaded = _with_flags(_load(recipe, ctx), recipe, resume=resume, overwrite=overwrite)
@@ -169,6 +162,7 @@ def train(
     from cptune.models.hub import check_hub_ids
 
     check_hub_ids(loaded)  # before torch is imported: a hub id that cannot be fetched fails in a second
+    progress_bars_on_terminal_only()
     from cptune.run.launch.allocator import use_expandable_segments
 
     # Before anything initialises CUDA; the ranks started below inherit it. A rank under a launcher
@@ -250,6 +244,7 @@ def preprocess(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    progress_bars_on_terminal_only()
     debug = debug or rows is not None
     typer.echo(
         run_preprocess(loaded, debug_rows=(rows or 3) if debug else 0, report=report, as_json=json_output)
@@ -365,6 +360,7 @@ def evaluate(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
+    progress_bars_on_terminal_only()
     launching = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
     plan = None
     if not under_launcher():
@@ -404,6 +400,7 @@ def merge_lora(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    progress_bars_on_terminal_only()
     target = run_merge(loaded, checkpoint, out)
     typer.echo(f"cptune: merged model saved to {target}")
 
@@ -451,6 +448,7 @@ def inference(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    progress_bars_on_terminal_only()
     options = GenerationOptions(max_new_tokens, do_sample, temperature, top_p, top_k)
     if prompt is None and prompts is None and sys.stdin.isatty():
         print("Type a prompt and press Enter (Ctrl-D to end).", file=sys.stderr)
@@ -474,8 +472,11 @@ def main(argv: list[str] | None = None) -> None:
         # Outside standalone mode click returns (not raises) the code of typer.Exit.
         code = app(args=argv, standalone_mode=False)
     except CptuneError as err:
+        from cptune.run.training.distributed import report_to_elastic_agent
+
         rank = _rank_prefix()
         print(f"{rank}error: {err}", file=sys.stderr)
+        report_to_elastic_agent(f"cptune error: {err}")
         sys.exit(err.exit_code)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)

@@ -276,6 +276,25 @@ def test_one_log_line_per_applied_patch(mod, caplog):
     ]
 
 
+def test_a_set_announces_its_patches_on_the_logger_it_is_given(mod, caplog):
+    """Import-time patches go to their own logger, which a rank of cptune's launcher quiets (its launcher listed them)."""
+    from cptune.patches.core import IMPORT_TIME_LOG
+
+    quiet = PatchSet([_patch(mod, "func", "f")], log=logging.getLogger(IMPORT_TIME_LOG))
+    with (
+        caplog.at_level(logging.INFO, logger="cptune.patches"),
+        caplog.at_level(logging.WARNING, logger=IMPORT_TIME_LOG),
+        quiet.applied(RECIPE),
+    ):
+        pass
+    assert [r.getMessage() for r in caplog.records] == []
+    with caplog.at_level(logging.INFO, logger=IMPORT_TIME_LOG), quiet.applied(RECIPE):
+        pass
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        (IMPORT_TIME_LOG, f"patched {mod.__name__}:func (f): test")
+    ]
+
+
 def test_plan_has_no_side_effects(mod):
     calls = []
     before = (dict(vars(mod)), dict(vars(mod.Thing)), dict(mod.registry))

@@ -99,3 +99,16 @@ def test_validate_says_how_a_preference_recipe_trains(tmp_path):
         "  training:   rl: dpo, beta 0.1, each pair one row of two documents; reference: the base model "
         "(adapter disabled), a second forward without gradients"
     ) in plan.splitlines()
+
+
+def test_validate_lists_the_patches_applied_around_the_backends_import(write_recipe):
+    """A run logs them first ("patched ... ring-flash-attn-import-compat"); validate showed only the run's set."""
+    recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="ring-flash-attn"))
+    described = preflight_module.describe_plan(RunPlan.build(recipe, 2))
+    section = described.split(
+        "Patches applied while ring_flash_attn is imported (and reverted right after):\n"
+    )[1]
+    assert section.splitlines()[1].startswith(
+        "    apply ring-flash-attn-import-compat: "
+        "transformers.modeling_flash_attention_utils:is_flash_attn_greater_or_equal_2_10"
+    )

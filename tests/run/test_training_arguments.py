@@ -38,3 +38,20 @@ def test_axolotl_keys_reach_the_trainer(write_recipe):
     assert (args.save_strategy, args.save_steps) == ("steps", 0.5)
     assert sorted(args.report_to) == ["tensorboard", "wandb"] and args.run_name == "run-1"
     assert args.max_grad_norm == 1.0
+
+
+def test_no_pinned_memory_and_no_progress_bar_off_a_terminal(write_recipe, monkeypatch):
+    """Without a GPU nothing is pinned (torch warned once per rank under DeepSpeed, whose runs on CPU are
+    not use_cpu); with stderr in a file the Trainer prints each log as a line instead of redrawing a bar."""
+    import io
+    import sys
+
+    import pytest
+
+    pytest.importorskip("deepspeed")  # installed by scripts/test.sh (the deepspeed extra)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="deepspeed"))
+    args = training_arguments(RunPlan.build(recipe, 2), DistEnv(world_size=2, local_world_size=2))
+    assert args.use_cpu is False  # DeepSpeed's engine: the Trainer does not know it runs on CPU
+    assert args.dataloader_pin_memory is False
+    assert args.disable_tqdm is True

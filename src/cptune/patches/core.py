@@ -31,6 +31,9 @@ from cptune.errors import PatchError
 from cptune.patches.targets import MISSING, Slot, Target, resolve
 
 logger = logging.getLogger("cptune.patches")
+IMPORT_TIME_LOG = "cptune.patches.import_time"
+"""The logger of the patches applied around a library's import alone (a backend's ``import_patches``):
+cptune's launcher lists them once, so its ranks, which import the library again, keep them quiet."""
 
 
 Predicate = Callable[[Any], bool]
@@ -276,13 +279,20 @@ class PatchSet:
     separate instances would stack their wrappers.
     """
 
-    def __init__(self, patches: Sequence[Patch]):
+    def __init__(self, patches: Sequence[Patch], log: logging.Logger = logger):
+        """Holds ``patches`` (applied in this order), announcing each installed one on ``log``.
+
+        Args:
+            patches: The patches, in the order they are applied.
+            log: Where each installed patch is announced (one ``patched ...`` line at info level).
+        """
         names = [patch.name for patch in patches]
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"duplicate patch names: {duplicates}")
         self.patches: tuple[Patch, ...] = tuple(patches)
         self._installed: list[_Installed] = []
+        self._log = log
 
     @property
     def applied_patches(self) -> tuple[Patch, ...]:
@@ -345,7 +355,7 @@ class PatchSet:
         self._installed = installed
         # Logged only once everything is in, so a rolled-back apply leaves no misleading lines.
         for entry in installed:
-            logger.info("patched %s (%s): %s", entry.patch.target, entry.patch.name, entry.patch.summary)
+            self._log.info("patched %s (%s): %s", entry.patch.target, entry.patch.name, entry.patch.summary)
         return plan
 
     def revert(self) -> None:

@@ -19,6 +19,7 @@ The backends come in as data (:data:`cptune.parallel.backends.table.BACKENDS`, r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -30,7 +31,7 @@ from cptune.patches.accelerate_patches import (
     prepare_tp_passthrough_patch,
     validate_accelerator_multi_cpu_patch,
 )
-from cptune.patches.core import ContextParallelWith, Patch, PatchSet, SplitsTensors
+from cptune.patches.core import IMPORT_TIME_LOG, ContextParallelWith, Patch, PatchSet, SplitsTensors
 from cptune.patches.deepspeed_patches import OnDeepSpeedEngine, deepspeed_engine_patches
 from cptune.patches.peft_patches import lora_input_cast_patch
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
@@ -104,4 +105,4 @@ def import_patch_set(runtime: PatchingRuntime) -> PatchSet:
     namespace at import time, so there is no reason to leave them in place for the whole run.
     Each patch's predicate (called with no recipe) says whether it is needed on this machine.
     """
-    return PatchSet(runtime.import_patches())
+    return PatchSet(runtime.import_patches(), log=logging.getLogger(IMPORT_TIME_LOG))

@@ -227,11 +227,24 @@ def describe_plan(
         lines += ["", "Notes:", *(f"  - {note}" for note in notes)]
     patches = plan.patches.plan(recipe)
     lines += ["", "Patches:", *("  " + line for line in patches.describe().splitlines())]
+    lines += _import_time_patch_lines(plan)
     lines += ["", "Private Trainer members cptune's Trainer relies on (checked like patches):"]
     lines += [f"  {override.name}: {override.target}" for override in TRAINER_OVERRIDES]
     lines += [f"  problem: {problem}" for problem in check_overrides(TRAINER_OVERRIDES).problems]
     lines += ["", "Data:", *("  " + line for line in _data_status(recipe, tokenizer).splitlines())]
     return "\n".join(lines)
+
+
+def _import_time_patch_lines(plan: RunPlan) -> list[str]:
+    """The patches applied only while the backend's library is imported (a run logs them first)."""
+    from cptune.patches.registry import import_patch_set
+
+    runtime = plan.backend.runtime()
+    patches = import_patch_set(runtime).plan(None)
+    if not (patches.selected or patches.skipped or patches.problems):
+        return []
+    header = f"Patches applied while {runtime.library} is imported (and reverted right after):"
+    return ["", header, *("  " + line for line in patches.describe().splitlines())]
 
 
 def _describe_processes(plan: RunPlan) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cptune.console import draws_progress_bars
 from cptune.models.head_loss import ShardLoss, logits_loss
 from cptune.run.plan import RunPlan
 from cptune.run.training.deepspeed_state import deepspeed_state_restored
@@ -85,7 +86,10 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
         ddp_backend="gloo" if on_cpu and env.world_size > 1 else None,
         parallelism_config=parallelism,
         deepspeed=deepspeed,
-        disable_tqdm=env.rank != 0,
+        # Pinned host memory speeds up copies to a GPU; without one torch warns that it cannot pin.
+        dataloader_pin_memory=torch.cuda.is_available(),
+        # Rank 0 draws the bar, on a terminal; elsewhere the Trainer prints each log as one line.
+        disable_tqdm=env.rank != 0 or not draws_progress_bars(),
         # transformers' info level dumps model configs; cptune logs what matters itself.
         log_level="warning",
         log_level_replica="error",

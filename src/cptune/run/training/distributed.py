@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,6 +44,23 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
         local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world)),
     )
+
+
+def report_to_elastic_agent(message: str, environ: Mapping[str, str] | None = None) -> None:
+    """Hands an error to the launcher's elastic agent (torchrun, ``accelerate launch``), if there is one.
+
+    The agent's failure summary then shows ``message`` for this rank where it would show a pointer
+    to its docs ("To enable traceback see: ..."); the launcher's own traceback is its own. The file
+    is in the format of torch's ``ErrorHandler.record_exception`` without a call stack, which the
+    summary would print instead of the message.
+    """
+    environ = os.environ if environ is None else environ
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(record, file)
 
 
 def init_cpu_process_group(timeout_seconds: int) -> None:

@@ -16,6 +16,7 @@ ring-flash-attn code runs on GPUs without flash-attn and on CPU with gloo.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,14 +53,14 @@ def load_ring_flash_attn() -> RingKernels:
         BackendUnavailableError: ring-flash-attn cannot be imported.
     """
     from cptune.parallel.backends.ring_flash_attn.patches import import_patches
-    from cptune.patches.core import PatchSet
+    from cptune.patches.core import IMPORT_TIME_LOG, PatchSet
 
     if "ring_flash_attn" in sys.modules:
         module = sys.modules["ring_flash_attn"]
     else:
         try:
             # The transformers compatibility patch, and the flash-attn stand-ins when flash-attn is absent.
-            with PatchSet(import_patches()).applied(None):
+            with PatchSet(import_patches(), log=logging.getLogger(IMPORT_TIME_LOG)).applied(None):
                 module = importlib.import_module("ring_flash_attn")
         except ImportError as err:
             raise BackendUnavailableError(
