@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 44 traces, about 15 minutes of one core);
+(docs/benchmarks/memory_traces.json; 52 traces, about 20 minutes of one core);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -16,7 +16,8 @@ width at a time (MLP, KV heads, hidden), so that a layer's per-token bytes split
 weights, the forward under bf16 autocast and the backward outside it (as accelerate runs bf16), LoRA
 r=16 on every linear layer in fp32 (peft's default) with cptune's ``lora-input-kept-under-autocast``
 patch (what ``cptune train`` applies), or a full fine-tune; gradient checkpointing; the chunked head
-loss (``cut_cross_entropy``) in chunks of 512 tokens.
+loss (``cut_cross_entropy``) in chunks of 512 tokens; with every memory feature, also with the decoder
+layers' norms recomputed (``recompute_norms``, :mod:`cptune.models.recomputed_norms`).
 
 **A trace.** One step after a warm-up step (the gradients exist), torch's CPU allocator events replayed
 (:mod:`benchmarks.memtrace`), split into three phases by markers: *forward* (until the last layer's
@@ -72,6 +73,7 @@ class Setting:
     tiled: bool
     patched: bool = True  # cptune's lora-input-kept-under-autocast (LoRA only)
     autocast: bool = True  # False: bf16 weights, fp32 LoRA, no autocast (the GPU check B's setup)
+    norms: bool = False  # recompute_norms: the decoder layers' RMSNorms keep their bf16 input only
 
 
 SETTINGS = {
@@ -86,6 +88,8 @@ SETTINGS = {
     "lora-everything-peft": Setting(lora=True, offload=True, tiled=True, patched=False),
     # As the GPU's check B ran: no autocast, so every LoRA layer keeps an fp32 copy of its input.
     "lora-everything-eager": Setting(lora=True, offload=True, tiled=True, autocast=False),
+    # Every feature and recompute_norms (cptune.models.recomputed_norms).
+    "lora-everything-norms": Setting(lora=True, offload=True, tiled=True, norms=True),
 }
 # (setting, shapes, layers) traced at both LENGTHS.
 CASES = [
@@ -99,13 +103,15 @@ CASES = [
     ("lora-everything-eager", "base", 2),
     *((name, shape, 2) for name in ("lora-everything", "lora") for shape in SHAPES if shape != "base"),
     *((name, shape, 2) for name in ("full", "full-everything") for shape in SHAPES),
+    *(("lora-everything-norms", shape, 2) for shape in SHAPES),
 ]
-# The fitted rows: memory model key (precision, adapter, tiled MLP) -> the setting traced for it.
+# The fitted rows: memory model key (precision, adapter, tiled MLP, recomputed norms) -> the setting traced.
 FITTED_ROWS = {
-    ("mixed", "lora", False): "lora",
-    ("mixed", "lora", True): "lora-everything",
-    ("mixed", "full", False): "full",
-    # ("mixed", "full", True) from "full-everything" is not fitted: its phase peaks are not one moment at
+    ("mixed", "lora", False, False): "lora",
+    ("mixed", "lora", True, False): "lora-everything",
+    ("mixed", "full", False, False): "full",
+    ("mixed", "lora", True, True): "lora-everything-norms",
+    # ("mixed", "full", True, False) from "full-everything" is not fitted: its phase peaks are not one moment at
     # both lengths (the MLP shape's layer backward grows 17.4 KB per token against the base shape's 12.7,
     # with a smaller MLP), so the memory model keeps its earlier row; the traces stay in the file.
 }
@@ -240,12 +246,12 @@ def render_module(fitted: dict[str, Any], about: dict[str, Any]) -> str:
         f"OFFLOAD_ROWS_ON_DEVICE = {fitted['offload_rows_on_device']}",
         "# Query-width rows per token the CPU attention backward holds beyond the q, k, v gradients",
         f"CPU_ATTENTION_BACKWARD_ROWS = {fitted['cpu_attention_backward_rows']!r}",
-        "# (precision, adapter, tiled MLP) -> {phase: (h, i, kv, token)}",
+        "# (precision, adapter, tiled MLP, recomputed norms) -> {phase: (h, i, kv, token)}",
         "LAYERS = {",
     ]
     for key, row in fitted["layers"].items():
-        precision, adapter, tiled = key.split("/")
-        lines.append(f'    ("{precision}", "{adapter}", {tiled}): {{')
+        precision, adapter, tiled, norms = key.split("/")
+        lines.append(f'    ("{precision}", "{adapter}", {tiled}, {norms}): {{')
         for phase in PHASES:
             values = ", ".join(repr(x) for x in row[phase])
             lines.append(f'        "{phase}": ({values}),')
@@ -281,7 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in fitted.items() if k != "layers"}, indent=1))
     for key, row in fitted["layers"].items():
         print(key, row)
-    for setting in ("lora", "lora-peft", "lora-everything", "lora-everything-peft", "lora-everything-eager"):
+    for setting in (
+        "lora",
+        "lora-peft",
+        "lora-everything",
+        "lora-everything-peft",
+        "lora-everything-eager",
+        "lora-everything-norms",
+    ):
         print(f"{setting:>22} KiB/token at 8B widths:", per_token_8b(data["traces"], setting))
     return 0
 

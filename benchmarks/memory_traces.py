@@ -36,6 +36,7 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
     from benchmarks.scaled_step import _LORA_BF16
     from cptune.models.head_loss import HeadLoss
     from cptune.models.offload import enable_activation_offloading
+    from cptune.models.recomputed_norms import enable_recomputed_norms
     from cptune.models.tiled_mlp import enable_tiled_mlp
     from cptune.patches.core import PatchSet
     from cptune.patches.peft_patches import lora_input_cast_patch
@@ -57,6 +58,8 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
         enable_activation_offloading(model)
     if setting.tiled:
         enable_tiled_mlp(model, None)
+    if setting.norms:
+        enable_recomputed_norms(model)
     head_loss = HeadLoss(model, chunk_elements=CHUNK_TOKENS * VOCAB)
 
     def mark(name: str) -> None:

@@ -31,8 +31,9 @@ SETTINGS = {
     "trainer_norms": {
         "activation_offloading": True,
         "tiled_mlp": True,
+        "recompute_norms": True,
         "cut_cross_entropy": True,
-    },  # norms not modelled
+    },
 }
 
 
@@ -64,8 +65,10 @@ def setup_for(keys: dict, cp_size: int = 1, mixed: bool = True) -> memory.Activa
         mixed_precision=mixed,
         lora=True,
         offload=bool(keys.get("activation_offloading")),
+        two_level=keys.get("activation_offloading") == "two_level",
         tiled_mlp=bool(keys.get("tiled_mlp")),
         tiled_mlp_num_shards=keys.get("tiled_mlp_num_shards"),
+        recompute_norms=bool(keys.get("recompute_norms")),
         head_loss=bool(keys.get("cut_cross_entropy")),
         cp_size=cp_size,
         attention_buffers=functools.partial(RING.attention_buffer_bytes, keys_read) if cp_size > 1 else None,
@@ -143,3 +146,51 @@ def longest(
     setup = setup_for(keys, cp_size, mixed=mixed)
     tokens = memory.longest_tokens(activation_shape(shape), setup, budget, step=step)
     return predict(keys, tokens, cp_size, shard_ranks, shape, mixed, qlora)
+
+
+HOST_PINNABLE_FRACTION = 0.9  # cptune.run.memory_plan.HOST_PINNABLE_FRACTION
+
+
+def offloaded_lora_states(shape: ModelShape = LLAMA_31_8B, qlora: bool = False) -> memory.StateMemory:
+    """The states of ``fsdp_config.offload_params`` at one process: sharded over a mesh of one, kept in host
+    RAM; on the GPU the gathered root unit (embeddings, final norm, head) and two decoder layers, in bf16."""
+    adapter = lora_parameters(shape, LORA_RANK)
+    total, in_layers = shape.parameters + adapter, shape.layer_parameters + adapter
+    return memory.state_memory(
+        total=total,
+        trainable=adapter,
+        optimizer=memory.OptimizerState(2 * adapter),
+        dtype_bytes=2,
+        layout=memory.StateLayout("fsdp", 1, offload=True),
+        lora=True,
+        quantized=linear_weights(shape) if qlora else 0,
+        quantized_bytes=memory.quantized_bytes_per_weight(4),
+        in_flight=memory.gathered_in_flight(total, in_layers, in_layers // shape.layers, 2),
+    )
+
+
+def longest_on_host(
+    keys: dict,
+    host_bytes: float,
+    qlora: bool = False,
+    offload_params: bool = False,
+    gpu_bytes: float = H100_BYTES,
+    shape: ModelShape = LLAMA_31_8B,
+) -> tuple[memory.Longest, float]:
+    """The longest tokens on one GPU with ``host_bytes`` of host RAM, as ``cptune validate`` bounds it (the
+    GPU less the reserve and the states; 90% of the host less FSDP2's offloaded states), and the pinned
+    host bytes at that length (layer inputs and offloaded states)."""
+    if offload_params:
+        states = offloaded_lora_states(shape, qlora)
+        on_gpu, on_host = states.total, states.host
+    else:
+        on_gpu, on_host = lora_states(shape, qlora=qlora), 0
+    setup = setup_for(keys)
+    longest = memory.longest_within(
+        activation_shape(shape),
+        setup,
+        gpu_bytes - GPU_RESERVE - on_gpu,
+        HOST_PINNABLE_FRACTION * host_bytes - on_host,
+    )
+    pinned = memory.activation_memory(activation_shape(shape), setup, max(longest.tokens, 1)).host + on_host
+    return longest, pinned

@@ -24,7 +24,8 @@ def test_the_checked_in_coefficients_are_the_fit_of_the_committed_traces(traces)
 def test_every_fitted_row_is_what_the_memory_model_uses():
     assert set(memory_fit.LAYERS) == set(mc.FITTED_ROWS)
     for key, row in memory_fit.LAYERS.items():
-        layer = memory.LAYER_BYTES[key]
+        *unrecomputed, norms = key
+        layer = (memory.RECOMPUTED_NORMS_LAYER_BYTES if norms else memory.LAYER_BYTES)[tuple(unrecomputed)]
         assert (layer.forward, layer.head_loss, layer.backward) == tuple(
             memory.Widths(*row[phase]) for phase in ("forward", "loss", "backward")
         )

@@ -183,3 +183,16 @@ def test_the_longest_sequence_names_the_host_when_it_binds(write_recipe):
     assert plain_tokens < gpu_tokens < two_level_tokens  # the premise
     assert rows[True] == (f"{plain_tokens:,}", f"host RAM (the GPU allows {gpu_tokens:,})")
     assert rows["two_level"] == (f"{gpu_tokens:,}", f"GPU memory (the host allows {two_level_tokens:,})")
+
+
+def test_validate_counts_recompute_norms(write_recipe):
+    """recompute_norms reaches the activation estimate and the plan's feature list."""
+    recipe = load_recipe(
+        write_recipe(
+            gradient_checkpointing=True, activation_offloading=True, tiled_mlp=True, recompute_norms=True
+        )
+    )
+    plan = RunPlan.build(recipe, 1)
+    assert memory_plan.activation_setup(plan, 1).recompute_norms
+    described = describe_plan(plan, gpu_memory_gib=3.0)
+    assert "gradient checkpointing, activation_offloading, tiled_mlp, recompute_norms" in described

@@ -324,9 +324,10 @@ class LayerBytes:
     head_loss: Widths | None = None
 
 
-def _fitted(key: tuple[str, str, bool], legacy: LayerBytes) -> LayerBytes:
-    """The fitted row of ``key`` with the legacy row's saved bytes; the legacy row where none is fitted."""
-    row = memory_fit.LAYERS.get(key)
+def _fitted(key: tuple[str, str, bool], legacy: LayerBytes, norms: bool = False) -> LayerBytes:
+    """The fitted row of ``key`` (with the norms recomputed if ``norms``) with the legacy row's saved bytes;
+    the legacy row where none is fitted."""
+    row = memory_fit.LAYERS.get((*key, norms))
     if row is None:
         return legacy
     return LayerBytes(Widths(*row["backward"]), Widths(*row["forward"]), legacy.saved, Widths(*row["loss"]))
@@ -350,6 +351,12 @@ LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
     ("fp32", "lora", True): LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None),
     ("fp32", "full", False): LayerBytes(Widths(28, 24, 8), Widths(8, 12), Widths(31.4, 16.2, 8.3)),
     ("fp32", "full", True): LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None),
+}
+# The same with the decoder layers' norms recomputed (recompute_norms), where fitted. Elsewhere the model
+# keeps the row above: recomputing the norms only drops what they save (their fp32 input copies), so
+# that row is an upper bound.
+RECOMPUTED_NORMS_LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
+    key[:3]: _fitted(key[:3], LAYER_BYTES[key[:3]], norms=True) for key in memory_fit.LAYERS if key[3]
 }
 # Checkpointed layer inputs that activation offloading leaves on the device (fitted: the one being
 # recomputed and the one prefetched).
@@ -377,6 +384,14 @@ CHUNK_BYTES_PER_ELEMENT = 12
 #   Llama-3.1-8B. It adds it to the layer backward's peak, wherever in the layer that peak is: an upper
 #   bound. Against the GPU's check B (issue 27, docs/benchmarks/lease-2026-11-26-check-b: 77.5 GiB at
 #   294,912 tokens, without autocast) the model for that setup is 5.5% over (docs/benchmarks.md).
+#   The GPU runs on the Trainer's path went through transformers' sdpa, which runs cuDNN's attention on
+#   Hopper, not FlashAttention-2; the model charges every GPU path the same term, and the measurements
+#   bear that out as a bound: with recompute_norms the attention backward sets the layer's peak and the
+#   GPU's slope (113 KiB/token) is 23 KiB/token above the CPU trace's (89.6), the term's size; without
+#   it the norms' fp32 temporaries set the peak, away from the attention's buffers, and the GPU's slope
+#   (170, then 165) is the trace's (169.3), so there the term is what makes the model 8-12% over.
+#   cptune's own cp=1 path for full-attention models (document attention) and ring-flash-attn run
+#   FlashAttention-2 (torch's copy), the kernel the term is read from.
 # - The allocator's reserve and the CUDA context: cptune.run.memory_plan.GPU_RESERVE (2 GiB); check B
 #   measured 0.8 GiB outside torch's allocator at its out-of-memory error, and trained 294,912 tokens
 #   at 77.5 GiB allocated of 79.6 with expandable segments (the default allocator lost ~10 GiB).
@@ -420,11 +435,16 @@ class ActivationSetup:
         two_level: Only every second layer's input is offloaded, the others regenerated in the backward
             (two-level checkpointing, :func:`offloaded_layers`).
         tiled_mlp: The MLP runs over tiles of ``tiled_mlp_num_shards`` (default ceil(tokens / hidden)).
+        recompute_norms: The decoder layers' norms keep their input and recompute in the backward
+            (:data:`RECOMPUTED_NORMS_LAYER_BYTES`).
         attention_buffers: The CP backend's K/V buffers: per-token bytes in one layer's forward, given
             the model's shape, ``cp_size`` and the dtype's bytes (a backend's ``attention_buffer_bytes``
             bound to its recipe); ``None`` at cp=1.
-        flash_attention: The attention backward is FlashAttention-2's on a GPU, with its buffers
+        flash_attention: The run is on a GPU, whose attention backward holds FlashAttention-2's buffers
             (:func:`flash_backward_bytes`); False for the CPU traces the coefficients are checked against.
+            Every GPU path is charged them: ring-flash-attn and cptune's cp=1 document attention run
+            FlashAttention-2 (torch's copy); transformers' sdpa runs cuDNN's attention on Hopper, whose
+            backward measured as much where it sets the peak (see the GPU-only terms below).
     """
 
     mixed_precision: bool
@@ -434,6 +454,7 @@ class ActivationSetup:
     two_level: bool = False
     tiled_mlp: bool = False
     tiled_mlp_num_shards: int | None = None
+    recompute_norms: bool = False
     head_loss: bool = False
     loss_chunk_elements: int = 1 << 26
     cp_size: int = 1
@@ -483,6 +504,8 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
     key = ("mixed" if setup.mixed_precision else "fp32", "lora" if setup.lora else "full")
     tiled = setup.tiled_mlp
     layer = LAYER_BYTES[(*key, tiled)]
+    if setup.recompute_norms:
+        layer = RECOMPUTED_NORMS_LAYER_BYTES.get((*key, tiled), layer)
     hidden_row = shape.hidden * b  # one token's hidden state
     if not setup.gradient_checkpointing:
         saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)

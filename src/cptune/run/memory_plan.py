@@ -124,6 +124,7 @@ def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
         two_level=recipe.two_level_offloading,
         tiled_mlp=recipe.tiled_mlp,
         tiled_mlp_num_shards=recipe.tiled_mlp_num_shards,
+        recompute_norms=recipe.recompute_norms,
         head_loss=recipe.resolved_head_loss,
         cp_size=cp_size,
         attention_buffers=functools.partial(plan.backend_at(cp_size).attention_buffer_bytes, recipe)
