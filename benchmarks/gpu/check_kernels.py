@@ -160,6 +160,8 @@ def run_checks(
                              _merged_lse_case, randn, dtype, name, n, head_dim))  # fmt: skip
         rows.append(_guarded("varlen_attention autograd (document attention)", name,
                              _autograd_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
+        rows.append(_guarded("varlen_attention one KV head per call (attention_kv_heads_per_call: 1)", name,
+                             _head_groups_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
         if on_row is not None:
             on_row(rows)
     return rows
@@ -257,6 +259,40 @@ def _autograd_case(varlen_attention, randn, dtype, name, bounds, device, head_di
     return _compare("varlen_attention autograd (document attention)", name, got, stand_in, expected)
 
 
+def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:
+    """The document attention a KV head at a time against one call: the same bits (heads are independent),
+    and the backward's peak with one KV head's buffers instead of all of them (the GQA dK/dV expansion and
+    the fp32 dQ accumulator). On CUDA, ``ok`` needs every output and gradient bit-identical."""
+    import torch
+
+    total = bounds[-1]
+    q, dout = randn(total, 32, head_dim, dtype=dtype), randn(total, 32, head_dim, dtype=dtype)
+    k, v = randn(total, 8, head_dim, dtype=dtype), randn(total, 8, head_dim, dtype=dtype)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    results, peaks = [], []
+    for per_call in (None, 1):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_attention(*leaves, cu, longest, scale=None, causal=True, kv_heads_per_call=per_call)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        out.backward(dout)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+        results.append({"out": out.detach(), **dict(zip(GRADS, (x.grad for x in leaves), strict=True))})
+    identical = {key: bool(torch.equal(results[0][key], results[1][key])) for key in results[0]}
+    row = {"case": "varlen_attention one KV head per call (attention_kv_heads_per_call: 1)", "dtype": name,
+           "bit_identical": identical, "tokens": total}  # fmt: skip
+    if peaks:
+        row["backward_peak_bytes"] = {"one call": peaks[0], "one KV head per call": peaks[1]}
+    # The CPU stand-ins run batched products over other batch counts: bit identity is a CUDA property.
+    row["ok"] = all(identical.values()) if device == "cuda" else True
+    return row
+
+
 def time_against_sdpa(tokens: int = 16384, repeats: int = 10, device: str = "cuda") -> dict[str, Any]:
     """Median forward+backward ms: the varlen adapter against fused SDPA (flash) on one causal sequence."""
     import torch
@@ -329,6 +365,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         floor = max(r.get(f"{x}_stand_in", 0.0) for x in ("out", *GRADS))
         errors = " | ".join(f"{r[x]:.1e}" if x in r else "" for x in ("out", "lse", *GRADS))
+        if "bit_identical" in r:  # compared with one call, bit for bit
+            same = r["bit_identical"]
+            errors = " | ".join(
+                "" if x not in same else "same bits" if same[x] else "DIFFERS" for x in ("out", "lse", *GRADS)
+            )
         lines.append(
             f"| {r['case']} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |"
         )

@@ -166,6 +166,16 @@ class MemoryKeys(BaseModel):
         "norm saves, and recompute from it in the backward pass (16 KiB per token per norm at Llama-3.1-8B's "
         "width, two norms per layer); bit-identical losses and gradients.",
     )
+    attention_kv_heads_per_call: int | None = Field(
+        None,
+        ge=1,
+        description="cptune's document attention (packed rows at cp=1, cp_backend: deepspeed with "
+        "ulysses_attn_implementation: cptune) calls FlashAttention-2 for this many KV heads (and their query heads) "
+        "at a time, so its backward expands dK/dV to the query heads and accumulates dQ in fp32 for one group "
+        "instead of every head (GPU memory). Heads are independent: the same attention (checked on CPU's stand-in "
+        "kernels; the GPU kernels' bit-identity is a check of benchmarks/gpu/check_kernels.py not yet run on a "
+        "GPU, hence off by default). ring-flash-attn's heads_k_stride does the same for its ring.",
+    )
     cut_cross_entropy: bool | None = Field(
         None,
         description="Compute the loss from the final hidden states and the output layer a chunk of tokens at a "

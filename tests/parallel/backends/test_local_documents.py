@@ -116,8 +116,8 @@ def test_documents_never_build_a_tokens_by_tokens_tensor(causal):
     assert documents.seen == []
 
 
-def local_plan(write_recipe, tmp_path, **config_overrides):
-    """The attention a cp=1 run of a tiny Llama (its config overridden) plans."""
+def local_plan(write_recipe, tmp_path, recipe_keys=None, **config_overrides):
+    """The attention a cp=1 run of a tiny Llama (its config overridden, the recipe given ``recipe_keys``) plans."""
     import json
     import shutil
 
@@ -131,14 +131,16 @@ def local_plan(write_recipe, tmp_path, **config_overrides):
     shutil.copytree(recipe.base_model, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, **config_overrides}))
-    recipe = load_recipe(write_recipe(base_model=str(model_dir)))
+    recipe = load_recipe(write_recipe(base_model=str(model_dir), **(recipe_keys or {})))
     plan = RUNTIME.plan(recipe, ParallelDims(world_size=1, cp_size=1), 0, model_config(recipe))
     return plan.attn_implementation, plan.build(None, None)
 
 
 def test_a_packed_cp1_run_of_a_full_attention_model_attends_document_by_document(write_recipe, tmp_path):
     implementation, sharder = local_plan(write_recipe, tmp_path)
-    assert implementation == "cptune" and sharder.documents
+    assert implementation == "cptune" and sharder.documents and sharder.kv_heads_per_call is None
+    _, sharder = local_plan(write_recipe, tmp_path / "switch", recipe_keys={"attention_kv_heads_per_call": 1})
+    assert sharder.kv_heads_per_call == 1  # the recipe's switch reaches the document attention
 
 
 @pytest.mark.parametrize(
@@ -167,8 +169,8 @@ def test_rows_of_one_document_keep_one_sdpa_call_where_varlen_would_run(monkeypa
 
     calls = []
 
-    def stand_in(q, k, v, cu_seqlens, max_seqlen, scale=None, causal=True):
-        calls.append(cu_seqlens.tolist())
+    def stand_in(q, k, v, cu_seqlens, max_seqlen, scale=None, causal=True, kv_heads_per_call=None):
+        calls.append((cu_seqlens.tolist(), kv_heads_per_call))
         return q.clone()
 
     monkeypatch.setattr(document_attention, "varlen_runs", lambda q: True)
@@ -184,4 +186,5 @@ def test_rows_of_one_document_keep_one_sdpa_call_where_varlen_would_run(monkeypa
     assert torch.equal(out, expected.transpose(1, 2))
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]).expand(2, 8)
     attention.rows(q, k, v, None, packed)
-    assert calls == [[0, 3, 8, 11, 16]]
+    document_attention.DocumentAttention(causal=True, kv_heads_per_call=2).rows(q, k, v, None, packed)
+    assert calls == [([0, 3, 8, 11, 16], None), ([0, 3, 8, 11, 16], 2)]

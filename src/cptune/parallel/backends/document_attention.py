@@ -68,6 +68,9 @@ class DocumentAttention:
     """
 
     causal: bool
+    kv_heads_per_call: int | None = (
+        None  # the recipe's attention_kv_heads_per_call (None: every head at once)
+    )
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
@@ -104,6 +107,7 @@ class DocumentAttention:
                 documents.max_seqlen,
                 scale=scale,
                 causal=self.causal,
+                kv_heads_per_call=self.kv_heads_per_call,
             )
             return out.unflatten(0, q.shape[:2])
         rows = []

@@ -19,27 +19,67 @@ from cptune.parallel.kernels import dispatch
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                scale: float | None, causal: bool) -> Tensor:  # fmt: skip
-        out, lse, _, _ = dispatch._flash_attn_varlen_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, scale, causal
-        )
+                scale: float | None, causal: bool, kv_heads_per_call: int) -> Tensor:  # fmt: skip
+        outs, lses = [], []
+        for q_heads, kv_heads in _head_groups(q, k, kv_heads_per_call):
+            out, lse, _, _ = dispatch._flash_attn_varlen_forward(
+                q[:, q_heads], k[:, kv_heads], v[:, kv_heads], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                0.0, scale, causal,
+            )  # fmt: skip
+            outs.append(out)
+            lses.append(lse)
+        # One group: the kernel's own tensors. Several: whole (total, h, d) and (h, total) as one call gives.
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=0)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale, ctx.causal = max_seqlen, scale, causal
+        ctx.max_seqlen, ctx.scale, ctx.causal, ctx.kv_heads_per_call = (
+            max_seqlen,
+            scale,
+            causal,
+            kv_heads_per_call,
+        )
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dout = dout.contiguous()
         dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
-        dispatch._flash_attn_varlen_backward(
-            dout.contiguous(), q, k, v, out, lse, dq, dk, dv, cu_seqlens, cu_seqlens, ctx.max_seqlen,
-            ctx.max_seqlen, 0.0, ctx.scale, ctx.causal, -1, -1, 0.0, None, False,
-        )  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        # Each group's call writes its heads' rows of dq, dk and dv: its dK/dV expansion for grouped-query
+        # heads and its fp32 dQ accumulator cover that group only.
+        for q_heads, kv_heads in _head_groups(q, k, ctx.kv_heads_per_call):
+            dispatch._flash_attn_varlen_backward(
+                dout[:, q_heads], q[:, q_heads], k[:, kv_heads], v[:, kv_heads], out[:, q_heads], lse[q_heads],
+                dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads], cu_seqlens, cu_seqlens, ctx.max_seqlen,
+                ctx.max_seqlen, 0.0, ctx.scale, ctx.causal, -1, -1, 0.0, None, False,
+            )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _head_groups(q: Tensor, k: Tensor, kv_heads_per_call: int) -> list[tuple[slice, slice]]:
+    """(query heads, KV heads) of each kernel call: ``kv_heads_per_call`` KV heads and their query heads at a time."""
+    kv_heads = k.shape[1]
+    per_kv = q.shape[1] // kv_heads
+    step = min(kv_heads_per_call, kv_heads) if kv_heads_per_call > 0 else kv_heads
+    return [
+        (
+            slice(first * per_kv, min(first + step, kv_heads) * per_kv),
+            slice(first, min(first + step, kv_heads)),
+        )
+        for first in range(0, kv_heads, step)
+    ]
 
 
 def varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, scale: float | None, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None,
+    causal: bool,
+    kv_heads_per_call: int | None = None,
 ) -> Tensor:
     """Attention within each document of packed ``q`` ``(total, h, d)``, ``k``, ``v`` ``(total, h_kv, d)``.
 
@@ -48,5 +88,9 @@ def varlen_attention(
         max_seqlen: The longest document.
         scale: Scale of ``q k^T`` (``None``: ``head_dim ** -0.5``).
         causal: Causal within each document; otherwise bidirectional within it.
+        kv_heads_per_call: Call the kernel for this many KV heads (and their query heads) at a time
+            (``None``: all in one call). Heads are independent, so the result is the same; the
+            backward's per-call buffers (FlashAttention-2's fp32 dQ accumulator, and dK/dV expanded to
+            the query heads for grouped-query attention) then cover one group instead of every head.
     """
-    return _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale, causal)
+    return _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, kv_heads_per_call or 0)

@@ -75,6 +75,7 @@ class DeepSpeedUlyssesRuntime:
                 cp_rank=cp_mesh.get_local_rank(),
                 micro_batch_size=recipe.micro_batch_size,
                 pad_token_id=pad_token_id,
+                kv_heads_per_call=recipe.attention_kv_heads_per_call,
             )
 
         return BackendPlan(ulysses.CORE_ATTENTION_NAMES[core], build)

@@ -285,8 +285,10 @@ class DeepSpeedUlyssesBackend(SameBatchForEveryCpRank):
         cp_rank: int,
         micro_batch_size: int,
         pad_token_id: int,
+        kv_heads_per_call: int | None = None,
     ):
         self.core_attention = core_attention
+        self.kv_heads_per_call = kv_heads_per_call
         self.attn_implementation = CORE_ATTENTION_NAMES[core_attention]
         self.causal = causal
         self.cp_size = cp_size
@@ -311,6 +313,6 @@ class DeepSpeedUlyssesBackend(SameBatchForEveryCpRank):
         kwargs: dict[str, Any] = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids}
         call = None
         if self.core_attention == "cptune":
-            call = AttentionCall(attend=DocumentAttention(self.causal))
+            call = AttentionCall(attend=DocumentAttention(self.causal, self.kv_heads_per_call))
             kwargs[ATTENTION_KWARG] = call
         return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)

@@ -33,7 +33,11 @@ class LocalRuntime:
     def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         from cptune.parallel.backends.local.sharding import LocalBackend
 
-        local = LocalBackend(causal=recipe.causal, documents=attends_by_document(recipe, model_config))
+        local = LocalBackend(
+            causal=recipe.causal,
+            documents=attends_by_document(recipe, model_config),
+            kv_heads_per_call=recipe.attention_kv_heads_per_call,
+        )
         return BackendPlan(local.attn_implementation, lambda accelerator, model: local)
 
     def training_patches(self) -> Sequence[Patch]:

@@ -38,11 +38,13 @@ class LocalBackend(SameBatchForEveryCpRank):
     Args:
         causal: Causal attention within each document; otherwise bidirectional.
         documents: Attend document by document (no ``tokens x tokens`` mask); otherwise through a mask.
+        kv_heads_per_call: KV heads per FlashAttention-2 call of the document attention (None: all).
     """
 
-    def __init__(self, causal: bool, *, documents: bool = False):
+    def __init__(self, causal: bool, *, documents: bool = False, kv_heads_per_call: int | None = None):
         self.causal = causal
         self.documents = documents
+        self.kv_heads_per_call = kv_heads_per_call
         self.attn_implementation = "sdpa" if causal and not documents else ATTENTION_NAME
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
@@ -53,7 +55,7 @@ class LocalBackend(SameBatchForEveryCpRank):
                 model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None, coords=coords
             )
         if self.documents:
-            attention = DocumentAttention(self.causal)
+            attention = DocumentAttention(self.causal, self.kv_heads_per_call)
             documents = RowDocuments.of(batch.position_ids, batch.shape[0])
 
             def attend(q, k, v, scale):
