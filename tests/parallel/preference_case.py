@@ -76,9 +76,10 @@ def _pair(generator: torch.Generator, vocab: int) -> dict[str, list[int]]:
 
 
 def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
-    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1."""
+    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1 pair, whose
+    sides the collator lays out as a row each (as ``cptune train`` collates unpacked pairs)."""
     generator = torch.Generator().manual_seed(case["seed"])
-    collate = PackedCollator(pad_token_id=0, preference=True)
+    collate = PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=not case["packed"])
     per_row = 2 if case["packed"] else 1
     out = []
     for _ in range(dp_size):

@@ -30,6 +30,7 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
+from cptune.parallel.shard import shard_contiguous, shard_zigzag
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.conftest import REPO
 from tests.numerics import EPS32, float64_excess, float64_excesses, relative_errors, reorder_bound
@@ -62,6 +63,25 @@ def test_segment_sums_are_each_sequences_cross_entropy_sum_chunked_or_not():
     assert torch.allclose(from_head, from_logits, rtol=4 * 18 * EPS32)
     # Without segments: the scalar of before, and the sum of the segments.
     assert torch.allclose(token_loss_sum(logits, labels), expected.sum().float(), rtol=4 * 18 * EPS32)
+
+
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_shard_segments_number_each_token_of_a_shard_padded_to_split_evenly(split):
+    # One pair as a row per side (5 and 3 tokens, padded to 5): torch's and DeepSpeed's sharders pad each row
+    # to a multiple of cp (2·cp for zigzag); that padding has row -1 and columns past the rows' end.
+    pair = {"input_ids": [5, 6, 7, 8, 9, 5, 6, 4], "labels": [-100, 6, 7, 8, 9, -100, 6, 4]}
+    pair["position_ids"] = [0, 1, 2, 3, 4, 0, 1, 2]
+    batch = PairBatch.from_inputs(PackedCollator(0, preference=True, pair_sides_in_own_rows=True)([pair]))
+    whole = batch.sequence_ids
+    for rank in range(2):
+        shard = (shard_contiguous if split == "contiguous" else shard_zigzag)(batch.tokens, 2, rank, 0)
+        ids, count = batch.shard_segments(shard.coords, shard.tokens.shift_labels)
+        expected = [
+            [int(whole[r, c]) if r >= 0 else -1 for r, c in zip(rows, columns, strict=True)]
+            for rows, columns in zip(shard.coords.rows.tolist(), shard.coords.columns.tolist(), strict=True)
+        ]
+        assert count == 2 and ids.tolist() == expected
+        assert (shard.coords.columns >= whole.shape[-1]).any() or (split == "contiguous" and rank == 0)
 
 
 def test_the_differentiable_sum_is_the_tensor_itself_in_one_process():

@@ -107,11 +107,13 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove `tensor_parallel_size`.",
     ),
     Entry(
-        "rl-cp-backend",
+        "rl-torch-bidirectional",
         SECTION,
-        "rl with a cp_backend that cannot sum a pair over its shards",
-        "needs a backend that sums each pair's log-probs over its shards, which cp_backend: torch does not yet",
-        "Use `cp_backend: ring-flash-attn`.",
+        "rl with cp_backend: torch and causal: false",
+        "with cp_backend: torch and causal: false: each side of a pair is a row of its own, padded to the longer "
+        "side",
+        "torch's bidirectional context-parallel attention takes no padding mask. Use `cp_backend: ring-flash-attn` "
+        "(or `deepspeed`), which mask documents and padding, or `causal: true`.",
     ),
     Entry(
         "rl-zigzag",
@@ -154,4 +156,15 @@ ENTRIES: tuple[Entry, ...] = (
     ),
 )
 
-DOCUMENTED: tuple[Documented, ...] = ()
+DOCUMENTED: tuple[Documented, ...] = (
+    Documented(
+        "rl-cp-backend",
+        SECTION,
+        "rl with a cp_backend that cannot sum a pair over its shards",
+        "needs a backend that sums each pair's log-probs over its shards, which",
+        "Use a backend the message names (`ring-flash-attn`, `torch`, `deepspeed` all train pairs).",
+        raised_in="src/cptune/config/rules.py",
+        why_not_in_catalogue="every backend of cptune's table trains preference pairs; only a backend added to the "
+        "table without trains_preference_pairs (a new backend being written) meets it",
+    ),
+)

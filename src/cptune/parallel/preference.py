@@ -174,7 +174,9 @@ class PairBatch:
             raise CptuneError("this cp_backend gives no token coordinates, which preference training needs")
         sequence_ids = self.sequence_ids.to(coords.rows.device)
         real = coords.rows >= 0
-        ids = torch.where(real, sequence_ids[coords.rows.clamp(min=0), coords.columns], -1)
+        # Padding a backend adds to split rows evenly has row -1 and columns past the rows' end.
+        rows, columns = coords.rows.clamp(min=0), coords.columns.clamp(max=sequence_ids.shape[-1] - 1)
+        ids = torch.where(real, sequence_ids[rows, columns], -1)
         if bool((ids[shift_labels.to(ids.device) != IGNORE_INDEX] < 0).any()):
             raise RuntimeError("a target of this rank's shard belongs to no preference sequence")
         return ids, self.sequences

@@ -48,12 +48,14 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: {**_pairs(ws), "tensor_parallel_size": 2, "fsdp_version": 2, "adapter": "lora"},
     ),
     Case(
-        "rl-cp-backend",
+        "rl-torch-bidirectional",
         setup=lambda ws: {
             **_pairs(ws),
             "context_parallel_size": 2,
             "cp_backend": "torch",
             "sample_packing": False,
+            "causal": False,
+            "cp_load_balance": False,
         },
     ),
     Case(
