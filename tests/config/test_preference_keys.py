@@ -36,6 +36,8 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"context_parallel_size": 4},
         {"context_parallel_size": 2, "sample_packing": True, "cut_cross_entropy": True},
         {"context_parallel_size": 2, "cp_backend": "torch", "sample_packing": False},
+        {"adapter": None, "precompute_ref_log_probs": True},
+        {"precompute_ref_log_probs": True},
         {"context_parallel_size": 2, "cp_backend": "deepspeed"},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "sample_packing": True},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "ulysses_attn_implementation": "sdpa"},
@@ -70,6 +72,11 @@ def test_what_is_not_built_is_refused_naming_the_key(keys, key):
 def test_unpacked_pairs_take_a_row_per_side(packing, rows):
     trained = recipe(sample_packing=packing, micro_batch_size=3)
     assert trained.pair_sides_in_own_rows is not packing and trained.rows_per_micro_batch == rows
+
+
+def test_a_full_fine_tune_is_told_to_precompute_the_reference():
+    with pytest.raises(RecipeError, match="Set precompute_ref_log_probs: true"):
+        recipe(adapter=None)
 
 
 def test_a_supervised_recipe_is_not_preference():

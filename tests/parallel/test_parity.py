@@ -153,8 +153,19 @@ PREFERENCE_CP2_CASES = [
         "dpo-packed-dropout+head-loss", dropout=0.1, features={"head_loss": True, "head_loss_chunk": 97 * 5}
     ),
 ]
-PREFERENCE_CP4_CASES = [pref_case("dpo-packed-mbs2", mbs=2)]
-PREFERENCE_DP2_CP2_CASES = [pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2)]
+# Full fine-tunes (precompute_ref_log_probs): every model's reference sums computed before step 0 from its
+# own weights (the CP model's through its backend), then no reference forward.
+PREFERENCE_CP2_CASES += [
+    pref_case("dpo-full-precomputed-packed-mbs2-ga2", lora=False, precompute=True, mbs=2, ga=2),
+]
+PREFERENCE_CP4_CASES = [
+    pref_case("dpo-packed-mbs2", mbs=2),
+    pref_case("ipo-full-precomputed-unpacked", preference="ipo", lora=False, precompute=True, packed=False),
+]
+PREFERENCE_DP2_CP2_CASES = [
+    pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
+    pref_case("dpo-full-precomputed-packed-ga2", lora=False, precompute=True, ga=2),
+]
 
 
 def torch_pref_case(name: str, **changes) -> dict:
@@ -168,6 +179,9 @@ TORCH_PREFERENCE_CP2_CASES = [
     torch_pref_case(
         "dpo-dropout+head-loss", dropout=0.1, features={"head_loss": True, "head_loss_chunk": 97 * 5}
     ),
+]
+TORCH_PREFERENCE_CP2_CASES += [
+    torch_pref_case("dpo-full-precomputed-mbs2", lora=False, precompute=True, mbs=2)
 ]
 TORCH_PREFERENCE_CP4_CASES = [torch_pref_case("dpo-mbs2", mbs=2)]
 TORCH_PREFERENCE_DP2_CP2_CASES = [torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2)]

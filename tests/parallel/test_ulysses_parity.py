@@ -90,6 +90,15 @@ PREFERENCE_CP2_CASES = [
     case("pref-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2),
     case("pref-ipo-unpacked-sdpa-mbs2", preference="ipo", packed=False, core="sdpa", mbs=2),
     case("pref-dpo-unpacked-ga2", preference="dpo", packed=False, ga=2),
+    # A full fine-tune (precompute_ref_log_probs): the reference sums from the engine's model before step 0.
+    case(
+        "pref-dpo-full-precomputed-packed-mbs2-ga2",
+        preference="dpo",
+        lora=False,
+        precompute=True,
+        mbs=2,
+        ga=2,
+    ),
 ]
 PREFERENCE_CP4_CASES = [case("pref-cp4-dpo-packed-mbs2-kv2", preference="dpo", cp=4, mbs=2)]
 PREFERENCE_DP2_CP2_CASES = [case("pref-dp2xcp2-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2)]

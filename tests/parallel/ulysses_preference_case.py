@@ -14,19 +14,28 @@ by the engine, whose reduction over all ranks gives the gradients compared. Repo
 
 from __future__ import annotations
 
+import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from case_features import install_case_features  # tests/parallel/, next to this script
 from float64_reference import float64_twin
-from preference_case import BETA, _run_step, float64_segment_loss, make_pair_batches
+from preference_case import BETA, _run_step, float64_segment_loss, make_pair_batches, with_reference
 
 from cptune.models.head_loss import logits_loss
 from cptune.models.reference import adapter_disabled
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
-from cptune.parallel.preference import METRICS, PairBatch, PreferenceLoss, pair_forward, preference_step_loss
+from cptune.parallel.preference import (
+    METRICS,
+    PairBatch,
+    PreferenceLoss,
+    pair_forward,
+    preference_step_loss,
+    reference_log_probs,
+)
 from tests.numerics import relative_errors, reorder_bound
 
 
@@ -55,15 +64,29 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     ]
     result: dict = {}
     ref_losses, ref64_losses, floors = [], [], []
+    ref_steps = ref64_steps = steps
+    if case.get("precompute"):  # a full fine-tune: each reference model's sums from its weights before step 0
+        ref_steps = with_reference(steps, reference, local, logits_loss, None)
+        ref64_steps = with_reference(steps, reference64, local, float64_segment_loss, None)
     for t, batches in enumerate(steps):
         step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
         everything = [(b, None) for g in batches for b in g]
         longest = max(int(b.target_counts().max()) for b, _ in everything)
         ref_loss, ref_sums, _ = _run_step(
-            reference, local, everything, 1, 1, None, step_pairs, loss, logits_loss, None, None
+            reference, local, _flat(ref_steps[t]), 1, 1, None, step_pairs, loss, logits_loss, None, None
         )
         ref64_loss, ref64_sums, magnitude = _run_step(
-            reference64, local, everything, 1, 1, None, step_pairs, loss, float64_segment_loss, None, None
+            reference64,
+            local,
+            _flat(ref64_steps[t]),
+            1,
+            1,
+            None,
+            step_pairs,
+            loss,
+            float64_segment_loss,
+            None,
+            None,
         )
         ref_losses.append(ref_loss)
         ref64_losses.append(ref64_loss)
@@ -99,6 +122,15 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     )
     backend = worker.cp_backend({**case, "mbs": rows_per_batch}, model)
     cp_group = backend_group(cp)
+    if case.get("precompute"):
+        # precompute_ref_log_probs: the engine's model as built gives its group's batches their reference sums.
+        steps = [
+            [
+                _with_reference(g, engine.module, backend, shard_loss, cp_group) if d == dp_rank else g
+                for d, g in enumerate(s)
+            ]
+            for s in steps
+        ]
     cp_losses = []
     for t, batches in enumerate(steps):
         step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
@@ -135,6 +167,19 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     return result
 
 
+def _flat(step):
+    return [(b, None) for g in step for b in g]
+
+
+def _with_reference(batches, model, backend, shard_loss, cp_group):
+    def attach(batch):
+        with step_context(backend):
+            sums = reference_log_probs(model, backend, shard_loss, batch, cp_group)
+        return dataclasses.replace(batch, reference_logps=sums)
+
+    return [attach(b) for b in batches]
+
+
 def _engine_micro_step(engine, backend, batch: PairBatch, loss, cp_group, step_pairs, cp, world, shard_loss):
     """One micro batch as PreferenceTrainer trains it under DeepSpeed; returns (scaled loss, metric sums...)."""
     with step_context(backend):
@@ -146,7 +191,9 @@ def _engine_micro_step(engine, backend, batch: PairBatch, loss, cp_group, step_p
             batch,
             loss,
             cp_group,
-            reference_context=adapter_disabled(engine.module),
+            reference_context=adapter_disabled(engine.module)
+            if batch.reference_logps is None
+            else nullcontext,
             attention_layers=2 if backend.core_attention == "cptune" else None,
         )
         scaled = preference_step_loss(outputs, step_pairs, cp, world)

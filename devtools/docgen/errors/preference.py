@@ -10,8 +10,6 @@ NOTE: str | None = (
     "train yet is refused when the recipe is validated, before anything is loaded."
 )
 
-_LORA = "Train a LoRA (or QLoRA) adapter: `adapter: lora`."
-
 ENTRIES: tuple[Entry, ...] = (
     Entry(
         "rl-not-built",
@@ -42,6 +40,13 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove it, or set `rl`.",
     ),
     Entry(
+        "precompute-without-rl",
+        SECTION,
+        "precompute_ref_log_probs without rl",
+        "precompute_ref_log_probs: applies only with rl: dpo or rl: ipo; remove it.",
+        "Remove it, or set `rl`.",
+    ),
+    Entry(
         "label-smoothing-without-rl",
         SECTION,
         "dpo_label_smoothing without rl",
@@ -61,8 +66,9 @@ ENTRIES: tuple[Entry, ...] = (
         SECTION,
         "rl with a full fine-tune",
         "adapter: rl: dpo needs a reference model",
-        _LORA + " Full fine-tunes (a reference copy, or reference log-probs precomputed before training) are "
-        "not built yet.",
+        "Set `precompute_ref_log_probs: true`: a first pass computes the reference's log-prob sums of every "
+        "training pair from the model as loaded, and training reads them (no reference copy). Or train a LoRA "
+        "(or QLoRA) adapter: `adapter: lora`.",
     ),
     Entry(
         "rl-lora-model-dir",

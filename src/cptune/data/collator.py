@@ -116,6 +116,12 @@ class PackedCollator:
             )
             batch["sequence_ids"] = sequence_ids
             batch["pairs"] = (sequence_ids.max() + 1) // 2
+            if "reference_logps" in rows[0]:
+                # Precomputed (precompute_ref_log_probs): chosen, rejected of each pair of the row, in order;
+                # sides split into rows carry their pair's two values on the chosen side's row.
+                batch["reference_logps"] = torch.tensor(
+                    [v for row in rows for v in row.get("reference_logps", ())], dtype=torch.float32
+                )
         return batch
 
 
@@ -132,7 +138,8 @@ def split_pair_sides(row: Mapping[str, Sequence[int]]) -> list[dict[str, list[in
             f"a preference row to split into its sides holds {len(starts)} documents, not one pair"
         )
     cut = starts[1]
-    return [
-        {key: list(row[key][:cut]) for key in ("input_ids", "labels", "position_ids")},
-        {key: list(row[key][cut:]) for key in ("input_ids", "labels", "position_ids")},
-    ]
+    chosen = {key: list(row[key][:cut]) for key in ("input_ids", "labels", "position_ids")}
+    rejected = {key: list(row[key][cut:]) for key in ("input_ids", "labels", "position_ids")}
+    if "reference_logps" in row:
+        chosen["reference_logps"], rejected["reference_logps"] = list(row["reference_logps"]), []
+    return [chosen, rejected]

@@ -35,6 +35,7 @@ CASES: tuple[Case, ...] = (
     Case("rl-unknown", setup=lambda ws: {**_pairs(ws), "rl": "ppo"}),
     Case("preference-type-without-rl", setup=lambda ws: {**_pairs(ws), "rl": DELETE}),
     Case("beta-without-rl", keys={"rl_beta": 0.2}),
+    Case("precompute-without-rl", keys={"precompute_ref_log_probs": True}),
     Case("label-smoothing-without-rl", keys={"dpo_label_smoothing": 0.1}),
     Case("rl-supervised-type", keys={"rl": "dpo"}),
     Case("rl-full-fine-tune", setup=lambda ws: {**_pairs(ws), "adapter": DELETE}),
