@@ -1,4 +1,5 @@
-"""`cptune train` of a full-fine-tune DPO recipe with precompute_ref_log_probs: cp=2 and dp=2 log cp=1's numbers.
+"""`cptune train` of a full-fine-tune DPO recipe with precompute_ref_log_probs: cp=2 and dp=2 log cp=1's numbers,
+and a resumed run repeats the finished run's steps.
 
 The first pass (cptune.run.training.reference_pass) splits the training rows over the data-parallel
 groups and each row over its CP group; the logged loss, gradient norm and DPO metrics of every step
@@ -9,6 +10,7 @@ The pair-level parity of the same code (float64 reference) is in tests/parallel/
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 
@@ -20,7 +22,7 @@ KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen",
 
 
 @pytest.mark.distributed
-def test_full_fine_tune_dpo_with_precomputed_reference_cp2_and_dp2_log_cp1s_numbers(tmp_path):
+def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp1s_numbers(tmp_path):
     common = [
         "--adapter=null",
         "--precompute_ref_log_probs=true",
@@ -31,7 +33,7 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_and_dp2_log_cp1s_numb
         f"--dataset_prepared_path={tmp_path / 'prepared'}",
     ]
     runs = {
-        "cp1": ["--context_parallel_size=1", "--micro_batch_size=2"],
+        "cp1": ["--context_parallel_size=1", "--micro_batch_size=2", "--save_steps=2"],
         "cp2": ["--context_parallel_size=2", "--micro_batch_size=2"],
         # Two data-parallel groups of one row each train the rows cp=1 trains as micro batches of 2.
         "dp2": ["--context_parallel_size=1", "--micro_batch_size=1", "--nproc-per-node", "2"],
@@ -62,3 +64,22 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_and_dp2_log_cp1s_numb
         print(f"{name} max rel diff vs cp=1:", diffs)
         # Bound (tests/numerics.py): rows of at most 512 tokens, 4 rows a step (2 x accumulation 2).
         assert max(diffs.values()) <= logged_tolerance(512, 4), (name, diffs, logs[name], cp1)
+
+    # Resumed from its step-2 checkpoint, the cp=1 run's first pass again computes the reference from the
+    # weights as loaded (before the checkpoint is), so steps 3 and 4 repeat the finished run's exactly.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "cp1", resumed)
+    shutil.rmtree(resumed / "checkpoint-4")
+    done = run_cptune(
+        "train",
+        "examples/cpu/dpo.yaml",
+        "--resume",
+        f"--output_dir={resumed}",
+        *common,
+        *runs["cp1"],
+        cwd=REPO,
+    )
+    assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    for key in (*KEYS, "rewards/margins"):
+        again = logged(resumed, key)
+        assert {s: again[s] for s in (3, 4)} == {s: cp1[key][s] for s in (3, 4)}, (key, again, cp1[key])

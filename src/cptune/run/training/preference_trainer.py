@@ -56,6 +56,9 @@ class PreferenceTrainer(CptuneTrainer):
 
     def _precompute_reference(self, model: torch.nn.Module) -> None:
         """``precompute_ref_log_probs``: the training rows' reference sums, from the weights as loaded."""
+        # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at train());
+        # the first pass runs where training will (rl refuses ZeRO, whose stage 3 would partition it).
+        model.to(self.args.device)
         dp_size = self.accelerator.num_processes // self.batch_group_size
         sums = precompute_reference(
             self.train_dataset,
