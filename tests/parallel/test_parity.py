@@ -189,6 +189,7 @@ TORCH_PREFERENCE_DP2_CP2_CASES = [torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2)]
 PREFERENCE_PLANTED_CASES = [
     pref_case("planted-pair-sum-local", inject="pair_sum_local", mbs=2),
     pref_case("planted-pair-sum-backward", inject="pair_sum_backward", mbs=2),
+    pref_case("planted-torch-pair-sum-local", inject="pair_sum_local", backend="torch", packed=False, mbs=2),
 ]
 
 # Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
