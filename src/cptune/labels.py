@@ -85,20 +85,25 @@ CHOSEN, REJECTED = 0, 1
 """The sides of a preference pair: a pair is two documents, the chosen response's then the rejected's."""
 
 
-def pair_sequence_ids(position_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def pair_sequence_ids(
+    position_ids: torch.Tensor, lengths: Sequence[int], *, one_side_per_row: bool = False
+) -> torch.Tensor:
     """Which sequence of a batch of preference pairs each token belongs to: ``2·pair + side``, -1 on padding.
 
     A preference row holds whole pairs end to end, each two documents (prompt + chosen, prompt +
-    rejected; :data:`CHOSEN`, :data:`REJECTED`), followed by padding. Pairs are numbered over the
+    rejected; :data:`CHOSEN`, :data:`REJECTED`), followed by padding; or, with ``one_side_per_row``,
+    one side (rows ``2k`` and ``2k + 1`` the two sides of a pair). Pairs are numbered over the
     batch, row by row, so sequence ``2k`` is the chosen side of the batch's pair ``k`` and ``2k + 1``
     its rejected side: what the per-pair loss sums token log-probabilities by.
 
     Args:
         position_ids: Integer tensor ``(rows, tokens)``; positions restart at 0 per document.
         lengths: Real (non-padding) tokens of each row.
+        one_side_per_row: Each row holds one document, a side of a pair.
 
     Raises:
-        ValueError: A row's real tokens are not whole pairs (an odd number of documents).
+        ValueError: A row's real tokens are not whole pairs (an odd number of documents), or with
+            ``one_side_per_row`` a row holds other than one document or the rows are odd in number.
     """
     import torch
 
@@ -108,7 +113,13 @@ def pair_sequence_ids(position_ids: torch.Tensor, lengths: Sequence[int]) -> tor
     ).unsqueeze(1)
     in_row = document_starts(position_ids).logical_and(real).cumsum(-1) - 1
     per_row = in_row.masked_fill(~real, -1).amax(-1) + 1
-    if bool((per_row % 2).any()):
+    if one_side_per_row:
+        if bool((per_row != 1).any()) or len(per_row) % 2:
+            raise ValueError(
+                f"a batch of pair sides holds {len(per_row)} rows of {per_row.tolist()} documents, not rows of "
+                "one side each in chosen-rejected order"
+            )
+    elif bool((per_row % 2).any()):
         odd = int(torch.nonzero(per_row % 2)[0, 0])
         raise ValueError(
             f"row {odd} of the batch holds {int(per_row[odd])} documents, not whole preference pairs (two each)"

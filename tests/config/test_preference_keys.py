@@ -35,6 +35,12 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"dpo_label_smoothing": 0.1},
         {"context_parallel_size": 4},
         {"context_parallel_size": 2, "sample_packing": True, "cut_cross_entropy": True},
+        {"context_parallel_size": 2, "cp_backend": "torch", "sample_packing": False},
+        {"adapter": None, "precompute_ref_log_probs": True},
+        {"precompute_ref_log_probs": True},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed"},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed", "sample_packing": True},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed", "ulysses_attn_implementation": "sdpa"},
         {"datasets": [{"path": "p.jsonl", "type": "passthrough.default", "field_prompt": "question"}]},
     ],
 )
@@ -49,7 +55,10 @@ def test_the_built_layouts_validate(keys):
         ({"rl": "simpo"}, "rl"),
         ({"rl": "grpo"}, "rl"),
         ({"adapter": None}, "adapter"),
-        ({"context_parallel_size": 2, "cp_backend": "deepspeed"}, "cp_backend"),
+        (
+            {"context_parallel_size": 2, "cp_backend": "torch", "causal": False, "cp_load_balance": False},
+            "causal",
+        ),
         ({"test_datasets": [PAIRS]}, "test_datasets"),
     ],
 )
@@ -57,6 +66,17 @@ def test_what_is_not_built_is_refused_naming_the_key(keys, key):
     with pytest.raises(RecipeError) as refused:
         recipe(**keys)
     assert f"  - {key}:" in str(refused.value)
+
+
+@pytest.mark.parametrize(("packing", "rows"), [(False, 6), (True, 3)])
+def test_unpacked_pairs_take_a_row_per_side(packing, rows):
+    trained = recipe(sample_packing=packing, micro_batch_size=3)
+    assert trained.pair_sides_in_own_rows is not packing and trained.rows_per_micro_batch == rows
+
+
+def test_a_full_fine_tune_is_told_to_precompute_the_reference():
+    with pytest.raises(RecipeError, match="Set precompute_ref_log_probs: true"):
+        recipe(adapter=None)
 
 
 def test_a_supervised_recipe_is_not_preference():

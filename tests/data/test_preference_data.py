@@ -120,18 +120,45 @@ def test_prepared_rows_hold_whole_pairs_and_the_collator_numbers_their_sides(
     ids, sequence = batch["input_ids"], batch["sequence_ids"]
     assert int(batch["pairs"]) == len(ROWS) and sequence.max() == 2 * len(ROWS) - 1
     assert (packing and len(rows) < len(ROWS)) or (not packing and len(rows) == len(ROWS))
+    assert (
+        len(ids) == (len(rows) if packing else 2 * len(ROWS)) == recipe.rows_per_micro_batch * len(rows) // 1
+    )
     prompts = set()
     for pair in range(len(ROWS)):
         chosen, rejected = ids[sequence == 2 * pair + CHOSEN], ids[sequence == 2 * pair + REJECTED]
-        # Both sides of a pair sit in one row, the chosen side first.
+        # Packed: both sides of a pair sit in one row, the chosen side first. Unpacked: each side has a row of
+        # its own (Recipe.pair_sides_in_own_rows), the chosen side's row first.
         (row_c,), (row_r,) = (torch.nonzero(sequence == 2 * pair + s)[:, 0].unique().tolist() for s in (0, 1))
-        assert row_c == row_r
+        assert (row_c, row_r) == ((row_c, row_c) if packing else (2 * pair, 2 * pair + 1))
         targets_c = batch["shift_labels"][sequence == 2 * pair + CHOSEN]
         n_prompt = int((targets_c == IGNORE_INDEX).sum()) - 1  # the side's last token has no target
         assert chosen[:n_prompt].tolist() == rejected[:n_prompt].tolist()
         prompts.add(tokenizer.decode(chosen[:n_prompt].tolist()))
     assert len(prompts) == len({r["prompt"] for r in ROWS})
     assert (sequence == -1).eq(batch["labels"] == IGNORE_INDEX).logical_or(sequence != -1).all()
+
+
+def test_unpacked_pairs_collate_as_a_row_per_side_with_the_sides_tokens_labels_and_positions():
+    pair = {"input_ids": [5, 6, 7, 5, 8], "labels": [-100, 6, 7, -100, 8], "position_ids": [0, 1, 2, 0, 1]}
+    batch = PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=True)([pair])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 8, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
+    assert batch["sequence_ids"].tolist() == [[0, 0, 0], [1, 1, -1]]
+    assert batch["shift_labels"].tolist() == [[6, 7, -100], [8, -100, -100]]
+    assert int(batch["pairs"]) == 1
+    with pytest.raises(ValueError, match="holds 1 documents, not one pair"):
+        PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=True)(
+            [{key: value[:3] for key, value in pair.items()}]
+        )
+
+
+def test_pair_sequence_ids_of_a_row_per_side_refuses_rows_of_two_documents_or_an_odd_count():
+    positions = torch.tensor([[0, 1, 2], [0, 1, 0]])
+    assert pair_sequence_ids(positions, [3, 2], one_side_per_row=True).tolist() == [[0, 0, 0], [1, 1, -1]]
+    with pytest.raises(ValueError, match="not rows of one side each"):
+        pair_sequence_ids(positions, [3, 3], one_side_per_row=True)  # the second row: two documents
+    with pytest.raises(ValueError, match="not rows of one side each"):
+        pair_sequence_ids(positions[:1], [3], one_side_per_row=True)
 
 
 def test_pair_sequence_ids_refuses_a_row_that_is_not_whole_pairs():

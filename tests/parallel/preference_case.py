@@ -14,7 +14,9 @@ their distances from float64) plus the step-0 metrics and the floors of the pref
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -38,6 +40,7 @@ from cptune.parallel.preference import (
     PreferenceLoss,
     pair_forward,
     preference_step_loss,
+    reference_log_probs,
 )
 from tests.numerics import relative_errors, reorder_bound
 
@@ -76,9 +79,10 @@ def _pair(generator: torch.Generator, vocab: int) -> dict[str, list[int]]:
 
 
 def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
-    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1."""
+    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1 pair, whose
+    sides the collator lays out as a row each (as ``cptune train`` collates unpacked pairs)."""
     generator = torch.Generator().manual_seed(case["seed"])
-    collate = PackedCollator(pad_token_id=0, preference=True)
+    collate = PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=not case["packed"])
     per_row = 2 if case["packed"] else 1
     out = []
     for _ in range(dp_size):
@@ -91,6 +95,17 @@ def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBat
             micro.append(PairBatch.from_inputs(collate(rows)))
         out.append(micro)
     return out
+
+
+def with_reference(steps, model, backend, shard_loss, group):
+    """``steps`` (steps[t][dp_group][micro]) with each batch's reference sums from ``model`` as it is now."""
+
+    def attach(batch):
+        with step_context(backend):
+            sums = reference_log_probs(model, backend, shard_loss, batch, group)
+        return dataclasses.replace(batch, reference_logps=sums)
+
+    return [[[attach(b) for b in group_batches] for group_batches in step] for step in steps]
 
 
 def float64_segment_loss(model, model_kwargs, shift_labels, segments):
@@ -115,6 +130,8 @@ def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, sh
                 keys.set_coords(sharded.coords, first_row)
 
         kwargs = {"complete": complete} if complete is not None else {}
+        # A batch with precomputed reference sums runs no reference forward (the context is then unused).
+        context = adapter_disabled(model) if batch.reference_logps is None else contextlib.nullcontext
         with step_context(backend):
             outputs = pair_forward(
                 model,
@@ -124,7 +141,7 @@ def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, sh
                 batch,
                 loss,
                 group,
-                reference_context=adapter_disabled(model),
+                reference_context=context,
                 on_shard=on_shard,
                 **kwargs,
             )
@@ -161,19 +178,44 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     ]
     result: dict = {}
     ref_losses, ref64_losses, cp_losses, floors = [], [], [], []
+    steps = [
+        make_pair_batches({**case, "seed": case["seed"] + t}, groups.dp_size, worker.VOCAB) for t in range(3)
+    ]
+    ref_steps = ref64_steps = cp_steps = steps
+    if case.get("precompute"):
+        # precompute_ref_log_probs: each model's reference sums of every batch from its weights before step 0,
+        # the CP model's through its backend over its CP group (its own data-parallel group's batches).
+        ref_steps = with_reference(steps, reference, local, logits_loss, None)
+        ref64_steps = with_reference(steps, reference64, local, float64_segment_loss, None)
+        mine = [[g if d == groups.dp_rank else [] for d, g in enumerate(s)] for s in steps]
+        cp_steps = with_reference(mine, model, backend, shard_loss, groups.cp_group)
     for step in range(3):
-        batches = make_pair_batches({**case, "seed": case["seed"] + step}, groups.dp_size, worker.VOCAB)
+        batches = steps[step]
         rows = worker.first_rows(case, step, groups.dp_size)
         step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
         everything = [(b, r) for g, r in zip(batches, rows, strict=True) for b, r in zip(g, r, strict=True)]
         longest = max(int(b.target_counts().max()) for b, _ in everything)
+
+        def flat(with_sums, rows=rows):
+            return [(b, r) for g, r in zip(with_sums, rows, strict=True) for b, r in zip(g, r, strict=True)]
+
         ref_loss, ref_sums, _ = _run_step(
-            reference, local, everything, 1, 1, None, step_pairs, loss, logits_loss, keys[0], None
+            reference, local, flat(ref_steps[step]), 1, 1, None, step_pairs, loss, logits_loss, keys[0], None
         )
         ref64_loss, ref64_sums, magnitude = _run_step(
-            reference64, local, everything, 1, 1, None, step_pairs, loss, float64_segment_loss, keys[1], None
+            reference64,
+            local,
+            flat(ref64_steps[step]),
+            1,
+            1,
+            None,
+            step_pairs,
+            loss,
+            float64_segment_loss,
+            keys[1],
+            None,
         )
-        mine = list(zip(batches[groups.dp_rank], rows[groups.dp_rank], strict=True))
+        mine = list(zip(cp_steps[step][groups.dp_rank], rows[groups.dp_rank], strict=True))
         cp_loss, cp_sums, _ = _run_step(
             model,
             backend,

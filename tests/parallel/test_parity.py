@@ -153,12 +153,43 @@ PREFERENCE_CP2_CASES = [
         "dpo-packed-dropout+head-loss", dropout=0.1, features={"head_loss": True, "head_loss_chunk": 97 * 5}
     ),
 ]
-PREFERENCE_CP4_CASES = [pref_case("dpo-packed-mbs2", mbs=2)]
-PREFERENCE_DP2_CP2_CASES = [pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2)]
+# Full fine-tunes (precompute_ref_log_probs): every model's reference sums computed before step 0 from its
+# own weights (the CP model's through its backend), then no reference forward.
+PREFERENCE_CP2_CASES += [
+    pref_case("dpo-full-precomputed-packed-mbs2-ga2", lora=False, precompute=True, mbs=2, ga=2),
+]
+PREFERENCE_CP4_CASES = [
+    pref_case("dpo-packed-mbs2", mbs=2),
+    pref_case("ipo-full-precomputed-unpacked", preference="ipo", lora=False, precompute=True, packed=False),
+]
+PREFERENCE_DP2_CP2_CASES = [
+    pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
+    pref_case("dpo-full-precomputed-packed-ga2", lora=False, precompute=True, ga=2),
+]
+
+
+def torch_pref_case(name: str, **changes) -> dict:
+    return pref_case(f"torch-{name}", backend="torch", packed=False, **changes)
+
+
+# cp_backend: torch (no document mask): unpacked pairs, each side a row of its own followed by padding.
+TORCH_PREFERENCE_CP2_CASES = [
+    torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2),
+    torch_pref_case("ipo-no-load-balance-alltoall", preference="ipo", load_balance=False, comm="alltoall"),
+    torch_pref_case(
+        "dpo-dropout+head-loss", dropout=0.1, features={"head_loss": True, "head_loss_chunk": 97 * 5}
+    ),
+]
+TORCH_PREFERENCE_CP2_CASES += [
+    torch_pref_case("dpo-full-precomputed-mbs2", lora=False, precompute=True, mbs=2)
+]
+TORCH_PREFERENCE_CP4_CASES = [torch_pref_case("dpo-mbs2", mbs=2)]
+TORCH_PREFERENCE_DP2_CP2_CASES = [torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2)]
 # Bugs planted in the cross-rank sum of the pairs' log-probs (preference_case.PLANTED).
 PREFERENCE_PLANTED_CASES = [
     pref_case("planted-pair-sum-local", inject="pair_sum_local", mbs=2),
     pref_case("planted-pair-sum-backward", inject="pair_sum_backward", mbs=2),
+    pref_case("planted-torch-pair-sum-local", inject="pair_sum_local", backend="torch", packed=False, mbs=2),
 ]
 
 # Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
@@ -198,14 +229,24 @@ SPAWNS = {
         + ZIGZAG_CASES
         + PLANTED_CASES
         + PREFERENCE_CP2_CASES
+        + TORCH_PREFERENCE_CP2_CASES
         + PREFERENCE_PLANTED_CASES
         + MOE_CP2_CASES,
     ),
-    "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + MOE_CP4_CASES),
+    "cp4": (
+        4,
+        4,
+        CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + TORCH_PREFERENCE_CP4_CASES + MOE_CP4_CASES,
+    ),
     "dp2xcp2": (
         4,
         2,
-        DP2_CP2_CASES + TORCH_DP2_CP2_CASES + TP2_CP2_CASES + PREFERENCE_DP2_CP2_CASES + MOE_DP2_CP2_CASES,
+        DP2_CP2_CASES
+        + TORCH_DP2_CP2_CASES
+        + TP2_CP2_CASES
+        + PREFERENCE_DP2_CP2_CASES
+        + TORCH_PREFERENCE_DP2_CP2_CASES
+        + MOE_DP2_CP2_CASES,
     ),
 }
 
@@ -364,12 +405,16 @@ def preference_metric_failures(r: dict) -> dict[str, float]:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("spawn", "cases"),
-    [("cp2", PREFERENCE_CP2_CASES), ("cp4", PREFERENCE_CP4_CASES), ("dp2xcp2", PREFERENCE_DP2_CP2_CASES)],
+    [
+        ("cp2", PREFERENCE_CP2_CASES + TORCH_PREFERENCE_CP2_CASES),
+        ("cp4", PREFERENCE_CP4_CASES + TORCH_PREFERENCE_CP4_CASES),
+        ("dp2xcp2", PREFERENCE_DP2_CP2_CASES + TORCH_PREFERENCE_DP2_CP2_CASES),
+    ],
     ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_preference_parity_fp32(parity_results, spawn, cases):
-    """DPO/IPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn, LoRA): the losses of 3 SGD steps, the
-    step-0 gradients and the step-0 metrics (rewards/..., logps/...) of the cp=1 run, by the float64 rule."""
+    """DPO/IPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn and torch, LoRA): the losses of 3 SGD steps,
+    the step-0 gradients and the step-0 metrics (rewards/..., logps/...) of the cp=1 run, by the float64 rule."""
     results = parity_results(spawn)
     check(results, cases)
     for name in (c["name"] for c in cases):

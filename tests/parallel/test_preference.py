@@ -30,6 +30,7 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
+from cptune.parallel.shard import shard_contiguous, shard_zigzag
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.conftest import REPO
 from tests.numerics import EPS32, float64_excess, float64_excesses, relative_errors, reorder_bound
@@ -62,6 +63,25 @@ def test_segment_sums_are_each_sequences_cross_entropy_sum_chunked_or_not():
     assert torch.allclose(from_head, from_logits, rtol=4 * 18 * EPS32)
     # Without segments: the scalar of before, and the sum of the segments.
     assert torch.allclose(token_loss_sum(logits, labels), expected.sum().float(), rtol=4 * 18 * EPS32)
+
+
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_shard_segments_number_each_token_of_a_shard_padded_to_split_evenly(split):
+    # One pair as a row per side (5 and 3 tokens, padded to 5): torch's and DeepSpeed's sharders pad each row
+    # to a multiple of cp (2·cp for zigzag); that padding has row -1 and columns past the rows' end.
+    pair = {"input_ids": [5, 6, 7, 8, 9, 5, 6, 4], "labels": [-100, 6, 7, 8, 9, -100, 6, 4]}
+    pair["position_ids"] = [0, 1, 2, 3, 4, 0, 1, 2]
+    batch = PairBatch.from_inputs(PackedCollator(0, preference=True, pair_sides_in_own_rows=True)([pair]))
+    whole = batch.sequence_ids
+    for rank in range(2):
+        shard = (shard_contiguous if split == "contiguous" else shard_zigzag)(batch.tokens, 2, rank, 0)
+        ids, count = batch.shard_segments(shard.coords, shard.tokens.shift_labels)
+        expected = [
+            [int(whole[r, c]) if r >= 0 else -1 for r, c in zip(rows, columns, strict=True)]
+            for rows, columns in zip(shard.coords.rows.tolist(), shard.coords.columns.tolist(), strict=True)
+        ]
+        assert count == 2 and ids.tolist() == expected
+        assert (shard.coords.columns >= whole.shape[-1]).any() or (split == "contiguous" and rank == 0)
 
 
 def test_the_differentiable_sum_is_the_tensor_itself_in_one_process():
@@ -250,3 +270,123 @@ def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type
     )
     assert excesses[worst] <= 1, (worst, excesses[worst], scalars.get(worst))
     assert math.isfinite(loss) and len(grads) == len(grads64) > 0
+
+
+# --- a full fine-tune against precomputed reference sums (precompute_ref_log_probs) ------------------
+
+
+def _trl_full_trainer(rows, tokenizer, dtype):
+    """TRL's DPOTrainer fully fine-tuning the tiny model with ``precompute_ref_log_probs`` (its reference sums
+    computed at construction from the weights as built), the weights then moved so the policy differs."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    model = build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3).to(dtype)
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        beta=BETA,
+        loss_type=["sigmoid"],
+        report_to="none",
+        use_cpu=True,
+        per_device_train_batch_size=len(rows),
+        precompute_ref_log_probs=True,
+        seed=5,
+    )
+    trainer = DPOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    assert "ref_chosen_logps" in trainer.train_dataset.column_names
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=torch.float64).to(dtype) * 0.05)
+    return trainer
+
+
+def _cptune_full_step(trainer, rows, tokenizer):
+    """cptune's loss, metrics and gradients with the reference sums computed from the model as built (cp=1)."""
+    from cptune.run.training.reference_pass import precompute_reference, with_reference_column
+
+    model = build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3)
+    format_row = build_pair_formatter(
+        DatasetConfig(path="pairs", type="passthrough.default"), tokenizer, None, "pairs"
+    )
+    samples = [format_row(row) for row in rows]
+    keys = ("input_ids", "labels", "position_ids")
+    # Two rows of two pairs each, so the first pass and the training batch both hold several rows.
+    stored = [{k: [v for s in samples[i : i + 2] for v in getattr(s, k)] for k in keys} for i in (0, 2)]
+    from datasets import Dataset
+
+    collate = PackedCollator(pad_token_id=tokenizer.pad_token_id, preference=True)
+    sums = precompute_reference(
+        stored,
+        collate,
+        model,
+        LocalBackend(causal=True),
+        logits_loss,
+        rows_per_batch=1,
+        dp_rank=0,
+        dp_size=1,
+        cp_group=None,
+    )
+    dataset = with_reference_column(Dataset.from_list(stored), sums)
+    policy = {n: p for n, p in trainer.model.named_parameters()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(policy[name].float())
+    model.train()
+    batch = PairBatch.from_inputs(collate([dataset[0], dataset[1]]))
+    assert batch.reference_logps is not None and batch.reference_logps.shape == (8,)
+    outputs = pair_forward(
+        model, model, LocalBackend(causal=True), logits_loss, batch, PreferenceLoss("dpo", BETA), None
+    )
+    loss = preference_step_loss(outputs, torch.tensor(len(rows)), cp_size=1, gradient_divisor=1)
+    loss.backward()
+    metrics = {name: float(value) / len(rows) for name, value in outputs.metric_sums().items()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    magnitude = float((outputs.chosen_logps.abs() + outputs.rejected_logps.abs()).mean())
+    return float(loss), metrics, grads, magnitude, int(batch.target_counts().max())
+
+
+@pytest.mark.skipif(not HAS_TRL, reason=f"TRL is a test-only dependency (pip install trl=={TRL_VERSION})")
+def test_full_fine_tune_with_precomputed_reference_equals_trls_dpo_trainer_at_cp1():
+    """A full fine-tune's DPO step against reference sums precomputed from the weights as built (cptune's
+    precompute_ref_log_probs first pass) equals TRL 1.16.0's DPOTrainer with ``precompute_ref_log_probs=True``:
+    the loss, the metrics and the gradient of every weight, by the float64-reference rule of the LoRA test
+    above (TRL also run in float64; cptune's fp32 values at most 8x as far from it as TRL's fp32 values,
+    plus the reorder floor of the log-prob sums)."""
+    import trl
+
+    assert trl.__version__ == TRL_VERSION, f"written against TRL {TRL_VERSION}, found {trl.__version__}"
+    tokenizer = build_tiny_tokenizer(GENERIC_CORPUS)
+    rows = PAIRS[:4]
+    trl32, trl64 = (_trl_full_trainer(rows, tokenizer, dtype) for dtype in (torch.float32, torch.float64))
+    loss32, metrics32, grads32 = _trl_step(trl32, rows)
+    loss64, metrics64, grads64 = _trl_step(trl64, rows)
+    loss, metrics, grads, magnitude, longest = _cptune_full_step(trl32, rows, tokenizer)
+    assert metrics["rewards/accuracies"] == metrics64["rewards/accuracies"] == metrics32["rewards/accuracies"]
+    assert 0 < metrics64["rewards/accuracies"] < 1, "the moved weights move some pairs each way: a real test"
+
+    def rel(a: float, b: float) -> float:
+        return abs(a - b) / abs(b)
+
+    floor = reorder_bound(longest, 2 * BETA * magnitude)
+    sums = reorder_bound(longest, 1.0)
+    scalars = {
+        "loss": (loss, loss32, loss64),
+        **{n: (metrics[n], metrics32[n], metrics64[n]) for n in METRICS},
+    }
+    excesses = {
+        name: float64_excess(
+            rel(ours, ref64), rel(ref32, ref64), sums if "logps" in name else floor / abs(ref64)
+        )
+        for name, (ours, ref32, ref64) in scalars.items()
+        if name != "rewards/accuracies"
+    }
+    excesses |= float64_excesses(relative_errors(grads, grads64), relative_errors(grads32, grads64))
+    worst = max(excesses, key=excesses.get)
+    print(
+        f"full: loss {loss:.9g} (TRL fp32 {loss32:.9g}, fp64 {loss64:.12g}); worst {worst} at {excesses[worst]:.3g}"
+    )
+    assert excesses[worst] <= 1, (worst, excesses[worst], scalars.get(worst))
+    assert len(grads) == len(grads64) > 0

@@ -13,6 +13,9 @@ float64 as the fp32 cp=1 reference lands. Every ZeRO-3 case partitions every
 parameter over the ranks (``stage3_param_persistence_threshold: 0``; the default keeps all of the
 tiny model's parameters whole), which the test checks.
 
+Preference (DPO/IPO) cases train pairs with LoRA through the same engine (ulysses_preference_case.py): the
+losses, step-0 gradients and step-0 DPO metrics of the cp=1 run, by the same rule.
+
 Core attention: ``cptune`` (document-aware, the default) for packed and
 bidirectional rows; ``sdpa`` for unpacked causal rows (the recipe refuses packed
 rows with sdpa: tests/config/test_loader.py).
@@ -26,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_ranks
-from tests.parallel.test_parity import check
+from tests.parallel.test_parity import check, preference_metric_failures
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 
@@ -81,6 +84,24 @@ CP2_CASES = [
         features={"offload": True, "tiles": 2, "head_loss": True},
     ),
 ]
+# Preference training (rl) with LoRA: packed pairs (two documents per pair in a row) through the document-aware
+# core attention; unpacked pairs as a row per side (Recipe.pair_sides_in_own_rows), also through sdpa.
+PREFERENCE_CP2_CASES = [
+    case("pref-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2),
+    case("pref-ipo-unpacked-sdpa-mbs2", preference="ipo", packed=False, core="sdpa", mbs=2),
+    case("pref-dpo-unpacked-ga2", preference="dpo", packed=False, ga=2),
+    # A full fine-tune (precompute_ref_log_probs): the reference sums from the engine's model before step 0.
+    case(
+        "pref-dpo-full-precomputed-packed-mbs2-ga2",
+        preference="dpo",
+        lora=False,
+        precompute=True,
+        mbs=2,
+        ga=2,
+    ),
+]
+PREFERENCE_CP4_CASES = [case("pref-cp4-dpo-packed-mbs2-kv2", preference="dpo", cp=4, mbs=2)]
+PREFERENCE_DP2_CP2_CASES = [case("pref-dp2xcp2-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2)]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.
     case("cp4-packed-causal-lora-kv2", cp=4, seq_len=30, ga=2),
@@ -104,13 +125,20 @@ DP2_CP2_CASES = [
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("world", "cases"),
-    [(2, CP2_CASES), (4, CP4_CASES + DP2_CP2_CASES)],
+    [
+        (2, CP2_CASES + PREFERENCE_CP2_CASES),
+        (4, CP4_CASES + DP2_CP2_CASES + PREFERENCE_CP4_CASES + PREFERENCE_DP2_CP2_CASES),
+    ],
     ids=["cp2", "cp4-and-dp2xcp2"],
 )
 def test_ulysses_parity_fp32(tmp_path, world, cases):
     # One launch per world size: process start-up dominates these runs on CPU.
     results = run_ranks(WORKER, world, tmp_path, json.dumps(cases))
     check(results, cases)  # float64 reference (tests/numerics.py)
+    for name in (c["name"] for c in cases if c.get("preference")):  # and the DPO metrics of step 0
+        for rank, per_rank in enumerate(results):
+            failures = preference_metric_failures(per_rank[name])
+            assert not failures, (name, rank, failures, per_rank[name]["cp_metrics"])
     names = {c["name"] for c in cases}
     for name in (c["name"] for c in cases if c.get("stage") == 3):  # ZeRO-3 really splits every parameter
         for per_rank in results:

@@ -17,6 +17,8 @@ gradient's distance from it (the fp32 check of tests/parallel/test_parity.py).
 
 Each case sets its own ``cp`` (the world splits into ``world / cp`` data-parallel groups).
 
+A case with ``preference`` (``dpo``, ``ipo``) trains preference pairs instead (ulysses_preference_case.py).
+
 A case with ``ring: ring-flash-attn`` (or ``torch``) runs that cptune backend under DeepSpeed's engine
 instead (Axolotl's ``deepspeed: zero3.json`` next to ``context_parallel_size``): the same data path,
 ring or torch attention instead of DeepSpeed's. Either way DeepSpeed is given no sequence-parallel
@@ -39,6 +41,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
+from ulysses_preference_case import run_ulysses_preference_case  # tests/parallel/, beside this script
 
 from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
@@ -294,7 +297,10 @@ def main() -> None:
         # DeepSpeed's wrapper must not wrap the previous case's wrapper.
         scope = PatchSet([attention_registry_scope_patch(ContextParallelWith(("deepspeed",)))])
         with scope.applied(recipe), torch_cpu.applied(torch_cp):
-            results[case["name"]] = run_case(case)
+            if case.get("preference"):
+                results[case["name"]] = run_ulysses_preference_case(case, sys.modules[__name__])
+            else:
+                results[case["name"]] = run_case(case)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -54,7 +54,8 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
     (
         "src/cptune/parallel/preference.py",
         "this cp_backend gives no token coordinates, which preference training needs",
-        "the recipe rule _preference refuses rl with a cp_backend without trains_preference_pairs (rl-cp-backend)",
+        "every backend gives token coordinates (BatchSharder's ShardedInputs.coords); the recipe rule _preference "
+        "refuses a backend without trains_preference_pairs first (rl-cp-backend)",
     ),
     (
         "src/cptune/parallel/layout.py",

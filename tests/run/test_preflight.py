@@ -89,14 +89,20 @@ def test_validate_names_the_ring_kernels_and_warns_of_stand_ins_on_a_gpu(
     assert (warning in plan) is warned, plan
 
 
-def test_validate_says_how_a_preference_recipe_trains(tmp_path):
-    """The dpo example's plan names the loss, β and the reference (the base with the adapter disabled)."""
+@pytest.mark.parametrize(
+    ("overrides", "layout"),
+    [((), "pairs packed in rows"), (("sample_packing=false",), "each side of a pair a row of its own")],
+)
+def test_validate_says_how_a_preference_recipe_trains(tmp_path, overrides, layout):
+    """The dpo example's plan names the loss, β, the rows and the reference (the base with the adapter disabled)."""
     from tests.conftest import REPO
 
-    recipe = load_recipe(REPO / "examples" / "cpu" / "dpo.yaml", (f"dataset_prepared_path={tmp_path}",))
+    recipe = load_recipe(
+        REPO / "examples" / "cpu" / "dpo.yaml", (f"dataset_prepared_path={tmp_path}", *overrides)
+    )
     plan = preflight_module.describe_plan(RunPlan.build(recipe, 2))
     assert (
-        "  training:   rl: dpo, beta 0.1, each pair one row of two documents; reference: the base model "
+        f"  training:   rl: dpo, beta 0.1, {layout}; reference: the base model "
         "(adapter disabled), a second forward without gradients"
     ) in plan.splitlines()
 

@@ -10,8 +10,6 @@ NOTE: str | None = (
     "train yet is refused when the recipe is validated, before anything is loaded."
 )
 
-_LORA = "Train a LoRA (or QLoRA) adapter: `adapter: lora`."
-
 ENTRIES: tuple[Entry, ...] = (
     Entry(
         "rl-not-built",
@@ -42,6 +40,13 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove it, or set `rl`.",
     ),
     Entry(
+        "precompute-without-rl",
+        SECTION,
+        "precompute_ref_log_probs without rl",
+        "precompute_ref_log_probs: applies only with rl: dpo or rl: ipo; remove it.",
+        "Remove it, or set `rl`.",
+    ),
+    Entry(
         "label-smoothing-without-rl",
         SECTION,
         "dpo_label_smoothing without rl",
@@ -61,8 +66,9 @@ ENTRIES: tuple[Entry, ...] = (
         SECTION,
         "rl with a full fine-tune",
         "adapter: rl: dpo needs a reference model",
-        _LORA + " Full fine-tunes (a reference copy, or reference log-probs precomputed before training) are "
-        "not built yet.",
+        "Set `precompute_ref_log_probs: true`: a first pass computes the reference's log-prob sums of every "
+        "training pair from the model as loaded, and training reads them (no reference copy). Or train a LoRA "
+        "(or QLoRA) adapter: `adapter: lora`.",
     ),
     Entry(
         "rl-lora-model-dir",
@@ -107,11 +113,13 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove `tensor_parallel_size`.",
     ),
     Entry(
-        "rl-cp-backend",
+        "rl-torch-bidirectional",
         SECTION,
-        "rl with a cp_backend that cannot sum a pair over its shards",
-        "needs a backend that sums each pair's log-probs over its shards, which cp_backend: torch does not yet",
-        "Use `cp_backend: ring-flash-attn`.",
+        "rl with cp_backend: torch and causal: false",
+        "with cp_backend: torch and causal: false: each side of a pair is a row of its own, padded to the longer "
+        "side",
+        "torch's bidirectional context-parallel attention takes no padding mask. Use `cp_backend: ring-flash-attn` "
+        "(or `deepspeed`), which mask documents and padding, or `causal: true`.",
     ),
     Entry(
         "rl-zigzag",
@@ -154,4 +162,15 @@ ENTRIES: tuple[Entry, ...] = (
     ),
 )
 
-DOCUMENTED: tuple[Documented, ...] = ()
+DOCUMENTED: tuple[Documented, ...] = (
+    Documented(
+        "rl-cp-backend",
+        SECTION,
+        "rl with a cp_backend that cannot sum a pair over its shards",
+        "needs a backend that sums each pair's log-probs over its shards, which",
+        "Use a backend the message names (`ring-flash-attn`, `torch`, `deepspeed` all train pairs).",
+        raised_in="src/cptune/config/rules.py",
+        why_not_in_catalogue="every backend of cptune's table trains preference pairs; only a backend added to the "
+        "table without trains_preference_pairs (a new backend being written) meets it",
+    ),
+)

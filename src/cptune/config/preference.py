@@ -46,6 +46,13 @@ class PreferenceKeys(BaseModel):
         "-(1-ε)·log σ(s) - ε·log σ(-s)); 0 is the plain sigmoid loss.",
     )
 
+    precompute_ref_log_probs: bool = Field(
+        False,
+        description="Compute the reference's log-prob sums of every training pair in a first pass before training "
+        "(the model as loaded), and train against them: no reference forward per step. Needed by a full "
+        "fine-tune (no adapter to disable); allowed with LoRA.",
+    )
+
     def rl_refusal(self) -> str | None:
         """Why ``rl`` cannot be trained (an rl value not built, or not known); None for dpo, ipo and unset."""
         if self.rl is None or self.rl in PREFERENCE_LOSSES:

@@ -101,3 +101,18 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
         if self.saves_per_epoch:
             return share_of_run(self.saves_per_epoch, self.num_epochs)
         return None
+
+    @property
+    def pair_sides_in_own_rows(self) -> bool:
+        """Preference pairs without ``sample_packing`` go into a batch as one row per side (chosen, rejected).
+
+        Every backend then sees rows of one document followed by padding, which causal attention keeps
+        exact without a document mask (torch's CP attention, DeepSpeed's Ulysses with sdpa); packed pairs
+        (two documents per pair in one row) need an attention that reads document boundaries.
+        """
+        return self.is_preference and not self.sample_packing
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows of a collated micro batch: ``micro_batch_size``, twice that when each pair side has its own row."""
+        return self.micro_batch_size * (2 if self.pair_sides_in_own_rows else 1)

@@ -285,6 +285,8 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
                 yield key, "applies only with rl: dpo or rl: ipo; remove it."
         if r.dpo_label_smoothing:
             yield "dpo_label_smoothing", "applies only with rl: dpo; remove it."
+        if r.precompute_ref_log_probs:
+            yield "precompute_ref_log_probs", "applies only with rl: dpo or rl: ipo; remove it."
         return
     rl = f"rl: {r.rl}"
     for key, index, dataset in entries:
@@ -295,12 +297,12 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
                 "(field_messages, field_chosen, field_rejected) or passthrough.default (prompt, chosen and rejected "
                 "text).",
             )
-    if r.adapter is None:
+    if r.adapter is None and not r.precompute_ref_log_probs:
         yield (
             "adapter",
             f"{rl} needs a reference model: with adapter: lora (or qlora) it is the base model with the adapter "
-            "disabled, no copy. A full fine-tune (a reference copy, or reference log-probs precomputed before "
-            "training) is not built yet; set adapter: lora.",
+            "disabled, no copy; a full fine-tune has no adapter to disable. Set precompute_ref_log_probs: true (the "
+            "reference's log-probs of every pair computed in a first pass, from the model as loaded), or adapter: lora.",
         )
     if r.lora_model_dir is not None:
         yield (

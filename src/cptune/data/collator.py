@@ -42,6 +42,9 @@ class PackedCollator:
         pad_to_multiple_of: Round the padded length up to a multiple of this.
         preference: The rows hold preference pairs (``rl``): the batch also has ``sequence_ids``
             (:func:`~cptune.labels.pair_sequence_ids`) and ``pairs``, the number of pairs in it.
+        pair_sides_in_own_rows: With ``preference``: each row holds one pair (two documents), which
+            the batch lays out as two rows, the chosen side then the rejected side, each followed by
+            padding (``Recipe.pair_sides_in_own_rows``: attention without a document mask stays exact).
     """
 
     pad_token_id: int | None
@@ -49,6 +52,7 @@ class PackedCollator:
     pad_to_sequence_len: bool = False
     pad_to_multiple_of: int | None = None
     preference: bool = False
+    pair_sides_in_own_rows: bool = False
 
     @classmethod
     def for_recipe(cls, recipe: Recipe, pad_token_id: int | None) -> PackedCollator:
@@ -58,6 +62,7 @@ class PackedCollator:
             sequence_len=recipe.sequence_len,
             pad_to_sequence_len=recipe.pad_to_sequence_len,
             preference=recipe.is_preference,
+            pair_sides_in_own_rows=recipe.pair_sides_in_own_rows,
         )
 
     def __post_init__(self) -> None:
@@ -79,6 +84,8 @@ class PackedCollator:
         (batch, seq), plus ``num_tokens``: the number of real (non-padding) tokens."""
         if not rows:
             raise ValueError("cannot collate an empty batch")
+        if self.pair_sides_in_own_rows:
+            rows = [side for row in rows for side in split_pair_sides(row)]
         length = self.padded_length(max(len(row["input_ids"]) for row in rows))
         pad = 0 if self.pad_token_id is None else self.pad_token_id
         input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
@@ -102,7 +109,37 @@ class PackedCollator:
             "num_tokens": torch.tensor(sum(len(row["input_ids"]) for row in rows)),
         }
         if self.preference:
-            sequence_ids = pair_sequence_ids(position_ids, [len(row["input_ids"]) for row in rows])
+            sequence_ids = pair_sequence_ids(
+                position_ids,
+                [len(row["input_ids"]) for row in rows],
+                one_side_per_row=self.pair_sides_in_own_rows,
+            )
             batch["sequence_ids"] = sequence_ids
             batch["pairs"] = (sequence_ids.max() + 1) // 2
+            if "reference_logps" in rows[0]:
+                # Precomputed (precompute_ref_log_probs): chosen, rejected of each pair of the row, in order;
+                # sides split into rows carry their pair's two values on the chosen side's row.
+                batch["reference_logps"] = torch.tensor(
+                    [v for row in rows for v in row.get("reference_logps", ())], dtype=torch.float32
+                )
         return batch
+
+
+def split_pair_sides(row: Mapping[str, Sequence[int]]) -> list[dict[str, list[int]]]:
+    """A prepared pair row (prompt + chosen, then prompt + rejected) as two rows, one per side.
+
+    Raises:
+        ValueError: The row does not hold exactly two documents (``position_ids`` restart once).
+    """
+    positions = list(row["position_ids"])
+    starts = [i for i, p in enumerate(positions) if p == 0]
+    if len(starts) != 2 or starts[0] != 0:
+        raise ValueError(
+            f"a preference row to split into its sides holds {len(starts)} documents, not one pair"
+        )
+    cut = starts[1]
+    chosen = {key: list(row[key][:cut]) for key in ("input_ids", "labels", "position_ids")}
+    rejected = {key: list(row[key][cut:]) for key in ("input_ids", "labels", "position_ids")}
+    if "reference_logps" in row:
+        chosen["reference_logps"], rejected["reference_logps"] = list(row["reference_logps"]), []
+    return [chosen, rejected]

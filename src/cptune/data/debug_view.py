@@ -14,7 +14,7 @@ attend to each other and never predict each other's tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cptune.data.collator import PackedCollator
@@ -97,6 +97,9 @@ def debug_rows(rows: Any, collator: PackedCollator, indices: Sequence[int]) -> l
         collator: The training collator (:meth:`PackedCollator.for_recipe`).
         indices: Which rows.
     """
+    # A stored pair row shown as one row even where training lays its sides out as a row each: the marks
+    # (targets within each document) are the same either way.
+    collator = replace(collator, pair_sides_in_own_rows=False)
     out = []
     for index in indices:
         row = rows[index]

@@ -132,11 +132,14 @@ class PairBatch:
         tokens: The rows' tokens, positions and targets.
         sequence_ids: ``(rows, tokens)``: ``2·pair + side`` of each token, -1 on padding.
         pairs: Pairs in the batch.
+        reference_logps: ``(2·pairs,)`` the reference's complete log-prob sums, when precomputed
+            (``precompute_ref_log_probs``); None: the reference runs with the policy.
     """
 
     tokens: TokenBatch
     sequence_ids: torch.Tensor
     pairs: int
+    reference_logps: torch.Tensor | None = None
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, Any]) -> PairBatch:
@@ -149,6 +152,7 @@ class PairBatch:
             ),
             sequence_ids=inputs["sequence_ids"],
             pairs=int(inputs["pairs"]),
+            reference_logps=inputs.get("reference_logps"),
         )
 
     @property
@@ -174,7 +178,9 @@ class PairBatch:
             raise CptuneError("this cp_backend gives no token coordinates, which preference training needs")
         sequence_ids = self.sequence_ids.to(coords.rows.device)
         real = coords.rows >= 0
-        ids = torch.where(real, sequence_ids[coords.rows.clamp(min=0), coords.columns], -1)
+        # Padding a backend adds to split rows evenly has row -1 and columns past the rows' end.
+        rows, columns = coords.rows.clamp(min=0), coords.columns.clamp(max=sequence_ids.shape[-1] - 1)
+        ids = torch.where(real, sequence_ids[rows, columns], -1)
         if bool((ids[shift_labels.to(ids.device) != IGNORE_INDEX] < 0).any()):
             raise RuntimeError("a target of this rank's shard belongs to no preference sequence")
         return ids, self.sequences
@@ -216,25 +222,47 @@ def pair_forward(
         loss: The preference loss.
         group: This rank's CP group; None when the rank holds whole rows (cp=1): its sums are complete.
         reference_context: Entered around the reference forward (besides ``torch.no_grad``): turns the
-            policy into the reference (the adapter disabled).
+            policy into the reference (the adapter disabled). No reference forward runs when the batch
+            carries precomputed sums (``batch.reference_logps``).
         on_shard: Called with the policy forward's shard before it runs (exact dropout's keys).
         attention_layers: The model's attention layers, to check each forward went through the backend.
         complete: Completes the policy's sums over the group (replaceable to plant a bug in tests).
     """
-    reference_shard = sharder.shard(batch.tokens)
-    with torch.no_grad(), reference_context():
-        reference_local = sequence_log_probs(reference_model, reference_shard, shard_loss, batch)
-    _check_served(reference_shard, attention_layers)
+    if batch.reference_logps is None:
+        reference = reference_log_probs(
+            reference_model, sharder, shard_loss, batch, group, reference_context, attention_layers
+        )
+    else:
+        reference = batch.reference_logps
     sharded = sharder.shard(batch.tokens)
     if on_shard is not None:
         on_shard(sharded)
     local = sequence_log_probs(model, sharded, shard_loss, batch)
     _check_served(sharded, attention_layers)
-    if group is None:
-        return loss.pair_outputs(local, reference_local, batch.target_counts())
-    reference = all_reduce_sum(reference_local, group)
-    policy = complete(local, group)
-    return loss.pair_outputs(policy, reference, batch.target_counts())
+    policy = local if group is None else complete(local, group)
+    return loss.pair_outputs(policy, reference.to(policy), batch.target_counts())
+
+
+def reference_log_probs(
+    model: torch.nn.Module,
+    sharder: BatchSharder,
+    shard_loss: Callable[..., Any],
+    batch: PairBatch,
+    group: dist.ProcessGroup | None,
+    reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    attention_layers: int | None = None,
+) -> torch.Tensor:
+    """The reference's complete log-prob sums of every sequence of ``batch``: ``(2·pairs,)``, no gradients.
+
+    Each rank runs ``model`` (under ``reference_context``) on its shard; a plain all-reduce over ``group``
+    completes the sums (None: whole rows, complete already). The first pass of
+    ``precompute_ref_log_probs`` calls it as :func:`pair_forward` does.
+    """
+    shard = sharder.shard(batch.tokens)
+    with torch.no_grad(), reference_context():
+        local = sequence_log_probs(model, shard, shard_loss, batch)
+    _check_served(shard, attention_layers)
+    return local if group is None else all_reduce_sum(local, group)
 
 
 def _check_served(sharded: ShardedInputs, attention_layers: int | None) -> None:

@@ -35,6 +35,7 @@ CASES: tuple[Case, ...] = (
     Case("rl-unknown", setup=lambda ws: {**_pairs(ws), "rl": "ppo"}),
     Case("preference-type-without-rl", setup=lambda ws: {**_pairs(ws), "rl": DELETE}),
     Case("beta-without-rl", keys={"rl_beta": 0.2}),
+    Case("precompute-without-rl", keys={"precompute_ref_log_probs": True}),
     Case("label-smoothing-without-rl", keys={"dpo_label_smoothing": 0.1}),
     Case("rl-supervised-type", keys={"rl": "dpo"}),
     Case("rl-full-fine-tune", setup=lambda ws: {**_pairs(ws), "adapter": DELETE}),
@@ -48,12 +49,14 @@ CASES: tuple[Case, ...] = (
         setup=lambda ws: {**_pairs(ws), "tensor_parallel_size": 2, "fsdp_version": 2, "adapter": "lora"},
     ),
     Case(
-        "rl-cp-backend",
+        "rl-torch-bidirectional",
         setup=lambda ws: {
             **_pairs(ws),
             "context_parallel_size": 2,
             "cp_backend": "torch",
             "sample_packing": False,
+            "causal": False,
+            "cp_load_balance": False,
         },
     ),
     Case(

@@ -215,8 +215,13 @@ def describe_plan(
     ]
     lines += [f"  {line}" for line in plan.backend.plan_lines(recipe)]
     if recipe.is_preference:
+        layout = (
+            "each side of a pair a row of its own"
+            if recipe.pair_sides_in_own_rows
+            else "pairs packed in rows"
+        )
         lines.append(
-            f"  training:   rl: {recipe.rl}, beta {recipe.resolved_beta:g}, each pair one row of two documents; "
+            f"  training:   rl: {recipe.rl}, beta {recipe.resolved_beta:g}, {layout}; "
             "reference: the base model (adapter disabled), a second forward without gradients"
         )
     lines += ["", *describe_state_memory(plan, config)]

@@ -130,7 +130,13 @@ def build_trainer(
         from cptune.parallel.preference import PreferenceLoss
         from cptune.run.training.preference_trainer import PreferenceTrainer
 
-        trainer_class, extra = PreferenceTrainer, {"preference_loss": PreferenceLoss.from_recipe(recipe)}
+        trainer_class, extra = (
+            PreferenceTrainer,
+            {
+                "preference_loss": PreferenceLoss.from_recipe(recipe),
+                "precompute_reference": recipe.precompute_ref_log_probs,
+            },
+        )
     return trainer_class(
         model=model,
         args=training_arguments(plan, env),

@@ -10,6 +10,7 @@ summed per pair and logged as means over the pairs since the last log.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -25,13 +26,16 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
+from cptune.run.training.reference_pass import precompute_reference, with_reference_column
 from cptune.run.training.trainer import CptuneTrainer
 
 
 class PreferenceTrainer(CptuneTrainer):
     """A :class:`CptuneTrainer` whose loss is the mean preference loss over the optimizer step's pairs."""
 
-    def __init__(self, *args: Any, preference_loss: PreferenceLoss, **kwargs: Any):
+    def __init__(
+        self, *args: Any, preference_loss: PreferenceLoss, precompute_reference: bool = False, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         if self._router is not None:
             raise CptuneError(
@@ -40,8 +44,36 @@ class PreferenceTrainer(CptuneTrainer):
                 "output_router_logits: false in overrides_of_model_config to train without it."
             )
         self.preference_loss = preference_loss
-        self._reference_context = adapter_disabled(self.accelerator.unwrap_model(self.model))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        has_adapter = callable(getattr(unwrapped, "disable_adapter", None))
+        # A full fine-tune's reference is the model as loaded, which only the first pass below sees.
+        self._reference_context = (
+            adapter_disabled(unwrapped) if has_adapter or not precompute_reference else contextlib.nullcontext
+        )
         self._metrics = PairMetrics()
+        if precompute_reference:
+            self._precompute_reference(unwrapped)
+
+    def _precompute_reference(self, model: torch.nn.Module) -> None:
+        """``precompute_ref_log_probs``: the training rows' reference sums, from the weights as loaded."""
+        # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at train());
+        # the first pass runs where training will (rl refuses ZeRO, whose stage 3 would partition it).
+        model.to(self.args.device)
+        dp_size = self.accelerator.num_processes // self.batch_group_size
+        sums = precompute_reference(
+            self.train_dataset,
+            self.data_collator,
+            model,
+            self.cp_backend,
+            self._shard_loss,
+            rows_per_batch=self.args.per_device_train_batch_size,
+            dp_rank=self.accelerator.process_index // self.batch_group_size,
+            dp_size=dp_size,
+            cp_group=self._cp_group,
+            reference_context=self._reference_context,
+            attention_layers=self._attention_layers,
+        )
+        self.train_dataset = with_reference_column(self.train_dataset, sums)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)

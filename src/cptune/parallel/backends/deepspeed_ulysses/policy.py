@@ -25,8 +25,9 @@ class DeepSpeedUlysses:
     attends_whole_layers = False
     splits_heads = True
     takes_tensor_parallel = False
-    # DeepSpeed's engine shards the batch itself; the per-pair sums over its shards are not built yet.
-    trains_preference_pairs = False
+    # cptune shards the batch and gives token coordinates; a pair's two documents share a row only with the
+    # document-aware core attention (cptune) or packing, which the rules above already make exact.
+    trains_preference_pairs = True
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """DeepSpeed: Ulysses, and ZeRO under ring-flash-attn or torch CP.

@@ -66,14 +66,14 @@ class DeepSpeedUlyssesRuntime:
                 model.config.get_text_config(),
                 ulysses.CORE_ATTENTION_NAMES[core],
                 cp_mesh.get_group(),
-                recipe.micro_batch_size,
+                recipe.rows_per_micro_batch,  # DeepSpeed's module reshapes with it
             )
             return ulysses.DeepSpeedUlyssesBackend(
                 core_attention=core,
                 causal=recipe.causal,
                 cp_size=dims.cp_size,
                 cp_rank=cp_mesh.get_local_rank(),
-                micro_batch_size=recipe.micro_batch_size,
+                micro_batch_size=recipe.rows_per_micro_batch,
                 pad_token_id=pad_token_id,
                 kv_heads_per_call=recipe.attention_kv_heads_per_call,
             )

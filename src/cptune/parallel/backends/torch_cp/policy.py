@@ -25,8 +25,9 @@ class TorchCp:
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = False
-    # A pair is two documents in one row, and torch's context-parallel attention takes no document mask.
-    trains_preference_pairs = False
+    # Unpacked only: each side of a pair is a row of its own (Recipe.pair_sides_in_own_rows), one document
+    # followed by padding, which causal attention keeps exact without a mask.
+    trains_preference_pairs = True
 
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """torch context parallelism.
@@ -35,7 +36,8 @@ class TorchCp:
         - With `cp_backend: torch` and `context_parallel_size > 1` (torch's attention takes no mask):
           `sample_packing: true` is refused (packed samples would attend to each other); with
           `causal: false`, `cp_load_balance: true` is refused (torch balances causal attention only) and
-          `pad_to_sequence_len: true` is refused (every token would attend to the padding).
+          `pad_to_sequence_len: true` is refused (every token would attend to the padding); `rl` with
+          `causal: false` is refused (a pair's two sides are padded to one length in a batch).
         """
         r = recipe
         if r.cp_backend != self.name:
@@ -57,6 +59,13 @@ class TorchCp:
                 "cp_load_balance",
                 "torch's load balancing reorders tokens for causal attention only (it refuses it otherwise); "
                 "with causal: false set cp_load_balance: false, or remove it.",
+            )
+        if not r.causal and r.is_preference:
+            yield (
+                "causal",
+                f"rl: {r.rl} with cp_backend: torch and causal: false: each side of a pair is a row of its own, "
+                "padded to the longer side, and torch's bidirectional context-parallel attention takes no padding "
+                "mask. Use cp_backend: ring-flash-attn (it masks documents and padding), or causal: true.",
             )
         if not r.causal and r.pad_to_sequence_len:
             yield (

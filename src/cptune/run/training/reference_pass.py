@@ -1,0 +1,118 @@
+"""``precompute_ref_log_probs``: the reference's log-prob sums of every training pair, in a first pass.
+
+A full fine-tune has no adapter to disable, so its reference is the model as loaded, before any step.
+Before training starts, every row of the prepared training data goes through that model once, under CP
+like a training forward (:func:`cptune.parallel.preference.reference_log_probs`: each rank's shard,
+completed over its CP group, no gradients); the sums become the rows' ``reference_logps`` column
+(chosen, rejected of each pair of the row, in order), which the collator puts in every batch, and
+:func:`~cptune.parallel.preference.pair_forward` then runs no reference forward.
+
+The data-parallel groups split the rows: batch ``b`` (``micro_batch_size`` rows in the stored order)
+goes to group ``b mod dp``, whose first CP rank writes its sums into a vector of every row's, summed
+over the world (one all-reduce: every other entry is zero, so the sum is exact). Every rank ends with
+every row's sums. They are computed each run from the weights as loaded (before a resume loads a
+checkpoint), so a resumed run trains against the same reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cptune.parallel.backends.base import BatchSharder, step_context
+from cptune.parallel.preference import PairBatch, reference_log_probs
+from cptune.parallel.shard import TokenBatch
+
+COLUMN = "reference_logps"
+"""The prepared rows' column of precomputed reference sums."""
+
+
+def row_pair_counts(rows: Any) -> list[int]:
+    """Pairs in each prepared row (documents, counted from its ``position_ids`` restarts, over two)."""
+    return [sum(1 for p in row["position_ids"] if p == 0) // 2 for row in rows]
+
+
+def precompute_reference(
+    rows: Any,
+    collate: Callable[[list], dict[str, Any]],
+    model: torch.nn.Module,
+    sharder: BatchSharder,
+    shard_loss: Callable[..., Any],
+    *,
+    rows_per_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    cp_group: dist.ProcessGroup | None,
+    reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    attention_layers: int | None = None,
+) -> list[list[float]]:
+    """Every row's reference sums: ``[chosen_0, rejected_0, chosen_1, ...]`` per row, on every rank (a collective).
+
+    Args:
+        rows: The prepared training rows (a ``datasets.Dataset`` or a list), in their stored order.
+        collate: The training collator.
+        model: The model as loaded (the reference).
+        sharder: This process's backend sharder.
+        shard_loss: The training shard loss (per-sequence sums through ``segments``).
+        rows_per_batch: Rows per forward (``micro_batch_size``).
+        dp_rank: This rank's data-parallel group.
+        dp_size: Data-parallel groups.
+        cp_group: This rank's CP group; None at cp=1.
+        reference_context: Entered around each forward (the adapter disabled, for LoRA).
+        attention_layers: The model's attention layers, to check each forward went through the backend.
+    """
+    pairs = row_pair_counts(rows)
+    offsets = [0]
+    for count in pairs:
+        offsets.append(offsets[-1] + 2 * count)
+    device = next(model.parameters()).device
+    sums = torch.zeros(offsets[-1], dtype=torch.float64, device=device)
+    writes = cp_group is None or dist.get_rank(cp_group) == 0
+    was_training = model.training
+    model.eval()  # no dropout: the reference of every step is the model without it
+    try:
+        starts = range(0, len(pairs), rows_per_batch)
+        for number, start in enumerate(starts):
+            if number % dp_size != dp_rank:
+                continue
+            stop = min(start + rows_per_batch, len(pairs))
+            batch = PairBatch.from_inputs(collate([rows[i] for i in range(start, stop)]))
+            with step_context(sharder):
+                values = reference_log_probs(
+                    model,
+                    sharder,
+                    shard_loss,
+                    _on(batch, device),
+                    cp_group,
+                    reference_context,
+                    attention_layers,
+                )
+            if writes:
+                sums[offsets[start] : offsets[stop]] = values.to(sums)
+    finally:
+        model.train(was_training)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    flat = sums.tolist()
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(pairs))]
+
+
+def _on(batch: PairBatch, device: torch.device) -> PairBatch:
+    tokens = batch.tokens
+    moved = TokenBatch(
+        input_ids=tokens.input_ids.to(device),
+        position_ids=tokens.position_ids.to(device),
+        shift_labels=tokens.shift_labels.to(device),
+    )
+    return PairBatch(moved, batch.sequence_ids.to(device), batch.pairs)
+
+
+def with_reference_column(rows: Any, sums: Sequence[Sequence[float]]) -> Any:
+    """``rows`` (a ``datasets.Dataset``) with the precomputed sums as :data:`COLUMN`."""
+    if COLUMN in rows.column_names:
+        rows = rows.remove_columns(COLUMN)
+    return rows.add_column(COLUMN, [list(row) for row in sums])
