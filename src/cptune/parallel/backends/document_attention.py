@@ -3,7 +3,9 @@
 DeepSpeed's Ulysses wrapper drops the attention mask, so packed documents would attend to each
 other through SDPA. This core attention reads the documents from the call's ``position_ids``
 instead and attends each within itself: one varlen FlashAttention-2 call over all of them on GPUs
-(:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere.
+(:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere. Under Ulysses every
+rank holds whole rows (for its heads), so a sliding-window layer's window (transformers'
+``sliding_window``, causal) counts positions of the whole sequence, within each document.
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from transformers import AttentionInterface
 
 from cptune.errors import CptuneError
 from cptune.labels import document_starts
-from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall, sdpa_tokens_first
+from cptune.parallel.backends.attention import (
+    ATTENTION_KWARG,
+    AttentionCall,
+    check_attention_extras,
+    check_window_taken,
+    sdpa_tokens_first,
+)
 from cptune.parallel.shard import cu_seqlens_from_starts
 
 DOCUMENT_ATTENTION_NAME = "cptune_documents"
@@ -41,10 +49,17 @@ class DocumentAttention:
     causal: bool
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """One document, (1, tokens, heads, head_dim)."""
-        return sdpa_tokens_first(q, k, v, scale, is_causal=self.causal)
+        """One document, (1, tokens, heads, head_dim); ``window``: a query sees its last ``window`` keys."""
+        if window is None:
+            return sdpa_tokens_first(q, k, v, scale, is_causal=self.causal)
+        return sdpa_tokens_first(q, k, v, scale, attn_mask=window_mask(q.shape[1], window, q.device))
 
     def rows(
         self,
@@ -53,10 +68,17 @@ class DocumentAttention:
         v: torch.Tensor,
         scale: float | None,
         position_ids: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens))."""
+        """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens)); ``window`` as in
+        ``__call__`` (causal only)."""
         from cptune.parallel.kernels import torch_flash
 
+        if window is not None and not self.causal:
+            raise CptuneError(
+                "cptune's Ulysses attention got a sliding window with causal: false; bidirectional windows "
+                "should have been refused before loading. This is a bug in cptune's model checks: please report it."
+            )
         positions = position_ids.expand(q.shape[0], -1)
         if torch_flash.runs(q):
             from cptune.parallel.kernels.varlen import varlen_attention
@@ -65,17 +87,29 @@ class DocumentAttention:
             cu_seqlens = cu_seqlens_from_starts(document_starts(positions).flatten())
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             out = varlen_attention(
-                *(t.flatten(0, 1) for t in (q, k, v)), cu_seqlens, max_seqlen, scale=scale, causal=self.causal
+                *(t.flatten(0, 1) for t in (q, k, v)),
+                cu_seqlens,
+                max_seqlen,
+                scale=scale,
+                causal=self.causal,
+                window=window,
             )
             return out.unflatten(0, q.shape[:2])
         rows = []
         for b in range(q.shape[0]):
             pieces = [
-                self(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scale)
+                self(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], scale, window)
                 for s, e in document_spans(positions[b])
             ]
             rows.append(torch.cat(pieces, dim=1))
         return torch.cat(rows)
+
+
+def window_mask(tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """(tokens, tokens) boolean mask of causal sliding-window attention: ``0 <= q - k < window``."""
+    index = torch.arange(tokens, device=device)
+    distance = index[:, None] - index[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def dense_attend(causal: bool) -> DocumentAttention:
@@ -91,6 +125,7 @@ def document_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention within each document of the whole sequence; inputs (batch, heads, tokens, head_dim).
@@ -122,8 +157,14 @@ def document_attention_forward(
             "base_model: cptune's attention does not support attention dropout (the model asked for "
             f"{dropout}); set attention_dropout to 0 in the model's config.json."
         )
+    check_attention_extras(kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = call.attend.rows(q, k, v, scaling, position_ids)
+    if sliding_window is None:
+        out = call.attend.rows(q, k, v, scaling, position_ids)
+    else:
+        check_window_taken(call, sliding_window)
+        out = call.attend.rows(q, k, v, scaling, position_ids, window=int(sliding_window))
+        call.windowed_layers_served += 1
     call.layers_served += 1
     return out, None
 
