@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -319,10 +318,12 @@ def make_backend(case: dict, groups: Groups, kernels):
 
 
 def with_window(kernels: RingKernels) -> RingKernels:
-    """Planted bug: a sliding window of 8 keys where the model has none."""
-    return dataclasses.replace(
-        kernels, varlen_llama3=functools.partial(kernels.varlen_llama3, window_size=(8, -1))
-    )
+    """Planted bug: a sliding window of 8 keys where the model has none (the call passes window_size=(-1, -1))."""
+
+    def varlen_llama3(*args, **kwargs):
+        return kernels.varlen_llama3(*args, **{**kwargs, "window_size": (8, -1)})
+
+    return dataclasses.replace(kernels, varlen_llama3=varlen_llama3)
 
 
 def without_first_boundary(kernels: RingKernels) -> RingKernels:
