@@ -256,6 +256,56 @@ def build_tiny_qwen3_moe(vocab_size: int, seed: int, **overrides: object) -> tor
     return model.to(torch.float32)
 
 
+def _tiny_fields(vocab_size: int) -> dict[str, object]:
+    """The tiny Llama's sizes and special-token ids, for configs of other families."""
+    llama = tiny_llama_config(vocab_size)
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    names += ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps")
+    names += ("tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
+    return {name: getattr(llama, name) for name in names}
+
+
+def build_tiny_mistral(
+    vocab_size: int, seed: int, sliding_window: int = 5, **overrides: object
+) -> torch.nn.Module:
+    """A randomly initialised float32 ``MistralForCausalLM`` of the tiny Llama's sizes, every layer windowed.
+
+    Mistral predates ``layer_types``: with ``sliding_window`` set, every layer's queries see their last
+    ``sliding_window`` keys (their own included). The caller's RNG is untouched.
+    """
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fields = {**_tiny_fields(vocab_size), "sliding_window": sliding_window, **overrides}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MistralForCausalLM(MistralConfig(**fields))
+    return model.to(torch.float32)
+
+
+def build_tiny_gemma3_text(
+    vocab_size: int, seed: int, sliding_window: int = 5, **overrides: object
+) -> torch.nn.Module:
+    """A randomly initialised float32 Gemma 3 text model (``Gemma3ForCausalLM``) of the tiny Llama's sizes.
+
+    3 layers: sliding, sliding, full (``layer_types``; Gemma 3 itself has 5 local : 1 global), each
+    with its own RoPE base as Gemma 3's; no soft-capping (Gemma 3 has none). The caller's RNG is untouched.
+    """
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    fields = {
+        **_tiny_fields(vocab_size),
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": sliding_window,
+        "query_pre_attn_scalar": 16,
+        **overrides,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**fields))
+    return model.to(torch.float32)
+
+
 def _generation_config(config: LlamaConfig) -> GenerationConfig:
     # Stop at </s> (alpaca-style data) and at <|im_end|> (chat-style data).
     return GenerationConfig(

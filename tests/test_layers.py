@@ -35,7 +35,7 @@ from cptune.parallel.backends.rows import NAMES as BACKEND_NAMES
 SRC = Path(__file__).resolve().parents[1] / "src" / "cptune"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "labels", "svg", "versions", "atomic", "__init__", "py"),
+    ("errors", "labels", "svg", "versions", "atomic", "console", "__init__", "py"),
     ("patches",),
     ("parallel",),
     ("config",),

@@ -16,7 +16,7 @@ bottom-right causal with fewer queries than keys (ring-flash-attn's llama3 layou
 (rows that see no key: LSE -inf, output and dq 0); packed documents (varlen) with grouped-query
 heads, causal, bidirectional and a sliding window; one key block's backward given the merged
 output and LSE of all blocks (the zigzag ring); the differentiable
-:func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention).
+:func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention), without and with a sliding window.
 ``--time`` adds the varlen kernels' forward+backward time against PyTorch's fused SDPA (flash
 backend) on one 16K-token causal sequence with Llama-3.1-8B's attention shape.
 
@@ -158,8 +158,10 @@ def run_checks(
             rows.append(_guarded(case, name, _varlen_case, case, name, q, k, v, dout, packed, causal, window))
         rows.append(_guarded("merged-LSE backward of one key block", name,
                              _merged_lse_case, randn, dtype, name, n, head_dim))  # fmt: skip
-        rows.append(_guarded("varlen_attention autograd (document attention)", name,
-                             _autograd_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
+        for window in (None, 128):  # DeepSpeed's document attention, and its sliding-window layers
+            case = _autograd_name(window)
+            rows.append(_guarded(case, name, _autograd_case, varlen_attention, randn, dtype, name, bounds_q,
+                                 device, head_dim, window))  # fmt: skip
         rows.append(_guarded("varlen_attention one KV head per call (attention_kv_heads_per_call: 1)", name,
                              _head_groups_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
         if on_row is not None:
@@ -236,8 +238,19 @@ def _merged_lse_case(randn, dtype, name, n, head_dim) -> dict[str, Any]:
     return _compare("merged-LSE backward of one key block", name, results[0], results[1], expected)
 
 
-def _autograd_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:
-    """cptune.parallel.kernels.varlen.varlen_attention, as DeepSpeed's document attention calls it."""
+def _autograd_name(window: int | None) -> str:
+    suffix = "" if window is None else f", sliding window {window}"
+    return f"varlen_attention autograd (document attention{suffix})"
+
+
+def _autograd_case(
+    varlen_attention, randn, dtype, name, bounds, device, head_dim, window=None
+) -> dict[str, Any]:
+    """cptune.parallel.kernels.varlen.varlen_attention, as DeepSpeed's document attention calls it.
+
+    ``window``: transformers' ``sliding_window`` (a query sees that many keys, its own included), which
+    varlen_attention hands the kernel as ``window_size_left = window - 1``.
+    """
     import torch
 
     from cptune.parallel.kernels import flash_attn_cpu
@@ -245,18 +258,19 @@ def _autograd_case(varlen_attention, randn, dtype, name, bounds, device, head_di
     total = bounds[-1]
     q, dout = randn(total, 16, head_dim, dtype=dtype), randn(total, 16, head_dim, dtype=dtype)
     k, v = randn(total, 4, head_dim, dtype=dtype), randn(total, 4, head_dim, dtype=dtype)
-    expected = _reference(lambda a, b, c: reference.varlen_attention(a, b, c, bounds, bounds, causal=True),
-                          q, k, v, dout)  # fmt: skip
+    left = (-1, -1) if window is None else (window - 1, -1)
+    expected = _reference(lambda a, b, c: reference.varlen_attention(a, b, c, bounds, bounds, causal=True,
+                                                                      window=left), q, k, v, dout)  # fmt: skip
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = varlen_attention(
-        *leaves, cu, max(b - a for a, b in itertools.pairwise(bounds)), scale=None, causal=True
+        *leaves, cu, max(b - a for a, b in itertools.pairwise(bounds)), scale=None, causal=True, window=window
     )
     out.backward(dout)
     got = {"out": out.detach(), **dict(zip(GRADS, (x.grad for x in leaves), strict=True))}
-    stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu, cu, _mask(True))
+    stand_in = _varlen(flash_attn_cpu, q, k, v, dout, cu, cu, _mask(True, left))
     expected.pop("lse")
-    return _compare("varlen_attention autograd (document attention)", name, got, stand_in, expected)
+    return _compare(_autograd_name(window), name, got, stand_in, expected)
 
 
 def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -61,7 +60,13 @@ from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
-from devtools.tiny import build_tiny_model, build_tiny_qwen3_moe, tiny_llama_config
+from devtools.tiny import (
+    build_tiny_gemma3_text,
+    build_tiny_mistral,
+    build_tiny_model,
+    build_tiny_qwen3_moe,
+    tiny_llama_config,
+)
 from tests import reorder
 from tests.numerics import float64_logits_loss, relative_errors
 
@@ -73,16 +78,19 @@ LEARNING_RATE = 0.5
 
 
 def make_row(
-    generator: torch.Generator, length: int, packed: bool, full: bool = False
+    generator: torch.Generator, length: int, packed: bool, full: bool = False, long_doc: bool = False
 ) -> tuple[list[int], list[int], list[int]]:
     """Token ids, labels (prompt tokens masked) and positions of one row of ``length`` tokens.
 
     ``full``: one document over the whole row (no padding), as torch's bidirectional CP needs.
+    ``long_doc`` (packed): 3 short documents in the row's first third, then one long document over
+    the rest, wider than the sliding window of the windowed models and crossing every shard boundary.
     """
     if full:
         docs = [length]
     elif packed:
-        cuts = sorted(torch.randperm(length - 1, generator=generator)[:3].add(1).tolist())
+        span = length // 3 if long_doc else length - 1
+        cuts = sorted(torch.randperm(span, generator=generator)[:3].add(1).tolist())
         docs = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
     else:
         real = int(torch.randint(length // 2, length + 1, (1,), generator=generator))
@@ -109,7 +117,13 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
         micro = []
         for _ in range(case["ga"]):
             rows = [
-                make_row(generator, case["seq_len"], case["packed"], case.get("full_rows", False))
+                make_row(
+                    generator,
+                    case["seq_len"],
+                    case["packed"],
+                    case.get("full_rows", False),
+                    case.get("long_doc", False),
+                )
                 for _ in range(case["mbs"])
             ]
             ids = torch.tensor([r[0] for r in rows])
@@ -131,6 +145,10 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         model.set_experts_implementation("eager")
     elif case.get("arch") == "qwen3":
         model = tiny_qwen3(config)
+    elif case.get("arch") == "mistral":  # a sliding window on every layer
+        model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+    elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
+        model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
     else:
         model = build_tiny_model(config, seed=1234)
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
@@ -300,10 +318,12 @@ def make_backend(case: dict, groups: Groups, kernels):
 
 
 def with_window(kernels: RingKernels) -> RingKernels:
-    """Planted bug: a sliding window of 8 keys where the model has none."""
-    return dataclasses.replace(
-        kernels, varlen_llama3=functools.partial(kernels.varlen_llama3, window_size=(8, -1))
-    )
+    """Planted bug: a sliding window of 8 keys where the model has none (the call passes window_size=(-1, -1))."""
+
+    def varlen_llama3(*args, **kwargs):
+        return kernels.varlen_llama3(*args, **{**kwargs, "window_size": (8, -1)})
+
+    return dataclasses.replace(kernels, varlen_llama3=varlen_llama3)
 
 
 def without_first_boundary(kernels: RingKernels) -> RingKernels:
@@ -315,8 +335,43 @@ def without_first_boundary(kernels: RingKernels) -> RingKernels:
     return dataclasses.replace(kernels, prepare_cu_seqlens=prepare)
 
 
+def shard_local_window(kernels: RingKernels) -> RingKernels:
+    """Planted bug: sliding windows counted in shard-local positions, so no window reaches back across the
+    rank's shard boundary (each rank's queries see only keys of its own shard, as if its shard started the
+    sequence); full attention through the same kernels stays whole-sequence."""
+    gathered: dict[str, Any] = {}
+
+    def prepare(cu_seqlens, *, causal, rank, world_size):
+        prepared = kernels.prepare_cu_seqlens(cu_seqlens, causal=causal, rank=rank, world_size=world_size)
+        cu_q, _, max_q, _, _ = prepared
+        length = int(cu_seqlens[-1]) // world_size
+        gathered["local"] = (cu_q, cu_q, max_q, max_q, slice(rank * length, (rank + 1) * length))
+        return prepared
+
+    def varlen_llama3(q, k, v, cu_q, cu_k, max_q, max_k, stride, k_slice, **kwargs):
+        if kwargs.get("window_size", (-1, -1)) != (-1, -1):
+            cu_q, cu_k, max_q, max_k, k_slice = gathered["local"]
+        return kernels.varlen_llama3(q, k, v, cu_q, cu_k, max_q, max_k, stride, k_slice, **kwargs)
+
+    return dataclasses.replace(kernels, prepare_cu_seqlens=prepare, varlen_llama3=varlen_llama3)
+
+
+def dropped_window(kernels: RingKernels) -> RingKernels:
+    """Planted bug: the model's sliding window not passed to the kernel (full attention on windowed layers)."""
+
+    def varlen_llama3(*args, **kwargs):
+        return kernels.varlen_llama3(*args, **{**kwargs, "window_size": (-1, -1)})
+
+    return dataclasses.replace(kernels, varlen_llama3=varlen_llama3)
+
+
 # Planted bugs in the ring kernels (``inject`` of a case); ``grad_scale`` is planted in run_case.
-INJECTIONS = {"window": with_window, "boundary": without_first_boundary}
+INJECTIONS = {
+    "window": with_window,
+    "boundary": without_first_boundary,
+    "window_shard_local": shard_local_window,
+    "window_dropped": dropped_window,
+}
 
 
 def first_rows(case: dict, step: int, dp_size: int) -> list[list[int]]:

@@ -122,6 +122,32 @@ PLANTED_CASES = [
     case("planted-boundary", inject="boundary", lora=False),
     # Each rank's router loss from its own shard's tokens, not summed over the CP group.
     case("planted-router-local", inject="router_local", arch="qwen3_moe", lora=False),
+    # Mistral's sliding windows counted in shard-local positions (no window reaches back across a shard
+    # boundary), and not passed to the kernel at all.
+    case(
+        "planted-window-shard-local", inject="window_shard_local", arch="mistral", long_doc=True, lora=False
+    ),
+    case("planted-window-dropped", inject="window_dropped", arch="mistral", long_doc=True, lora=False),
+]
+
+# Sliding-window layers (ring-flash-attn's varlen_llama3, causal): a tiny Mistral with a window of 5 keys on
+# every layer, and a tiny Gemma 3 text model (sliding, sliding, full). Packed rows hold 3 short documents
+# and one long document over the last two thirds of the row, wider than the window and crossing every
+# shard boundary; unpacked rows hold one document of 12 to 24 tokens. The cp=1 reference is transformers'
+# own sdpa with its sliding-window mask (tests/parallel/backends/test_sliding_window.py checks it against
+# eager attention document by document).
+WINDOW_CP2_CASES = [
+    case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True),
+    case(
+        "window-mistral-packed-causal-full-mbs2-ga2", arch="mistral", long_doc=True, lora=False, mbs=2, ga=2
+    ),
+    case("window-mistral-unpacked-causal-full", arch="mistral", packed=False, lora=False),
+    case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True),
+    case("window-gemma3-packed-causal-full", arch="gemma3", long_doc=True, lora=False),
+]
+WINDOW_CP4_CASES = [
+    case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True, seq_len=32),
+    case("window-mistral-packed-causal-full", arch="mistral", long_doc=True, lora=False, seq_len=32),
 ]
 
 # Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
@@ -231,12 +257,18 @@ SPAWNS = {
         + PREFERENCE_CP2_CASES
         + TORCH_PREFERENCE_CP2_CASES
         + PREFERENCE_PLANTED_CASES
-        + MOE_CP2_CASES,
+        + MOE_CP2_CASES
+        + WINDOW_CP2_CASES,
     ),
     "cp4": (
         4,
         4,
-        CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + TORCH_PREFERENCE_CP4_CASES + MOE_CP4_CASES,
+        CP4_CASES
+        + TORCH_CP4_CASES
+        + PREFERENCE_CP4_CASES
+        + TORCH_PREFERENCE_CP4_CASES
+        + MOE_CP4_CASES
+        + WINDOW_CP4_CASES,
     ),
     "dp2xcp2": (
         4,
@@ -459,9 +491,20 @@ def test_moe_router_loss_parity_fp32(parity_results, spawn, cases):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"), [("cp2", WINDOW_CP2_CASES), ("cp4", WINDOW_CP4_CASES)], ids=["cp2", "cp4"]
+)
+def test_sliding_window_parity_fp32(parity_results, spawn, cases):
+    """Mistral (every layer windowed) and Gemma 3 (sliding, sliding, full) at cp=2 and cp=4 on ring-flash-attn's
+    varlen_llama3: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run, by the float64 rule."""
+    check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
-    """A wrong gradient scale, a sliding window, a dropped document boundary and a per-rank router loss, each
-    planted in the cp=2 ring path: the fp32 check of the tests above fails on every one."""
+    """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss, and
+    Mistral's sliding windows counted in shard-local positions or dropped, each planted in the cp=2 ring
+    path: the fp32 check of the tests above fails on every one."""
     results = parity_results("cp2")
     for case_ in PLANTED_CASES:
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]

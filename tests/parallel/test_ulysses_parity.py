@@ -19,6 +19,8 @@ losses, step-0 gradients and step-0 DPO metrics of the cp=1 run, by the same rul
 Core attention: ``cptune`` (document-aware, the default) for packed and
 bidirectional rows; ``sdpa`` for unpacked causal rows (the recipe refuses packed
 rows with sdpa: tests/config/test_loader.py).
+Sliding-window models (a tiny Mistral and Gemma 3 text, ``WINDOW_CP2_CASES`` and the cp4 window
+cases) run through the ``cptune`` core attention, which attends each layer's window over whole rows.
 """
 
 from __future__ import annotations
@@ -102,10 +104,22 @@ PREFERENCE_CP2_CASES = [
 ]
 PREFERENCE_CP4_CASES = [case("pref-cp4-dpo-packed-mbs2-kv2", preference="dpo", cp=4, mbs=2)]
 PREFERENCE_DP2_CP2_CASES = [case("pref-dp2xcp2-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2)]
+# Sliding-window layers through the cptune core attention (whole rows per head group after the all-to-all):
+# a tiny Mistral (a window of 5 keys on every layer) and Gemma 3 text (sliding, sliding, full); packed rows
+# of 3 short documents and one long one wider than the window (tests/parallel/test_parity.py).
+WINDOW_CP2_CASES = [
+    case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True),
+    case("window-mistral-ga2-packed-causal-full", arch="mistral", long_doc=True, lora=False, ga=2),
+    case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True),
+]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.
     case("cp4-packed-causal-lora-kv2", cp=4, seq_len=30, ga=2),
     case("cp4-mbs2-unpacked-full-sdpa-kv4", cp=4, packed=False, lora=False, core="sdpa", kv_heads=4, mbs=2),
+    case("cp4-window-mistral-packed-causal-lora", cp=4, arch="mistral", long_doc=True, seq_len=32),
+    case(
+        "cp4-window-mistral-packed-causal-full", cp=4, arch="mistral", long_doc=True, lora=False, seq_len=32
+    ),
 ]
 DP2_CP2_CASES = [
     case("dp2xcp2-mbs2-ga2-packed-lora", mbs=2, ga=2),
@@ -126,7 +140,7 @@ DP2_CP2_CASES = [
 @pytest.mark.parametrize(
     ("world", "cases"),
     [
-        (2, CP2_CASES + PREFERENCE_CP2_CASES),
+        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES),
         (4, CP4_CASES + DP2_CP2_CASES + PREFERENCE_CP4_CASES + PREFERENCE_DP2_CP2_CASES),
     ],
     ids=["cp2", "cp4-and-dp2xcp2"],

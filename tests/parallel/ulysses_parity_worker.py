@@ -44,7 +44,12 @@ from float64_reference import float64_twin  # tests/parallel/float64_reference.p
 from ulysses_preference_case import run_ulysses_preference_case  # tests/parallel/, beside this script
 
 from cptune.labels import shift_labels_within_documents
-from cptune.parallel.backends.attention import ATTENTION_NAME, check_layers_served, register_attention
+from cptune.parallel.backends.attention import (
+    ATTENTION_NAME,
+    check_layers_served,
+    count_windowed_layers,
+    register_attention,
+)
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.deepspeed_ulysses.patches import attention_registry_scope_patch
 from cptune.parallel.backends.deepspeed_ulysses.sharding import (
@@ -59,7 +64,7 @@ from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_co
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
-from devtools.tiny import build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_gemma3_text, build_tiny_mistral, build_tiny_model, tiny_llama_config
 from tests import reorder
 from tests.numerics import float64_loss_sum, relative_errors
 from tests.parallel.zero3_partition import whole_parameters
@@ -71,12 +76,17 @@ LEARNING_RATE = 0.5
 
 
 def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
-    """``mbs`` rows of ``seq_len`` tokens: packed (3 cuts) or one document plus end padding."""
+    """``mbs`` rows of ``seq_len`` tokens: packed (3 cuts) or one document plus end padding.
+
+    ``long_doc`` (packed): the 3 cuts in the row's first third, so one long document fills the rest (wider
+    than the windowed models' sliding window, crossing every shard boundary).
+    """
     ids, labels, positions = [], [], []
     for _ in range(case["mbs"]):
         length = case["seq_len"]
         if case["packed"]:
-            cuts = sorted(torch.randperm(length - 1, generator=generator)[:3].add(1).tolist())
+            span = length // 3 if case.get("long_doc") else length - 1
+            cuts = sorted(torch.randperm(span, generator=generator)[:3].add(1).tolist())
             docs = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
         else:
             real = int(torch.randint(length // 2, length + 1, (1,), generator=generator))
@@ -99,7 +109,13 @@ def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
 
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
-    model = build_tiny_model(tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2)), seed=1234)
+    if case.get("arch") == "mistral":  # a sliding window on every layer
+        model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+    elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
+        model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+    else:
+        config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
+        model = build_tiny_model(config, seed=1234)
     model.set_attn_implementation(attn_implementation)
     if case.get("qlora"):
         from quantized import quantized_4bit  # tests/parallel/quantized.py, beside this script
@@ -263,8 +279,9 @@ def run_case(case: dict) -> dict:
             with step_context(backend):  # torch's CP dispatcher, around forward and backward
                 sharded = backend.shard(batch)
                 loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
-                if sharded.call is not None:
-                    check_layers_served(sharded.call, 2)
+                if sharded.call is not None:  # every layer served, every windowed one with its window
+                    text = engine.module.config.get_text_config()
+                    check_layers_served(sharded.call, text.num_hidden_layers, count_windowed_layers(text))
                 loss = scaled_step_loss(loss_sum, step_targets, divisor)
                 engine.backward(loss, scale_wrt_gas=False)
             logged += loss.item()  # what CptuneTrainer.training_step returns

@@ -83,6 +83,26 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "check_model_config refuses the config before launching (model-attention-dropout)",
     ),
     (
+        "src/cptune/parallel/backends/attention.py",
+        "which cptune's context-parallel attention does not; use a model without it",
+        "check_model_config refuses soft-capping before launching (model-attention-softcapping)",
+    ),
+    (
+        "src/cptune/parallel/backends/attention.py",
+        "which cptune's context-parallel attention does not apply; use context_parallel_size: 1.",
+        "check_model_config refuses sinks before launching (model-attention-sinks)",
+    ),
+    (
+        "src/cptune/parallel/backends/attention.py",
+        "This is a bug in cptune's model checks: please report it",
+        "a bug in cptune: the backends' check_model refuses windows they cannot attend (model-sliding-window)",
+    ),
+    (
+        "src/cptune/parallel/backends/document_attention.py",
+        "This is a bug in cptune's model checks: please report it.",
+        "a bug in cptune: check_window_support refuses bidirectional windows first (model-sliding-window)",
+    ),
+    (
         "src/cptune/data/sources.py",
         "not one split; set",
         "load_dataset with a split and load_from_disk of one split always give one split",

@@ -20,11 +20,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "ulysses-sliding-window",
         SECTION,
-        "A sliding-window model with DeepSpeed Ulysses",
-        "base_model: has sliding-window attention layers, which ulysses_attn_implementation: cptune would "
-        "compute as full attention",
-        "DeepSpeed's Ulysses wrapper drops the mask. Use `ulysses_attn_implementation: flash_attention_2` on "
-        "GPUs (it applies the window), or a model with full attention only.",
+        "A sliding-window model with DeepSpeed Ulysses and sdpa",
+        "which cp_backend: deepspeed with ulysses_attn_implementation: sdpa cannot compute exactly: DeepSpeed's "
+        "Ulysses wrapper drops the attention mask",
+        "sdpa gets its window from the mask DeepSpeed drops. Use `ulysses_attn_implementation: cptune` (the "
+        "default, exact on CPU and GPU, causal) or `flash_attention_2` on GPUs.",
     ),
     Entry(
         "deepspeed-json-optimizer",

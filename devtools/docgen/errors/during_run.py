@@ -92,6 +92,20 @@ DOCUMENTED: tuple[Documented, ...] = (
         tested_by="tests/parallel/backends/test_attention.py::test_a_layer_that_bypasses_the_backend_is_an_error",
     ),
     Documented(
+        "model-windowed-layers-without-window",
+        SECTION,
+        "Sliding-window layers that do not pass their window",
+        "sliding-window layers; the others would attend over the whole sequence",
+        "The model's config has sliding-window layers, but some of them called the attention without their "
+        "`sliding_window` (custom attention code), so cptune's context-parallel attention would attend the "
+        "whole sequence there. Use `context_parallel_size: 1` with `causal: true`, where transformers' own "
+        "attention applies the window. Raised at the first step.",
+        raised_in="src/cptune/parallel/backends/attention.py",
+        why_not_in_catalogue="it is found by counting the windows of a real forward pass",
+        tested_by="tests/parallel/backends/test_sliding_window.py::"
+        "test_windowed_layers_that_do_not_pass_their_window_are_caught",
+    ),
+    Documented(
         "model-without-layer-count",
         SECTION,
         "A model config without num_hidden_layers",

@@ -145,13 +145,33 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "model-sliding-window",
         SECTION,
-        "A sliding-window model with context parallelism or causal: false",
-        "base_model: has attention layers of type ['sliding_attention'], but cp_backend: ring-flash-attn "
-        "computes full (causal or bidirectional) attention over the whole row",
-        "cptune's attention never sees the window, so those layers would silently attend to too much. Use a "
-        "model with full attention only (for Mistral-style configs, `sliding_window: null` if the model was "
-        "trained so), or `context_parallel_size: 1` with `causal: true`. `causal: false` is refused for the "
-        "same reason at any context_parallel_size.",
+        "A sliding-window model with a backend that cannot attend its windows",
+        "base_model: mistral has attention layers of type ['sliding_attention'] (sliding_window: 16), which "
+        "cp_backend: torch cannot compute exactly",
+        "Sliding-window layers are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3`) "
+        "and `cp_backend: deepspeed` (`ulysses_attn_implementation: cptune` or `flash_attention_2`), causal "
+        "only. PyTorch's context-parallel attention takes no window, `batch_zigzag` would count the window "
+        "within blocks, and `causal: false` has no exact window under context parallelism: the message "
+        "names the reason. See the model table in choosing-a-backend.md.",
+    ),
+    Entry(
+        "model-attention-softcapping",
+        SECTION,
+        "A model that soft-caps its attention logits (Gemma 2) with context parallelism",
+        "base_model: gemma2 soft-caps its attention logits (attn_logit_softcapping: 50.0), which cp_backend: "
+        "ring-flash-attn does not",
+        "cptune's attention kernels have no soft-capping. Use `context_parallel_size: 1` with `causal: true` "
+        "(transformers' own attention applies it), or `cp_backend: deepspeed` with "
+        "`ulysses_attn_implementation: flash_attention_2` on GPUs.",
+    ),
+    Entry(
+        "model-attention-sinks",
+        SECTION,
+        "A model with attention sinks (gpt-oss) with context parallelism",
+        "base_model: gpt_oss adds learned sink logits to its attention softmax, which cp_backend: "
+        "ring-flash-attn does not apply yet",
+        "cptune's context-parallel attention does not apply gpt-oss's per-head sink logits yet. Use "
+        "`context_parallel_size: 1` with `causal: true`.",
     ),
     Entry(
         "model-attention-dropout",

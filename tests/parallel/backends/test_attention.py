@@ -95,36 +95,6 @@ def test_flash_attn_on_gpu_needs_half_precision():
     check_ring_precision(bf16, cuda=True, flash_attn=True)
 
 
-def test_sliding_window_models_are_refused_wherever_cptune_attention_runs():
-    """cptune's attention never sees a window: a windowed model would silently attend to too much."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    from cptune.config.recipe import Recipe
-    from cptune.parallel.backends.select import check_model_config
-    from cptune.parallel.backends.table import backend_for
-    from cptune.parallel.layout import ParallelDims
-
-    def check(config, **keys):
-        recipe = Recipe.model_validate({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
-        dims = ParallelDims(world_size=recipe.context_parallel_size, cp_size=recipe.context_parallel_size)
-        check_model_config(backend_for(recipe), recipe, dims, config, None)
-
-    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
-    mistral = MistralConfig(sliding_window=16, **small)
-    qwen_windowed = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1, **small)
-    for config in (mistral, qwen_windowed):
-        for keys in (
-            {"context_parallel_size": 2},  # ring-flash-attn, the default
-            {"context_parallel_size": 2, "cp_backend": "torch", "sample_packing": False},
-            {"causal": False},  # cp=1, bidirectional: cptune's attention too
-        ):
-            with pytest.raises(CptuneError, match=r"attention layers of type \['sliding_attention'\]"):
-                check(config, **keys)
-        check(config)  # cp=1 causal runs transformers' own attention, which applies the window
-    for config in (LlamaConfig(**small), Qwen2Config(**small), MistralConfig(sliding_window=None, **small)):
-        check(config, context_parallel_size=2)
-
-
 def test_cptune_attention_needs_the_attention_interface_and_no_dropout_wherever_it_runs():
     """At cp > 1 and for causal: false at cp=1 cptune's attention replaces the model's: check before loading."""
     from transformers import BloomConfig, BloomForCausalLM, LlamaConfig, LlamaForCausalLM

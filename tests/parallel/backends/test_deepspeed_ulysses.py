@@ -125,10 +125,13 @@ def test_heads_must_split_evenly_and_the_message_says_what_to_choose():
         check_heads(text_config(heads=6, kv_heads=3), 2, "cptune")
 
 
-def test_sliding_window_layers_need_flash_attention():
-    windowed = text_config(layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(CptuneError, match="sliding-window"):
+def test_sliding_window_layers_need_a_core_attention_that_takes_the_window():
+    windowed = text_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(CptuneError, match="sdpa cannot compute exactly: DeepSpeed's Ulysses wrapper drops"):
         check_heads(windowed, 2, "sdpa")
+    with pytest.raises(CptuneError, match="sliding windows are causal only"):
+        check_heads(windowed, 2, "cptune", causal=False)
+    check_heads(windowed, 2, "cptune")  # causal windows within documents (document_attention)
     check_heads(windowed, 2, "flash_attention_2")
 
 

@@ -169,7 +169,9 @@ def test_rows_of_one_document_keep_one_sdpa_call_where_varlen_would_run(monkeypa
 
     calls = []
 
-    def stand_in(q, k, v, cu_seqlens, max_seqlen, scale=None, causal=True, kv_heads_per_call=None):
+    def stand_in(
+        q, k, v, cu_seqlens, max_seqlen, scale=None, causal=True, window=None, kv_heads_per_call=None
+    ):
         calls.append((cu_seqlens.tolist(), kv_heads_per_call))
         return q.clone()
 

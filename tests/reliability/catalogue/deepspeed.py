@@ -21,7 +21,7 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "ulysses-sliding-window",
-        keys=DEEPSPEED_CP,
+        keys={**DEEPSPEED_CP, "ulysses_attn_implementation": "sdpa", "sample_packing": False},
         setup=_sliding_window_model,
     ),
     Case(

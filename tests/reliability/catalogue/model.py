@@ -14,7 +14,9 @@ from tests.reliability.catalogue.setups import (
     _model_with_truncated_weights,
     _model_without_weights,
     _saved_model,
+    _sinks_model,
     _sliding_window_model,
+    _softcapping_model,
     _tokenizer_without_pad_or_eos,
 )
 
@@ -92,8 +94,18 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "model-sliding-window",
-        keys={"context_parallel_size": 2},
+        keys={"context_parallel_size": 2, "cp_backend": "torch", "sample_packing": False},
         setup=_sliding_window_model,
+    ),
+    Case(
+        "model-attention-softcapping",
+        keys={"context_parallel_size": 2},
+        setup=_softcapping_model,
+    ),
+    Case(
+        "model-attention-sinks",
+        keys={"context_parallel_size": 2},
+        setup=_sinks_model,
     ),
     Case(
         "model-attention-dropout",

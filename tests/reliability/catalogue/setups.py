@@ -341,6 +341,14 @@ def _sliding_window_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "mistral-windowed", _llama_like(ws, "MistralConfig", sliding_window=16))
 
 
+def _softcapping_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "gemma2", _llama_like(ws, "Gemma2Config", head_dim=16))
+
+
+def _sinks_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "gpt-oss", _llama_like(ws, "GptOssConfig", head_dim=16, num_local_experts=2))
+
+
 def _dropout_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "llama-dropout", _llama_like(ws, "LlamaConfig", attention_dropout=0.1))
 

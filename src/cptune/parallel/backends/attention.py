@@ -8,6 +8,13 @@ per-batch metadata travels with the call, not in module globals), and the
 function hands query, key and value to it. The call also counts the attention
 layers it served, so a model whose attention bypasses the backend is caught
 instead of silently computing shard-local attention.
+
+Sliding-window layers: transformers' models pass each layer's window as the keyword
+``sliding_window`` (the number of keys a query sees, itself included: key ``k`` is in the
+window of query ``q`` when ``0 <= q - k < sliding_window``, ``masking_utils.sliding_window_overlay``),
+``None`` on full-attention layers. The function hands it on as ``window`` to a call whose backend
+attends windows over the whole sequence (``takes_window``) and refuses it otherwise; the call counts
+the windowed layers it served, so a model whose windowed layers do not pass their window is caught too.
 """
 
 from __future__ import annotations
@@ -24,8 +31,12 @@ ATTENTION_NAME = "cptune"
 ATTENTION_KWARG = "cp_attention"
 
 # attend(query, key, value, softmax_scale) with tensors laid out (batch, tokens, heads, head_dim)
-# returns the attention output in the same layout.
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+# returns the attention output in the same layout; a call that ``takes_window`` also gets the
+# keyword ``window`` (transformers' ``sliding_window``) on windowed layers.
+Attend = Callable[..., torch.Tensor]
+
+SLIDING_ATTENTION = "sliding_attention"
+"""transformers' ``layer_types`` entry of a sliding-window layer (the one non-full kind cptune attends)."""
 
 
 class AttentionCall:
@@ -39,11 +50,14 @@ class AttentionCall:
     they are.
     """
 
-    __slots__ = ("attend", "layers_served")
+    __slots__ = ("attend", "layers_served", "takes_window", "windowed_layers_served")
 
-    def __init__(self, attend: Attend) -> None:
+    def __init__(self, attend: Attend, *, takes_window: bool = False) -> None:
         self.attend = attend
+        #: ``attend`` takes ``window=`` and counts it in positions of the whole sequence, within documents
+        self.takes_window = takes_window
         self.layers_served = 0
+        self.windowed_layers_served = 0
 
 
 def cptune_attention_forward(
@@ -54,6 +68,7 @@ def cptune_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention through the batch's :class:`AttentionCall`; inputs (batch, heads, tokens, head_dim)."""
@@ -73,9 +88,62 @@ def cptune_attention_forward(
             "base_model: cptune's attention does not support attention dropout (the model asked for "
             f"{dropout}); set attention_dropout to 0 in the model's config.json."
         )
-    out = call.attend(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling)
+    check_attention_extras(kwargs)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if sliding_window is None:
+        out = call.attend(q, k, v, scaling)
+    else:
+        check_window_taken(call, sliding_window)
+        out = call.attend(q, k, v, scaling, window=int(sliding_window))
+        call.windowed_layers_served += 1
     call.layers_served += 1
     return out, None
+
+
+# transformers model types whose attention adds learned per-head sink logits to the softmax (``s_aux``).
+MODELS_WITH_SINKS = ("gpt_oss",)
+
+
+def check_attention_features(config: Any, computed_by: str) -> None:
+    """Refuse, before loading, attention features cptune's attention would drop: logit soft-capping, sinks."""
+    model = getattr(config, "model_type", None) or type(config).__name__
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise CptuneError(
+            f"base_model: {model} soft-caps its attention logits (attn_logit_softcapping: {softcap}), which "
+            f"{computed_by} does not (cptune's kernels have no soft-capping). Use context_parallel_size: 1 "
+            "with causal: true, or a model without it (Gemma 3 instead of Gemma 2)."
+        )
+    if model in MODELS_WITH_SINKS:
+        raise CptuneError(
+            f"base_model: {model} adds learned sink logits to its attention softmax, which {computed_by} "
+            "does not apply yet. Use context_parallel_size: 1 with causal: true."
+        )
+
+
+def check_attention_extras(kwargs: dict[str, Any]) -> None:
+    """Refuse attention features the model asks for that cptune's attention would drop (soft-capping, sinks)."""
+    softcap = kwargs.get("softcap")
+    if softcap:
+        raise CptuneError(
+            f"base_model: its attention soft-caps the attention logits (attn_logit_softcapping: {softcap}), which "
+            "cptune's context-parallel attention does not; use a model without it, or context_parallel_size: 1."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise CptuneError(
+            "base_model: its attention has learned sink logits (s_aux, as gpt-oss), which cptune's "
+            "context-parallel attention does not apply; use context_parallel_size: 1."
+        )
+
+
+def check_window_taken(call: AttentionCall, sliding_window: int) -> None:
+    """Raise unless ``call``'s backend attends a window of ``sliding_window`` keys (the model checks missed it)."""
+    if not call.takes_window:
+        raise CptuneError(
+            f"a sliding-window layer (sliding_window: {sliding_window}) reached a context-parallel attention "
+            "that computes full attention; this model should have been refused before loading. This is a bug "
+            "in cptune's model checks: please report it, and use context_parallel_size: 1 meanwhile."
+        )
 
 
 def sdpa_tokens_first(
@@ -106,25 +174,78 @@ def windowed_layer_types(config: Any) -> list[str]:
     if layer_types is not None:
         return sorted({kind for kind in layer_types if kind != "full_attention"})
     # Models that predate layer_types (Mistral) window every layer when sliding_window is set.
-    return ["sliding_attention"] if getattr(config, "sliding_window", None) else []
+    return [SLIDING_ATTENTION] if getattr(config, "sliding_window", None) else []
+
+
+def count_windowed_layers(config: Any) -> int:
+    """How many of ``config``'s attention layers are sliding-window layers (what a forward must pass a window)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return sum(kind == SLIDING_ATTENTION for kind in layer_types)
+    return int(config.num_hidden_layers) if getattr(config, "sliding_window", None) else 0
+
+
+def refuse_windowed_layers(config: Any, computed_by: str, reason: str, remedy: str) -> None:
+    """Raise if ``config`` has non-full attention layers, naming the model, their kind and the backend.
+
+    Args:
+        config: The model's (text) config.
+        computed_by: Who computes the attention, for the message (e.g. ``cp_backend: torch``).
+        reason: Why ``computed_by`` cannot attend them exactly.
+        remedy: What the user can do instead.
+    """
+    limited = windowed_layer_types(config)
+    if limited:
+        model = getattr(config, "model_type", None) or type(config).__name__
+        raise CptuneError(
+            f"base_model: {model} has attention layers of type {limited} (sliding_window: "
+            f"{getattr(config, 'sliding_window', None)}), which {computed_by} cannot compute exactly: {reason}. "
+            f"{remedy}"
+        )
 
 
 def check_full_attention(config: Any, computed_by: str) -> None:
     """Refuse a model with sliding-window (or other non-full) attention layers.
 
-    cptune's attention computes full (causal or bidirectional) attention over the whole row and
+    For attention that computes full (causal or bidirectional) attention over the whole row and
     never sees a window, so such layers would silently attend to too much.
 
     Args:
         config: The model's (text) config.
         computed_by: Who computes the attention, for the message (e.g. ``cp_backend: torch``).
     """
-    limited = windowed_layer_types(config)
-    if limited:
-        raise CptuneError(
-            f"base_model: has attention layers of type {limited}, but {computed_by} computes full "
-            "(causal or bidirectional) attention over the whole row, so those layers would silently see "
-            "too much. Use a model with full attention only, or context_parallel_size: 1 with causal: true."
+    refuse_windowed_layers(
+        config,
+        computed_by,
+        "it computes full (causal or bidirectional) attention over the whole row, so those layers would "
+        "silently see too much",
+        "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed with "
+        "causal: true, a model with full attention only, or context_parallel_size: 1 with causal: true.",
+    )
+
+
+def check_window_support(config: Any, computed_by: str, *, causal: bool) -> None:
+    """Refuse what a backend that attends sliding windows (causal, within documents) still cannot do.
+
+    Such a backend takes transformers' ``sliding_window`` per layer; it refuses other non-full kinds
+    (chunked attention) and bidirectional windows, whose key range would be aligned to each shard.
+    """
+    kinds = windowed_layer_types(config)
+    other = [kind for kind in kinds if kind != SLIDING_ATTENTION]
+    if other:
+        refuse_windowed_layers(
+            config,
+            computed_by,
+            f"it attends sliding windows only, not {other}",
+            "Use a model with full or sliding-window attention, or context_parallel_size: 1 with causal: true.",
+        )
+    if kinds and not causal:
+        refuse_windowed_layers(
+            config,
+            computed_by,
+            "its sliding windows are causal only (a bidirectional window would be aligned to each rank's "
+            "slice of a document, not to the document)",
+            "Use causal: true, or context_parallel_size: 1 with causal: true.",
         )
 
 
@@ -144,8 +265,15 @@ def count_attention_layers(model: torch.nn.Module) -> int:
     return int(layers)
 
 
-def check_layers_served(call: AttentionCall, expected: int) -> None:
-    """Raise unless every attention layer of the forward pass went through ``call``."""
+def check_layers_served(call: AttentionCall, expected: int, windowed: int | None = None) -> None:
+    """Raise unless every attention layer of the forward pass went through ``call``.
+
+    Args:
+        call: The forward pass's call.
+        expected: Its attention layers (:func:`count_attention_layers`).
+        windowed: Its sliding-window layers (:func:`count_windowed_layers`), each of which must have
+            passed its window; None skips that check.
+    """
     if call.layers_served != expected:
         raise CptuneError(
             f"the model ran {call.layers_served} of its {expected} attention layers through cptune's "
@@ -153,4 +281,11 @@ def check_layers_served(call: AttentionCall, expected: int) -> None:
             "wrong results. This model's attention cannot be routed through the CP backend: use a model "
             "whose attention goes through transformers' AttentionInterface (e.g. Llama, Qwen, Mistral), "
             "or context_parallel_size: 1."
+        )
+    if windowed is not None and call.windowed_layers_served != windowed:
+        raise CptuneError(
+            f"the model passed a sliding window to cptune's context-parallel attention in "
+            f"{call.windowed_layers_served} of its {windowed} sliding-window layers; the others would attend "
+            "over the whole sequence. This model's windows cannot be routed through the CP backend: use "
+            "context_parallel_size: 1."
         )

@@ -5,7 +5,9 @@ DeepSpeed's Ulysses wrapper drops the attention mask, so packed documents would 
 other through SDPA. This core attention reads the documents from the call's ``position_ids``
 instead and attends each within itself: one varlen FlashAttention-2 call over all of them on GPUs
 (:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere. At cp=1 it spares
-the ``tokens x tokens`` mask transformers' sdpa would build for a packed row.
+the ``tokens x tokens`` mask transformers' sdpa would build for a packed row. Under Ulysses every
+rank holds whole rows (for its heads), so a sliding-window layer's window (transformers'
+``sliding_window``, causal) counts positions of the whole sequence, within each document.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from transformers import AttentionInterface
 
 from cptune.errors import CptuneError
 from cptune.labels import document_starts
-from cptune.parallel.backends.attention import ATTENTION_KWARG, AttentionCall, sdpa_tokens_first
+from cptune.parallel.backends.attention import (
+    ATTENTION_KWARG,
+    AttentionCall,
+    check_attention_extras,
+    check_window_taken,
+    sdpa_tokens_first,
+)
 from cptune.parallel.shard import cu_seqlens_from_starts
 
 DOCUMENT_ATTENTION_NAME = "cptune_documents"
@@ -68,15 +76,21 @@ class DocumentAttention:
     """
 
     causal: bool
-    kv_heads_per_call: int | None = (
-        None  # the recipe's attention_kv_heads_per_call (None: every head at once)
-    )
+    #: the recipe's attention_kv_heads_per_call (None: every head at once)
+    kv_heads_per_call: int | None = None
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """One document, (1, tokens, heads, head_dim)."""
-        return sdpa_tokens_first(q, k, v, scale, is_causal=self.causal)
+        """One document, (1, tokens, heads, head_dim); ``window``: a query sees its last ``window`` keys."""
+        if window is None:
+            return sdpa_tokens_first(q, k, v, scale, is_causal=self.causal)
+        return sdpa_tokens_first(q, k, v, scale, attn_mask=window_mask(q.shape[1], window, q.device))
 
     def rows(
         self,
@@ -85,18 +99,31 @@ class DocumentAttention:
         v: torch.Tensor,
         scale: float | None,
         position_ids: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens))."""
-        return self.within(q, k, v, scale, RowDocuments.of(position_ids, q.shape[0]))
+        """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens)); ``window`` as in
+        ``__call__`` (causal only)."""
+        if window is not None and not self.causal:
+            raise CptuneError(
+                "cptune's Ulysses attention got a sliding window with causal: false; bidirectional windows "
+                "should have been refused before loading. This is a bug in cptune's model checks: please report it."
+            )
+        return self.within(q, k, v, scale, RowDocuments.of(position_ids, q.shape[0]), window)
 
     def within(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, documents: RowDocuments
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        documents: RowDocuments,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Every row, its documents as ``documents`` says."""
-        if all(len(row) == 1 for row in documents.lengths):
+        """Every row, its documents as ``documents`` says; ``window`` as in ``__call__``."""
+        if window is None and all(len(row) == 1 for row in documents.lengths):
             # Rows of one document each (unpacked, unpadded): one SDPA call over the batch, as transformers'
             # sdpa runs them, so that such rows keep SDPA's kernels (cuDNN's on Hopper, measured faster than
-            # FlashAttention-2: docs/benchmarks.md).
+            # FlashAttention-2: docs/benchmarks.md). A window would need a tokens x tokens mask there.
             return self(q, k, v, scale)
         if varlen_runs(q):
             from cptune.parallel.kernels.varlen import varlen_attention
@@ -107,6 +134,7 @@ class DocumentAttention:
                 documents.max_seqlen,
                 scale=scale,
                 causal=self.causal,
+                window=window,
                 kv_heads_per_call=self.kv_heads_per_call,
             )
             return out.unflatten(0, q.shape[:2])
@@ -115,7 +143,7 @@ class DocumentAttention:
             # split, not one slice per document: its backward concatenates the documents' gradients
             # instead of zero-filling a whole row for each of them.
             pieces = zip(*(t[b : b + 1].split(lengths, dim=1) for t in (q, k, v)), strict=True)
-            rows.append(torch.cat([self(qd, kd, vd, scale) for qd, kd, vd in pieces], dim=1))
+            rows.append(torch.cat([self(qd, kd, vd, scale, window) for qd, kd, vd in pieces], dim=1))
         return torch.cat(rows)
 
 
@@ -124,6 +152,13 @@ def varlen_runs(q: torch.Tensor) -> bool:
     from cptune.parallel.kernels import torch_flash
 
     return torch_flash.runs(q)
+
+
+def window_mask(tokens: int, window: int, device: torch.device) -> torch.Tensor:
+    """(tokens, tokens) boolean mask of causal sliding-window attention: ``0 <= q - k < window``."""
+    index = torch.arange(tokens, device=device)
+    distance = index[:, None] - index[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def dense_attend(causal: bool) -> DocumentAttention:
@@ -139,6 +174,7 @@ def document_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention within each document of the whole sequence; inputs (batch, heads, tokens, head_dim).
@@ -170,8 +206,14 @@ def document_attention_forward(
             "base_model: cptune's attention does not support attention dropout (the model asked for "
             f"{dropout}); set attention_dropout to 0 in the model's config.json."
         )
+    check_attention_extras(kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = call.attend.rows(q, k, v, scaling, position_ids)
+    if sliding_window is None:
+        out = call.attend.rows(q, k, v, scaling, position_ids)
+    else:
+        check_window_taken(call, sliding_window)
+        out = call.attend.rows(q, k, v, scaling, position_ids, window=int(sliding_window))
+        call.windowed_layers_served += 1
     call.layers_served += 1
     return out, None
 

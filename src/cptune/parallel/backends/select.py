@@ -9,7 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from cptune.errors import CptuneError
-from cptune.parallel.backends.attention import ATTENTION_NAME, check_full_attention, register_attention
+from cptune.parallel.backends.attention import (
+    ATTENTION_NAME,
+    check_attention_features,
+    check_full_attention,
+    register_attention,
+)
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.tensor_parallel import check_tensor_parallel_model
@@ -81,6 +86,8 @@ def check_model_config(
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"
+    if backend.uses_cptune_attention(recipe):
+        check_attention_features(text, computed_by)
     if backend.attends_whole_layers:
         check_full_attention(text, computed_by)
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):

@@ -74,7 +74,8 @@ class BackendPolicy(Protocol):
     #: backend shards each batch over its CP group (:mod:`cptune.parallel.backends.zero`)
     runs_under_zero: bool
     #: cptune's attention computes every layer over the whole context: refuse sliding-window and
-    #: chunked layers (``check_full_attention``); False where the core attention checks its own
+    #: chunked layers (``check_full_attention``); False where :meth:`check_model` checks them itself
+    #: (the backends that attend sliding windows, and torch with its own reason)
     attends_whole_layers: bool
     #: every rank attends over whole rows for its share of the heads (heads must divide by cp)
     splits_heads: bool

@@ -1,7 +1,7 @@
 """Differentiable attention over packed documents, on the kernels :mod:`.dispatch` picks.
 
 One call attends every document of a packed ``(total, heads, head_dim)`` tensor within itself
-(``cu_seqlens`` offsets, bottom-right causal masks, grouped-query heads): PyTorch's
+(``cu_seqlens`` offsets, bottom-right causal masks, sliding windows, grouped-query heads): PyTorch's
 FlashAttention-2 on CUDA in bf16/fp16, the pure-PyTorch stand-ins elsewhere. The DeepSpeed
 backend's document-aware core attention uses it on GPUs instead of one SDPA call per document.
 """
@@ -19,12 +19,12 @@ from cptune.parallel.kernels import dispatch
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                scale: float | None, causal: bool, kv_heads_per_call: int) -> Tensor:  # fmt: skip
+                scale: float | None, causal: bool, left: int, kv_heads_per_call: int) -> Tensor:  # fmt: skip
         outs, lses = [], []
         for q_heads, kv_heads in _head_groups(q, k, kv_heads_per_call):
             out, lse, _, _ = dispatch._flash_attn_varlen_forward(
                 q[:, q_heads], k[:, kv_heads], v[:, kv_heads], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                0.0, scale, causal,
+                0.0, scale, causal, left, -1,
             )  # fmt: skip
             outs.append(out)
             lses.append(lse)
@@ -32,12 +32,8 @@ class _VarlenAttention(torch.autograd.Function):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=0)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale, ctx.causal, ctx.kv_heads_per_call = (
-            max_seqlen,
-            scale,
-            causal,
-            kv_heads_per_call,
-        )
+        ctx.max_seqlen, ctx.scale, ctx.causal, ctx.left = max_seqlen, scale, causal, left
+        ctx.kv_heads_per_call = kv_heads_per_call
         return out
 
     @staticmethod
@@ -51,9 +47,9 @@ class _VarlenAttention(torch.autograd.Function):
             dispatch._flash_attn_varlen_backward(
                 dout[:, q_heads], q[:, q_heads], k[:, kv_heads], v[:, kv_heads], out[:, q_heads], lse[q_heads],
                 dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads], cu_seqlens, cu_seqlens, ctx.max_seqlen,
-                ctx.max_seqlen, 0.0, ctx.scale, ctx.causal, -1, -1, 0.0, None, False,
+                ctx.max_seqlen, 0.0, ctx.scale, ctx.causal, ctx.left, -1, 0.0, None, False,
             )  # fmt: skip
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _head_groups(q: Tensor, k: Tensor, kv_heads_per_call: int) -> list[tuple[slice, slice]]:
@@ -79,6 +75,7 @@ def varlen_attention(
     *,
     scale: float | None,
     causal: bool,
+    window: int | None = None,
     kv_heads_per_call: int | None = None,
 ) -> Tensor:
     """Attention within each document of packed ``q`` ``(total, h, d)``, ``k``, ``v`` ``(total, h_kv, d)``.
@@ -88,9 +85,16 @@ def varlen_attention(
         max_seqlen: The longest document.
         scale: Scale of ``q k^T`` (``None``: ``head_dim ** -0.5``).
         causal: Causal within each document; otherwise bidirectional within it.
+        window: transformers' ``sliding_window``: a query sees the ``window`` keys up to its own
+            (flash-attn's ``window_size_left = window - 1``); causal only. None: no window.
         kv_heads_per_call: Call the kernel for this many KV heads (and their query heads) at a time
             (``None``: all in one call). Heads are independent, so the result is the same; the
             backward's per-call buffers (FlashAttention-2's fp32 dQ accumulator, and dK/dV expanded to
             the query heads for grouped-query attention) then cover one group instead of every head.
     """
-    return _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale, causal, kv_heads_per_call or 0)
+    if window is not None and not causal:
+        raise ValueError("varlen_attention takes a sliding window with causal attention only.")
+    left = -1 if window is None else int(window) - 1
+    return _VarlenAttention.apply(
+        q, k, v, cu_seqlens, int(max_seqlen), scale, causal, left, kv_heads_per_call or 0
+    )

@@ -26,7 +26,11 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.models.head_loss import ShardLoss, logits_loss
-from cptune.parallel.backends.attention import check_layers_served, count_attention_layers
+from cptune.parallel.backends.attention import (
+    check_layers_served,
+    count_attention_layers,
+    count_windowed_layers,
+)
 from cptune.parallel.backends.base import BatchSharder
 from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
@@ -85,7 +89,10 @@ class CptuneTrainer(Trainer):
         self._router = RouterBalance.from_config(self.accelerator.unwrap_model(self.model).config)
         self._router_log = RouterLossLog()
         self.data_collator = self.cp_backend.wrap_collator(self.data_collator)
-        self._attention_layers = count_attention_layers(self.accelerator.unwrap_model(self.model))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self._attention_layers = count_attention_layers(unwrapped)
+        # Each must pass its window to a CP attention that computes it (attention.check_layers_served).
+        self._windowed_layers = count_windowed_layers(unwrapped.config.get_text_config())
         self._throughput = Throughput()
         self.add_callback(LogLastStep())
         # LoRA dropout whose masks follow the tokens, so a CP run draws what its cp=1 run draws.
@@ -155,7 +162,7 @@ class CptuneTrainer(Trainer):
         # from position_ids only without a KV cache (5.23 masking_utils), and training needs none.
         loss_sum, outputs = self._shard_loss(model, sharded.model_kwargs, sharded.shift_labels)
         if sharded.call is not None:
-            check_layers_served(sharded.call, self._attention_layers)
+            check_layers_served(sharded.call, self._attention_layers, self._windowed_layers)
         return loss_sum, sharded, outputs
 
     def _key_dropout(self, coords: TokenCoords | None) -> None:

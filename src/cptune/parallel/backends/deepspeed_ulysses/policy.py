@@ -91,7 +91,7 @@ class DeepSpeedUlysses:
         # DeepSpeed's core attention has its own check, as flash_attention_2 keeps windows there.
         from cptune.parallel.backends.deepspeed_ulysses.sharding import check_heads
 
-        check_heads(text_config, cp_size, recipe.resolved_ulysses_attn_implementation)
+        check_heads(text_config, cp_size, recipe.resolved_ulysses_attn_implementation, causal=recipe.causal)
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return recipe.resolved_ulysses_attn_implementation == "cptune"

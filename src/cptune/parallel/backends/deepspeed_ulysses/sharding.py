@@ -39,7 +39,8 @@ from cptune.labels import IGNORE_INDEX
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
-    windowed_layer_types,
+    check_window_support,
+    refuse_windowed_layers,
 )
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
 from cptune.parallel.backends.document_attention import (
@@ -93,7 +94,7 @@ def check_core_attention_available(core: str) -> None:
         )
 
 
-def check_heads(text_config: Any, cp_size: int, core: str) -> None:
+def check_heads(text_config: Any, cp_size: int, core: str, *, causal: bool = True) -> None:
     """Ulysses gives every rank whole heads: refuse head counts and attention it cannot split.
 
     Raises:
@@ -116,11 +117,16 @@ def check_heads(text_config: Any, cp_size: int, core: str) -> None:
             f"key/value heads, which DeepSpeed's Ulysses attention needs. Choose context_parallel_size in "
             f"{fits}, or cp_backend: ring-flash-attn."
         )
-    if windowed_layer_types(text_config) and core in ("cptune", "sdpa"):
-        raise CptuneError(
-            f"base_model: has sliding-window attention layers, which ulysses_attn_implementation: {core} "
-            "would compute as full attention (DeepSpeed's Ulysses wrapper drops the mask). Use "
-            "ulysses_attn_implementation: flash_attention_2 on GPUs, or a model with full attention only."
+    if core == "sdpa":
+        refuse_windowed_layers(
+            text_config,
+            f"cp_backend: deepspeed with ulysses_attn_implementation: {core}",
+            "DeepSpeed's Ulysses wrapper drops the attention mask, which is where sdpa gets its window",
+            "Use ulysses_attn_implementation: cptune (the default; exact on CPU and GPU) or flash_attention_2.",
+        )
+    elif core == "cptune":
+        check_window_support(
+            text_config, "cp_backend: deepspeed with ulysses_attn_implementation: cptune", causal=causal
         )
 
 
@@ -313,6 +319,8 @@ class DeepSpeedUlyssesBackend(SameBatchForEveryCpRank):
         kwargs: dict[str, Any] = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids}
         call = None
         if self.core_attention == "cptune":
-            call = AttentionCall(attend=DocumentAttention(self.causal, self.kv_heads_per_call))
+            call = AttentionCall(
+                attend=DocumentAttention(self.causal, self.kv_heads_per_call), takes_window=self.causal
+            )
             kwargs[ATTENTION_KWARG] = call
         return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)

@@ -3,6 +3,11 @@
 ``varlen_llama3`` (default) all-gathers K and V ``heads_k_stride`` heads at a time
 and attends with ``cu_seqlens`` of the full sequence, so packed documents, padding
 and bidirectional attention are all exact, and it is exact in fp32.
+Sliding-window layers (causal only, refused with ``batch_zigzag`` by the policy): each rank's
+queries of a document attend that document's keys from its start up to the rank's last query,
+bottom-right aligned (ring-flash-attn's ``llama3_flash_attn_prepare_cu_seqlens``), so flash-attn's
+``window_size=(sliding_window - 1, 0)`` counts positions of the whole document, never of a shard,
+and cu_seqlens keep it inside the document.
 ``batch_zigzag`` passes K and V around a ring over zigzag chunks; it balances
 causal work but knows no document boundaries (unpacked causal rows only) and is
 only correct in bf16 with ring-flash-attn 0.1.8 (the recipe validation enforces both).
@@ -117,7 +122,7 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
         else:
             shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
             attend = self._zigzag_attend()
-        call = AttentionCall(attend=attend)
+        call = AttentionCall(attend=attend, takes_window=self.func == "varlen_llama3" and self.causal)
         tokens = shard.tokens
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
         return ShardedInputs(
@@ -130,8 +135,10 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
         )
         kernels, causal, stride, group = self.kernels, self.causal, self.heads_k_stride, self.group
 
-        def attend(q, k, v, scale):
-            # One varlen sequence: the rows were laid end to end by shard_varlen.
+        def attend(q, k, v, scale, window=None):
+            # One varlen sequence: the rows were laid end to end by shard_varlen. transformers' window of
+            # `window` keys (the query's own included) is flash-attn's window_size_left = window - 1.
+            window_size = (-1, -1) if window is None else (window - 1, 0)
             out = kernels.varlen_llama3(
                 q[0].contiguous(),
                 k[0].contiguous(),
@@ -144,6 +151,7 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
                 k_slice,
                 softmax_scale=scale,
                 causal=causal,
+                window_size=window_size,
                 group=group,
             )
             return out.unsqueeze(0)

@@ -22,7 +22,8 @@ class TorchCp:
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = True
-    attends_whole_layers = True
+    # check_model refuses sliding windows with torch's own reason
+    attends_whole_layers = False
     splits_heads = False
     takes_tensor_parallel = False
     # Unpacked only: each side of a pair is a row of its own (Recipe.pair_sides_in_own_rows), one document
@@ -79,7 +80,17 @@ class TorchCp:
         return 2 if recipe.resolved_cp_load_balance else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        return None  # the common checks (select.check_model_config) are all it needs
+        from cptune.parallel.backends.attention import refuse_windowed_layers
+
+        refuse_windowed_layers(
+            text_config,
+            self.label,
+            "PyTorch's context-parallel SDPA (torch 2.13, distributed/tensor/experimental/_context_parallel) "
+            "rings the attention with is_causal only and takes no mask or window, so those layers would "
+            "silently see the whole sequence",
+            "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed, which "
+            "attend sliding windows exactly, or context_parallel_size: 1.",
+        )
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return True
