@@ -211,7 +211,9 @@ def test_tiled_mlp_refuses_a_mixture_of_experts():
     )  # fmt: skip
     with torch.device("meta"):
         model = Qwen2MoeForCausalLM(config)
-    with pytest.raises(ValueError, match="mixture of experts: the tiles run under no_grad, so the router logits"):
+    with pytest.raises(
+        ValueError, match="mixture of experts: the tiles run under no_grad, so the router logits"
+    ):
         decoder_mlps(model)
 
 
@@ -360,6 +362,8 @@ def test_check_memory_features_refuses_a_mixture_of_experts_before_loading():
     with pytest.raises(CptuneError) as refused:
         check_memory_features(recipe, config)
     message = str(refused.value)
-    assert message.startswith("tiled_mlp: Qwen2MoeForCausalLM cannot be tiled (its MLP (Qwen2MoeSparse"), message
+    assert message.startswith("tiled_mlp: Qwen2MoeForCausalLM cannot be tiled (its MLP (Qwen2MoeSparse"), (
+        message
+    )
     # The reason: the router loss would read logits the tiles computed without gradient.
     assert "the router logits its load-balancing loss reads would carry no gradient" in message, message
