@@ -61,7 +61,7 @@ from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
-from devtools.tiny import build_tiny_model, build_tiny_qwen3_moe, tiny_llama_config
+from devtools.tiny import build_tiny_mixtral, build_tiny_model, build_tiny_qwen3_moe, tiny_llama_config
 from tests import reorder
 from tests.numerics import float64_logits_loss, relative_errors
 
@@ -124,9 +124,10 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
-    if case.get("arch") == "qwen3_moe":
+    if case.get("arch") in ("qwen3_moe", "mixtral"):
         # 4 experts, 2 per token, router loss on (output_router_logits, router_aux_loss_coef 0.02).
-        model = build_tiny_qwen3_moe(VOCAB, seed=1234, num_key_value_heads=config.num_key_value_heads)
+        build = build_tiny_qwen3_moe if case["arch"] == "qwen3_moe" else build_tiny_mixtral
+        model = build(VOCAB, seed=1234, num_key_value_heads=config.num_key_value_heads)
         # The experts as a loop of matrix products: torch's grouped_mm (the default) takes no float64 reference.
         model.set_experts_implementation("eager")
     elif case.get("arch") == "qwen3":

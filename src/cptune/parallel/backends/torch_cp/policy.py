@@ -70,7 +70,11 @@ class TorchCp:
         return 2 if recipe.resolved_cp_load_balance else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        return None  # the common checks (select.check_model_config) are all it needs
+        # Beside the common checks (select.check_model_config): padding seen by a router loss.
+        from cptune.parallel.router_padding import check_router_loss_padding
+
+        if cp_size > 1:
+            check_router_loss_padding(recipe, text_config, "cp_backend: torch")
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return True
