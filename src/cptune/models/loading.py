@@ -297,10 +297,10 @@ def apply_lora(model: Any, recipe: Recipe, *, load_weights: bool = True) -> Any:
         else:
             model = get_peft_model(model, lora_config(recipe))
     except ValueError as err:
-        from cptune.models.lora_targets import unsupported_module_message
+        from cptune.models.lora_targets import check_supported_module
 
-        message = unsupported_module_message(err) or f"lora_target_modules: {_first_line(err)}"
-        raise CptuneError(message) from None
+        check_supported_module(err)
+        raise CptuneError(f"lora_target_modules: {_first_line(err)}") from None
     if recipe.resolved_gradient_checkpointing:
         model.enable_input_require_grads()
     return model

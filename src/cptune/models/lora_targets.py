@@ -53,12 +53,15 @@ def check_every_target_matched(peft_model: Any, targets: tuple[str, ...]) -> Non
         )
 
 
-def unsupported_module_message(err: BaseException) -> str | None:
-    """A one-line message for peft's refusal of a module type it cannot adapt (None: another error)."""
+def check_supported_module(err: BaseException) -> None:
+    """Turn peft's refusal of a module type it cannot adapt into one line (peft's own quotes the module's repr).
+
+    Raises:
+        CptuneError: ``err`` is that refusal; any other error is left to the caller.
+    """
     found = re.match(r"Target module (\w+)\(", str(err).strip())
-    if found is None:
-        return None
-    return (
-        f"lora_target_modules: peft cannot adapt a {found.group(1)} module (it adapts linear, embedding and "
-        f"convolution layers). {EXPERT_HINT}"
-    )
+    if found is not None:
+        raise CptuneError(
+            f"lora_target_modules: peft cannot adapt a {found.group(1)} module (it adapts linear, embedding and "
+            f"convolution layers). {EXPERT_HINT}"
+        )
