@@ -370,6 +370,19 @@ DOCUMENTED: tuple[Documented, ...] = (
         tested_by="tests/parallel/test_router_padding.py::test_padded_rows_with_a_router_loss_are_refused_with_the_reason",
     ),
     Documented(
+        "router-jitter-under-cp",
+        SECTION,
+        "a model with router_jitter_noise under context parallelism",
+        "its router noise is drawn per process, so a context-parallel run would draw other noise",
+        "Mixtral's `router_jitter_noise` multiplies the router's input by noise from each process's random "
+        "generator, so a process holding a slice of a row draws other noise than the run without CP. Set "
+        "`router_jitter_noise: 0.0` in `overrides_of_model_config` (the default), or train at "
+        "`context_parallel_size: 1`.",
+        raised_in="src/cptune/run/launch/preflight.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/run/test_preflight.py::test_router_jitter_under_context_parallelism_is_refused_before_loading",
+    ),
+    Documented(
         "recompute-norms-without-rmsnorm",
         SECTION,
         "recompute_norms with a model that has no RMSNorm in its layers",
