@@ -416,6 +416,8 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 targets,
                 ref_keys,
                 router=ref_router,
+                # bf16 (no float64 reference): the router loss cp=1 logs is this reference's.
+                router_log=ref_log if reference64 is None else None,
             )
         )
         if twin is not None:
@@ -442,9 +444,11 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             run_step(model, backend, mine_batches, world, counted, keys, loss_fn, cp_router, cp_log)
         )
         if balance is not None:
-            # What CptuneTrainer logs as router_aux_loss (a collective), and the float64 cp=1 run's value.
+            # What CptuneTrainer logs as router_aux_loss (a collective), and the float64 cp=1 run's value
+            # (in bf16 the bf16 cp=1 run's).
             result.setdefault("cp_router_aux", []).append(cp_log.mean()["router_aux_loss"])
-            result.setdefault("ref64_router_aux", []).append(ref_log.mean()["router_aux_loss"])
+            reference_key = "ref64_router_aux" if reference64 is not None else "ref_router_aux"
+            result.setdefault(reference_key, []).append(ref_log.mean()["router_aux_loss"])
         dist.all_reduce(loss)
         cp_losses.append(loss.item() / world)
         # Planted bug grad_scale: gradients averaged over the data-parallel groups only, not the world.

@@ -144,6 +144,9 @@ MOE_TORCH_CP2_CASES = [
 # padding see the row's real tokens, so its routing and the router loss are not cp=1's. cptune refuses
 # this (cptune.parallel.router_padding); the parity check must fail on it.
 MOE_TORCH_PADDED_CASES = [torch_case("moe-padded-rows-full", arch="qwen3_moe", lora=False)]
+# bf16 (model and router logits in bf16; the router sums in fp32), against the bf16 cp=1 reference within
+# the reorder floor of the same run (check(bf16=True)).
+MOE_BF16_CP2_CASES = [case("moe-packed-causal-full-bf16", arch="qwen3_moe", lora=False, bf16=True)]
 MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
@@ -211,7 +214,8 @@ SPAWNS = {
         + PREFERENCE_PLANTED_CASES
         + MOE_CP2_CASES
         + MOE_TORCH_CP2_CASES
-        + MOE_TORCH_PADDED_CASES,
+        + MOE_TORCH_PADDED_CASES
+        + MOE_BF16_CP2_CASES,
     ),
     "cp4": (4, 4, CP4_CASES + TORCH_CP4_CASES + PREFERENCE_CP4_CASES + MOE_CP4_CASES),
     "dp2xcp2": (
@@ -429,6 +433,12 @@ def test_moe_router_loss_parity_fp32(parity_results, spawn, cases):
             # forward's own fp32 rounding before the router, the same bound again): 4e-5.
             errors = [rel(cp, ref) for cp, ref in zip(r["cp_router_aux"], r["ref64_router_aux"], strict=True)]
             assert max(errors) <= 4e-5, (name, rank, errors, r["cp_router_aux"])
+
+
+@pytest.mark.distributed
+def test_moe_router_loss_parity_bf16(parity_results):
+    """A MoE model in bf16 at cp=2 (ring-flash-attn): losses and step-0 gradients within the reorder floor."""
+    check(parity_results("cp2"), MOE_BF16_CP2_CASES, bf16=True)
 
 
 @pytest.mark.distributed

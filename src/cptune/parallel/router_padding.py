@@ -7,8 +7,9 @@ to; for the router loss it does: its router logits are part of the sums. At cp=1
 document of its own (its positions restart at 0). torch's context-parallel attention, and DeepSpeed
 Ulysses around ``sdpa``, take no document mask: causal over the whole row, the padding attends to
 the row's real tokens, its hidden states and router logits are not cp=1's, and neither is the
-router loss (measured with torch at cp=2 on a tiny Qwen3-MoE and Mixtral, micro batches of 2
-unpacked rows: 5e-4 to 3e-3 off, and the routers' gradients hundreds of times the parity bound).
+router loss (measured with torch at cp=2 on a tiny Qwen3-MoE and Mixtral whose rows end in padding:
+``aux`` 5e-4 and 3e-3 off at the first step, and the routers' gradients over 6e4 times what the
+parity check allows).
 
 Rows get collator padding only when a batch holds rows of different lengths (``micro_batch_size``
 above 1) or with ``pad_to_sequence_len``; the padding CP adds to split a row evenly is left out of the
