@@ -306,6 +306,40 @@ def build_tiny_gemma3_text(
     return model.to(torch.float32)
 
 
+def build_tiny_mixtral(vocab_size: int, seed: int, **overrides: object) -> torch.nn.Module:
+    """A randomly initialised float32 ``MixtralForCausalLM`` of the tiny Llama's sizes, full attention.
+
+    4 experts of width 32, 2 per token (``num_local_experts``, Mixtral's name); no sliding window;
+    the router loss is on (``output_router_logits``, ``router_aux_loss_coef`` 0.02) unless
+    ``overrides`` say otherwise. The caller's RNG is untouched.
+
+    Args:
+        vocab_size: Number of embedding rows.
+        seed: Seed for the weight initialisation.
+        **overrides: Any ``MixtralConfig`` field.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    llama = tiny_llama_config(vocab_size)
+    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    names += ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
+    fields: dict[str, object] = {name: getattr(llama, name) for name in names}
+    fields.update(
+        vocab_size=vocab_size,
+        intermediate_size=32,  # each expert's width
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    )
+    fields.update(overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MixtralForCausalLM(MixtralConfig(**fields))
+    return model.to(torch.float32)
+
+
 def _generation_config(config: LlamaConfig) -> GenerationConfig:
     # Stop at </s> (alpaca-style data) and at <|im_end|> (chat-style data).
     return GenerationConfig(

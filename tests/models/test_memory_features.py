@@ -211,7 +211,9 @@ def test_tiled_mlp_refuses_a_mixture_of_experts():
     )  # fmt: skip
     with torch.device("meta"):
         model = Qwen2MoeForCausalLM(config)
-    with pytest.raises(ValueError, match="mixture of experts"):
+    with pytest.raises(
+        ValueError, match="mixture of experts: the tiles run under no_grad, so the router logits"
+    ):
         decoder_mlps(model)
 
 
@@ -357,7 +359,11 @@ def test_check_memory_features_refuses_a_mixture_of_experts_before_loading():
         num_attention_heads=2, num_key_value_heads=1, num_experts=2, num_experts_per_tok=1,
     )  # fmt: skip
     recipe = validate_recipe({"base_model": "unused", "datasets": [{"path": "d.jsonl"}], "tiled_mlp": True})
-    with pytest.raises(
-        CptuneError, match=r"tiled_mlp: Qwen2MoeForCausalLM cannot be tiled \(its MLP \(Qwen2MoeSparse"
-    ):
+    with pytest.raises(CptuneError) as refused:
         check_memory_features(recipe, config)
+    message = str(refused.value)
+    assert message.startswith("tiled_mlp: Qwen2MoeForCausalLM cannot be tiled (its MLP (Qwen2MoeSparse"), (
+        message
+    )
+    # The reason: the router loss would read logits the tiles computed without gradient.
+    assert "the router logits its load-balancing loss reads would carry no gradient" in message, message

@@ -63,6 +63,7 @@ from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
     build_tiny_gemma3_text,
     build_tiny_mistral,
+    build_tiny_mixtral,
     build_tiny_model,
     build_tiny_qwen3_moe,
     tiny_llama_config,
@@ -138,9 +139,10 @@ def make_batches(case: dict, dp_size: int) -> list[list[TokenBatch]]:
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
-    if case.get("arch") == "qwen3_moe":
+    if case.get("arch") in ("qwen3_moe", "mixtral"):
         # 4 experts, 2 per token, router loss on (output_router_logits, router_aux_loss_coef 0.02).
-        model = build_tiny_qwen3_moe(VOCAB, seed=1234, num_key_value_heads=config.num_key_value_heads)
+        build = build_tiny_qwen3_moe if case["arch"] == "qwen3_moe" else build_tiny_mixtral
+        model = build(VOCAB, seed=1234, num_key_value_heads=config.num_key_value_heads)
         # The experts as a loop of matrix products: torch's grouped_mm (the default) takes no float64 reference.
         model.set_experts_implementation("eager")
     elif case.get("arch") == "qwen3":
@@ -470,6 +472,8 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 targets,
                 ref_keys,
                 router=ref_router,
+                # bf16 (no float64 reference): the router loss cp=1 logs is this reference's.
+                router_log=ref_log if reference64 is None else None,
             )
         )
         if twin is not None:
@@ -496,9 +500,11 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             run_step(model, backend, mine_batches, world, counted, keys, loss_fn, cp_router, cp_log)
         )
         if balance is not None:
-            # What CptuneTrainer logs as router_aux_loss (a collective), and the float64 cp=1 run's value.
+            # What CptuneTrainer logs as router_aux_loss (a collective), and the float64 cp=1 run's value
+            # (in bf16 the bf16 cp=1 run's).
             result.setdefault("cp_router_aux", []).append(cp_log.mean()["router_aux_loss"])
-            result.setdefault("ref64_router_aux", []).append(ref_log.mean()["router_aux_loss"])
+            reference_key = "ref64_router_aux" if reference64 is not None else "ref_router_aux"
+            result.setdefault(reference_key, []).append(ref_log.mean()["router_aux_loss"])
         dist.all_reduce(loss)
         cp_losses.append(loss.item() / world)
         # Planted bug grad_scale: gradients averaged over the data-parallel groups only, not the world.

@@ -160,6 +160,19 @@ MOE_CP2_CASES = [
     # router loss trains the routers' adapters too.
     case("moe-packed-causal-lora", arch="qwen3_moe"),
 ]
+# torch's CP attention (no document mask) with whole rows, so no padding the router loss counts (the padding
+# CP adds is left out); a tiny Mixtral too (num_local_experts, its own router), with LoRA on its experts.
+MOE_TORCH_CP2_CASES = [
+    torch_case("moe-full-rows-full-mbs2-ga2", arch="qwen3_moe", full_rows=True, lora=False, mbs=2, ga=2),
+    torch_case("mixtral-full-rows-lora", arch="mixtral", full_rows=True),
+]
+# Rows ending in padding (a document of its own, counted by the router loss): torch's attention lets the
+# padding see the row's real tokens, so its routing and the router loss are not cp=1's. cptune refuses
+# this (cptune.parallel.router_padding); the parity check must fail on it.
+MOE_TORCH_PADDED_CASES = [torch_case("moe-padded-rows-full", arch="qwen3_moe", lora=False)]
+# bf16 (model and router logits in bf16; the router sums in fp32), against the bf16 cp=1 reference within
+# the reorder floor of the same run (check(bf16=True)).
+MOE_BF16_CP2_CASES = [case("moe-packed-causal-full-bf16", arch="qwen3_moe", lora=False, bf16=True)]
 MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
@@ -258,6 +271,9 @@ SPAWNS = {
         + TORCH_PREFERENCE_CP2_CASES
         + PREFERENCE_PLANTED_CASES
         + MOE_CP2_CASES
+        + MOE_TORCH_CP2_CASES
+        + MOE_TORCH_PADDED_CASES
+        + MOE_BF16_CP2_CASES
         + WINDOW_CP2_CASES,
     ),
     "cp4": (
@@ -471,11 +487,17 @@ def test_planted_bugs_in_the_pair_sum_fail_the_fp32_parity_check(parity_results)
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("spawn", "cases"),
-    [("cp2", MOE_CP2_CASES), ("cp4", MOE_CP4_CASES), ("dp2xcp2", MOE_DP2_CP2_CASES)],
-    ids=["cp2", "cp4", "dp2xcp2"],
+    [
+        ("cp2", MOE_CP2_CASES),
+        ("cp2", MOE_TORCH_CP2_CASES),
+        ("cp4", MOE_CP4_CASES),
+        ("dp2xcp2", MOE_DP2_CP2_CASES),
+    ],
+    ids=["cp2", "torch-cp2", "cp4", "dp2xcp2"],
 )
 def test_moe_router_loss_parity_fp32(parity_results, spawn, cases):
-    """A MoE model with its router loss at cp=2 and cp=4 (ring-flash-attn varlen_llama3), and at cp=2 as 2
+    """A MoE model with its router loss at cp=2 and cp=4 (ring-flash-attn varlen_llama3), at cp=2 with the
+    torch backend (Qwen3-MoE and Mixtral), and at cp=2 as 2
     data-parallel groups: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run (router loss included), by the
     float64 rule; and the router loss logged each step (``router_aux_loss``) is the cp=1 run's."""
     results = parity_results(spawn)
@@ -500,6 +522,11 @@ def test_sliding_window_parity_fp32(parity_results, spawn, cases):
     check(parity_results(spawn), cases)
 
 
+def test_moe_router_loss_parity_bf16(parity_results):
+    """A MoE model in bf16 at cp=2 (ring-flash-attn): losses and step-0 gradients within the reorder floor."""
+    check(parity_results("cp2"), MOE_BF16_CP2_CASES, bf16=True)
+
+
 @pytest.mark.distributed
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
     """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss, and
@@ -510,5 +537,15 @@ def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]
         worst = max((max(f.values()) for f in failures if f), default=0.0)
         print(f"{case_['name']}: {worst:.3g} times the limit")
+        with pytest.raises(AssertionError):
+            check(results, [case_])
+
+
+@pytest.mark.distributed
+def test_a_router_loss_over_padding_the_torch_backend_lets_attend_fails_the_parity_check(parity_results):
+    """Why cptune refuses a router loss with padded rows under cp_backend: torch (cptune.parallel.router_padding):
+    the padding's routing, counted by the router loss, is not cp=1's, and the fp32 check fails."""
+    results = parity_results("cp2")
+    for case_ in MOE_TORCH_PADDED_CASES:
         with pytest.raises(AssertionError):
             check(results, [case_])

@@ -112,6 +112,13 @@ WINDOW_CP2_CASES = [
     case("window-mistral-ga2-packed-causal-full", arch="mistral", long_doc=True, lora=False, ga=2),
     case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True),
 ]
+# A tiny Qwen3-MoE with its router loss (tests/parallel/parity_worker.py's MoE cases): the router sums
+# all-reduced over the CP group, whose ranks hold contiguous halves of the rows in the MoE layers.
+MOE_CP2_CASES = [
+    case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2),
+    # LoRA on the attention, the routers and the experts' fused weights, partitioned by ZeRO-3.
+    case("moe-zero3-ga2-packed-lora", arch="qwen3_moe", stage=3, ga=2),
+]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.
     case("cp4-packed-causal-lora-kv2", cp=4, seq_len=30, ga=2),
@@ -140,7 +147,7 @@ DP2_CP2_CASES = [
 @pytest.mark.parametrize(
     ("world", "cases"),
     [
-        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES),
+        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES + MOE_CP2_CASES),
         (4, CP4_CASES + DP2_CP2_CASES + PREFERENCE_CP4_CASES + PREFERENCE_DP2_CP2_CASES),
     ],
     ids=["cp2", "cp4-and-dp2xcp2"],
@@ -153,6 +160,13 @@ def test_ulysses_parity_fp32(tmp_path, world, cases):
         for rank, per_rank in enumerate(results):
             failures = preference_metric_failures(per_rank[name])
             assert not failures, (name, rank, failures, per_rank[name]["cp_metrics"])
+    for name in (c["name"] for c in cases if c.get("arch") == "qwen3_moe"):
+        for per_rank in results:
+            r = per_rank[name]
+            # The logged router_aux_loss against the float64 cp=1 value, by test_parity.py's bound for
+            # it (fp32 sums of at most 192 terms of magnitude <= 1, twice): 4e-5.
+            errors = [abs(a - b) / b for a, b in zip(r["cp_router_aux"], r["ref64_router_aux"], strict=True)]
+            assert len(errors) == 3 and max(errors) <= 4e-5, (name, errors)
     names = {c["name"] for c in cases}
     for name in (c["name"] for c in cases if c.get("stage") == 3):  # ZeRO-3 really splits every parameter
         for per_rank in results:

@@ -60,11 +60,20 @@ from cptune.parallel.backends.deepspeed_ulysses.sharding import (
 from cptune.parallel.backends.document_attention import register_document_attention
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
-from cptune.parallel.loss import count_targets, scaled_step_loss, step_target_count, token_loss_sum
+from cptune.parallel.loss import count_targets, step_target_count, token_loss_sum
+from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
-from devtools.tiny import build_tiny_gemma3_text, build_tiny_mistral, build_tiny_model, tiny_llama_config
+from cptune.run.training.micro_loss import training_loss
+from cptune.run.training.trainer import RouterLossLog
+from devtools.tiny import (
+    build_tiny_gemma3_text,
+    build_tiny_mistral,
+    build_tiny_model,
+    build_tiny_qwen3_moe,
+    tiny_llama_config,
+)
 from tests import reorder
 from tests.numerics import float64_loss_sum, relative_errors
 from tests.parallel.zero3_partition import whole_parameters
@@ -109,7 +118,12 @@ def make_batch(generator: torch.Generator, case: dict) -> TokenBatch:
 
 
 def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
-    if case.get("arch") == "mistral":  # a sliding window on every layer
+    if case.get("arch") == "qwen3_moe":
+        # 4 experts, 2 per token, router loss on (output_router_logits, router_aux_loss_coef 0.02); the experts
+        # as a loop of matrix products (torch's grouped_mm takes no float64 reference).
+        model = build_tiny_qwen3_moe(VOCAB, seed=1234, num_key_value_heads=case.get("kv_heads", 2))
+        model.set_experts_implementation("eager")
+    elif case.get("arch") == "mistral":  # a sliding window on every layer
         model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
     elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
         model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
@@ -132,11 +146,13 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
 
 
 def reference_run(
-    case: dict, steps: list, float64: bool = False
+    case: dict, steps: list, float64: bool = False, router_aux: list[float] | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
 
-    ``float64``: the same model and loss computed in float64. Runs before DeepSpeed's attention
+    ``float64``: the same model and loss computed in float64. A MoE model's router loss is added as
+    CptuneTrainer adds it (the mean over the step's micro batches), each step's logged value (the mean
+    ``aux``, a collective every rank runs) appended to ``router_aux``. Runs before DeepSpeed's attention
     wraps the core attention: the wrapper replaces ``sdpa`` in the registry until the case's scope
     patch reverts.
     """
@@ -146,6 +162,8 @@ def reference_run(
     if float64:
         model, loss_sum = float64_twin(model), float64_loss_sum
     local = LocalBackend(causal=causal)
+    router = RouterBalance.from_config(model.config)
+    router_log = RouterLossLog()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
     losses, step0_grads = [], {}
     for t, step in enumerate(steps):
@@ -155,13 +173,25 @@ def reference_run(
         # The reorder stress accumulates the fp32 reference's micro batches the other way (tests/reorder.py).
         for batch in everything if float64 else reorder.in_stress_order(everything):
             sharded = local.shard(batch)
-            logits = model(**sharded.model_kwargs, use_cache=False).logits
-            loss = scaled_step_loss(loss_sum(logits, sharded.shift_labels), targets, 1)
+            outputs = model(**sharded.model_kwargs, use_cache=False)
+            loss, aux = training_loss(
+                loss_sum(outputs.logits, sharded.shift_labels),
+                outputs,
+                sharded.coords,
+                step_targets=targets,
+                gradient_divisor=1,
+                router=router,
+                accumulation=len(everything),
+            )
             loss.backward()
+            if aux is not None:
+                router_log.add(aux)
             total += loss.item()
         if t == 0:
             step0_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         losses.append(total)
+        if router is not None and router_aux is not None:
+            router_aux.append(router_log.mean()["router_aux_loss"])
         optimizer.step()
         optimizer.zero_grad()
     return losses, step0_grads
@@ -245,7 +275,9 @@ def run_case(case: dict) -> dict:
     # Global batches: steps[t][dp_group][micro].
     generator = torch.Generator().manual_seed(case["seed"])
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
-    reference, reference64 = reference_run(case, steps), reference_run(case, steps, float64=True)
+    ref64_router_aux: list[float] = []
+    reference = reference_run(case, steps)
+    reference64 = reference_run(case, steps, float64=True, router_aux=ref64_router_aux)
     ref_grads = reference[1]
 
     core = case.get("core", "cptune")
@@ -268,6 +300,13 @@ def run_case(case: dict) -> dict:
         model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config
     )
     backend = cp_backend(case, model)
+    router = RouterBalance.from_config(model.config)
+    # The CP group as CptuneTrainer takes it: the "cp" axis of the dp x cp mesh (consecutive ranks).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp_group = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"].get_group()
+    cp_log = RouterLossLog()
+    router_aux: list[float] = []
     divisor = world  # as CptuneTrainer: DeepSpeed averages over every rank, as DDP does
     losses, grads = [], {}
     for t, step in enumerate(steps):
@@ -278,19 +317,36 @@ def run_case(case: dict) -> dict:
         for i, batch in enumerate(micro):
             with step_context(backend):  # torch's CP dispatcher, around forward and backward
                 sharded = backend.shard(batch)
-                loss_sum, _ = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
+                loss_sum, outputs = loss_fn(engine, sharded.model_kwargs, sharded.shift_labels)
                 if sharded.call is not None:  # every layer served, every windowed one with its window
                     text = engine.module.config.get_text_config()
                     check_layers_served(sharded.call, text.num_hidden_layers, count_windowed_layers(text))
-                loss = scaled_step_loss(loss_sum, step_targets, divisor)
+                # CptuneTrainer's loss (scaled_step_loss, plus a MoE model's router loss over the CP group).
+                loss, aux = training_loss(
+                    loss_sum,
+                    outputs,
+                    sharded.coords,
+                    step_targets=step_targets,
+                    gradient_divisor=divisor,
+                    router=router,
+                    accumulation=ga,
+                    cp_group=cp_group,
+                )
                 engine.backward(loss, scale_wrt_gas=False)
+                if aux is not None:
+                    cp_log.add(aux)
             logged += loss.item()  # what CptuneTrainer.training_step returns
             if t == 0 and i == ga - 1:  # DeepSpeed has reduced the step's gradients; not yet stepped
                 grads = engine_grads(engine, ref_grads)
             engine.step()
         dist.all_reduce(logged)
         losses.append(float(logged) / world)  # the Trainer logs the mean over processes
+        if router is not None:  # what CptuneTrainer logs as router_aux_loss (a collective)
+            router_aux.append(cp_log.mean()["router_aux_loss"])
     run = {"cp_losses": losses}
+    if router is not None:
+        run["cp_router_aux"], run["ref64_router_aux"] = router_aux, ref64_router_aux
+
     if stage == 3:
         run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
         run["parameters"] = sum(1 for _ in engine.module.parameters())

@@ -118,3 +118,17 @@ def test_validate_lists_the_patches_applied_around_the_backends_import(write_rec
         "    apply ring-flash-attn-import-compat: "
         "transformers.modeling_flash_attention_utils:is_flash_attn_greater_or_equal_2_10"
     )
+
+
+def test_router_jitter_under_context_parallelism_is_refused_before_loading():
+    """Mixtral's router noise is drawn per process: a CP run would draw other noise than cp=1."""
+    from devtools.tiny import build_tiny_mixtral
+
+    jittered = build_tiny_mixtral(97, seed=1, router_jitter_noise=0.01).config
+    with pytest.raises(CptuneError) as refused:
+        preflight_module.check_router_jitter(2, jittered)
+    assert str(refused.value).startswith(
+        "overrides_of_model_config: the model's router_jitter_noise is 0.01: its router noise is drawn per process"
+    ), str(refused.value)
+    preflight_module.check_router_jitter(1, jittered)  # at cp=1 there is nothing to match
+    preflight_module.check_router_jitter(2, build_tiny_mixtral(97, seed=1).config)  # no jitter (the default)

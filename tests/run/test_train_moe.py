@@ -9,14 +9,15 @@ from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, su
 from tests.numerics import logged_tolerance
 
 
-def save_tiny_moe(folder, tiny_model_dir):
-    """A tiny Qwen3-MoE with the tiny Llama's tokenizer (router loss off in its config.json)."""
+def save_tiny_moe(folder, tiny_model_dir, family: str = "qwen3_moe"):
+    """A tiny Qwen3-MoE (or Mixtral) with the tiny Llama's tokenizer (router loss off in its config.json)."""
     from transformers import AutoTokenizer
 
-    from devtools.tiny import build_tiny_qwen3_moe
+    from devtools.tiny import build_tiny_mixtral, build_tiny_qwen3_moe
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = build_tiny_qwen3_moe(
+    build = {"qwen3_moe": build_tiny_qwen3_moe, "mixtral": build_tiny_mixtral}[family]
+    model = build(
         len(tokenizer),
         seed=1,
         output_router_logits=False,  # the recipe turns it on
@@ -28,40 +29,78 @@ def save_tiny_moe(folder, tiny_model_dir):
     return folder
 
 
-@pytest.mark.distributed
-def test_a_moe_models_router_loss_is_trained_and_logged_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
-    """A tiny Qwen3-MoE, full fine-tune, SGD with accumulation 2, the router loss turned on by the recipe
-    (``overrides_of_model_config``): the loss, gradient norm and ``router_aux_loss`` of every step."""
-    moe = save_tiny_moe(tmp_path / "moe", tiny_model_dir)
-    logs = {}
-    for cp in (1, 2):
-        recipe = {
-            "base_model": str(moe),
-            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-            "sequence_len": 128,
-            "sample_packing": True,
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-            "max_steps": 3,
-            "optimizer": "sgd",
-            "learning_rate": 0.05,
-            "logging_steps": 1,
-            "output_dir": str(tmp_path / f"cp{cp}"),
-            "overrides_of_model_config": {"output_router_logits": True, "router_aux_loss_coef": 0.02},
-            "context_parallel_size": cp,
-        }
-        path = tmp_path / f"cp{cp}.yaml"
-        path.write_text(yaml.safe_dump(recipe))
-        succeeded(run_cptune("train", str(path)))
-        logs[cp] = {
-            key: logged(tmp_path / f"cp{cp}", key) for key in ("loss", "grad_norm", "router_aux_loss")
-        }
-    assert sorted(logs[1]["router_aux_loss"]) == [1, 2, 3]
-    diffs = {key: max_rel_diff(logs[2][key], logs[1][key]) for key in logs[1]}
+LOGGED = ("loss", "grad_norm", "router_aux_loss")
+
+
+def train_moe(tmp_path, moe, name: str, **keys) -> dict[str, dict[int, float]]:
+    """``cptune train`` of the MoE model for 3 steps (SGD, accumulation 2, the router loss turned on by
+    the recipe's ``overrides_of_model_config``): the loss, gradient norm and router loss of each step."""
+    recipe = {
+        "base_model": str(moe),
+        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+        "sequence_len": 128,
+        "sample_packing": True,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_steps": 3,
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+        "logging_steps": 1,
+        "output_dir": str(tmp_path / name),
+        "overrides_of_model_config": {"output_router_logits": True, "router_aux_loss_coef": 0.02},
+        **keys,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    succeeded(run_cptune("train", str(path), timeout=400))
+    logs = {key: logged(tmp_path / name, key) for key in LOGGED}
+    assert sorted(logs["router_aux_loss"]) == [1, 2, 3], logs
+    return logs
+
+
+def assert_logs_match(got: dict, expected: dict) -> None:
+    diffs = {key: max_rel_diff(got[key], expected[key]) for key in LOGGED}
     # Bound (tests/numerics.py): rows of 128 tokens, 4 a step (2 x accumulation 2), 640 terms; a micro
     # batch's router sums add 2 rows x 128 tokens x 2 layers = 512 terms of size <= 1, within it.
-    assert max(diffs.values()) <= logged_tolerance(128, 4), (diffs, logs)
+    assert max(diffs.values()) <= logged_tolerance(128, 4), (diffs, got, expected)
+
+
+@pytest.mark.distributed
+def test_a_moe_models_router_loss_is_trained_and_logged_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
+    """A tiny Qwen3-MoE, full fine-tune, packed rows: cp=2 with ring-flash-attn and with deepspeed (Ulysses,
+    cptune's document attention as its core) log the cp=1 run's loss, gradient norm and ``router_aux_loss``
+    at every step. Under Ulysses the MoE layers see this rank's contiguous half of the tokens."""
+    moe = save_tiny_moe(tmp_path / "moe", tiny_model_dir)
+    expected = train_moe(tmp_path, moe, "cp1", context_parallel_size=1)
+    for backend in ("ring-flash-attn", "deepspeed"):
+        got = train_moe(tmp_path, moe, f"cp2-{backend}", context_parallel_size=2, cp_backend=backend)
+        assert_logs_match(got, expected)
+
+
+@pytest.mark.distributed
+def test_a_mixtral_router_loss_with_the_torch_backend_and_the_chunked_loss_is_logged_at_cp2_as_at_cp1(
+    tmp_path, tiny_model_dir
+):
+    """A tiny Mixtral, unpacked rows one per micro batch (torch's CP attention takes no document mask, so padding
+    would see real tokens: refused, cptune.parallel.router_padding), the chunked head loss on (``cut_cross_entropy``:
+    the model is called for one token of logits, its router logits still come back): cp=2 with cp_backend torch
+    (load-balanced head-tail shards) logs the cp=1 run's values. Micro batches of 2 rows are refused by validate."""
+    moe = save_tiny_moe(tmp_path / "mixtral", tiny_model_dir, family="mixtral")
+    keys = {
+        "sample_packing": False,
+        "cut_cross_entropy": True,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 4,
+    }
+    expected = train_moe(tmp_path, moe, "cp1", context_parallel_size=1, **keys)
+    got = train_moe(tmp_path, moe, "cp2-torch", context_parallel_size=2, cp_backend="torch", **keys)
+    assert_logs_match(got, expected)
+    padded = yaml.safe_load((tmp_path / "cp2-torch.yaml").read_text()) | {"micro_batch_size": 2}
+    (tmp_path / "padded.yaml").write_text(yaml.safe_dump(padded))
+    done = run_cptune("validate", str(tmp_path / "padded.yaml"))
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "micro_batch_size: 2: the model adds a router load-balancing loss" in done.stderr, done.stderr
 
 
 @pytest.mark.distributed

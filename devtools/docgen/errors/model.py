@@ -340,12 +340,67 @@ DOCUMENTED: tuple[Documented, ...] = (
         "tiled-mlp-mixture-of-experts",
         SECTION,
         "tiled_mlp with a mixture-of-experts model",
-        "the MLP of each decoder layer must be a dense, token-wise module. Remove tiled_mlp.",
-        "Remove `tiled_mlp`: an expert router balances its experts over all the tokens of a call, which tiles "
-        "would change. Checked from a weightless copy of the model before anything is loaded.",
+        "the MLP of each decoder layer must be a dense, token-wise module. Remove tiled_mlp",
+        "Remove `tiled_mlp`: the tiles run the MLP under `no_grad` (and recompute it in the backward), so the "
+        "router logits that a mixture of experts' load-balancing loss reads would carry no gradient. Activation "
+        "offloading and `recompute_norms` still apply. Checked from a weightless copy of the model before "
+        "anything is loaded.",
         raised_in="src/cptune/models/memory_features.py",
         why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
         tested_by="tests/models/test_memory_features.py::test_check_memory_features_refuses_a_mixture_of_experts_before_loading",
+    ),
+    Documented(
+        "lora-target-adapts-nothing",
+        SECTION,
+        "a lora_target_modules entry adapts nothing while the others do (e.g. down_proj on Mixtral)",
+        "adapts nothing in",
+        "peft refuses a target list only when none of its names matches, so one name that matches nothing "
+        "would train without it. A mixture of experts' expert weights are fused parameters in transformers 5: "
+        "`lora_target_linear: true` adapts them (with the attention and the router), or name them by the "
+        "model's transformers 4 module names (Qwen3-MoE: `gate_proj`, `up_proj`, `down_proj`; Mixtral: `w1`, "
+        "`w3`, `w2`). Checked on a weightless copy of the model before anything is loaded.",
+        raised_in="src/cptune/models/lora_targets.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/models/test_lora_targets.py::test_a_target_that_adapts_nothing_beside_one_that_does_is_refused",
+    ),
+    Documented(
+        "lora-target-unsupported-module",
+        SECTION,
+        "lora_target_modules names a module peft cannot adapt (e.g. experts)",
+        "peft cannot adapt a",
+        "Name linear layers, or use `lora_target_linear: true`, which also adapts a mixture of experts' fused "
+        "expert weights; to name those, use the model's transformers 4 module names (Qwen3-MoE: `gate_proj`, "
+        "`up_proj`, `down_proj`; Mixtral: `w1`, `w3`, `w2`).",
+        raised_in="src/cptune/models/lora_targets.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/models/test_lora_targets.py::test_the_experts_module_or_its_fused_parameter_name_is_refused_in_one_line",
+    ),
+    Documented(
+        "router-loss-padded-rows",
+        SECTION,
+        "a router loss with padded rows under cp_backend torch (or deepspeed around sdpa)",
+        "takes no document mask, so the padding would attend to",
+        "The router load-balancing loss counts every token of a micro batch, the padding too. At cp=1 padding "
+        "is a document of its own; torch's context-parallel attention and Ulysses around sdpa take no document "
+        "mask, so the padding would see the row's real tokens and route otherwise. Use `micro_batch_size: 1` "
+        "(more `gradient_accumulation_steps`) without `pad_to_sequence_len`, or `cp_backend: ring-flash-attn`, "
+        "or turn the router loss off (`overrides_of_model_config: {output_router_logits: false}`).",
+        raised_in="src/cptune/parallel/router_padding.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/parallel/test_router_padding.py::test_padded_rows_with_a_router_loss_are_refused_with_the_reason",
+    ),
+    Documented(
+        "router-jitter-under-cp",
+        SECTION,
+        "a model with router_jitter_noise under context parallelism",
+        "its router noise is drawn per process, so a context-parallel run would draw other noise",
+        "Mixtral's `router_jitter_noise` multiplies the router's input by noise from each process's random "
+        "generator, so a process holding a slice of a row draws other noise than the run without CP. Set "
+        "`router_jitter_noise: 0.0` in `overrides_of_model_config` (the default), or train at "
+        "`context_parallel_size: 1`.",
+        raised_in="src/cptune/run/launch/preflight.py",
+        why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
+        tested_by="tests/run/test_preflight.py::test_router_jitter_under_context_parallelism_is_refused_before_loading",
     ),
     Documented(
         "recompute-norms-without-rmsnorm",

@@ -297,6 +297,9 @@ def apply_lora(model: Any, recipe: Recipe, *, load_weights: bool = True) -> Any:
         else:
             model = get_peft_model(model, lora_config(recipe))
     except ValueError as err:
+        from cptune.models.lora_targets import check_supported_module
+
+        check_supported_module(err)
         raise CptuneError(f"lora_target_modules: {_first_line(err)}") from None
     if recipe.resolved_gradient_checkpointing:
         model.enable_input_require_grads()
@@ -324,7 +327,8 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
     data was prepared and the weights loaded.
 
     Raises:
-        CptuneError: peft finds no module of that name, or a lora_modules_to_save name matches none.
+        CptuneError: peft finds no module of that name, one of the named targets adapts nothing
+            (:mod:`cptune.models.lora_targets`), or a lora_modules_to_save name matches none.
     """
     if not (recipe.is_lora and (recipe.lora_target_modules or recipe.lora_modules_to_save)):
         return  # every linear layer: nothing a user named can be missing
@@ -339,7 +343,11 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
             f"lora_modules_to_save: the model has no module named {', '.join(repr(m) for m in missing)}. Name "
             "modules by their last name, e.g. embed_tokens and lm_head for the embeddings of Llama-style models."
         )
-    apply_lora(model, recipe, load_weights=False)
+    adapted = apply_lora(model, recipe, load_weights=False)
+    if recipe.lora_target_modules and recipe.lora_model_dir is None:
+        from cptune.models.lora_targets import check_every_target_matched
+
+        check_every_target_matched(adapted, recipe.lora_target_modules)
 
 
 def meta_model(recipe: Recipe, config: Any) -> Any:

@@ -73,7 +73,8 @@ def check_memory_features(recipe: Recipe, config: Any) -> None:
         except ValueError as err:
             raise CptuneError(
                 f"tiled_mlp: {type(model).__name__} cannot be tiled ({err}); the MLP of each decoder layer must be "
-                "a dense, token-wise module. Remove tiled_mlp."
+                "a dense, token-wise module. Remove tiled_mlp (for a mixture of experts, activation offloading "
+                "and recompute_norms still apply)."
             ) from None
     if recipe.recompute_norms:
         try:

@@ -76,7 +76,7 @@ def model_shape(config: Any) -> ModelShape | None:
         return ModelShape(
             layers=int(text.num_hidden_layers),
             hidden=hidden,
-            intermediate=int(text.intermediate_size),
+            intermediate=mlp_width(text),
             heads=heads,
             kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
@@ -84,3 +84,25 @@ def model_shape(config: Any) -> ModelShape | None:
         )
     except (AttributeError, TypeError, ValueError):
         return None
+
+
+def mlp_width(text: Any) -> int:
+    """The MLP intermediates' width per token: the dense width, or a mixture of experts' routed one.
+
+    A routed token runs through ``num_experts_per_tok`` experts, each making the intermediates of
+    one expert's width (``moe_intermediate_size`` for Qwen2/3-MoE, ``intermediate_size`` for Mixtral
+    and gpt-oss), plus a shared expert's (Qwen2-MoE). With dense layers beside the sparse ones
+    (``mlp_only_layers``, ``decoder_sparse_step``) the wider of the two bounds a layer. Not counted:
+    the router's logits and the routed copies of the hidden states, of hidden-state order per token.
+    """
+    dense = int(text.intermediate_size)
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return dense
+    expert = int(getattr(text, "moe_intermediate_size", None) or dense)
+    routed = int(top_k) * expert + int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    has_dense = (
+        bool(getattr(text, "mlp_only_layers", None)) or int(getattr(text, "decoder_sparse_step", 1) or 1) > 1
+    )
+    return max(dense, routed) if has_dense else routed

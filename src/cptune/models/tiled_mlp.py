@@ -180,8 +180,10 @@ def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``mlp`` of every decoder layer (the model's ``_no_split_modules`` classes).
 
     Raises:
-        ValueError: the model's layers have no ``mlp``, or it is a mixture of experts (its router
-            balances experts over all the tokens of a call, which tiles would change).
+        ValueError: the model's layers have no ``mlp``, or it is a mixture of experts. Its routing is
+            per token, but transformers records the router's logits (for the load-balancing loss) from
+            the block's calls, and the tiling hands the block's own call an empty slice and runs the
+            tiles under ``no_grad``: the loss would read logits without gradient and train no router.
     """
     layer_classes = set(_find_attr(model, "_no_split_modules") or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
@@ -194,7 +196,10 @@ def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
             or hasattr(mlp, "router")
             or (hasattr(mlp, "gate") and not hasattr(mlp, "gate_proj"))
         ):
-            raise ValueError(f"its MLP ({type(mlp).__name__}) is a mixture of experts")
+            raise ValueError(
+                f"its MLP ({type(mlp).__name__}) is a mixture of experts: the tiles run under no_grad, so the "
+                "router logits its load-balancing loss reads would carry no gradient"
+            )
     return mlps
 
 

@@ -92,6 +92,12 @@ class DeepSpeedUlysses:
         from cptune.parallel.backends.deepspeed_ulysses.sharding import check_heads
 
         check_heads(text_config, cp_size, recipe.resolved_ulysses_attn_implementation, causal=recipe.causal)
+        if cp_size > 1 and recipe.resolved_ulysses_attn_implementation == "sdpa":
+            from cptune.parallel.router_padding import check_router_loss_padding
+
+            check_router_loss_padding(
+                recipe, text_config, "cp_backend: deepspeed with ulysses_attn_implementation: sdpa"
+            )
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return recipe.resolved_ulysses_attn_implementation == "cptune"

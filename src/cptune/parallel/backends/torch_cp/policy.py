@@ -91,6 +91,11 @@ class TorchCp:
             "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed, which "
             "attend sliding windows exactly, or context_parallel_size: 1.",
         )
+        # Beside the common checks (select.check_model_config): padding seen by a router loss.
+        from cptune.parallel.router_padding import check_router_loss_padding
+
+        if cp_size > 1:
+            check_router_loss_padding(recipe, text_config, "cp_backend: torch")
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return True
