@@ -53,7 +53,7 @@ def main() -> None:
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
-    def train(recipe, callbacks=(), *, plan=None, data_reported=False):
+    def train(recipe, callbacks=(), *, plan=None, data_reported=False, overrides=()):
         start_groups()
         return train_module.TrainResult([], Path(recipe.output_dir), 0.0)
 
