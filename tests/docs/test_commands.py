@@ -57,6 +57,16 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
     (r"^MASTER_ADDR=|^srun ", GPU + " (a Slurm job script)"),
     (r"--base-model /models/", "a GPU benchmark of Llama-3.1-8B (weights not shipped)"),
     (
+        r"^cptune train examples/quickstart\.yaml --context_parallel_size=1 ",
+        "the quickstart again at cp=1 (about 15 s here): tests/run/test_train_e2e.py checks cp=1 against cp=2 "
+        "step by step; left out to keep the suite within its time",
+    ),
+    (
+        r"^cptune train my-recipe\.yaml$",
+        "the page's recipe trained to its end (3 epochs); the next command trains the same recipe for 20 steps "
+        "with --overwrite, which runs the same code; left out to keep the suite within its time",
+    ),
+    (
         r"^cptune train examples/cpu/\w+\.yaml$",
         "the CPU example's whole training: tests/test_examples.py "
         "trains it (and the other backends' parity tests check them); minutes each here",
