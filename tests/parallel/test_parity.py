@@ -522,6 +522,7 @@ def test_sliding_window_parity_fp32(parity_results, spawn, cases):
     check(parity_results(spawn), cases)
 
 
+@pytest.mark.distributed
 def test_moe_router_loss_parity_bf16(parity_results):
     """A MoE model in bf16 at cp=2 (ring-flash-attn): losses and step-0 gradients within the reorder floor."""
     check(parity_results("cp2"), MOE_BF16_CP2_CASES, bf16=True)
