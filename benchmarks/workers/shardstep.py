@@ -115,9 +115,9 @@ def setup_backend(recipe: Any, rank: int, world: int) -> CpSetup:
 
 def describe_backend(recipe: Any) -> str:
     """``ring-flash-attn / varlen_llama3``, ``torch``, ...: the backend a recipe runs at cp > 1."""
-    if recipe.cp_backend == "ring-flash-attn":
-        return f"{recipe.cp_backend} / {recipe.resolved_ring_attn_func}"
-    return recipe.cp_backend
+    from cptune.parallel.backends.table import backend_for
+
+    return backend_for(recipe).run_name(recipe)
 
 
 class ShardedStep:

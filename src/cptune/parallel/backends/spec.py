@@ -65,6 +65,11 @@ class BackendPolicy(Protocol):
     name: str | None
     #: what computes the attention, for messages (``cp_backend: torch``)
     label: str
+
+    def run_name(self, recipe: Recipe) -> str:
+        """The backend as results tables name a run of ``recipe`` (``ring-flash-attn / varlen_llama3``, ``torch``)."""
+        ...
+
     #: cptune's Trainer shards each batch itself (every rank of a CP group gets the whole batch
     #: from accelerate's loader next to plain DDP or FSDP2); False: the backend's engine does
     shards_inputs_itself: bool

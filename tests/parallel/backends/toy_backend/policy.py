@@ -26,6 +26,9 @@ class Toy:
     takes_tensor_parallel = False
     trains_preference_pairs = False
 
+    def run_name(self, recipe: Recipe) -> str:
+        return self.label if self.name is None else self.name
+
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """toy.
 

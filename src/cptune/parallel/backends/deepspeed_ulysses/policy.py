@@ -29,6 +29,9 @@ class DeepSpeedUlysses:
     # document-aware core attention (cptune) or packing, which the rules above already make exact.
     trains_preference_pairs = True
 
+    def run_name(self, recipe: Recipe) -> str:
+        return self.label if self.name is None else self.name
+
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """DeepSpeed: Ulysses, and ZeRO under ring-flash-attn or torch CP.
 

@@ -25,6 +25,9 @@ class Local:
     takes_tensor_parallel = True
     trains_preference_pairs = True
 
+    def run_name(self, recipe: Recipe) -> str:
+        return self.label if self.name is None else self.name
+
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """No context parallelism: no rules of its own (the chosen cp_backend's keys are checked by it)."""
         return iter(())

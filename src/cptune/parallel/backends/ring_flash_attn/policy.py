@@ -92,6 +92,9 @@ class RingFlashAttn:
     def uses_cptune_attention(self, recipe: Recipe) -> bool:
         return True
 
+    def run_name(self, recipe: Recipe) -> str:
+        return f"{self.name} / {recipe.resolved_ring_attn_func}"
+
     def sequence_split(self, recipe: Recipe) -> SequenceSplit:
         return "zigzag" if recipe.resolved_ring_attn_func == "batch_zigzag" else "contiguous"
 

@@ -30,6 +30,9 @@ class TorchCp:
     # followed by padding, which causal attention keeps exact without a mask.
     trains_preference_pairs = True
 
+    def run_name(self, recipe: Recipe) -> str:
+        return self.label if self.name is None else self.name
+
     def recipe_rules(self, recipe: Recipe) -> Iterator[tuple[str, str]]:
         """torch context parallelism.
 
