@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -222,6 +222,22 @@ def build_tiny_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
+def _moe_fields(vocab_size: int) -> dict[str, object]:
+    """The tiny Llama's sizes for the mixture-of-experts configs (their own expert widths come on top)."""
+    llama = tiny_llama_config(vocab_size)
+    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    names += ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
+    return {"vocab_size": vocab_size, **{name: getattr(llama, name) for name in names}}
+
+
+def _seeded(build: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
+    """``build()`` with its weights drawn from ``seed``, in float32; the caller's RNG is untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build()
+    return model.to(torch.float32)
+
+
 def build_tiny_qwen3_moe(vocab_size: int, seed: int, **overrides: object) -> torch.nn.Module:
     """A randomly initialised float32 ``Qwen3MoeForCausalLM`` of the tiny Llama's sizes, every layer sparse.
 
@@ -235,13 +251,9 @@ def build_tiny_qwen3_moe(vocab_size: int, seed: int, **overrides: object) -> tor
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    llama = tiny_llama_config(vocab_size)
-    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
-    names += ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
-    fields: dict[str, object] = {name: getattr(llama, name) for name in names}
+    fields = _moe_fields(vocab_size)
     fields.update(
-        vocab_size=vocab_size,
-        intermediate_size=llama.intermediate_size,
+        intermediate_size=tiny_llama_config(vocab_size).intermediate_size,
         moe_intermediate_size=32,
         num_experts=4,
         num_experts_per_tok=2,
@@ -250,10 +262,7 @@ def build_tiny_qwen3_moe(vocab_size: int, seed: int, **overrides: object) -> tor
         router_aux_loss_coef=0.02,
     )
     fields.update(overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields))
-    return model.to(torch.float32)
+    return _seeded(lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)), seed)
 
 
 def _tiny_fields(vocab_size: int) -> dict[str, object]:
@@ -276,10 +285,7 @@ def build_tiny_mistral(
     from transformers import MistralConfig, MistralForCausalLM
 
     fields = {**_tiny_fields(vocab_size), "sliding_window": sliding_window, **overrides}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MistralForCausalLM(MistralConfig(**fields))
-    return model.to(torch.float32)
+    return _seeded(lambda: MistralForCausalLM(MistralConfig(**fields)), seed)
 
 
 def build_tiny_gemma3_text(
@@ -300,10 +306,7 @@ def build_tiny_gemma3_text(
         "query_pre_attn_scalar": 16,
         **overrides,
     }
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**fields))
-    return model.to(torch.float32)
+    return _seeded(lambda: Gemma3ForCausalLM(Gemma3TextConfig(**fields)), seed)
 
 
 def build_tiny_mixtral(vocab_size: int, seed: int, **overrides: object) -> torch.nn.Module:
@@ -320,12 +323,8 @@ def build_tiny_mixtral(vocab_size: int, seed: int, **overrides: object) -> torch
     """
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    llama = tiny_llama_config(vocab_size)
-    names = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
-    names += ("max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")
-    fields: dict[str, object] = {name: getattr(llama, name) for name in names}
+    fields = _moe_fields(vocab_size)
     fields.update(
-        vocab_size=vocab_size,
         intermediate_size=32,  # each expert's width
         num_local_experts=4,
         num_experts_per_tok=2,
@@ -334,10 +333,7 @@ def build_tiny_mixtral(vocab_size: int, seed: int, **overrides: object) -> torch
         router_aux_loss_coef=0.02,
     )
     fields.update(overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = MixtralForCausalLM(MixtralConfig(**fields))
-    return model.to(torch.float32)
+    return _seeded(lambda: MixtralForCausalLM(MixtralConfig(**fields)), seed)
 
 
 def _generation_config(config: LlamaConfig) -> GenerationConfig:
