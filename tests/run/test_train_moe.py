@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded
+from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded, write_short_run
 from tests.numerics import logged_tolerance
 
 
@@ -35,24 +35,8 @@ LOGGED = ("loss", "grad_norm", "router_aux_loss")
 def train_moe(tmp_path, moe, name: str, **keys) -> dict[str, dict[int, float]]:
     """``cptune train`` of the MoE model for 3 steps (SGD, accumulation 2, the router loss turned on by
     the recipe's ``overrides_of_model_config``): the loss, gradient norm and router loss of each step."""
-    recipe = {
-        "base_model": str(moe),
-        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
-        "dataset_prepared_path": str(tmp_path / "prepared"),
-        "sequence_len": 128,
-        "sample_packing": True,
-        "micro_batch_size": 2,
-        "gradient_accumulation_steps": 2,
-        "max_steps": 3,
-        "optimizer": "sgd",
-        "learning_rate": 0.05,
-        "logging_steps": 1,
-        "output_dir": str(tmp_path / name),
-        "overrides_of_model_config": {"output_router_logits": True, "router_aux_loss_coef": 0.02},
-        **keys,
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    router = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
+    path = write_short_run(tmp_path, name, moe, overrides_of_model_config=router, **keys)
     succeeded(run_cptune("train", str(path), timeout=400))
     logs = {key: logged(tmp_path / name, key) for key in LOGGED}
     assert sorted(logs["router_aux_loss"]) == [1, 2, 3], logs

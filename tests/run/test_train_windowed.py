@@ -9,9 +9,8 @@ losses and gradient norms match.
 from __future__ import annotations
 
 import pytest
-import yaml
 
-from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded
+from tests.conftest import logged, max_rel_diff, run_cptune, succeeded, write_short_run
 from tests.numerics import logged_tolerance
 
 WINDOW = 8  # keys a query sees; the quickstart rows pack documents of tens of tokens, most wider than it
@@ -45,26 +44,7 @@ def test_a_sliding_window_model_trains_at_cp2_as_at_cp1(tmp_path, tiny_model_dir
     runs["ulysses"] = {"context_parallel_size": 2, "cp_backend": "deepspeed"}
     logs = {}
     for name, keys in runs.items():
-        recipe = {
-            "base_model": str(mistral),
-            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca"}],
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-            "adapter": "lora",
-            "lora_r": 4,
-            "lora_alpha": 8,
-            "sequence_len": 128,
-            "sample_packing": True,
-            "micro_batch_size": 2,
-            "gradient_accumulation_steps": 2,
-            "max_steps": 3,
-            "optimizer": "sgd",
-            "learning_rate": 0.05,
-            "logging_steps": 1,
-            "output_dir": str(tmp_path / name),
-            **keys,
-        }
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(recipe))
+        path = write_short_run(tmp_path, name, mistral, adapter="lora", lora_r=4, lora_alpha=8, **keys)
         succeeded(run_cptune("train", str(path)))
         logs[name] = {key: logged(tmp_path / name, key) for key in ("loss", "grad_norm")}
     assert len(logs["cp1"]["loss"]) == 3
