@@ -11,8 +11,10 @@ import transformers.trainer  # noqa: F401
 
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
+from cptune.parallel.backends.select import check_router_jitter
 from cptune.run.launch import preflight as preflight_module
 from cptune.run.plan import RunPlan
+from tests.conftest import write_short_run
 
 
 def pretend_gpu_with_flash_attn(monkeypatch) -> None:
@@ -126,9 +128,52 @@ def test_router_jitter_under_context_parallelism_is_refused_before_loading():
 
     jittered = build_tiny_mixtral(97, seed=1, router_jitter_noise=0.01).config
     with pytest.raises(CptuneError) as refused:
-        preflight_module.check_router_jitter(2, jittered)
+        check_router_jitter(2, jittered)
     assert str(refused.value).startswith(
         "overrides_of_model_config: the model's router_jitter_noise is 0.01: its router noise is drawn per process"
     ), str(refused.value)
-    preflight_module.check_router_jitter(1, jittered)  # at cp=1 there is nothing to match
-    preflight_module.check_router_jitter(2, build_tiny_mixtral(97, seed=1).config)  # no jitter (the default)
+    check_router_jitter(1, jittered)  # at cp=1 there is nothing to match
+    check_router_jitter(2, build_tiny_mixtral(97, seed=1).config)  # no jitter (the default)
+
+
+@pytest.mark.parametrize(
+    ("keys", "refusal"),
+    [
+        (
+            {"overrides_of_model_config": {"router_jitter_noise": 0.01}},
+            "overrides_of_model_config: the model's router_jitter_noise is 0.01: its router noise is drawn",
+        ),
+        (
+            {
+                "overrides_of_model_config": {"output_router_logits": True},
+                "cp_backend": "torch",
+                "sample_packing": False,
+                "micro_batch_size": 2,
+            },
+            "micro_batch_size: 2",
+        ),
+    ],
+    ids=["router-jitter", "torch-router-padding"],
+)
+def test_a_rank_started_without_cptunes_launcher_refuses_before_loading(
+    keys, refusal, tmp_path, tiny_model_dir, monkeypatch
+):
+    """A rank under torchrun runs no preflight: train() itself refuses the model's config before it writes,
+    prepares or loads anything (rank 0 of 2, in this process: the refusal comes before any process group)."""
+    from cptune.run.training import train as train_module
+    from tests.run.test_train_moe import save_tiny_moe
+
+    moe = save_tiny_moe(tmp_path / "mixtral", tiny_model_dir, family="mixtral")
+    recipe = load_recipe(write_short_run(tmp_path, "run", moe, context_parallel_size=2, **keys))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the data or the model was loaded before the refusal")
+
+    monkeypatch.setattr(train_module, "load_model", loaded)
+    monkeypatch.setattr("cptune.data.prepare.prepare_datasets", loaded)
+    with pytest.raises(CptuneError) as refused:
+        train_module.train(recipe)
+    assert str(refused.value).startswith(refusal), str(refused.value)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "prepared").exists()

@@ -398,7 +398,7 @@ DOCUMENTED: tuple[Documented, ...] = (
         "generator, so a process holding a slice of a row draws other noise than the run without CP. Set "
         "`router_jitter_noise: 0.0` in `overrides_of_model_config` (the default), or train at "
         "`context_parallel_size: 1`.",
-        raised_in="src/cptune/run/launch/preflight.py",
+        raised_in="src/cptune/parallel/backends/select.py",
         why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
         tested_by="tests/run/test_preflight.py::test_router_jitter_under_context_parallelism_is_refused_before_loading",
     ),

@@ -98,6 +98,19 @@ class RunPlan:
 
         check_model_config(self.backend, self.recipe, self.dims, config, model_class)
 
+    def check_model_before_loading(self) -> Any:
+        """:meth:`check_model` on the recipe's model config and class, before any weight loads; returns the config.
+
+        The launcher's preflight runs it; a rank started without cptune's launcher (torchrun) runs it too.
+        """
+        from transformers import AutoModelForCausalLM
+
+        from cptune.models.loading import model_config
+
+        config = model_config(self.recipe)
+        self.check_model(config, AutoModelForCausalLM._model_mapping.get(type(config), None))
+        return config
+
     def check_prepared_rows(self, prepared: Any) -> None:
         """Refuse prepared data the backend would stop on at its first batch."""
         self.backend.runtime().check_prepared_rows(self.recipe, prepared)

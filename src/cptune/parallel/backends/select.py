@@ -22,7 +22,7 @@ from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 if TYPE_CHECKING:
     from cptune.config.recipe import Recipe
 
-__all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "plan_backend"]
+__all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "check_router_jitter", "plan_backend"]
 
 
 def plan_backend(
@@ -73,6 +73,24 @@ def check_hidden_dropout(text_config: Any) -> None:
             )
 
 
+def check_router_jitter(cp_size: int, config: Any) -> None:
+    """Refuse router jitter (Mixtral's ``router_jitter_noise``) under context parallelism, before loading.
+
+    transformers multiplies the router's input by noise drawn from each process's random generator
+    (``uniform_`` over the process's own tokens, 5.23 modeling_mixtral.py), so a process holding a
+    slice of a row draws other noise for its tokens than the run without CP draws.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    jitter = float(getattr(text, "router_jitter_noise", 0.0) or 0.0)
+    if cp_size > 1 and jitter > 0.0:
+        raise CptuneError(
+            f"overrides_of_model_config: the model's router_jitter_noise is {jitter}: its router noise is drawn "
+            "per process, so a context-parallel run would draw other noise for each token than the run at "
+            "context_parallel_size: 1. Set router_jitter_noise: 0.0 in overrides_of_model_config, or train "
+            "at context_parallel_size: 1."
+        )
+
+
 def check_model_config(
     backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None
 ) -> None:
@@ -112,4 +130,5 @@ def check_model_config(
     if not dims.cp_enabled:
         return
     check_hidden_dropout(text)
+    check_router_jitter(dims.cp_size, text)
     backend.check_model(recipe, dims.cp_size, text)

@@ -110,27 +110,8 @@ def check_model(plan: RunPlan) -> Any:
     check_lora_targets(recipe, config)
     check_new_tokens(recipe, config)
     check_router_loss_with_rl(recipe, config)
-    check_router_jitter(plan.dims.cp_size, config)
     check_memory_features(recipe, config)
     return config
-
-
-def check_router_jitter(cp_size: int, config: Any) -> None:
-    """Refuse router jitter (Mixtral's ``router_jitter_noise``) under context parallelism, before loading.
-
-    transformers multiplies the router's input by noise drawn from each process's random generator
-    (``uniform_`` over the process's own tokens, 5.23 modeling_mixtral.py), so a process holding a
-    slice of a row draws other noise for its tokens than the run without CP draws.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    jitter = float(getattr(text, "router_jitter_noise", 0.0) or 0.0)
-    if cp_size > 1 and jitter > 0.0:
-        raise CptuneError(
-            f"overrides_of_model_config: the model's router_jitter_noise is {jitter}: its router noise is drawn "
-            "per process, so a context-parallel run would draw other noise for each token than the run at "
-            "context_parallel_size: 1. Set router_jitter_noise: 0.0 in overrides_of_model_config, or train "
-            "at context_parallel_size: 1."
-        )
 
 
 def check_router_loss_with_rl(recipe: Recipe, config: Any) -> None:

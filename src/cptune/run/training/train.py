@@ -113,6 +113,9 @@ def _train(
     check_output_dir(recipe)
     check_earlier_run(recipe)
     changed = check_resumed_recipe(recipe, resume_checkpoint(recipe))
+    # The model's config against the backend and the layout (the preflight's model checks, router jitter and
+    # padding seen by a router loss among them), before anything is written, prepared or loaded.
+    plan.check_model_before_loading()
     if env.rank == 0:
         if changed:
             log.info("the resume changes settings that do not shape the run: %s", "; ".join(changed))
