@@ -367,12 +367,25 @@ def dropped_window(kernels: RingKernels) -> RingKernels:
     return dataclasses.replace(kernels, varlen_llama3=varlen_llama3)
 
 
+def block_local_zigzag_window(kernels: RingKernels) -> RingKernels:
+    """Planted bug: sliding windows handed to ring-flash-attn's zigzag function as flash-attn's window_size,
+    which it applies to every block of the ring with the block's own alignment (positions within blocks)."""
+
+    def zigzag_window(q, k, v, scale, window, group):
+        return kernels.zigzag(
+            q, k, v, softmax_scale=scale, causal=True, window_size=(window - 1, 0), group=group
+        )
+
+    return dataclasses.replace(kernels, zigzag_window=zigzag_window)
+
+
 # Planted bugs in the ring kernels (``inject`` of a case); ``grad_scale`` is planted in run_case.
 INJECTIONS = {
     "window": with_window,
     "boundary": without_first_boundary,
     "window_shard_local": shard_local_window,
     "window_dropped": dropped_window,
+    "zigzag_window_block_local": block_local_zigzag_window,
 }
 
 

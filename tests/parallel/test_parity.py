@@ -149,6 +149,46 @@ WINDOW_CP4_CASES = [
     case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True, seq_len=32),
     case("window-mistral-packed-causal-full", arch="mistral", long_doc=True, lora=False, seq_len=32),
 ]
+# Sliding windows on the zigzag ring (batch_zigzag, window 5; unpacked rows of one document of 12 to 24 tokens
+# then padding), through cptune's own zigzag ring for windowed layers (ring_flash_attn/zigzag_window.py).
+# Mistral (every layer windowed) in fp32 by the float64 rule: that ring is exact in fp32. Gemma 3's full layers
+# take ring-flash-attn's zigzag function, wrong in fp32 (the recipe requires bf16): bf16, reorder floor.
+ZIGZAG_WINDOW_CP2_CASES = [
+    case("zigzag-window-mistral-full", arch="mistral", packed=False, func="batch_zigzag", lora=False),
+    case("zigzag-window-mistral-lora-mbs2", arch="mistral", packed=False, func="batch_zigzag", mbs=2),
+]
+ZIGZAG_WINDOW_BF16_CP2_CASES = [
+    case(
+        "zigzag-window-gemma3-bf16-full",
+        arch="gemma3",
+        packed=False,
+        func="batch_zigzag",
+        bf16=True,
+        lora=False,
+    )
+]
+ZIGZAG_WINDOW_CP4_CASES = [
+    case(
+        "zigzag-window-mistral-full",
+        arch="mistral",
+        packed=False,
+        func="batch_zigzag",
+        lora=False,
+        seq_len=32,
+    )
+]
+# The window handed to ring-flash-attn's zigzag function, which aligns it to each block: the bf16 check fails.
+ZIGZAG_WINDOW_PLANTED_CASES = [
+    case(
+        "planted-zigzag-window-block-local",
+        inject="zigzag_window_block_local",
+        arch="mistral",
+        packed=False,
+        func="batch_zigzag",
+        bf16=True,
+        lora=False,
+    )
+]
 
 # Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
 # load-balancing loss on (output_router_logits, router_aux_loss_coef 0.02), fully fine-tuned so the
@@ -274,7 +314,10 @@ SPAWNS = {
         + MOE_TORCH_CP2_CASES
         + MOE_TORCH_PADDED_CASES
         + MOE_BF16_CP2_CASES
-        + WINDOW_CP2_CASES,
+        + WINDOW_CP2_CASES
+        + ZIGZAG_WINDOW_CP2_CASES
+        + ZIGZAG_WINDOW_BF16_CP2_CASES
+        + ZIGZAG_WINDOW_PLANTED_CASES,
     ),
     "cp4": (
         4,
@@ -284,7 +327,8 @@ SPAWNS = {
         + PREFERENCE_CP4_CASES
         + TORCH_PREFERENCE_CP4_CASES
         + MOE_CP4_CASES
-        + WINDOW_CP4_CASES,
+        + WINDOW_CP4_CASES
+        + ZIGZAG_WINDOW_CP4_CASES,
     ),
     "dp2xcp2": (
         4,
@@ -520,6 +564,29 @@ def test_sliding_window_parity_fp32(parity_results, spawn, cases):
     """Mistral (every layer windowed) and Gemma 3 (sliding, sliding, full) at cp=2 and cp=4 on ring-flash-attn's
     varlen_llama3: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run, by the float64 rule."""
     check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"),
+    [("cp2", ZIGZAG_WINDOW_CP2_CASES), ("cp4", ZIGZAG_WINDOW_CP4_CASES)],
+    ids=["cp2", "cp4"],
+)
+def test_zigzag_sliding_window_parity_fp32(parity_results, spawn, cases):
+    """Mistral on the zigzag ring (batch_zigzag) at cp=2 and cp=4: every block's window in whole-row positions,
+    the losses of 3 SGD steps and the step-0 gradients of the cp=1 run, by the float64 rule."""
+    check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
+def test_zigzag_sliding_window_parity_bf16(parity_results):
+    """Gemma 3 (sliding, sliding, full) on the zigzag ring at cp=2 in bf16, within the reorder floor; and the
+    window aligned to each block instead (planted) fails the same check."""
+    results = parity_results("cp2")
+    check(results, ZIGZAG_WINDOW_BF16_CP2_CASES, bf16=True)  # reorder floor: the eager-attention reference
+    for case_ in ZIGZAG_WINDOW_PLANTED_CASES:
+        with pytest.raises(AssertionError):
+            check(results, [case_], bf16=True)
 
 
 @pytest.mark.distributed

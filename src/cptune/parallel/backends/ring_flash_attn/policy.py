@@ -22,7 +22,7 @@ class RingFlashAttn:
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = True
-    # varlen_llama3 takes sliding windows (check_model refuses them with batch_zigzag)
+    # both ring functions take sliding windows (causal); check_model refuses what they cannot
     attends_whole_layers = False
     splits_heads = False
     takes_tensor_parallel = True
@@ -67,22 +67,14 @@ class RingFlashAttn:
         return 2 if recipe.resolved_ring_attn_func == "batch_zigzag" else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        from cptune.parallel.backends.attention import check_window_support, refuse_windowed_layers
+        from cptune.parallel.backends.attention import check_window_support
 
         func = recipe.resolved_ring_attn_func
         computed_by = f"{self.label} (ring_attn_func: {func})"
-        if func == "varlen_llama3":
-            # Each rank's queries attend keys from their document's start with bottom-right alignment, so
-            # flash-attn's window counts positions of the whole document (sharding.py).
-            check_window_support(text_config, computed_by, causal=recipe.causal)
-        else:
-            refuse_windowed_layers(
-                text_config,
-                computed_by,
-                "the zigzag ring hands every block pair to the kernel with the block's own alignment, so a "
-                "window would count positions within blocks, not within the sequence",
-                "Use ring_attn_func: varlen_llama3, which attends sliding windows exactly.",
-            )
+        # varlen_llama3: each rank's queries attend keys from their document's start with bottom-right
+        # alignment, so flash-attn's window counts positions of the whole document (sharding.py).
+        # batch_zigzag: cptune's zigzag ring gives each block its offset in the row (zigzag_window.py).
+        check_window_support(text_config, computed_by, causal=recipe.causal)
         if func == "varlen_llama3":
             from cptune.parallel.backends.ring_flash_attn.sharding import check_heads_k_stride
 

@@ -3,11 +3,12 @@
 ``varlen_llama3`` (default) all-gathers K and V ``heads_k_stride`` heads at a time
 and attends with ``cu_seqlens`` of the full sequence, so packed documents, padding
 and bidirectional attention are all exact, and it is exact in fp32.
-Sliding-window layers (causal only, refused with ``batch_zigzag`` by the policy): each rank's
+Sliding-window layers (causal only): under ``varlen_llama3`` each rank's
 queries of a document attend that document's keys from its start up to the rank's last query,
 bottom-right aligned (ring-flash-attn's ``llama3_flash_attn_prepare_cu_seqlens``), so flash-attn's
 ``window_size=(sliding_window - 1, 0)`` counts positions of the whole document, never of a shard,
-and cu_seqlens keep it inside the document.
+and cu_seqlens keep it inside the document; under ``batch_zigzag`` cptune's own zigzag ring
+(:mod:`.zigzag_window`) gives every block its window in whole-row positions.
 ``batch_zigzag`` passes K and V around a ring over zigzag chunks; it balances
 causal work but knows no document boundaries (unpacked causal rows only) and is
 only correct in bf16 with ring-flash-attn 0.1.8 (the recipe validation enforces both).
@@ -20,6 +21,7 @@ ring-flash-attn code runs on GPUs without flash-attn and on CPU with gloo.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
@@ -49,6 +51,8 @@ class RingKernels:
     varlen_llama3: Callable[..., torch.Tensor]
     prepare_cu_seqlens: Callable[..., tuple[Any, ...]]
     zigzag: Callable[..., torch.Tensor]
+    #: ``(q, k, v, softmax_scale, window, group)``: the zigzag ring with a sliding window (.zigzag_window)
+    zigzag_window: Callable[..., torch.Tensor]
 
 
 def load_ring_flash_attn() -> RingKernels:
@@ -72,10 +76,16 @@ def load_ring_flash_attn() -> RingKernels:
                 f"cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be "
                 f"imported here ({err}). Install it with: {INSTALL_HINT}."
             ) from None
+    from cptune.parallel.backends.ring_flash_attn.zigzag_window import zigzag_window_attention
+
+    # The flash-attn kernels ring-flash-attn imported (flash-attn's, or cptune's stand-ins without it).
+    zigzag_module = sys.modules["ring_flash_attn.zigzag_ring_flash_attn"]
+    flash = (zigzag_module._flash_attn_forward, zigzag_module._flash_attn_backward)
     return RingKernels(
         varlen_llama3=module.llama3_flash_attn_varlen_func,
         prepare_cu_seqlens=module.llama3_flash_attn_prepare_cu_seqlens,
         zigzag=module.zigzag_ring_flash_attn_func,
+        zigzag_window=functools.partial(zigzag_window_attention, kernels=flash),
     )
 
 
@@ -122,7 +132,8 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
         else:
             shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
             attend = self._zigzag_attend()
-        call = AttentionCall(attend=attend, takes_window=self.func == "varlen_llama3" and self.causal)
+        # batch_zigzag is causal only (the recipe's rules); varlen_llama3's windows are causal only.
+        call = AttentionCall(attend=attend, takes_window=self.causal)
         tokens = shard.tokens
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
         return ShardedInputs(
@@ -161,9 +172,12 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
     def _zigzag_attend(self):
         kernels, group = self.kernels, self.group
 
-        def attend(q, k, v, scale):
-            return kernels.zigzag(
-                q.contiguous(), k.contiguous(), v.contiguous(), softmax_scale=scale, causal=True, group=group
-            )
+        def attend(q, k, v, scale, window=None):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            if window is not None:
+                # Every block's window in whole-row positions (ring-flash-attn's zigzag would align it to
+                # each block): .zigzag_window.
+                return kernels.zigzag_window(q, k, v, scale, window, group)
+            return kernels.zigzag(q, k, v, softmax_scale=scale, causal=True, group=group)
 
         return attend

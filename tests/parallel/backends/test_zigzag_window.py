@@ -1,0 +1,120 @@
+"""Sliding windows on the zigzag ring: each block's window in whole-row positions (zigzag_blocks, zigzag_window).
+
+The ring itself at cp=2 and cp=4 is in tests/parallel/test_parity.py (the zigzag window cases, and a
+window aligned to each block instead, planted, that the check catches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cptune.parallel.backends.ring_flash_attn.zigzag_blocks import chunk_block, merge_block
+from cptune.parallel.backends.ring_flash_attn.zigzag_window import zigzag_window_attention
+from cptune.parallel.kernels import flash_attn_cpu
+from tests.numerics import assert_float64_rule
+
+KERNELS = (flash_attn_cpu._flash_attn_forward, flash_attn_cpu._flash_attn_backward)
+
+
+def sees(rows: int, window: int | None) -> torch.Tensor:
+    """transformers' causal sliding window over one row: query q sees key k when 0 <= q - k < window."""
+    gap = torch.arange(rows)[:, None] - torch.arange(rows)[None, :]
+    return (gap >= 0) & (gap < window if window is not None else True)
+
+
+def block_mask(a: int, b: int, chunk_len: int, window: int | None) -> torch.Tensor:
+    """What chunk_block lets query chunk ``a`` see of key chunk ``b`` (flash-attn's bottom-right window)."""
+    mask = torch.zeros(chunk_len, chunk_len, dtype=torch.bool)
+    block = chunk_block(a, b, chunk_len, window)
+    if block is None:
+        return mask
+    rows = block.q_rows.stop - block.q_rows.start
+    keys = block.k_rows.stop - block.k_rows.start
+    assert rows == keys  # equal lengths: bottom-right alignment is the diagonal
+    gap = torch.arange(keys)[None, :] - torch.arange(rows)[:, None]  # key minus query, in the cut rows
+    seen = torch.ones(rows, keys, dtype=torch.bool)
+    if block.left >= 0:
+        seen &= gap >= -block.left
+    if block.right >= 0:
+        seen &= gap <= block.right
+    assert seen.any(dim=1).all(), (a, b, chunk_len, window, block)  # no row of a kernel call sees no key
+    mask[block.q_rows, block.k_rows] = seen
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 4, 5, 7, 13, 40])
+def test_the_blocks_see_exactly_the_window_of_the_whole_row(window):
+    """Every (query chunk, key chunk) pair, put back at its place in the row, is transformers' window there:
+    blocks wholly outside it skipped, blocks across its edge cut, for 2 to 8 chunks of 1 to 5 tokens."""
+    for chunks, chunk_len in itertools.product((2, 4, 6, 8), (1, 2, 3, 5)):
+        rows = chunks * chunk_len
+        got = torch.zeros(rows, rows, dtype=torch.bool)
+        for a, b in itertools.product(range(chunks), repeat=2):
+            got[a * chunk_len : (a + 1) * chunk_len, b * chunk_len : (b + 1) * chunk_len] = block_mask(
+                a, b, chunk_len, window
+            )
+        assert torch.equal(got, sees(rows, window)), (chunks, chunk_len, window)
+
+
+def test_merging_into_rows_that_have_seen_no_key_gives_the_blocks_attention():
+    """The running lse starts at -inf: the first block of a row replaces it, with no NaN."""
+    out, lse = torch.zeros(1, 3, 2, 4), torch.full((1, 2, 3), float("-inf"))
+    block_out, block_lse = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2)
+    merge_block(out, lse, slice(1, 3), block_out, block_lse)
+    assert torch.equal(out[:, 1:], block_out) and torch.equal(lse[:, :, 1:], block_lse)
+    assert torch.equal(out[:, :1], torch.zeros(1, 1, 2, 4)) and torch.isinf(lse[:, :, :1]).all()
+
+
+@contextlib.contextmanager
+def one_process_group() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.fail("a process group was left open by an earlier test")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dense(q, k, v, window, scale):
+    """Windowed causal attention over the whole row (grouped-query heads), the reference."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
+    scores = scores.masked_fill(~sees(q.shape[1], window), float("-inf"))
+    values = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values)
+
+
+@pytest.mark.parametrize("window", [2, 3, 6, 9])  # 1: each query sees itself only, so dk is 0
+def test_the_ring_of_one_rank_is_windowed_attention_forward_and_backward(window):
+    """At cp=1 the row is 2 chunks on one rank: the ring's blocks (the diagonal ones, and the second chunk's
+    queries on the first chunk's keys, cut at the window's edge) against dense windowed attention. Outputs
+    and gradients of q, k, v by the float64-reference rule (tests/numerics.py): fp32 ring and fp32 dense
+    attention, each against the dense attention in float64."""
+    generator = torch.Generator().manual_seed(0)
+    batch, tokens, heads, kv_heads, dim = 2, 12, 4, 2, 8
+    inputs = [
+        torch.randn(batch, tokens, n, dim, generator=generator, dtype=torch.float64)
+        for n in (heads, kv_heads, kv_heads)
+    ]
+    dout = torch.randn(batch, tokens, heads, dim, generator=generator, dtype=torch.float64)
+    scale = dim**-0.5
+
+    def run(attend, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        out = attend(*leaves)
+        out.backward(dout.to(dtype))
+        return {"out": out.detach(), **{n: t.grad for n, t in zip("qkv", leaves, strict=True)}}
+
+    with one_process_group():
+        ring = run(
+            lambda q, k, v: zigzag_window_attention(q, k, v, scale, window, None, KERNELS), torch.float32
+        )
+    reference = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float32)
+    ref64 = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float64)
+    assert_float64_rule(ring, reference, ref64, what=f"window {window}")
