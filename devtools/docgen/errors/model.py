@@ -148,11 +148,11 @@ ENTRIES: tuple[Entry, ...] = (
         "A sliding-window model with a backend that cannot attend its windows",
         "base_model: mistral has attention layers of type ['sliding_attention'] (sliding_window: 16), which "
         "cp_backend: torch cannot compute exactly",
-        "Sliding-window layers are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3`) "
-        "and `cp_backend: deepspeed` (`ulysses_attn_implementation: cptune` or `flash_attention_2`), causal "
-        "only. PyTorch's context-parallel attention takes no window, `batch_zigzag` would count the window "
-        "within blocks, and `causal: false` has no exact window under context parallelism: the message "
-        "names the reason. See the model table in choosing-a-backend.md.",
+        "Sliding-window layers are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3` "
+        "or `batch_zigzag`) and `cp_backend: deepspeed` (`ulysses_attn_implementation: cptune` or "
+        "`flash_attention_2`), causal only. PyTorch's context-parallel attention takes no window, and "
+        "`causal: false` has no single window in transformers to be exact to: the message names the reason. "
+        "See the model table in choosing-a-backend.md.",
     ),
     Entry(
         "model-attention-softcapping",

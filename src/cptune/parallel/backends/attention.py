@@ -228,7 +228,9 @@ def check_window_support(config: Any, computed_by: str, *, causal: bool) -> None
     """Refuse what a backend that attends sliding windows (causal, within documents) still cannot do.
 
     Such a backend takes transformers' ``sliding_window`` per layer; it refuses other non-full kinds
-    (chunked attention) and bidirectional windows, whose key range would be aligned to each shard.
+    (chunked attention) and bidirectional windows, which transformers defines two ways (``|q - k| <=
+    sliding_window`` in masking_utils' bidirectional masks, ``< sliding_window`` in its flash-attention
+    path, ``window_size=(w - 1, w - 1)``, and in Gemma 3's ``use_bidirectional_attention``).
     """
     kinds = windowed_layer_types(config)
     other = [kind for kind in kinds if kind != SLIDING_ATTENTION]
@@ -243,8 +245,11 @@ def check_window_support(config: Any, computed_by: str, *, causal: bool) -> None
         refuse_windowed_layers(
             config,
             computed_by,
-            "its sliding windows are causal only (a bidirectional window would be aligned to each rank's "
-            "slice of a document, not to the document)",
+            "its sliding windows are causal only: transformers 5.23 defines no single bidirectional window "
+            "(its sdpa and eager masks keep the keys up to sliding_window positions away on either side, "
+            "masking_utils.sliding_window_bidirectional_overlay; its flash-attention path and Gemma 3's "
+            "use_bidirectional_attention keep those less than sliding_window away), so there is no run without "
+            "context parallelism for a window to be exact to",
             "Use causal: true, or context_parallel_size: 1 with causal: true.",
         )
 
