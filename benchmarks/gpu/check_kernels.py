@@ -14,7 +14,8 @@ the same inputs: their error is the floor a half-precision kernel is measured ag
 start as NaN, so an element the kernels never write fails. Cases: dense causal and bidirectional;
 bottom-right causal with fewer queries than keys (ring-flash-attn's llama3 layout) and with more
 (rows that see no key: LSE -inf, output and dq 0); packed documents (varlen) with grouped-query
-heads, causal, bidirectional and a sliding window; one key block's backward given the merged
+heads, causal, bidirectional and a sliding window; a band window on both sides of the diagonal (the
+zigzag ring's windowed blocks); one key block's backward given the merged
 output and LSE of all blocks (the zigzag ring); the differentiable
 :func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention), without and with a sliding window.
 ``--time`` adds the varlen kernels' forward+backward time against PyTorch's fused SDPA (flash
@@ -136,6 +137,12 @@ def run_checks(
             k, v = randn(2, sk, hk, head_dim, dtype=dtype), randn(2, sk, hk, head_dim, dtype=dtype)
 
             rows.append(_guarded(case, name, _dense_case, case, name, q, k, v, dout, causal))
+        # The zigzag ring's windowed blocks (ring_flash_attn/zigzag_blocks.py): as many queries as keys, not
+        # causal, keys from `left` before to `right` after the diagonal.
+        case = "dense band window, left and right (the zigzag ring's windowed blocks)"
+        q, dout = randn(2, n(384), 8, head_dim, dtype=dtype), randn(2, n(384), 8, head_dim, dtype=dtype)
+        k, v = randn(2, n(384), 2, head_dim, dtype=dtype), randn(2, n(384), 2, head_dim, dtype=dtype)
+        rows.append(_guarded(case, name, _dense_case, case, name, q, k, v, dout, False, (n(96), n(160))))
         # Packed documents: a document of 5 tokens, one longer than the rest, keys > queries in one.
         bounds_q = [0, *_cumsum([n(37), n(700), 5, n(290), n(512)])]
         bounds_k = [0, *_cumsum([n(37), n(900), 5, n(290), n(512)])]
@@ -183,12 +190,14 @@ def _guarded(case: str, dtype: str, check, *args) -> dict[str, Any]:
         }
 
 
-def _dense_case(case, dtype, q, k, v, dout, causal) -> dict[str, Any]:
+def _dense_case(case, dtype, q, k, v, dout, causal, window=(-1, -1)) -> dict[str, Any]:
     from cptune.parallel.kernels import flash_attn_cpu, torch_flash
 
-    expected = _reference(lambda a, b, c: reference.attention(a, b, c, causal=causal), q, k, v, dout)
-    got = _dense(torch_flash, q, k, v, dout, _mask(causal))
-    row = _compare(case, dtype, got, _dense(flash_attn_cpu, q, k, v, dout, _mask(causal)), expected)
+    expected = _reference(
+        lambda a, b, c: reference.attention(a, b, c, causal=causal, window=window), q, k, v, dout
+    )
+    got = _dense(torch_flash, q, k, v, dout, _mask(causal, window))
+    row = _compare(case, dtype, got, _dense(flash_attn_cpu, q, k, v, dout, _mask(causal, window)), expected)
     sq, sk = q.shape[1], k.shape[1]
     if sq > sk:  # the first sq - sk queries see no key: output and dq 0, LSE -inf
         blind = slice(0, sq - sk)
