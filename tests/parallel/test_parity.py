@@ -213,6 +213,12 @@ MOE_TORCH_PADDED_CASES = [torch_case("moe-padded-rows-full", arch="qwen3_moe", l
 # bf16 (model and router logits in bf16; the router sums in fp32), against the bf16 cp=1 reference within
 # the reorder floor of the same run (check(bf16=True)).
 MOE_BF16_CP2_CASES = [case("moe-packed-causal-full-bf16", arch="qwen3_moe", lora=False, bf16=True)]
+# LoRA under autocast, as `cptune train` runs a bf16 recipe (the routers' adapters included): Qwen3-MoE's
+# router takes its top-k from bf16 logits, Mixtral's too (issue 32).
+MOE_BF16_CP2_CASES += [
+    case("moe-packed-causal-lora-bf16-autocast", arch="qwen3_moe", bf16=True, autocast=True),
+    case("mixtral-packed-causal-lora-bf16-autocast", arch="mixtral", bf16=True, autocast=True),
+]
 MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
@@ -376,6 +382,14 @@ def check(results: list[dict], cases: list[dict], *, bf16: bool = False) -> None
     instead of sdpa: the same sums in another order) lands from the first, measured in the same
     run: 2x at step 0 (loss and gradients: both runs reorder the same bf16 sums once), 20x over
     the 3 SGD steps, where each update feeds one order's bf16 rounding into the next step.
+
+    The step-0 loss's floor is the second reference's loss distance at its largest over the 3 steps,
+    not step 0's alone: each step's distance is one draw of the reorder noise (the later ones larger,
+    each update feeding its rounding on), and a CP run no worse than the second reference lands more
+    than twice one draw's distance about 30% of the time (two independent normal draws:
+    1 - (2/pi)·atan(2)), as a dense Llama with LoRA under autocast does at 3 seeds of 8 (issue 32: the
+    bf16 MoE LoRA case's step-0 loss lands 9x its step-0 draw at seed 11, with its routing forced to
+    cp=1's too). The gradients have one draw (step 0's).
     """
     for name in (c["name"] for c in cases):
         for rank, per_rank in enumerate(results):
@@ -384,7 +398,7 @@ def check(results: list[dict], cases: list[dict], *, bf16: bool = False) -> None
             if bf16:
                 losses = [rel(a, b) for a, b in zip(r["cp_losses"], r["ref_losses"], strict=True)]
                 baseline = [rel(a, b) for a, b in zip(r["baseline_losses"], r["ref_losses"], strict=True)]
-                step0_limit, losses_limit = 2 * baseline[0], 20 * max(baseline)
+                step0_limit, losses_limit = 2 * max(baseline), 20 * max(baseline)
                 grad_limit = 2 * r["baseline_grad_rel"]
                 assert losses[0] <= step0_limit, (name, rank, losses, step0_limit, r)
                 assert max(losses) <= losses_limit, (name, rank, losses, losses_limit, r)

@@ -19,6 +19,8 @@ losses, step-0 gradients and step-0 DPO metrics of the cp=1 run, by the same rul
 Core attention: ``cptune`` (document-aware, the default) for packed and
 bidirectional rows; ``sdpa`` for unpacked causal rows (the recipe refuses packed
 rows with sdpa: tests/config/test_loader.py).
+bf16 cases (``BF16_CP2_CASES``) run DeepSpeed's bf16 engine with each memory feature on, held to the bf16
+reorder-floor check of test_parity.py, ZeRO-3 with recomputed norms among them.
 Sliding-window models (a tiny Mistral and Gemma 3 text, ``WINDOW_CP2_CASES`` and the cp4 window
 cases) run through the ``cptune`` core attention, which attends each layer's window over whole rows.
 """
@@ -119,6 +121,28 @@ MOE_CP2_CASES = [
     # LoRA on the attention, the routers and the experts' fused weights, partitioned by ZeRO-3.
     case("moe-zero3-ga2-packed-lora", arch="qwen3_moe", stage=3, ga=2),
 ]
+# bf16 as `cptune train` runs it under DeepSpeed (``bf16.enabled``: the engine casts every parameter to bf16,
+# LoRA adapters too, and steps fp32 master weights; no autocast, so peft's LoRA input cast that cptune skips
+# under autocast is a no-op here), each memory feature on at cp=2, off in the cp=1 references (tests/parallel/
+# case_features.py), held to check(bf16=True): the reorder floor of a second bf16 cp=1 reference with eager
+# attention (issue 30). The offload case must equal its twin without offloading bit for bit.
+BF16_FEATURES = {"offload": True, "tiles": 3, "norms": True, "head_loss": True}
+BF16_CP2_CASES = [
+    case("bf16-packed-causal-lora", bf16=True),
+    case("bf16-packed-causal-lora+offload", bf16=True, features={"offload": True}),
+    case("bf16-packed-causal-lora+all-features", bf16=True, features=BF16_FEATURES),
+    case("bf16-packed-causal-full+all-features", bf16=True, lora=False, features=BF16_FEATURES),
+    # ZeRO-3 partitions the norms' weights: the recomputed norm's backward runs while ZeRO-3 holds its weight
+    # whole for the norm's backward, and hands the trained weight its gradient then (zero3_params.gathered).
+    case(
+        "bf16-zero3-ga2-packed-full+all-features",
+        bf16=True,
+        stage=3,
+        ga=2,
+        lora=False,
+        features=BF16_FEATURES,
+    ),
+]
 CP4_CASES = [
     # 2 key/value heads over 4 ranks: DeepSpeed replicates them.
     case("cp4-packed-causal-lora-kv2", cp=4, seq_len=30, ga=2),
@@ -147,7 +171,7 @@ DP2_CP2_CASES = [
 @pytest.mark.parametrize(
     ("world", "cases"),
     [
-        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES + MOE_CP2_CASES),
+        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES + MOE_CP2_CASES + BF16_CP2_CASES),
         (4, CP4_CASES + DP2_CP2_CASES + PREFERENCE_CP4_CASES + PREFERENCE_DP2_CP2_CASES),
     ],
     ids=["cp2", "cp4-and-dp2xcp2"],
@@ -155,7 +179,8 @@ DP2_CP2_CASES = [
 def test_ulysses_parity_fp32(tmp_path, world, cases):
     # One launch per world size: process start-up dominates these runs on CPU.
     results = run_ranks(WORKER, world, tmp_path, json.dumps(cases))
-    check(results, cases)  # float64 reference (tests/numerics.py)
+    check(results, [c for c in cases if not c.get("bf16")])  # float64 reference (tests/numerics.py)
+    check(results, [c for c in cases if c.get("bf16")], bf16=True)  # reorder floor of the same run
     for name in (c["name"] for c in cases if c.get("preference")):  # and the DPO metrics of step 0
         for rank, per_rank in enumerate(results):
             failures = preference_metric_failures(per_rank[name])
@@ -171,7 +196,12 @@ def test_ulysses_parity_fp32(tmp_path, world, cases):
     for name in (c["name"] for c in cases if c.get("stage") == 3):  # ZeRO-3 really splits every parameter
         for per_rank in results:
             assert per_rank[name]["parameters"] > 0 and per_rank[name]["whole_parameters"] == [], name
-    if "packed-causal-lora+offload" in names:  # offloading changes no bit of the CP run
+    for prefix in ("", "bf16-"):  # offloading changes no bit of the CP run
+        if f"{prefix}packed-causal-lora+offload" not in names:
+            continue
         for per_rank in results:
-            twin, offloaded = per_rank["packed-causal-lora"], per_rank["packed-causal-lora+offload"]
+            twin, offloaded = (
+                per_rank[f"{prefix}packed-causal-lora"],
+                per_rank[f"{prefix}packed-causal-lora+offload"],
+            )
             assert (offloaded["cp_losses"], offloaded["grad_sha"]) == (twin["cp_losses"], twin["grad_sha"])

@@ -142,29 +142,61 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         model = get_peft_model(
             model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
         )
+    if case.get("bf16"):
+        # What DeepSpeed's engine does with ``bf16.enabled`` (engine.py, _cast_module_mixed_precision): every
+        # parameter in bf16, the LoRA adapters too, the buffers (RoPE's inv_freq) left in fp32; no autocast.
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     return model
 
 
+class Fp32MasterSgd:
+    """SGD as DeepSpeed's bf16 engine steps (``bf16.enabled``): on fp32 master copies of the bf16 parameters,
+    which then take the updated masters rounded to bf16."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float):
+        self.params, self.lr = params, lr
+        self.masters = [p.detach().float() for p in params]
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters, strict=True):
+                master.add_(param.grad.float(), alpha=-self.lr)
+                param.copy_(master)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
 def reference_run(
-    case: dict, steps: list, float64: bool = False, router_aux: list[float] | None = None
+    case: dict,
+    steps: list,
+    float64: bool = False,
+    router_aux: list[float] | None = None,
+    attention: str | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
 
     ``float64``: the same model and loss computed in float64. A MoE model's router loss is added as
     CptuneTrainer adds it (the mean over the step's micro batches), each step's logged value (the mean
-    ``aux``, a collective every rank runs) appended to ``router_aux``. Runs before DeepSpeed's attention
+    ``aux``, a collective every rank runs) appended to ``router_aux``. ``attention``: the attention
+    implementation instead of sdpa (bf16: eager, the reorder baseline). Runs before DeepSpeed's attention
     wraps the core attention: the wrapper replaces ``sdpa`` in the registry until the case's scope
     patch reverts.
     """
     causal = case.get("causal", True)
-    model = build_model(case, "sdpa" if causal else "cptune")
+    model = build_model(case, attention or ("sdpa" if causal else "cptune"))
     loss_sum = token_loss_sum
     if float64:
         model, loss_sum = float64_twin(model), float64_loss_sum
     local = LocalBackend(causal=causal)
     router = RouterBalance.from_config(model.config)
     router_log = RouterLossLog()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = (Fp32MasterSgd if case.get("bf16") and not float64 else torch.optim.SGD)(
+        trainable, lr=LEARNING_RATE
+    )
     losses, step0_grads = [], {}
     for t, step in enumerate(steps):
         everything = [b for group in step for b in group]
@@ -205,25 +237,43 @@ def engine_grads(engine: object, ref_grads: dict) -> dict[str, torch.Tensor]:
     return {n: mine[n].reshape(g.shape) for n, g in ref_grads.items()}
 
 
-def case_result(reference: tuple, reference64: tuple, grads: dict, steps: list, run: dict) -> dict:
-    """What tests/parallel/test_parity.py's ``check`` reads, from both references' ``(losses, step-0 gradients)``."""
-    (ref_losses, ref_grads), (ref64_losses, ref64_grads) = reference, reference64
+def largest_relative(grads: dict, ref_grads: dict) -> tuple[float, str]:
+    """The largest per-tensor max |difference| / max |reference|, and the tensor it was found in."""
     relative = {
-        n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref_grads.items()
+        n: float((grads[n].float() - g.float()).abs().max() / g.float().abs().max().clamp_min(1e-30))
+        for n, g in ref_grads.items()
     }
     worst = max(relative, key=relative.get)
-    return {
+    return relative[worst], worst
+
+
+def case_result(
+    reference: tuple, second: tuple, grads: dict, steps: list, run: dict, bf16: bool = False
+) -> dict:
+    """What tests/parallel/test_parity.py's ``check`` reads, from both references' ``(losses, step-0 gradients)``.
+
+    ``second``: the cp=1 reference computed in float64, or in bf16 (``bf16``) the one with eager attention
+    (the reorder baseline of ``check(bf16=True)``).
+    """
+    (ref_losses, ref_grads), (second_losses, second_grads) = reference, second
+    grad_rel, worst = largest_relative(grads, ref_grads)
+    result = {
         "ref_losses": ref_losses,
-        "ref64_losses": ref64_losses,
         "targets": [sum(int(count_targets(b.shift_labels)) for g in step for b in g) for step in steps],
-        "grad_rel": relative[worst],
+        "grad_rel": grad_rel,
         "grad_worst": worst,
-        "grad_errors": relative_errors(grads, ref64_grads),
-        "ref_grad_errors": relative_errors(ref_grads, ref64_grads),
         "grad_nonzero": all(float(g.abs().max()) > 0 for g in ref_grads.values()),
         "grad_sha": grads_digest(grads),
         **run,
     }
+    if bf16:
+        result["baseline_losses"] = second_losses
+        result["baseline_grad_rel"] = largest_relative(second_grads, ref_grads)[0]
+    else:
+        result["ref64_losses"] = second_losses
+        result["grad_errors"] = relative_errors(grads, second_grads)
+        result["ref_grad_errors"] = relative_errors(ref_grads, second_grads)
+    return result
 
 
 def cp_backend(case: dict, model: torch.nn.Module) -> object:
@@ -277,7 +327,10 @@ def run_case(case: dict) -> dict:
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
     ref64_router_aux: list[float] = []
     reference = reference_run(case, steps)
-    reference64 = reference_run(case, steps, float64=True, router_aux=ref64_router_aux)
+    if case.get("bf16"):  # the reorder baseline: the same bf16 run with eager attention
+        second = reference_run(case, steps, attention="eager")
+    else:
+        second = reference_run(case, steps, float64=True, router_aux=ref64_router_aux)
     ref_grads = reference[1]
 
     core = case.get("core", "cptune")
@@ -296,6 +349,10 @@ def run_case(case: dict) -> dict:
         "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0,
     }
+    if case.get(
+        "bf16"
+    ):  # as `cptune train` runs bf16 under DeepSpeed: the engine casts the model (no autocast)
+        config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(trainable, lr=LEARNING_RATE), config=config
     )
@@ -350,7 +407,7 @@ def run_case(case: dict) -> dict:
     if stage == 3:
         run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
         run["parameters"] = sum(1 for _ in engine.module.parameters())
-    return case_result(reference, reference64, grads, steps, run)
+    return case_result(reference, second, grads, steps, run, bf16=bool(case.get("bf16")))
 
 
 def main() -> None:

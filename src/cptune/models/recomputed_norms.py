@@ -16,9 +16,11 @@ the norm run as it is, and so is the weight's gradient in one tile; over several
 than the norm is wide) a trained weight's gradient is summed tile by tile: the same terms in
 another order (tests/models/test_recomputed_norms.py). A norm whose
 input is already fp32 runs as it is: its upcast is no copy, so autograd keeps nothing a recomputation
-would spare. The hooks go on the module, so whatever wraps it (peft, FSDP2) sees it called as usual;
-DeepSpeed ZeRO-3's partitioned weights would get their gradients as the tiled MLP hands them (not yet
-tested with the norms).
+would spare. The hooks go on the module, so whatever wraps it (peft, FSDP2, DeepSpeed) sees it called as
+usual. Under DeepSpeed ZeRO-3 the norm's weight is partitioned: ZeRO-3 gathers it for the norm's backward,
+which is where the recomputation runs, and a trained weight gets its gradient summed over the tiles there,
+while ZeRO-3 still holds it whole (:func:`cptune.parallel.backends.zero3_params.gathered`; checked in bf16
+under ZeRO-3 by tests/parallel/test_ulysses_parity.py).
 """
 
 from __future__ import annotations

@@ -55,8 +55,19 @@ def partition_group(module: Any) -> Any:
 
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Hold ``params``' ZeRO-3 partitioned members whole inside the block (not modified); a no-op for the others."""
+    """Hold ``params``' ZeRO-3 partitioned members whole inside the block (not modified); a no-op for the others.
+
+    A parameter that is whole already is left as it is: a module whose backward is running holds it
+    (ZeRO-3 gathered it for that backward and frees it after), and partitioning it at the block's end
+    would take it from that module (DeepSpeed refuses: "Cannot free a ZeRO-3 parameter while it is
+    still active in submodules"). So it is for a recomputed norm's trained weight
+    (:mod:`cptune.models.recomputed_norms`), gathered for the norm's own backward.
+    """
     zero3 = partitioned(params)
+    if zero3:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        zero3 = [p for p in zero3 if p.ds_status != ZeroParamStatus.AVAILABLE]
     if not zero3:
         yield
         return
