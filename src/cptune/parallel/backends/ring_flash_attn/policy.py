@@ -67,7 +67,11 @@ class RingFlashAttn:
         return 2 if recipe.resolved_ring_attn_func == "batch_zigzag" else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        from cptune.parallel.backends.attention import check_window_support, refuse_windowed_layers
+        from cptune.parallel.backends.attention import (
+            check_window_support,
+            refuse_sinks,
+            refuse_windowed_layers,
+        )
 
         func = recipe.resolved_ring_attn_func
         computed_by = f"{self.label} (ring_attn_func: {func})"
@@ -76,6 +80,14 @@ class RingFlashAttn:
             # flash-attn's window counts positions of the whole document (sharding.py).
             check_window_support(text_config, computed_by, causal=recipe.causal)
         else:
+            refuse_sinks(
+                text_config,
+                computed_by,
+                "cptune puts the sink into the merged result of varlen_llama3's all-gather attention only; the "
+                "zigzag ring's merge is not wired to it (a sink applied to each of its blocks would enter the "
+                "softmax once per block)",
+                "Use ring_attn_func: varlen_llama3.",
+            )
             refuse_windowed_layers(
                 text_config,
                 computed_by,
