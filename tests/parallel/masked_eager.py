@@ -14,7 +14,6 @@ tests/parallel/backends/test_attention_sinks.py checks it against the model run 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -60,10 +59,10 @@ class MaskedEagerBackend(LocalBackend):
 
     attn_implementation = MASKED_EAGER
 
-    def __init__(self, config: Any):
+    def __init__(self, sliding_window: int | None):
         super().__init__(causal=True)
         self.attn_implementation = MASKED_EAGER
-        self.window = config.sliding_window
+        self.window = sliding_window
         AttentionInterface.register(MASKED_EAGER, masked_eager_forward)
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:

@@ -128,6 +128,10 @@ PLANTED_CASES = [
         "planted-window-shard-local", inject="window_shard_local", arch="mistral", long_doc=True, lora=False
     ),
     case("planted-window-dropped", inject="window_dropped", arch="mistral", long_doc=True, lora=False),
+    # gpt-oss's sink logits not applied, and applied to each rank's block of keys before the merge (so once per
+    # block): the sinks train in these full fine-tunes.
+    case("planted-sinks-dropped", inject="sinks_dropped", arch="gpt_oss", long_doc=True, lora=False),
+    case("planted-sinks-per-block", inject="sinks_per_block", arch="gpt_oss", long_doc=True, lora=False),
 ]
 
 # Sliding-window layers (ring-flash-attn's varlen_llama3, causal): a tiny Mistral with a window of 5 keys on
@@ -148,6 +152,21 @@ WINDOW_CP2_CASES = [
 WINDOW_CP4_CASES = [
     case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True, seq_len=32),
     case("window-mistral-packed-causal-full", arch="mistral", long_doc=True, lora=False, seq_len=32),
+]
+
+# Attention sinks: a tiny gpt-oss (a learned sink logit per head in every layer's softmax; sliding then full
+# layers, a window of 5 keys; 4 experts, 2 per token, its router loss on), on ring-flash-attn's varlen_llama3,
+# the sinks applied once to each query's merged attention. Packed rows of 3 short documents and one long one
+# (as the window cases). The cp=1 reference is transformers' eager gpt-oss attention given the documents'
+# masks (tests/parallel/masked_eager.py; tests/parallel/backends/test_attention_sinks.py checks it against
+# the model run on each document alone).
+SINK_CP2_CASES = [
+    case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True),
+    case("sinks-gpt-oss-packed-causal-full-mbs2-ga2", arch="gpt_oss", long_doc=True, lora=False, mbs=2, ga=2),
+]
+SINK_CP4_CASES = [
+    case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True, seq_len=32),
+    case("sinks-gpt-oss-packed-causal-full", arch="gpt_oss", long_doc=True, lora=False, seq_len=32),
 ]
 
 # Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
@@ -274,7 +293,8 @@ SPAWNS = {
         + MOE_TORCH_CP2_CASES
         + MOE_TORCH_PADDED_CASES
         + MOE_BF16_CP2_CASES
-        + WINDOW_CP2_CASES,
+        + WINDOW_CP2_CASES
+        + SINK_CP2_CASES,
     ),
     "cp4": (
         4,
@@ -284,7 +304,8 @@ SPAWNS = {
         + PREFERENCE_CP4_CASES
         + TORCH_PREFERENCE_CP4_CASES
         + MOE_CP4_CASES
-        + WINDOW_CP4_CASES,
+        + WINDOW_CP4_CASES
+        + SINK_CP4_CASES,
     ),
     "dp2xcp2": (
         4,
@@ -523,6 +544,17 @@ def test_sliding_window_parity_fp32(parity_results, spawn, cases):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"), [("cp2", SINK_CP2_CASES), ("cp4", SINK_CP4_CASES)], ids=["cp2", "cp4"]
+)
+def test_attention_sinks_parity_fp32(parity_results, spawn, cases):
+    """gpt-oss (sinks on every layer, sliding and full layers) at cp=2 and cp=4 on ring-flash-attn's varlen_llama3,
+    LoRA and full (the sinks train): the losses of 3 SGD steps and the step-0 gradients of the cp=1 run, by the
+    float64 rule."""
+    check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
 def test_moe_router_loss_parity_bf16(parity_results):
     """A MoE model in bf16 at cp=2 (ring-flash-attn): losses and step-0 gradients within the reorder floor."""
     check(parity_results("cp2"), MOE_BF16_CP2_CASES, bf16=True)
@@ -530,9 +562,10 @@ def test_moe_router_loss_parity_bf16(parity_results):
 
 @pytest.mark.distributed
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
-    """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss, and
-    Mistral's sliding windows counted in shard-local positions or dropped, each planted in the cp=2 ring
-    path: the fp32 check of the tests above fails on every one."""
+    """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss,
+    Mistral's sliding windows counted in shard-local positions or dropped, and gpt-oss's sinks dropped or
+    applied per block of keys, each planted in the cp=2 ring path: the fp32 check of the tests above fails
+    on every one."""
     results = parity_results("cp2")
     for case_ in PLANTED_CASES:
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]

@@ -210,7 +210,7 @@ def test_the_cp1_reference_is_transformers_eager_gpt_oss_per_document():
     masks) equals the same attention on each document alone, in float64; the masks and the sinks matter."""
     model = gpt_oss()
     batch = packed_batch()
-    backend = MaskedEagerBackend(model.config)
+    backend = MaskedEagerBackend(model.config.sliding_window)
     model.set_attn_implementation(backend.attn_implementation)
     reference = logits(model, backend.shard(batch).model_kwargs)
     expected = per_document(model, batch)
