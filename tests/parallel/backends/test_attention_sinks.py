@@ -343,3 +343,31 @@ def test_gpt_oss_is_refused_where_its_sinks_are_not_applied(keys, backend, reaso
     )
     assert re.search(backend, message), message
     assert re.search(reason, message), message
+
+
+def test_cp1_trains_gpt_oss_through_the_document_attention_with_its_windows_and_sinks():
+    """At context_parallel_size 1 gpt-oss (no sdpa in transformers; its forward would let packed documents attend
+    to each other) goes through cptune's document attention, which applies each layer's window and sinks: the
+    eager reference on each document alone. Mistral (windows, no sinks) keeps transformers' sdpa."""
+    from transformers import MistralConfig
+
+    from cptune.config.recipe import Recipe
+    from cptune.parallel.backends.attention import register_attention
+    from cptune.parallel.backends.local.runtime import attends_by_document
+
+    recipe = Recipe.model_validate({"base_model": "m", "datasets": [{"path": "d.jsonl"}]})
+    model = gpt_oss()
+    assert attends_by_document(recipe, model.config)
+    assert not attends_by_document(recipe, MistralConfig(sliding_window=16))
+    batch = packed_batch()
+    register_attention()
+    local = LocalBackend(causal=True, documents=True)
+    model.set_attn_implementation(local.attn_implementation)
+    sharded = local.shard(batch)
+    got = logits(model, sharded.model_kwargs)
+    expected = per_document(model, batch)
+    # The kernels' fp32 lse, as in test_ulysses_core_attention_on_whole_rows_is_the_cp1_reference.
+    limit = 2 * 4 * U32 * 16 * expected.abs().max() + same_function_bound(expected, model)
+    assert_within(got, expected, limit, "cp=1 document attention")
+    check_layers_served(sharded.call, 2, windowed=1)
+    assert sharded.call.sink_layers_served == 2
