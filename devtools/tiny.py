@@ -336,6 +336,49 @@ def build_tiny_mixtral(vocab_size: int, seed: int, **overrides: object) -> torch
     return _seeded(lambda: MixtralForCausalLM(MixtralConfig(**fields)), seed)
 
 
+def build_tiny_gpt_oss(
+    vocab_size: int, seed: int, sliding_window: int = 5, **overrides: object
+) -> torch.nn.Module:
+    """A randomly initialised float32 ``GptOssForCausalLM`` of the tiny Llama's sizes.
+
+    gpt-oss's attention: 2 layers, sliding then full (``layer_types``: gpt-oss alternates them), a learned
+    sink logit per query head in every layer's softmax (``sinks``), biased projections, YaRN RoPE; its
+    MoE block: 4 experts of width 32 with biases, 2 per token, a biased router. The router loss is on
+    (``output_router_logits``, ``router_aux_loss_coef`` 0.02) unless ``overrides`` say otherwise. The
+    caller's RNG is untouched.
+
+    Args:
+        vocab_size: Number of embedding rows.
+        seed: Seed for the weight initialisation.
+        sliding_window: Keys a query of a sliding layer sees, its own included.
+        **overrides: Any ``GptOssConfig`` field.
+    """
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    fields = _moe_fields(vocab_size)
+    fields.update(
+        intermediate_size=32,  # each expert's width
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        # gpt-oss's YaRN, its factor matching max_position_embeddings / original_max_position_embeddings
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": DEFAULT_MAX_LENGTH / 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+    )
+    fields.update(overrides)
+    return _seeded(lambda: GptOssForCausalLM(GptOssConfig(**fields)), seed)
+
+
 def _generation_config(config: LlamaConfig) -> GenerationConfig:
     # Stop at </s> (alpaca-style data) and at <|im_end|> (chat-style data).
     return GenerationConfig(

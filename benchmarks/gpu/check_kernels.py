@@ -17,7 +17,9 @@ bottom-right causal with fewer queries than keys (ring-flash-attn's llama3 layou
 heads, causal, bidirectional and a sliding window; a band window on both sides of the diagonal (the
 zigzag ring's windowed blocks); one key block's backward given the merged
 output and LSE of all blocks (the zigzag ring); the differentiable
-:func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention), without and with a sliding window.
+:func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention), without and with a sliding window,
+and with gpt-oss's attention sinks and a window (the sink applied to the merged ``(out, lse)``, the backward
+given the sink attention's ``(out, lse)``: :mod:`cptune.parallel.kernels.sinks`; its gradient ``dsinks`` too).
 ``--time`` adds the varlen kernels' forward+backward time against PyTorch's fused SDPA (flash
 backend) on one 16K-token causal sequence with Llama-3.1-8B's attention shape.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import sys
@@ -169,6 +172,8 @@ def run_checks(
             case = _autograd_name(window)
             rows.append(_guarded(case, name, _autograd_case, varlen_attention, randn, dtype, name, bounds_q,
                                  device, head_dim, window))  # fmt: skip
+        rows.append(_guarded(SINKS_CASE, name, _sinks_case, varlen_attention, randn, dtype, name, bounds_q, device,
+                             head_dim))  # fmt: skip
         rows.append(_guarded("varlen_attention one KV head per call (attention_kv_heads_per_call: 1)", name,
                              _head_groups_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
         if on_row is not None:
@@ -282,6 +287,79 @@ def _autograd_case(
     return _compare(_autograd_name(window), name, got, stand_in, expected)
 
 
+SINKS_CASE = "varlen_attention autograd with attention sinks (gpt-oss), sliding window 128"
+
+
+@dataclasses.dataclass(frozen=True)
+class _StandInVarlen:
+    """The stand-in varlen kernels as a :class:`cptune.parallel.kernels.sinks.SplitAttention` (the floor)."""
+
+    cu: Any
+    longest: int
+    left: int
+
+    def forward(self, q, k, v):
+        from cptune.parallel.kernels import flash_attn_cpu
+
+        out, lse, _, _ = flash_attn_cpu._flash_attn_varlen_forward(
+            q, k, v, self.cu, self.cu, self.longest, self.longest, **_mask(True, (self.left, -1))
+        )
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse):
+        import torch
+
+        from cptune.parallel.kernels import flash_attn_cpu
+
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        flash_attn_cpu._flash_attn_varlen_backward(dout, q, k, v, out, lse, *grads, self.cu, self.cu, self.longest,
+                                                   self.longest, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                                   **_mask(True, (self.left, -1)))  # fmt: skip
+        return tuple(grads)
+
+
+def _sinks_case(varlen_attention, randn, dtype, name, bounds, device, head_dim, window=128) -> dict[str, Any]:
+    """gpt-oss's attention sinks through varlen_attention (DeepSpeed's document attention; the ring's varlen_llama3
+    path puts them on its kernels the same way): out and dq, dk, dv, dsinks against softmax over [scores, sink]
+    in float64, the sink dropped from the output (transformers' ``modeling_gpt_oss.eager_attention_forward``)."""
+    import torch
+
+    from cptune.parallel.kernels.sinks import attention_with_sinks
+
+    total, heads = bounds[-1], 16
+    q, dout = randn(total, heads, head_dim, dtype=dtype), randn(total, heads, head_dim, dtype=dtype)
+    k, v = randn(total, 4, head_dim, dtype=dtype), randn(total, 4, head_dim, dtype=dtype)
+    sinks = 2 * randn(heads, dtype=torch.float32)
+    longest = max(b - a for a, b in itertools.pairwise(bounds))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    outs = []
+    for a, b in itertools.pairwise(bounds):  # each document: softmax over [scores, sink], the sink dropped
+        qd, kd, vd = (t[a:b] for t in leaves64[:3])
+        kd, vd = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (kd, vd))
+        scores = torch.einsum("qhd,khd->hqk", qd, kd) * head_dim**-0.5
+        distance = torch.arange(b - a, device=device)[:, None] - torch.arange(b - a, device=device)[None, :]
+        scores = scores.masked_fill(~((distance >= 0) & (distance < window)), float("-inf"))
+        logits = torch.cat([scores, leaves64[3][:, None, None].expand(-1, b - a, 1)], dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", logits.softmax(-1)[..., :-1], vd))
+    out64 = torch.cat(outs)
+    out64.backward(dout.double())
+    labels = ("out", *GRADS, "dsinks")
+    expected = dict(zip(labels, (out64.detach(), *(x.grad for x in leaves64)), strict=True))
+    results = []
+    for run in ("kernels", "stand-ins"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        if run == "kernels":
+            out = varlen_attention(
+                *leaves[:3], cu, longest, scale=None, causal=True, window=window, sinks=leaves[3]
+            )
+        else:
+            out = attention_with_sinks(_StandInVarlen(cu, longest, window - 1), *leaves)
+        out.backward(dout)
+        results.append(dict(zip(labels, (out.detach(), *(x.grad for x in leaves)), strict=True)))
+    return _compare(SINKS_CASE, name, results[0], results[1], expected)
+
+
 def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:
     """The document attention a KV head at a time against one call: the same bits (heads are independent),
     and the backward's peak with one KV head's buffers instead of all of them (the GQA dK/dV expansion and
@@ -393,9 +471,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             errors = " | ".join(
                 "" if x not in same else "same bits" if same[x] else "DIFFERS" for x in ("out", "lse", *GRADS)
             )
-        lines.append(
-            f"| {r['case']} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |"
-        )
+        case = r["case"] + (f" (dsinks {r['dsinks']:.1e})" if "dsinks" in r else "")
+        lines.append(f"| {case} | {r['dtype']} | {errors} | {floor:.1e} | {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
+from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
 from preference_case import run_preference_case  # tests/parallel/preference_case.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -62,6 +63,7 @@ from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
     build_tiny_gemma3_text,
+    build_tiny_gpt_oss,
     build_tiny_mistral,
     build_tiny_mixtral,
     build_tiny_model,
@@ -151,6 +153,9 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
     elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
         model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+    elif case.get("arch") == "gpt_oss":  # sinks on every layer; sliding, full; 4 experts, router loss on
+        model = build_tiny_gpt_oss(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+        model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64 reference
     else:
         model = build_tiny_model(config, seed=1234)
     dtype = torch.bfloat16 if case.get("bf16") else torch.float32
@@ -358,6 +363,26 @@ def shard_local_window(kernels: RingKernels) -> RingKernels:
     return dataclasses.replace(kernels, prepare_cu_seqlens=prepare, varlen_llama3=varlen_llama3)
 
 
+def dropped_sinks(kernels: RingKernels) -> RingKernels:
+    """Planted bug: the layers' sink logits not applied (the ordinary attention of the same kernels)."""
+
+    def sink_attention(attention, q, k, v, sinks):
+        return kernels.sink_attention(attention, q, k, v, torch.full_like(sinks, float("-inf")))
+
+    return dataclasses.replace(kernels, sink_attention=sink_attention)
+
+
+def sinks_per_block(kernels: RingKernels) -> RingKernels:
+    """Planted bug: the sink applied to each rank's block of keys before the blocks are merged, so it enters every
+    query's softmax once per block (``cp_size`` times, exp(s + log cp) in place of exp(s))."""
+
+    def sink_attention(attention, q, k, v, sinks):
+        blocks = dist.get_world_size(attention.group)
+        return kernels.sink_attention(attention, q, k, v, sinks + torch.log(torch.tensor(float(blocks))))
+
+    return dataclasses.replace(kernels, sink_attention=sink_attention)
+
+
 def dropped_window(kernels: RingKernels) -> RingKernels:
     """Planted bug: the model's sliding window not passed to the kernel (full attention on windowed layers)."""
 
@@ -386,6 +411,8 @@ INJECTIONS = {
     "window_shard_local": shard_local_window,
     "window_dropped": dropped_window,
     "zigzag_window_block_local": block_local_zigzag_window,
+    "sinks_dropped": dropped_sinks,
+    "sinks_per_block": sinks_per_block,
 }
 
 
@@ -422,7 +449,11 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     """
     world = groups.world
     torch.manual_seed(0)
-    reference = build_model(case, "sdpa" if case["causal"] else "cptune")
+    local = LocalBackend(causal=case["causal"])
+    if case.get("arch") == "gpt_oss":
+        # transformers' eager gpt-oss attention (gpt-oss has no sdpa), the documents' masks given
+        local = MaskedEagerBackend(case.get("window", 5))
+    reference = build_model(case, local.attn_implementation if case["causal"] else "cptune")
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
     twin = reference64 = None
@@ -449,7 +480,6 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             name: [str(p) for p in getattr(attention, name).weight.placements]
             for name in ("q_proj", "o_proj")
         }
-    local = LocalBackend(causal=case["causal"])
     backend = make_backend(case, groups, kernels)
     ref_router = cp_router = None
     balance = RouterBalance.from_config(reference.config)
@@ -524,6 +554,10 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
         divisor = world // groups.cp_size if case.get("inject") == "grad_scale" else world
         for p in model.parameters():
             if p.requires_grad and groups.tp_mesh is None:
+                if p.grad is None:
+                    # An expert no token of this rank's shard was routed to: the eager experts loop (taken for the
+                    # float64 reference) skips it, where the default grouped_mm gives it a zero gradient.
+                    p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)  # DDP: mean over the world
                 p.grad /= divisor
         if step == 0:

@@ -128,6 +128,10 @@ PLANTED_CASES = [
         "planted-window-shard-local", inject="window_shard_local", arch="mistral", long_doc=True, lora=False
     ),
     case("planted-window-dropped", inject="window_dropped", arch="mistral", long_doc=True, lora=False),
+    # gpt-oss's sink logits not applied, and applied to each rank's block of keys before the merge (so once per
+    # block): the sinks train in these full fine-tunes.
+    case("planted-sinks-dropped", inject="sinks_dropped", arch="gpt_oss", long_doc=True, lora=False),
+    case("planted-sinks-per-block", inject="sinks_per_block", arch="gpt_oss", long_doc=True, lora=False),
 ]
 
 # Sliding-window layers (ring-flash-attn's varlen_llama3, causal): a tiny Mistral with a window of 5 keys on
@@ -188,6 +192,21 @@ ZIGZAG_WINDOW_PLANTED_CASES = [
         bf16=True,
         lora=False,
     )
+]
+
+# Attention sinks: a tiny gpt-oss (a learned sink logit per head in every layer's softmax; sliding then full
+# layers, a window of 5 keys; 4 experts, 2 per token, its router loss on), on ring-flash-attn's varlen_llama3,
+# the sinks applied once to each query's merged attention. Packed rows of 3 short documents and one long one
+# (as the window cases). The cp=1 reference is transformers' eager gpt-oss attention given the documents'
+# masks (tests/parallel/masked_eager.py; tests/parallel/backends/test_attention_sinks.py checks it against
+# the model run on each document alone).
+SINK_CP2_CASES = [
+    case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True),
+    case("sinks-gpt-oss-packed-causal-full-mbs2-ga2", arch="gpt_oss", long_doc=True, lora=False, mbs=2, ga=2),
+]
+SINK_CP4_CASES = [
+    case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True, seq_len=32),
+    case("sinks-gpt-oss-packed-causal-full", arch="gpt_oss", long_doc=True, lora=False, seq_len=32),
 ]
 
 # Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
@@ -323,7 +342,8 @@ SPAWNS = {
         + WINDOW_CP2_CASES
         + ZIGZAG_WINDOW_CP2_CASES
         + ZIGZAG_WINDOW_BF16_CP2_CASES
-        + ZIGZAG_WINDOW_PLANTED_CASES,
+        + ZIGZAG_WINDOW_PLANTED_CASES
+        + SINK_CP2_CASES,
     ),
     "cp4": (
         4,
@@ -334,7 +354,8 @@ SPAWNS = {
         + TORCH_PREFERENCE_CP4_CASES
         + MOE_CP4_CASES
         + WINDOW_CP4_CASES
-        + ZIGZAG_WINDOW_CP4_CASES,
+        + ZIGZAG_WINDOW_CP4_CASES
+        + SINK_CP4_CASES,
     ),
     "dp2xcp2": (
         4,
@@ -593,6 +614,17 @@ def test_zigzag_sliding_window_parity_fp32(parity_results, spawn, cases):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"), [("cp2", SINK_CP2_CASES), ("cp4", SINK_CP4_CASES)], ids=["cp2", "cp4"]
+)
+def test_attention_sinks_parity_fp32(parity_results, spawn, cases):
+    """gpt-oss (sinks on every layer, sliding and full layers) at cp=2 and cp=4 on ring-flash-attn's varlen_llama3,
+    LoRA and full (the sinks train): the losses of 3 SGD steps and the step-0 gradients of the cp=1 run, by the
+    float64 rule."""
+    check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
 def test_zigzag_sliding_window_parity_bf16(parity_results):
     """Gemma 3 (sliding, sliding, full) on the zigzag ring at cp=2 in bf16, within the reorder floor; and the
     window aligned to each block instead (planted) fails the same check."""
@@ -611,9 +643,10 @@ def test_moe_router_loss_parity_bf16(parity_results):
 
 @pytest.mark.distributed
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
-    """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss, and
-    Mistral's sliding windows counted in shard-local positions or dropped, each planted in the cp=2 ring
-    path: the fp32 check of the tests above fails on every one."""
+    """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss,
+    Mistral's sliding windows counted in shard-local positions or dropped, and gpt-oss's sinks dropped or
+    applied per block of keys, each planted in the cp=2 ring path: the fp32 check of the tests above fails
+    on every one."""
     results = parity_results("cp2")
     for case_ in PLANTED_CASES:
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]

@@ -22,7 +22,8 @@ rows with sdpa: tests/config/test_loader.py).
 bf16 cases (``BF16_CP2_CASES``) run DeepSpeed's bf16 engine with each memory feature on, held to the bf16
 reorder-floor check of test_parity.py, ZeRO-3 with recomputed norms among them.
 Sliding-window models (a tiny Mistral and Gemma 3 text, ``WINDOW_CP2_CASES`` and the cp4 window
-cases) run through the ``cptune`` core attention, which attends each layer's window over whole rows.
+cases) run through the ``cptune`` core attention, which attends each layer's window over whole rows,
+and so does a tiny gpt-oss (``SINK_CP2_CASES``), whose sinks each rank applies for its heads.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ WINDOW_CP2_CASES = [
     case("window-mistral-ga2-packed-causal-full", arch="mistral", long_doc=True, lora=False, ga=2),
     case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True),
 ]
+# Attention sinks: a tiny gpt-oss (a sink logit per head in every layer; sliding then full layers; 4 experts, its
+# router loss on) through the cptune core attention, each rank applying the sinks of its block of heads after
+# the all-to-all; the cp=1 reference is transformers' eager gpt-oss attention (tests/parallel/test_parity.py).
+SINK_CP2_CASES = [
+    case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True),
+    case("sinks-gpt-oss-ga2-packed-causal-full", arch="gpt_oss", long_doc=True, lora=False, ga=2),
+]
 # A tiny Qwen3-MoE with its router loss (tests/parallel/parity_worker.py's MoE cases): the router sums
 # all-reduced over the CP group, whose ranks hold contiguous halves of the rows in the MoE layers.
 MOE_CP2_CASES = [
@@ -171,7 +179,15 @@ DP2_CP2_CASES = [
 @pytest.mark.parametrize(
     ("world", "cases"),
     [
-        (2, CP2_CASES + PREFERENCE_CP2_CASES + WINDOW_CP2_CASES + MOE_CP2_CASES + BF16_CP2_CASES),
+        (
+            2,
+            CP2_CASES
+            + PREFERENCE_CP2_CASES
+            + WINDOW_CP2_CASES
+            + MOE_CP2_CASES
+            + BF16_CP2_CASES
+            + SINK_CP2_CASES,
+        ),
         (4, CP4_CASES + DP2_CP2_CASES + PREFERENCE_CP4_CASES + PREFERENCE_DP2_CP2_CASES),
     ],
     ids=["cp2", "cp4-and-dp2xcp2"],

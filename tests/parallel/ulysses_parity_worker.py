@@ -41,6 +41,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     install_case_features,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
+from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
 from ulysses_preference_case import run_ulysses_preference_case  # tests/parallel/, beside this script
 
 from cptune.labels import shift_labels_within_documents
@@ -69,6 +70,7 @@ from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
     build_tiny_gemma3_text,
+    build_tiny_gpt_oss,
     build_tiny_mistral,
     build_tiny_model,
     build_tiny_qwen3_moe,
@@ -127,6 +129,9 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
     elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
         model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+    elif case.get("arch") == "gpt_oss":  # sinks on every layer; sliding, full; 4 experts, router loss on
+        model = build_tiny_gpt_oss(VOCAB, seed=1234, sliding_window=case.get("window", 5))
+        model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64 reference
     else:
         config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
         model = build_tiny_model(config, seed=1234)
@@ -186,11 +191,14 @@ def reference_run(
     patch reverts.
     """
     causal = case.get("causal", True)
-    model = build_model(case, attention or ("sdpa" if causal else "cptune"))
+    local = LocalBackend(causal=causal)
+    if case.get("arch") == "gpt_oss":
+        # transformers' eager gpt-oss attention (gpt-oss has no sdpa), the documents' masks given
+        local = MaskedEagerBackend(case.get("window", 5))
+    model = build_model(case, attention or (local.attn_implementation if causal else "cptune"))
     loss_sum = token_loss_sum
     if float64:
         model, loss_sum = float64_twin(model), float64_loss_sum
-    local = LocalBackend(causal=causal)
     router = RouterBalance.from_config(model.config)
     router_log = RouterLossLog()
     trainable = [p for p in model.parameters() if p.requires_grad]

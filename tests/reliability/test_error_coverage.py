@@ -89,13 +89,9 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "src/cptune/parallel/backends/attention.py",
-        "which cptune's context-parallel attention does not apply; use context_parallel_size: 1.",
-        "check_model_config refuses sinks before launching (model-attention-sinks)",
-    ),
-    (
-        "src/cptune/parallel/backends/attention.py",
         "This is a bug in cptune's model checks: please report it",
-        "a bug in cptune: the backends' check_model refuses windows they cannot attend (model-sliding-window)",
+        "a bug in cptune: the backends' check_model refuses windows and sinks they cannot attend "
+        "(model-sliding-window, model-attention-sinks)",
     ),
     (
         "src/cptune/parallel/backends/document_attention.py",

@@ -167,11 +167,14 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "model-attention-sinks",
         SECTION,
-        "A model with attention sinks (gpt-oss) with context parallelism",
-        "base_model: gpt_oss adds learned sink logits to its attention softmax, which cp_backend: "
-        "ring-flash-attn does not apply yet",
-        "cptune's context-parallel attention does not apply gpt-oss's per-head sink logits yet. Use "
-        "`context_parallel_size: 1` with `causal: true`.",
+        "A model with attention sinks (gpt-oss) with a backend that cannot apply them",
+        "base_model: gpt_oss adds a learned sink logit per head to the softmax of its attention layers (of type "
+        "['full_attention', 'sliding_attention']), which cp_backend: torch cannot apply exactly",
+        "gpt-oss's sink logits are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3`) and "
+        "`cp_backend: deepspeed` (`ulysses_attn_implementation: cptune`), which put each head's sink once into "
+        "every query's softmax over all of its keys. PyTorch's context-parallel attention, `batch_zigzag`, the "
+        "other Ulysses core attentions and cptune's bidirectional attention at `context_parallel_size: 1` do "
+        "not: the message names the reason. See the model table in choosing-a-backend.md.",
     ),
     Entry(
         "model-attention-dropout",

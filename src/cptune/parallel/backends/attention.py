@@ -15,6 +15,10 @@ window of query ``q`` when ``0 <= q - k < sliding_window``, ``masking_utils.slid
 ``None`` on full-attention layers. The function hands it on as ``window`` to a call whose backend
 attends windows over the whole sequence (``takes_window``) and refuses it otherwise; the call counts
 the windowed layers it served, so a model whose windowed layers do not pass their window is caught too.
+
+Attention sinks: gpt-oss passes each layer's learned per-head sink logits as the keyword ``s_aux``. The
+function hands them on as ``sinks`` to a call whose backend applies them once to each query's merged
+attention (``takes_sinks``, :mod:`cptune.parallel.kernels.sinks`) and refuses them otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ ATTENTION_KWARG = "cp_attention"
 
 # attend(query, key, value, softmax_scale) with tensors laid out (batch, tokens, heads, head_dim)
 # returns the attention output in the same layout; a call that ``takes_window`` also gets the
-# keyword ``window`` (transformers' ``sliding_window``) on windowed layers.
+# keyword ``window`` (transformers' ``sliding_window``) on windowed layers, and one that ``takes_sinks``
+# the keyword ``sinks`` (the layer's ``(heads,)`` sink logits) on layers with attention sinks.
 Attend = Callable[..., torch.Tensor]
 
 SLIDING_ATTENTION = "sliding_attention"
@@ -50,14 +55,24 @@ class AttentionCall:
     they are.
     """
 
-    __slots__ = ("attend", "layers_served", "takes_window", "windowed_layers_served")
+    __slots__ = (
+        "attend",
+        "layers_served",
+        "sink_layers_served",
+        "takes_sinks",
+        "takes_window",
+        "windowed_layers_served",
+    )
 
-    def __init__(self, attend: Attend, *, takes_window: bool = False) -> None:
+    def __init__(self, attend: Attend, *, takes_window: bool = False, takes_sinks: bool = False) -> None:
         self.attend = attend
         #: ``attend`` takes ``window=`` and counts it in positions of the whole sequence, within documents
         self.takes_window = takes_window
+        #: ``attend`` takes ``sinks=`` and puts them once into each query's softmax over all of its keys
+        self.takes_sinks = takes_sinks
         self.layers_served = 0
         self.windowed_layers_served = 0
+        self.sink_layers_served = 0
 
 
 def cptune_attention_forward(
@@ -90,11 +105,15 @@ def cptune_attention_forward(
         )
     check_attention_extras(kwargs)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    extras: dict[str, Any] = {}
+    sinks = take_sinks(call, kwargs)
+    if sinks is not None:
+        extras["sinks"] = sinks
     if sliding_window is None:
-        out = call.attend(q, k, v, scaling)
+        out = call.attend(q, k, v, scaling, **extras)
     else:
         check_window_taken(call, sliding_window)
-        out = call.attend(q, k, v, scaling, window=int(sliding_window))
+        out = call.attend(q, k, v, scaling, window=int(sliding_window), **extras)
         call.windowed_layers_served += 1
     call.layers_served += 1
     return out, None
@@ -104,8 +123,14 @@ def cptune_attention_forward(
 MODELS_WITH_SINKS = ("gpt_oss",)
 
 
-def check_attention_features(config: Any, computed_by: str) -> None:
-    """Refuse, before loading, attention features cptune's attention would drop: logit soft-capping, sinks."""
+def check_attention_features(config: Any, computed_by: str, *, applies_sinks: bool = False) -> None:
+    """Refuse, before loading, attention features cptune's attention would drop: logit soft-capping, sinks.
+
+    Args:
+        config: The model's (text) config.
+        computed_by: Who computes the attention, for the message (e.g. ``cp_backend: torch``).
+        applies_sinks: ``computed_by`` applies attention sinks (its backend checks them itself).
+    """
     model = getattr(config, "model_type", None) or type(config).__name__
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
@@ -114,26 +139,68 @@ def check_attention_features(config: Any, computed_by: str) -> None:
             f"{computed_by} does not (cptune's kernels have no soft-capping). Use context_parallel_size: 1 "
             "with causal: true, or a model without it (Gemma 3 instead of Gemma 2)."
         )
-    if model in MODELS_WITH_SINKS:
+    if not applies_sinks:
+        refuse_sinks(
+            config,
+            computed_by,
+            "it has no place for a logit outside the keys",
+            "Use context_parallel_size: 1 with causal: true.",
+        )
+
+
+def has_sinks(config: Any) -> bool:
+    """Whether ``config``'s attention layers add learned sink logits to their softmax (gpt-oss)."""
+    return getattr(config, "model_type", None) in MODELS_WITH_SINKS
+
+
+def refuse_sinks(config: Any, computed_by: str, reason: str, remedy: str) -> None:
+    """Raise if ``config``'s attention has sink logits, naming the model, its layer types and the backend.
+
+    Args:
+        config: The model's (text) config.
+        computed_by: Who computes the attention, for the message (e.g. ``cp_backend: torch``).
+        reason: Why ``computed_by`` cannot apply them exactly.
+        remedy: What the user can do instead.
+    """
+    if has_sinks(config):
+        model = getattr(config, "model_type", None)
+        kinds = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
         raise CptuneError(
-            f"base_model: {model} adds learned sink logits to its attention softmax, which {computed_by} "
-            "does not apply yet. Use context_parallel_size: 1 with causal: true."
+            f"base_model: {model} adds a learned sink logit per head to the softmax of its attention layers "
+            f"(of type {kinds}), which {computed_by} cannot apply exactly: {reason}. {remedy} "
+            "(cp_backend: ring-flash-attn with ring_attn_func: varlen_llama3, and cp_backend: deepspeed with "
+            "ulysses_attn_implementation: cptune, apply them.)"
         )
 
 
 def check_attention_extras(kwargs: dict[str, Any]) -> None:
-    """Refuse attention features the model asks for that cptune's attention would drop (soft-capping, sinks)."""
+    """Refuse attention features the model asks for that cptune's attention would drop (soft-capping)."""
     softcap = kwargs.get("softcap")
     if softcap:
         raise CptuneError(
             f"base_model: its attention soft-caps the attention logits (attn_logit_softcapping: {softcap}), which "
             "cptune's context-parallel attention does not; use a model without it, or context_parallel_size: 1."
         )
-    if kwargs.get("s_aux") is not None:
+
+
+def take_sinks(call: AttentionCall, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The layer's sink logits (gpt-oss's ``s_aux``, one per query head), or None when it has none.
+
+    Raises:
+        CptuneError: the layer has them and ``call``'s backend does not apply them (the model checks
+            should have refused the model before loading).
+    """
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        return None
+    if not call.takes_sinks:
         raise CptuneError(
-            "base_model: its attention has learned sink logits (s_aux, as gpt-oss), which cptune's "
-            "context-parallel attention does not apply; use context_parallel_size: 1."
+            "an attention layer with learned sink logits (s_aux, as gpt-oss) reached a context-parallel "
+            "attention that does not apply them; this model should have been refused before loading. This is "
+            "a bug in cptune's model checks: please report it, and use context_parallel_size: 1 meanwhile."
         )
+    call.sink_layers_served += 1
+    return sinks
 
 
 def check_window_taken(call: AttentionCall, sliding_window: int) -> None:

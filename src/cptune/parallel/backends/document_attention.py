@@ -7,7 +7,9 @@ instead and attends each within itself: one varlen FlashAttention-2 call over al
 (:mod:`cptune.parallel.kernels.varlen`), one SDPA call per document elsewhere. At cp=1 it spares
 the ``tokens x tokens`` mask transformers' sdpa would build for a packed row. Under Ulysses every
 rank holds whole rows (for its heads), so a sliding-window layer's window (transformers'
-``sliding_window``, causal) counts positions of the whole sequence, within each document.
+``sliding_window``, causal) counts positions of the whole sequence, within each document, and a
+layer's attention sinks (gpt-oss's ``s_aux``) go into each query's softmax over all of its keys
+(one varlen call, on the CPU stand-ins off GPUs: :mod:`cptune.parallel.kernels.sinks`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cptune.parallel.backends.attention import (
     check_attention_extras,
     check_window_taken,
     sdpa_tokens_first,
+    take_sinks,
 )
 from cptune.parallel.shard import cu_seqlens_from_starts
 
@@ -78,6 +81,9 @@ class DocumentAttention:
     causal: bool
     #: the recipe's attention_kv_heads_per_call (None: every head at once)
     kv_heads_per_call: int | None = None
+    #: which block of the query heads this rank attends (its CP rank: DeepSpeed's all-to-all gives rank r
+    #: the r-th block of H/C heads, ulysses_sp.py:185-190); selects those heads' sink logits
+    head_block: int = 0
 
     def __call__(
         self,
@@ -100,15 +106,16 @@ class DocumentAttention:
         scale: float | None,
         position_ids: torch.Tensor,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every row, its documents delimited by ``position_ids`` ((1 or batch, tokens)); ``window`` as in
-        ``__call__`` (causal only)."""
+        ``__call__`` (causal only); ``sinks``: the layer's sink logits of every query head, or None."""
         if window is not None and not self.causal:
             raise CptuneError(
                 "cptune's Ulysses attention got a sliding window with causal: false; bidirectional windows "
                 "should have been refused before loading. This is a bug in cptune's model checks: please report it."
             )
-        return self.within(q, k, v, scale, RowDocuments.of(position_ids, q.shape[0]), window)
+        return self.within(q, k, v, scale, RowDocuments.of(position_ids, q.shape[0]), window, sinks)
 
     def within(
         self,
@@ -118,16 +125,23 @@ class DocumentAttention:
         scale: float | None,
         documents: RowDocuments,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every row, its documents as ``documents`` says; ``window`` as in ``__call__``."""
-        if window is None and all(len(row) == 1 for row in documents.lengths):
+        """Every row, its documents as ``documents`` says; ``window`` as in ``__call__``; ``sinks`` as in
+        ``rows``."""
+        if sinks is not None:
+            heads = q.shape[2]
+            sinks = sinks[self.head_block * heads : (self.head_block + 1) * heads]
+        if sinks is None and window is None and all(len(row) == 1 for row in documents.lengths):
             # Rows of one document each (unpacked, unpadded): one SDPA call over the batch, as transformers'
             # sdpa runs them, so that such rows keep SDPA's kernels (cuDNN's on Hopper, measured faster than
             # FlashAttention-2: docs/benchmarks.md). A window would need a tokens x tokens mask there.
             return self(q, k, v, scale)
-        if varlen_runs(q):
+        if varlen_runs(q) or sinks is not None:
+            # SDPA has no sink: the varlen kernels (the CPU stand-ins off GPUs) return the lse it goes into.
             from cptune.parallel.kernels.varlen import varlen_attention
 
+            extras = {} if sinks is None else {"sinks": sinks}
             out = varlen_attention(
                 *(t.flatten(0, 1) for t in (q, k, v)),
                 documents.cu_seqlens,
@@ -136,6 +150,7 @@ class DocumentAttention:
                 causal=self.causal,
                 window=window,
                 kv_heads_per_call=self.kv_heads_per_call,
+                **extras,
             )
             return out.unflatten(0, q.shape[:2])
         rows = []
@@ -207,12 +222,13 @@ def document_attention_forward(
             f"{dropout}); set attention_dropout to 0 in the model's config.json."
         )
     check_attention_extras(kwargs)
+    sinks = take_sinks(call, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if sliding_window is None:
-        out = call.attend.rows(q, k, v, scaling, position_ids)
+        out = call.attend.rows(q, k, v, scaling, position_ids, sinks=sinks)
     else:
         check_window_taken(call, sliding_window)
-        out = call.attend.rows(q, k, v, scaling, position_ids, window=int(sliding_window))
+        out = call.attend.rows(q, k, v, scaling, position_ids, window=int(sliding_window), sinks=sinks)
         call.windowed_layers_served += 1
     call.layers_served += 1
     return out, None

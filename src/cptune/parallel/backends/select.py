@@ -105,7 +105,9 @@ def check_model_config(
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"
     if backend.uses_cptune_attention(recipe):
-        check_attention_features(text, computed_by)
+        # At cp > 1 the backend's check_model refuses the attention sinks it cannot apply; at cp=1 cptune's
+        # attention (bidirectional) has none.
+        check_attention_features(text, computed_by, applies_sinks=dims.cp_enabled)
     if backend.attends_whole_layers:
         check_full_attention(text, computed_by)
     if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):

@@ -100,7 +100,8 @@ class BackendPolicy(Protocol):
         ...
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        """The backend's own checks of a model's config (heads), after the common ones, at cp > 1."""
+        """The backend's own checks of a model's config (heads; attention sinks it cannot apply:
+        ``attention.refuse_sinks``), after the common ones, at cp > 1."""
         ...
 
     def uses_cptune_attention(self, recipe: Recipe) -> bool:

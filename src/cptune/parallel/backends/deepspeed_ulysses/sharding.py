@@ -40,6 +40,7 @@ from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
     check_window_support,
+    refuse_sinks,
     refuse_windowed_layers,
 )
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
@@ -116,6 +117,14 @@ def check_heads(text_config: Any, cp_size: int, core: str, *, causal: bool = Tru
             f"context_parallel_size: {cp_size} neither divides nor is a multiple of the model's {kv_heads} "
             f"key/value heads, which DeepSpeed's Ulysses attention needs. Choose context_parallel_size in "
             f"{fits}, or cp_backend: ring-flash-attn."
+        )
+    if core != "cptune":
+        refuse_sinks(
+            text_config,
+            f"cp_backend: deepspeed with ulysses_attn_implementation: {core}",
+            "DeepSpeed's Ulysses wrapper hands the core attention the sink logits of all heads while each rank "
+            "attends 1/C of them (and sdpa has no place for a sink at all)",
+            "Use ulysses_attn_implementation: cptune (the default), which applies each rank's heads' sinks.",
         )
     if core == "sdpa":
         refuse_windowed_layers(
@@ -320,7 +329,9 @@ class DeepSpeedUlyssesBackend(SameBatchForEveryCpRank):
         call = None
         if self.core_attention == "cptune":
             call = AttentionCall(
-                attend=DocumentAttention(self.causal, self.kv_heads_per_call), takes_window=self.causal
+                attend=DocumentAttention(self.causal, self.kv_heads_per_call, head_block=self.cp_rank),
+                takes_window=self.causal,
+                takes_sinks=True,
             )
             kwargs[ATTENTION_KWARG] = call
         return ShardedInputs(model_kwargs=kwargs, shift_labels=tokens.shift_labels, call=call, coords=coords)

@@ -55,17 +55,21 @@ def attends_by_document(recipe: Recipe, model_config: Any) -> bool:
     window needs transformers' masks), routed through transformers' AttentionInterface, and no
     attention dropout. Otherwise transformers' ``sdpa`` runs, which keeps the documents of a row
     (padding included) apart through a ``rows x tokens x tokens`` boolean mask: 256 GiB at 512K tokens.
+    A model with attention sinks (gpt-oss) has no ``sdpa`` in transformers, and transformers 5.23's
+    gpt-oss forward builds its masks without ``position_ids``, so it would let packed documents attend
+    to each other: cptune's attention takes it, with its sliding windows and sinks.
     """
     if not recipe.causal:
         return True
     from transformers import AutoModelForCausalLM
 
-    from cptune.parallel.backends.attention import windowed_layer_types
+    from cptune.parallel.backends.attention import SLIDING_ATTENTION, has_sinks, windowed_layer_types
 
     text = model_config.get_text_config()
     model_class = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    kinds = windowed_layer_types(text)
     return (
-        not windowed_layer_types(text)
+        (not kinds or (has_sinks(text) and kinds == [SLIDING_ATTENTION]))
         and bool(getattr(model_class, "_supports_attention_backend", False))
         and not getattr(text, "attention_dropout", 0.0)
     )

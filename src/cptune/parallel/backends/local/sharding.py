@@ -58,8 +58,8 @@ class LocalBackend(SameBatchForEveryCpRank):
             attention = DocumentAttention(self.causal, self.kv_heads_per_call)
             documents = RowDocuments.of(batch.position_ids, batch.shape[0])
 
-            def attend(q, k, v, scale):
-                return attention.within(q, k, v, scale, documents)
+            def attend(q, k, v, scale, window=None, sinks=None):
+                return attention.within(q, k, v, scale, documents, window, sinks)
 
         else:
             mask = document_mask(batch.position_ids)
@@ -67,7 +67,11 @@ class LocalBackend(SameBatchForEveryCpRank):
             def attend(q, k, v, scale):
                 return sdpa_tokens_first(q, k, v, scale, attn_mask=mask)
 
-        call = AttentionCall(attend=attend)
+        # The document attention takes sliding windows (causal) and attention sinks (a model, gpt-oss, that
+        # transformers' sdpa cannot run: runtime.attends_by_document).
+        call = AttentionCall(
+            attend=attend, takes_window=self.documents and self.causal, takes_sinks=self.documents
+        )
         return ShardedInputs(
             model_kwargs={**kwargs, ATTENTION_KWARG: call},
             shift_labels=batch.shift_labels,

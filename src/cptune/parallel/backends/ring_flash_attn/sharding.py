@@ -36,6 +36,7 @@ from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
+from cptune.parallel.kernels.sinks import attention_with_sinks
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
 INSTALL_HINT = (
@@ -53,6 +54,12 @@ class RingKernels:
     zigzag: Callable[..., torch.Tensor]
     #: ``(q, k, v, softmax_scale, window, group)``: the zigzag ring with a sliding window (.zigzag_window)
     zigzag_window: Callable[..., torch.Tensor]
+    #: ``llama3_flash_attn_varlen_forward`` / ``_backward``: the all-gather attention's ``(out, lse)`` and its
+    #: backward, for the layers with attention sinks (gpt-oss), whose sink needs the merged ``lse``
+    varlen_llama3_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    varlen_llama3_backward: Callable[..., tuple[torch.Tensor, ...]] | None = None
+    #: applies the sink logits once to the merged attention (cptune.parallel.kernels.sinks)
+    sink_attention: Callable[..., torch.Tensor] = attention_with_sinks
 
 
 def load_ring_flash_attn() -> RingKernels:
@@ -81,11 +88,14 @@ def load_ring_flash_attn() -> RingKernels:
     # The flash-attn kernels ring-flash-attn imported (flash-attn's, or cptune's stand-ins without it).
     zigzag_module = sys.modules["ring_flash_attn.zigzag_ring_flash_attn"]
     flash = (zigzag_module._flash_attn_forward, zigzag_module._flash_attn_backward)
+    llama3 = importlib.import_module("ring_flash_attn.llama3_flash_attn_varlen")
     return RingKernels(
         varlen_llama3=module.llama3_flash_attn_varlen_func,
         prepare_cu_seqlens=module.llama3_flash_attn_prepare_cu_seqlens,
         zigzag=module.zigzag_ring_flash_attn_func,
         zigzag_window=functools.partial(zigzag_window_attention, kernels=flash),
+        varlen_llama3_forward=llama3.llama3_flash_attn_varlen_forward,
+        varlen_llama3_backward=llama3.llama3_flash_attn_varlen_backward,
     )
 
 
@@ -133,7 +143,8 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
             shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
             attend = self._zigzag_attend()
         # batch_zigzag is causal only (the recipe's rules); varlen_llama3's windows are causal only.
-        call = AttentionCall(attend=attend, takes_window=self.causal)
+        varlen = self.func == "varlen_llama3"
+        call = AttentionCall(attend=attend, takes_window=self.causal, takes_sinks=varlen)
         tokens = shard.tokens
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
         return ShardedInputs(
@@ -146,10 +157,17 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
         )
         kernels, causal, stride, group = self.kernels, self.causal, self.heads_k_stride, self.group
 
-        def attend(q, k, v, scale, window=None):
+        def attend(q, k, v, scale, window=None, sinks=None):
             # One varlen sequence: the rows were laid end to end by shard_varlen. transformers' window of
             # `window` keys (the query's own included) is flash-attn's window_size_left = window - 1.
             window_size = (-1, -1) if window is None else (window - 1, 0)
+            if sinks is not None:
+                # The sink enters each query's softmax once, after all of its keys are attended.
+                attention = Llama3Attention(
+                    kernels, cu_q, cu_k, max_q, max_k, stride, k_slice, scale, causal, window_size, group
+                )
+                q0, k0, v0 = (t[0].contiguous() for t in (q, k, v))
+                return kernels.sink_attention(attention, q0, k0, v0, sinks).unsqueeze(0)
             out = kernels.varlen_llama3(
                 q[0].contiguous(),
                 k[0].contiguous(),
@@ -181,3 +199,43 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
             return kernels.zigzag(q, k, v, softmax_scale=scale, causal=True, group=group)
 
         return attend
+
+
+@dataclass(frozen=True)
+class Llama3Attention:
+    """ring-flash-attn's all-gather varlen attention as a :class:`~cptune.parallel.kernels.sinks.SplitAttention`.
+
+    Its forward returns each local query's ``(out, lse)`` over every key it sees (the K/V of the whole
+    sequence are gathered, ``heads_k_stride`` heads at a time), so the sink logits apply to the finished
+    result; its backward is ring-flash-attn's, given the sink attention's ``out`` and ``lse``.
+    """
+
+    kernels: RingKernels
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    heads_k_stride: int
+    local_k_slice: slice
+    scale: float | None
+    causal: bool
+    window_size: tuple[int, int]
+    group: dist.ProcessGroup | None
+
+    def _arguments(self, q: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        positional = (self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q, self.max_seqlen_k)
+        positional += (self.heads_k_stride, self.local_k_slice)
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        return positional, {"softmax_scale": scale, "causal": self.causal, "window_size": self.window_size}
+
+    def forward(self, q, k, v):
+        positional, keywords = self._arguments(q)
+        return self.kernels.varlen_llama3_forward(
+            self.group, q, k.contiguous(), v.contiguous(), *positional, **keywords
+        )
+
+    def backward(self, dout, q, k, v, out, lse):
+        positional, keywords = self._arguments(q)
+        return self.kernels.varlen_llama3_backward(
+            self.group, dout, q, k, v, out, lse, *positional, **keywords
+        )

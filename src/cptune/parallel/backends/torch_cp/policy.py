@@ -83,8 +83,16 @@ class TorchCp:
         return 2 if recipe.resolved_cp_load_balance else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        from cptune.parallel.backends.attention import refuse_windowed_layers
+        from cptune.parallel.backends.attention import refuse_sinks, refuse_windowed_layers
 
+        refuse_sinks(
+            text_config,
+            self.label,
+            "PyTorch's context-parallel SDPA (torch 2.13) merges the ring's blocks inside scaled_dot_product_"
+            "attention, which takes no sink and returns no log-sum-exp to put one into",
+            "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed, or "
+            "context_parallel_size: 1.",
+        )
         refuse_windowed_layers(
             text_config,
             self.label,
