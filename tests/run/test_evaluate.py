@@ -114,7 +114,16 @@ def write_adapter(folder: Path) -> Path:
     return folder
 
 
-def dpo_reference(recipe_path: Path, adapter: Path, dtype: torch.dtype) -> dict[str, float]:
+def prepared_eval_rows(recipe_path: Path) -> list[dict]:
+    from cptune.config.loader import load_recipe
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.loading import load_tokenizer
+
+    recipe = load_recipe(recipe_path)
+    return list(prepare_datasets(recipe, load_tokenizer(recipe)).eval)
+
+
+def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[str, float]:
     """DPO's eval loss and TRL's metrics (means over pairs), every evaluation pair alone through the model.
 
     Each side (a document of the prepared row) runs alone, with the adapter and with it disabled
@@ -124,12 +133,6 @@ def dpo_reference(recipe_path: Path, adapter: Path, dtype: torch.dtype) -> dict[
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from cptune.config.loader import load_recipe
-    from cptune.data.prepare import prepare_datasets
-    from cptune.models.loading import load_tokenizer
-
-    recipe = load_recipe(recipe_path)
-    rows = prepare_datasets(recipe, load_tokenizer(recipe)).eval
     base = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=dtype)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
 
@@ -178,11 +181,12 @@ def dpo_eval_failures(got: dict[str, list[dict]], adapter: Path, recipe: Path) -
     Returns the runs and metrics over the rule's limit (empty: all within). Accuracy (a share of pairs)
     must be equal.
     """
-    expected = dpo_reference(recipe, adapter, torch.float32)
-    expected64 = dpo_reference(recipe, adapter, torch.float64)
+    rows = prepared_eval_rows(recipe)
+    expected = dpo_reference(rows, adapter, torch.float32)
+    expected64 = dpo_reference(rows, adapter, torch.float64)
     assert 0 < expected["rewards/accuracies"] < 1 and abs(expected["rewards/margins"]) > 1e-3, expected
     print(f"dpo eval reference: {expected}")
-    failures = {}
+    failures, worst = {}, {}
     for name, ranks in got.items():
         for metrics in ranks:
             assert metrics["eval_pairs"] == expected["pairs"], (name, metrics)
@@ -198,8 +202,10 @@ def dpo_eval_failures(got: dict[str, list[dict]], adapter: Path, recipe: Path) -
                 floor = reorder_bound(expected["longest"], scale * expected["magnitude"]) / abs(want64)
                 rel = abs(value - want64) / abs(want64)
                 excess = float64_excess(rel, abs(want - want64) / abs(want64), floor=floor)
+                worst[name] = max(worst.get(name, 0.0), excess)
                 if excess > 1:
                     failures[f"{name} {key}"] = excess
+    print(f"dpo eval: worst share of the float64-rule tolerance per run {worst}")
     return failures
 
 
@@ -261,6 +267,8 @@ def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
         for rank_result in run_ranks(WORKER, world, tmp_path / f"ranks-{world}", *map(str, paths)):
             for name, metrics in rank_result.items():
                 got.setdefault(name, []).append(metrics)
+    seconds = {name: round(max(m["worker_seconds"] for m in ranks), 1) for name, ranks in got.items()}
+    print(f"seconds per recipe in its launch: {seconds}")
     dpo_got = {name: got.pop(name) for name in dpo_recipes}
     failures = dpo_eval_failures(dpo_got, adapter, dpo_recipes["dpo-packed-cp2"])
     assert not failures, (failures, dpo_got)
