@@ -124,33 +124,39 @@ def prepared_eval_rows(recipe_path: Path) -> list[dict]:
 
 
 def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[str, float]:
-    """DPO's eval loss and TRL's metrics (means over pairs), every evaluation pair alone through the model.
+    """DPO's eval loss and TRL's metrics (means over pairs), every evaluation pair's sides through the plain model.
 
-    Each side (a document of the prepared row) runs alone, with the adapter and with it disabled
-    (the reference); the log-prob sums in float64. Also returns ``longest`` (the most targets of a
-    side) and ``magnitude`` (the largest |log-prob sum|), the floors' inputs.
+    Each side (a document of the prepared row) is a row of its own in one right-padded batch (causal attention:
+    the padding after a side never reaches it), with the adapter and with it disabled (the reference); the
+    log-prob sums in float64. Also returns ``longest`` (the most targets of a side) and ``magnitude`` (the
+    largest |log-prob sum|), the floors' inputs.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=dtype)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    documents = []  # (ids, labels) of every side, chosen then rejected of each pair
+    for row in rows:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        for begin, end in itertools.pairwise(starts):
+            documents.append((row["input_ids"][begin:end], row["labels"][begin:end]))
+    width = max(len(ids) for ids, _ in documents)
+    ids = torch.tensor([d + [0] * (width - len(d)) for d, _ in documents])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in documents])
+    mask = torch.tensor([[1] * len(d) + [0] * (width - len(d)) for d, _ in documents])
 
-    def log_prob_sum(ids: list[int], labels: list[int]) -> float:
-        logits = model(input_ids=torch.tensor([ids])).logits[0]
-        targets = torch.tensor(labels[1:])
-        return -float(F.cross_entropy(logits[:-1].double(), targets, ignore_index=-100, reduction="sum"))
+    def log_prob_sums() -> list[float]:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+        losses = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+        return (-losses.sum(-1)).tolist()
 
-    sides = []  # (policy, reference, targets) of every side, chosen then rejected of each pair
     with torch.no_grad():
-        for row in rows:
-            starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
-            for begin, end in itertools.pairwise(starts):
-                ids, labels = row["input_ids"][begin:end], row["labels"][begin:end]
-                policy = log_prob_sum(ids, labels)
-                with model.disable_adapter():
-                    reference = log_prob_sum(ids, labels)
-                sides.append((policy, reference, sum(1 for label in labels[1:] if label != -100)))
+        policy = log_prob_sums()
+        with model.disable_adapter():
+            reference = log_prob_sums()
+    targets = (labels[:, 1:] != -100).sum(-1).tolist()
+    sides = list(zip(policy, reference, targets, strict=True))
     totals = dict.fromkeys(("loss", *DPO_METRICS), 0.0)
     for (pc, rc, _), (pr, rr, _) in zip(sides[0::2], sides[1::2], strict=True):
         chosen, rejected = DPO_BETA * (pc - rc), DPO_BETA * (pr - rr)
