@@ -11,7 +11,7 @@ single-rank backend; the halves differ in batch count), and so does dp=2×cp=2.
 The same launches evaluate DPO recipes (``rl: dpo``) with a LoRA adapter whose weights are
 not the base's: ``eval_loss`` (the mean pair loss) and TRL's metrics at cp=2, dp=2 and
 dp=2×cp=2, pairs packed in rows or a row per side, equal the cp=1 values computed here, every
-pair alone through the plain model with the adapter on and off.
+side of every pair a row of its own through the plain model, with the adapter on and off.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the eval loss is the mean over every pair, not a mean of per-batch means.
 
 The end-to-end checks run in existing launches: tests/run/test_evaluate.py (LoRA, cp=2, dp=2, dp=2×cp=2 against
-every pair alone through the plain model) and tests/run/test_train_preference.py (a full fine-tune's evaluation
+every side of every pair through the plain model) and tests/run/test_train_preference.py (a full fine-tune's evaluation
 with the reference precomputed, cp=2 and dp=2 against cp=1, a filler row at dp=2).
 """
 
