@@ -349,7 +349,7 @@ def evaluate(
 ) -> None:
     import json
 
-    from cptune.run.commands.evaluate import check_eval_data
+    from cptune.run.commands.evaluate import check_eval_data, check_preference_source
     from cptune.run.commands.evaluate import evaluate as run_evaluate
     from cptune.run.commands.weights import model_source
     from cptune.run.launch.preflight import preflight
@@ -366,7 +366,7 @@ def evaluate(
     if not under_launcher():
         # A recipe without evaluation data or a wrong path fails here, before any process starts.
         check_eval_data(loaded)
-        model_source(checkpoint)
+        check_preference_source(loaded, model_source(checkpoint))
         plan = RunPlan.build(loaded, launching.world_size)
         preflight(plan, training=False)
     if under_launcher() or launching.world_size == 1:

@@ -42,6 +42,8 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "sample_packing": True},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "ulysses_attn_implementation": "sdpa"},
         {"datasets": [{"path": "p.jsonl", "type": "passthrough.default", "field_prompt": "question"}]},
+        {"test_datasets": [PAIRS]},  # evaluation of held-out pairs
+        {"val_set_size": 0.1},
     ],
 )
 def test_the_built_layouts_validate(keys):
@@ -59,7 +61,6 @@ def test_the_built_layouts_validate(keys):
             {"context_parallel_size": 2, "cp_backend": "torch", "causal": False, "cp_load_balance": False},
             "causal",
         ),
-        ({"test_datasets": [PAIRS]}, "test_datasets"),
     ],
 )
 def test_what_is_not_built_is_refused_naming_the_key(keys, key):

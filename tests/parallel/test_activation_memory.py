@@ -207,6 +207,35 @@ def test_context_parallel_buffers_grow_with_the_whole_sequence():
     )
 
 
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_a_reference_forward_keeps_one_layer_input_and_never_sets_the_peak(lora):
+    """rl's reference forward (no gradients) over the micro batch's tokens: the training forward, or the loss, less
+    the checkpoints of the other 31 layers (it keeps none, only the running layer's input)."""
+    from dataclasses import replace
+
+    from cptune.parallel.memory import no_grad_forward_memory
+
+    tokens = 16384
+    for training in (
+        ActivationSetup(mixed_precision=True, lora=lora),
+        ActivationSetup(mixed_precision=True, lora=lora, head_loss=True, tiled_mlp=True, cp_size=1),
+    ):
+        step = activation_memory(LLAMA_8B, replace(training, reference_forward=True), tokens)
+        alone = activation_memory(LLAMA_8B, training, tokens)
+        other_checkpoints = (32 - 1) * 4096 * 2 * tokens  # layers' inputs in bf16
+        forward = alone.phases["forward"]
+        if training.tiled_mlp and not lora:
+            # The training forward's tile holds the MLP weights' gradients (summed over tiles); no gradients here.
+            forward -= 2 * 3 * 4096 * 14336 * 2
+        # The loss's working set is the training loss's (an upper bound: no gradients are held without them).
+        by_hand = max(forward, alone.phases["loss"]) - other_checkpoints
+        # Float64 rounding only: the same few terms summed in another order (values near 1e10, eps 2.2e-16).
+        assert step.phases["reference forward"] == pytest.approx(by_hand, rel=1e-12)
+        assert no_grad_forward_memory(LLAMA_8B, training, tokens) == step.phases["reference forward"]
+        # It keeps nothing, so the step's peak is the training step's.
+        assert (step.peak, step.phase) == (alone.peak, alone.phase)
+
+
 def test_mlp_tiles():
     assert mlp_tiles(16384, 4096) == 4  # ALST's default: ceil(tokens / hidden)
     assert mlp_tiles(100, 4096) == 1

@@ -114,6 +114,12 @@ NOT_ON_THE_PAGE: tuple[tuple[str, str, str], ...] = (
         "data preparation drops samples without trained tokens, so evaluation data always has some",
     ),
     (
+        "src/cptune/run/training/preference_trainer.py",
+        "the evaluation data holds no preference pair",
+        "data preparation drops pairs without response tokens and refuses an empty split, so evaluation data of "
+        "an rl recipe always holds a pair",
+    ),
+    (
         "src/cptune/run/training/eval_loop.py",
         "the evaluation data must have a length",
         "cptune always evaluates prepared, map-style datasets",

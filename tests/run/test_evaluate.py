@@ -7,10 +7,16 @@ independently of cptune's batching and sharding: every sample alone through the
 plain model, Σ token losses / Σ target tokens over the whole set. cptune's own
 cp=1 path runs too, as dp=2 (each rank evaluates its half of the rows with the
 single-rank backend; the halves differ in batch count), and so does dp=2×cp=2.
+
+The same launches evaluate DPO recipes (``rl: dpo``) with a LoRA adapter whose weights are
+not the base's: ``eval_loss`` (the mean pair loss) and TRL's metrics at cp=2, dp=2 and
+dp=2×cp=2, pairs packed in rows or a row per side, equal the cp=1 values computed here, every
+side of every pair a row of its own through the plain model, with the adapter on and off.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -21,10 +27,22 @@ import torch
 import torch.nn.functional as F
 
 from tests.collective_audit import EVAL_TOTALS
+from tests.conftest import REPO
 from tests.dist_utils import run_ranks
-from tests.numerics import float64_excess, loss_sum_floor
+from tests.numerics import float64_excess, loss_sum_floor, reorder_bound
 
 WORKER = Path(__file__).with_name("eval_worker.py")
+TINY_LLAMA = REPO / "examples" / "tiny-llama"  # has a chat template, which the preference type renders with
+PAIRS = REPO / "examples" / "data" / "preference.jsonl"
+DPO_BETA = 0.5
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 # (length, prompt tokens without a target); the answer is the rest of the sample.
 EVAL_SAMPLES = [(120, 100), (64, 50), (37, 10), (90, 5), (23, 22), (51, 30), (16, 3), (77, 60), (101, 90)]
@@ -80,13 +98,135 @@ def shards_without_targets(recipe_path: Path, cp_size: int) -> int:
     return empty
 
 
+def write_adapter(folder: Path) -> Path:
+    """A LoRA adapter on the tiny Llama with random (not zero) B matrices: its pairs' rewards are not 0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY_LLAMA), config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def prepared_eval_rows(recipe_path: Path) -> list[dict]:
+    from cptune.config.loader import load_recipe
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.loading import load_tokenizer
+
+    recipe = load_recipe(recipe_path)
+    return list(prepare_datasets(recipe, load_tokenizer(recipe)).eval)
+
+
+def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[str, float]:
+    """DPO's eval loss and TRL's metrics (means over pairs), every evaluation pair's sides through the plain model.
+
+    Each side (a document of the prepared row) is a row of its own in one right-padded batch (causal attention:
+    the padding after a side never reaches it), with the adapter and with it disabled (the reference); the
+    log-prob sums in float64. Also returns ``longest`` (the most targets of a side) and ``magnitude`` (the
+    largest |log-prob sum|), the floors' inputs.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=dtype)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    documents = []  # (ids, labels) of every side, chosen then rejected of each pair
+    for row in rows:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        for begin, end in itertools.pairwise(starts):
+            documents.append((row["input_ids"][begin:end], row["labels"][begin:end]))
+    width = max(len(ids) for ids, _ in documents)
+    ids = torch.tensor([d + [0] * (width - len(d)) for d, _ in documents])
+    labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in documents])
+    mask = torch.tensor([[1] * len(d) + [0] * (width - len(d)) for d, _ in documents])
+
+    def log_prob_sums() -> list[float]:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+        losses = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+        return (-losses.sum(-1)).tolist()
+
+    with torch.no_grad():
+        policy = log_prob_sums()
+        with model.disable_adapter():
+            reference = log_prob_sums()
+    targets = (labels[:, 1:] != -100).sum(-1).tolist()
+    sides = list(zip(policy, reference, targets, strict=True))
+    totals = dict.fromkeys(("loss", *DPO_METRICS), 0.0)
+    for (pc, rc, _), (pr, rr, _) in zip(sides[0::2], sides[1::2], strict=True):
+        chosen, rejected = DPO_BETA * (pc - rc), DPO_BETA * (pr - rr)
+        values = {
+            "loss": -F.logsigmoid(torch.tensor(chosen - rejected, dtype=torch.float64)).item(),
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margins": chosen - rejected,
+            "rewards/accuracies": float(chosen > rejected),
+            "logps/chosen": pc,
+            "logps/rejected": pr,
+        }
+        for name, value in values.items():
+            totals[name] += value
+    pairs = len(sides) // 2
+    means = {name: value / pairs for name, value in totals.items()}
+    return {
+        **means,
+        "pairs": pairs,
+        "longest": max(targets for *_, targets in sides),
+        "magnitude": max(abs(v) for side in sides for v in side[:2]),
+    }
+
+
+def dpo_eval_failures(got: dict[str, list[dict]], adapter: Path, recipe: Path) -> dict[str, float]:
+    """Each DPO run's eval metrics on every rank against the cp=1 values by the float64-reference rule.
+
+    Returns the runs and metrics over the rule's limit (empty: all within). Accuracy (a share of pairs)
+    must be equal.
+    """
+    rows = prepared_eval_rows(recipe)
+    expected = dpo_reference(rows, adapter, torch.float32)
+    expected64 = dpo_reference(rows, adapter, torch.float64)
+    assert 0 < expected["rewards/accuracies"] < 1 and abs(expected["rewards/margins"]) > 1e-3, expected
+    print(f"dpo eval reference: {expected}")
+    failures, worst = {}, {}
+    for name, ranks in got.items():
+        for metrics in ranks:
+            assert metrics["eval_pairs"] == expected["pairs"], (name, metrics)
+            for key in ("loss", *DPO_METRICS):
+                value, want, want64 = metrics[f"eval_{key}"], expected[key], expected64[key]
+                if key == "rewards/accuracies":
+                    if value != want:
+                        failures[f"{name} {key}"] = value
+                    continue
+                # Floor: the reorder bound of the log-prob sums behind the value (the longest side's targets,
+                # the sums' magnitude; times 2β for a reward or the loss), relative to the value.
+                scale = 1.0 if key.startswith("logps") else 2 * DPO_BETA
+                floor = reorder_bound(expected["longest"], scale * expected["magnitude"]) / abs(want64)
+                rel = abs(value - want64) / abs(want64)
+                excess = float64_excess(rel, abs(want - want64) / abs(want64), floor=floor)
+                worst[name] = max(worst.get(name, 0.0), excess)
+                if excess > 1:
+                    failures[f"{name} {key}"] = excess
+    print(f"dpo eval: worst share of the float64-rule tolerance per run {worst}")
+    return failures
+
+
 # Launch size -> (name, context_parallel_size) of the recipes evaluated in that launch.
 LAUNCHES = {2: [("cp2", 2), ("dp2", 1)], 4: [("cp4", 4), ("dp2xcp2", 2)]}
+# Launch size -> (name, context_parallel_size, sample_packing) of the DPO recipes evaluated in that launch.
+DPO_LAUNCHES = {
+    2: [("dpo-packed-cp2", 2, True), ("dpo-unpacked-dp2", 1, False)],
+    4: [("dpo-packed-dp2xcp2", 2, True)],
+}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_eval_loss_with_cp2_and_cp4_equals_the_cp1_token_mean(
+def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
     write_recipe, tmp_path, tiny_model_dir, collective_audit
 ):
     from transformers import AutoTokenizer
@@ -111,11 +251,33 @@ def test_eval_loss_with_cp2_and_cp4_equals_the_cp1_token_mean(
         for cp in (2, 4):
             recipe = tmp_path / f"{layout}-cp{cp}.yaml"
             assert shards_without_targets(recipe, cp) >= 1, "some CP rank must get a shard without targets"
+    adapter = write_adapter(tmp_path / "dpo-adapter")
+    pairs = [{"path": str(PAIRS), "type": "chat_template.default", "field_messages": "prompt"}]
+    dpo_recipes = {}
+    for world, runs in DPO_LAUNCHES.items():
+        for name, cp, packed in runs:
+            dpo_recipes[name] = write_recipe(
+                f"{name}.yaml",
+                base_model=str(TINY_LLAMA),
+                datasets=pairs,
+                val_set_size=8,  # 8 of the 32 pairs, the same 8 in every layout (split before packing)
+                sequence_len=512,
+                sample_packing=packed,
+                rl="dpo",
+                rl_beta=DPO_BETA,
+                context_parallel_size=cp,
+            )
+            recipes[world].append(Path(f"{dpo_recipes[name]}::{adapter}"))
     got: dict[str, list[dict]] = {}
     for world, paths in recipes.items():
         for rank_result in run_ranks(WORKER, world, tmp_path / f"ranks-{world}", *map(str, paths)):
             for name, metrics in rank_result.items():
                 got.setdefault(name, []).append(metrics)
+    seconds = {name: round(max(m["worker_seconds"] for m in ranks), 1) for name, ranks in got.items()}
+    print(f"seconds per recipe in its launch: {seconds}")
+    dpo_got = {name: got.pop(name) for name in dpo_recipes}
+    failures = dpo_eval_failures(dpo_got, adapter, dpo_recipes["dpo-packed-cp2"])
+    assert not failures, (failures, dpo_got)
     rel = {name: max(abs(m["eval_loss"] - expected) / expected for m in ranks) for name, ranks in got.items()}
     print(f"eval parity: reference {expected:.9f} over {expected_tokens} targets; max rel diff per run {rel}")
     assert len(rel) == 8

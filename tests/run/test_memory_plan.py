@@ -196,3 +196,69 @@ def test_validate_counts_recompute_norms(write_recipe):
     assert memory_plan.activation_setup(plan, 1).recompute_norms
     described = describe_plan(plan, gpu_memory_gib=3.0)
     assert "gradient checkpointing, activation_offloading, tiled_mlp, recompute_norms" in described
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-row-per-side"])
+def test_validate_prints_the_longest_preference_pair_and_the_reference_forward(write_recipe, packed):
+    """rl: dpo: the table gives the longest pair (both sides) per cp; without packing each side is a row of its
+    own, so a micro batch of 2 pairs is 4 rows of up to 128 tokens: 256 tokens per GPU at cp=2, twice SFT's."""
+    from tests.conftest import REPO
+
+    pairs = [
+        {
+            "path": str(REPO / "examples" / "data" / "preference.jsonl"),
+            "type": "chat_template.default",
+            "field_messages": "prompt",
+        }
+    ]
+    keys = {"base_model": str(REPO / "examples" / "tiny-llama"), "context_parallel_size": 2}
+    keys |= {"gradient_checkpointing": True, "sample_packing": packed}
+    dpo = load_recipe(write_recipe("dpo.yaml", datasets=pairs, rl="dpo", **keys))
+    sft = load_recipe(write_recipe("sft.yaml", **keys))
+    plan = describe_plan(RunPlan.build(dpo, 2), gpu_memory_gib=3.0)
+    tokens = 2 * 2 * 128 // 2 if not packed else 2 * 128 // 2  # rows x sequence_len / cp
+    this = re.search(r"this recipe: ([\d,]+) tokens per GPU -> peak ([\d.]+ \w?i?B)", plan)
+    assert int(this[1].replace(",", "")) == tokens, plan
+    rows = "4 rows (a row per side, each up to 128 tokens)" if not packed else "2 row(s) of up to 128 tokens"
+    assert f"rl: dpo: a micro batch is {rows}" in plan
+    assert "a pair (both sides, the prompt in each) is at most sequence_len (128) tokens" in plan
+    assert re.search(
+        r"reference forward of each micro batch \(the adapter disabled, no gradients, keeps nothing\): "
+        r"activations [\d.]+ \w?i?B, below the training peak",
+        plan,
+    )
+    assert (
+        "  longest preference pair that fits per GPU (one pair per step, its chosen and rejected sides together, "
+        "dp=1):" in plan
+    )
+    table = re.findall(
+        r"^\s+(\d+)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)\s+[\d.]+ \w?i?B\s+-  GPU memory", plan, re.M
+    )
+    assert [int(cp) for cp, *_ in table] == [1, 2, 4, 8, 16]
+    for cp, per_gpu, pair, side in table:
+        per_gpu, pair, side = (int(v.replace(",", "")) for v in (per_gpu, pair, side))
+        # Micro batch 2: packed, 2 rows each holding a pair; a row per side, 4 rows, two of them a pair.
+        assert pair == (per_gpu * int(cp) // 2 if packed else 2 * (per_gpu * int(cp) // 4)), (
+            cp,
+            per_gpu,
+            pair,
+        )
+        assert side == pair // 2
+    # The reference forward keeps nothing: at the same tokens per GPU the SFT recipe peaks as high.
+    if packed:
+        plain = describe_plan(RunPlan.build(sft, 2), gpu_memory_gib=3.0)
+        assert f"this recipe: {this[1]} tokens per GPU -> peak {this[2]}" in plain
+    # A full fine-tune's reference runs once before training, on the weights alone.
+    full = load_recipe(
+        write_recipe(
+            "full.yaml", datasets=pairs, rl="dpo", adapter=None, precompute_ref_log_probs=True, **keys
+        )
+    )
+    described = describe_plan(RunPlan.build(full, 2), gpu_memory_gib=3.0)
+    assert "reference forward of each micro batch" not in described
+    assert re.search(
+        r"precompute_ref_log_probs: before training, one forward without gradients over every pair \(no reference "
+        r"forward per step\): peak [\d.]+ \w?i?B \(weights [\d.]+ \w?i?B \+ activations [\d.]+ \w?i?B\), below the "
+        r"training peak",
+        described,
+    )

@@ -1,9 +1,12 @@
 """`cptune train` of a full-fine-tune DPO recipe with precompute_ref_log_probs: cp=2 and dp=2 log cp=1's numbers,
-and a resumed run repeats the finished run's steps.
+their evaluations too, and a resumed run repeats the finished run's steps.
 
 The first pass (cptune.run.training.reference_pass) splits the training rows over the data-parallel
 groups and each row over its CP group; the logged loss, gradient norm and DPO metrics of every step
 must equal the cp=1 run's. The first step's policy is the reference: loss ln 2, margin 0 exactly.
+Four pairs are held out (val_set_size) and evaluated every 2 steps: their reference sums come from
+the same first pass, and eval_loss and the eval_ metrics (means over the held-out pairs) must equal
+the cp=1 run's too; at dp=2 the second group evaluates a filler row, whose pairs count nowhere.
 The pair-level parity of the same code (float64 reference) is in tests/parallel/test_parity.py.
 """
 
@@ -19,6 +22,32 @@ from tests.numerics import logged_tolerance
 
 BETA = 0.1  # examples/cpu/dpo.yaml's rl_beta
 KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")
+EVAL_KEYS = (
+    "eval_loss",
+    "eval_logps/chosen",
+    "eval_logps/rejected",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+)
+HELD_OUT = 4  # val_set_size: pairs
+
+
+def rel_diffs(run: dict, cp1: dict, keys: tuple[str, ...]) -> dict[str, float]:
+    """Each key's largest relative difference from cp=1 over the logged steps.
+
+    A reward is β times a difference of two log-prob sums (policy minus reference), 0 at step 1: its error
+    is relative to the sums, not to itself.
+    """
+    diffs = {}
+    for key in keys:
+        if "rewards/" not in key:
+            diffs[key] = max_rel_diff(run[key], cp1[key])
+            continue
+        sums = key.replace("rewards", "logps")
+        diffs[key] = max(
+            abs(run[key][step] - value) / (BETA * abs(cp1[sums][step])) for step, value in cp1[key].items()
+        )
+    return diffs
 
 
 @pytest.mark.distributed
@@ -30,6 +59,8 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp
         "--learning_rate=0.05",
         "--warmup_steps=0",
         "--max_steps=4",
+        f"--val_set_size={HELD_OUT}",
+        "--eval_steps=2",
         f"--dataset_prepared_path={tmp_path / 'prepared'}",
     ]
     runs = {
@@ -43,26 +74,20 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp
         out = tmp_path / name
         done = run_cptune("train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
-        logs[name] = {key: logged(out, key) for key in (*KEYS, "rewards/margins")}
+        logs[name] = {key: logged(out, key) for key in (*KEYS, "rewards/margins", *EVAL_KEYS, "eval_pairs")}
     cp1 = logs["cp1"]
     assert len(cp1["loss"]) == 4 and len(set(cp1["loss"].values())) > 1
+    # Evaluated after steps 2 and 4, every held-out pair once; by step 2 the policy has left the reference.
+    assert cp1["eval_pairs"] == {2: HELD_OUT, 4: HELD_OUT} and cp1["eval_rewards/chosen"][2] != 0.0, cp1
     # Step 1 trains against the model it started from: policy = reference, exactly.
     assert cp1["rewards/margins"][1] == 0.0 and abs(cp1["loss"][1] - math.log(2)) < 1e-6, cp1
     for name in ("cp2", "dp2"):
         assert logs[name]["rewards/margins"][1] == 0.0, (name, logs[name])
-        diffs = {
-            key: max_rel_diff(logs[name][key], cp1[key]) for key in KEYS if not key.startswith("rewards")
-        }
-        # A reward is β times a difference of two log-prob sums (policy minus reference), 0 at step 1: its error
-        # is relative to the sums, not to itself.
-        for key in ("rewards/chosen", "rewards/rejected"):
-            sums = key.replace("rewards", "logps")
-            diffs[key] = max(
-                abs(logs[name][key][step] - value) / (BETA * abs(cp1[sums][step]))
-                for step, value in cp1[key].items()
-            )
+        assert logs[name]["eval_pairs"] == cp1["eval_pairs"], (name, logs[name])
+        diffs = rel_diffs(logs[name], cp1, (*KEYS, *EVAL_KEYS))
         print(f"{name} max rel diff vs cp=1:", diffs)
-        # Bound (tests/numerics.py): rows of at most 512 tokens, 4 rows a step (2 x accumulation 2).
+        # Bound (tests/numerics.py): rows of at most 512 tokens, 4 rows a step (2 x accumulation 2); the
+        # evaluation sums over its 4 pairs, in at most 4 rows.
         assert max(diffs.values()) <= logged_tolerance(512, 4), (name, diffs, logs[name], cp1)
 
     # Resumed from its step-2 checkpoint, the cp=1 run's first pass again computes the reference from the
@@ -80,6 +105,7 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp
         cwd=REPO,
     )
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
-    for key in (*KEYS, "rewards/margins"):
+    for key in (*KEYS, "rewards/margins", *EVAL_KEYS):
         again = logged(resumed, key)
-        assert {s: again[s] for s in (3, 4)} == {s: cp1[key][s] for s in (3, 4)}, (key, again, cp1[key])
+        steps = [s for s in (3, 4) if s in cp1[key]]  # the evaluation logs at step 4 only
+        assert {s: again[s] for s in steps} == {s: cp1[key][s] for s in steps}, (key, again, cp1[key])

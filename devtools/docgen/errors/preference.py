@@ -85,11 +85,21 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove `train_on_inputs`.",
     ),
     Entry(
-        "rl-eval-data",
+        "rl-evaluate-base-model",
         SECTION,
-        "rl with evaluation data",
-        "(the preference loss over held-out pairs) is not built yet",
-        "Remove `val_set_size` and `test_datasets`.",
+        "cptune evaluate of an rl recipe without --checkpoint",
+        "and --checkpoint is not given, so the base model would be compared with itself (every pair's loss ln 2)",
+        "Give `--checkpoint` with the LoRA adapter a run saved (its output_dir or a `checkpoint-N` folder): "
+        "the evaluation compares it with the base model (the adapter disabled).",
+    ),
+    Entry(
+        "rl-evaluate-full-model",
+        SECTION,
+        "cptune evaluate of an rl recipe's saved full model",
+        "is a full model: evaluating it against the base model is not built yet",
+        "Evaluate during the run instead: with `val_set_size` (or `test_datasets`) and `eval_steps`, the "
+        "evaluation pairs' reference log-probs are computed in the first pass with the training pairs' "
+        "(`precompute_ref_log_probs`), and each evaluation logs `eval_loss` and the `eval_rewards/...` metrics.",
     ),
     Entry(
         "rl-fsdp",

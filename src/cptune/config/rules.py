@@ -258,8 +258,7 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     - `rl` trains a LoRA or QLoRA adapter (`adapter: lora` or `qlora`): the reference is the base model
       with the adapter disabled. A full fine-tune (a reference copy or precomputed reference log-probs),
       `lora_model_dir` (TRL's reference would be the starting adapter), FSDP2, DeepSpeed and tensor
-      parallelism are refused with `rl`, as is `train_on_inputs: true` (the prompt is never trained) and
-      evaluation data (`val_set_size`, `test_datasets`).
+      parallelism are refused with `rl`, as is `train_on_inputs: true` (the prompt is never trained).
     - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
       (`ring-flash-attn`).
     - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
@@ -316,12 +315,6 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
             "train_on_inputs",
             f"{rl} trains the responses only (the prompt's log-probs are the same in the chosen and rejected "
             "sequences); remove train_on_inputs.",
-        )
-    if r.has_eval_data:
-        key = "val_set_size" if r.val_set_size else "test_datasets"
-        yield (
-            key,
-            f"evaluation of {rl} (the preference loss over held-out pairs) is not built yet; remove {key}.",
         )
     if r.is_fsdp:
         yield "fsdp_version", f"{rl} under FSDP2 is not built yet; train without FSDP (the adapter is small)."

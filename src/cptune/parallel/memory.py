@@ -440,6 +440,9 @@ class ActivationSetup:
         attention_buffers: The CP backend's K/V buffers: per-token bytes in one layer's forward, given
             the model's shape, ``cp_size`` and the dtype's bytes (a backend's ``attention_buffer_bytes``
             bound to its recipe); ``None`` at cp=1.
+        reference_forward: Preference training against the base model with the adapter disabled (``rl`` with
+            LoRA, no ``precompute_ref_log_probs``): each micro batch first runs that reference forward over the
+            same tokens, without gradients (:func:`no_grad_forward_memory`, the phase ``"reference forward"``).
         flash_attention: The run is on a GPU, whose attention backward holds FlashAttention-2's buffers
             (:func:`flash_backward_bytes`); False for the CPU traces the coefficients are checked against.
             Every GPU path is charged them: ring-flash-attn and cptune's cp=1 document attention run
@@ -459,6 +462,7 @@ class ActivationSetup:
     loss_chunk_elements: int = 1 << 26
     cp_size: int = 1
     attention_buffers: Callable[[ModelShape, int, int], float] | None = None
+    reference_forward: bool = False
     flash_attention: bool = True
 
     @property
@@ -497,15 +501,15 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
 
     The peak is the largest of three moments: the end of the forward pass (checkpoints and one
     layer's forward), the loss (checkpoints and the loss's working set) and the backward of the
-    last layer (checkpoints, the incoming gradient and one recomputed layer). Model states are
-    not included (:func:`fsdp_state_memory`, :func:`zero_state_memory`).
+    last layer (checkpoints, the incoming gradient and one recomputed layer). With
+    ``setup.reference_forward`` a fourth: the reference's forward without gradients
+    (:func:`no_grad_forward_memory`), which keeps nothing and so stays below the training forward.
+    Model states are not included (:func:`fsdp_state_memory`, :func:`zero_state_memory`).
     """
     b = setup.dtype_bytes
-    key = ("mixed" if setup.mixed_precision else "fp32", "lora" if setup.lora else "full")
+    key = _precision_and_adapter(setup)
     tiled = setup.tiled_mlp
-    layer = LAYER_BYTES[(*key, tiled)]
-    if setup.recompute_norms:
-        layer = RECOMPUTED_NORMS_LAYER_BYTES.get((*key, tiled), layer)
+    layer = _layer_bytes(setup)
     hidden_row = shape.hidden * b  # one token's hidden state
     if not setup.gradient_checkpointing:
         saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)
@@ -517,26 +521,12 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
         host = offloaded_layers(shape.layers, setup.two_level) * hidden_row * tokens
     else:
         kept, host = shape.layers * hidden_row * tokens, 0.0
-    tile = 0.0
-    if tiled:
-        untiled = LAYER_BYTES[(*key, False)].backward
-        tile = untiled.i * shape.intermediate * setup.tile_tokens(tokens, shape.hidden)
-        if not setup.lora:  # the MLP weights' gradients, summed over the tiles
-            tile += 2 * 3 * shape.hidden * shape.intermediate * b
+    tile = _forward_tile(shape, setup, tokens)
+    if tiled and not setup.lora:  # the MLP weights' gradients, summed over the tiles
+        tile += 2 * 3 * shape.hidden * shape.intermediate * b
     attention = _attention_buffers(shape, setup) * tokens
     forward = kept + layer.forward.per_token(shape) * tokens + tile + attention
-    if setup.head_loss:
-        # What the loss keeps per token (the gradient it hands back among it), and one chunk in flight.
-        chunk = CHUNK_BYTES_PER_ELEMENT * min(setup.loss_chunk_elements, tokens * shape.vocab)
-        head = layer.head_loss or Widths(HEAD_LOSS_BYTES_PER_HIDDEN[key[0]])
-        loss = head.per_token(shape) * tokens + chunk
-        if not setup.lora:  # the output layer's weight gradient, summed over the chunks
-            loss += 2 * shape.vocab * shape.hidden * b
-    elif tokens * shape.vocab > setup.loss_chunk_elements:
-        loss = CHUNKED_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
-        loss += CHUNK_BYTES_PER_ELEMENT * setup.loss_chunk_elements
-    else:
-        loss = LOGITS_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
+    loss = _loss_bytes(shape, setup, tokens)
     # The incoming gradient and the residual stream's (two hidden rows), one recomputed layer, its buffers.
     flash = flash_backward_bytes(shape, b) * tokens if setup.flash_attention else 0.0
     backward = (
@@ -552,8 +542,68 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
         # A layer's input made again in the backward: the layer before runs its forward (keeping nothing)
         # while the incoming gradient and the residual stream's wait.
         phases["regeneration"] = forward + 2 * hidden_row * tokens
+    if setup.reference_forward:
+        phases["reference forward"] = no_grad_forward_memory(shape, setup, tokens)
     phase = max(phases, key=phases.__getitem__)
     return ActivationEstimate(peak=phases[phase], phase=phase, phases=phases, host=host)
+
+
+def no_grad_forward_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) -> float:
+    """Peak activation bytes of one rank's forward pass over ``tokens`` tokens without gradients.
+
+    Preference training runs such passes: the reference forward of each micro batch (the adapter
+    disabled), the first pass of ``precompute_ref_log_probs``, and evaluation (policy and reference).
+    Nothing is kept for a backward, so the peak is the running layer's input (one hidden row) with
+    either one layer's forward working set (the same as under gradient checkpointing, whose forward
+    also runs without saving; its MLP tile and the CP backend's K/V buffers) or the loss's. The
+    loss's is the training loss's working set: an upper bound, since without gradients it holds
+    none of the logits' gradients.
+    """
+    hidden_row = shape.hidden * setup.dtype_bytes
+    layer = _layer_bytes(setup)
+    attention = _attention_buffers(shape, setup) * tokens
+    layer_forward = layer.forward.per_token(shape) * tokens + _forward_tile(shape, setup, tokens) + attention
+    return hidden_row * tokens + max(layer_forward, _loss_bytes(shape, setup, tokens))
+
+
+def _precision_and_adapter(setup: ActivationSetup) -> tuple[str, str]:
+    return ("mixed" if setup.mixed_precision else "fp32", "lora" if setup.lora else "full")
+
+
+def _layer_bytes(setup: ActivationSetup) -> LayerBytes:
+    """The per-token coefficients of one decoder layer for ``setup``."""
+    key = (*_precision_and_adapter(setup), setup.tiled_mlp)
+    layer = LAYER_BYTES[key]
+    if setup.recompute_norms:
+        layer = RECOMPUTED_NORMS_LAYER_BYTES.get(key, layer)
+    return layer
+
+
+def _forward_tile(shape: ModelShape, setup: ActivationSetup, tokens: int) -> float:
+    """One MLP tile's intermediate activations (0 without the tiled MLP)."""
+    if not setup.tiled_mlp:
+        return 0.0
+    untiled = LAYER_BYTES[(*_precision_and_adapter(setup), False)].backward
+    return untiled.i * shape.intermediate * setup.tile_tokens(tokens, shape.hidden)
+
+
+def _loss_bytes(shape: ModelShape, setup: ActivationSetup, tokens: int) -> float:
+    """The loss's working set over ``tokens`` tokens, above the checkpoints (with the final norm and the head)."""
+    precision = _precision_and_adapter(setup)[0]
+    if setup.head_loss:
+        # What the loss keeps per token (the gradient it hands back among it), and one chunk in flight.
+        chunk = CHUNK_BYTES_PER_ELEMENT * min(setup.loss_chunk_elements, tokens * shape.vocab)
+        head = _layer_bytes(setup).head_loss or Widths(HEAD_LOSS_BYTES_PER_HIDDEN[precision])
+        loss = head.per_token(shape) * tokens + chunk
+        if not setup.lora:  # the output layer's weight gradient, summed over the chunks
+            loss += 2 * shape.vocab * shape.hidden * setup.dtype_bytes
+        return loss
+    if tokens * shape.vocab > setup.loss_chunk_elements:
+        return (
+            CHUNKED_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
+            + CHUNK_BYTES_PER_ELEMENT * setup.loss_chunk_elements
+        )
+    return LOGITS_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
 
 
 def _attention_buffers(shape: ModelShape, setup: ActivationSetup) -> float:

@@ -20,6 +20,7 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.parallel.layout import ParallelDims
 from cptune.parallel.memory import (
+    ActivationEstimate,
     ActivationSetup,
     ModelShape,
     StateLayout,
@@ -28,6 +29,7 @@ from cptune.parallel.memory import (
     format_bytes,
     gathered_in_flight,
     longest_within,
+    no_grad_forward_memory,
     offloaded_layers,
     optimizer_state,
     quantized_bytes_per_weight,
@@ -130,6 +132,8 @@ def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
         attention_buffers=functools.partial(plan.backend_at(cp_size).attention_buffer_bytes, recipe)
         if cp_size > 1
         else None,
+        # A full fine-tune's reference runs once, before training (precompute_ref_log_probs): see _reference_lines.
+        reference_forward=recipe.is_preference and not recipe.precompute_ref_log_probs,
     )
 
 
@@ -236,7 +240,14 @@ def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> i
 
 
 def tokens_per_rank(recipe: Recipe, cp_size: int) -> int:
-    return -(-recipe.micro_batch_size * recipe.sequence_len // cp_size)
+    """Tokens of a micro batch on one rank, at most: its rows of up to ``sequence_len`` tokens over ``cp_size``.
+
+    A preference pair (both sides together) is at most ``sequence_len`` tokens: packed, a row holds whole
+    pairs; without ``sample_packing`` each side is a row of its own padded to the batch's longest side
+    (``Recipe.rows_per_micro_batch``: twice the micro batch), which with ``pad_to_sequence_len`` or one long
+    side is up to ``sequence_len`` tokens each.
+    """
+    return -(-recipe.rows_per_micro_batch * recipe.sequence_len // cp_size)
 
 
 def available_host_memory() -> int | None:
@@ -330,6 +341,9 @@ def describe_activation_memory(
         f"(model states {format_bytes(states)} + activations {format_bytes(estimate.peak)}, at the "
         f"{estimate.phase})",
     ]
+    if recipe.is_preference:
+        weights = states_per_rank(recipe, counts, state_layout(plan, plan.dims)).weights
+        lines += _preference_lines(recipe, shape, setup, tokens, estimate, states, weights)
     host = host or HostMemory.detect()
     if estimate.host:
         offloaded = offloaded_layers(shape.layers, setup.two_level)
@@ -354,14 +368,80 @@ def describe_activation_memory(
         if setup.offload and host.pinnable is not None
         else ""
     )
-    lines.append(f"  longest sequence that {fits}{bounded} (one sequence per step, dp=1{shared}):")
-    lines.append(
-        f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}  limit"
-    )
+    if recipe.is_preference:
+        lines.append(
+            f"  longest preference pair that {fits}{bounded} (one pair per step, its chosen and rejected sides "
+            f"together, dp=1{shared}):"
+        )
+        lines.append(
+            f"    {'cp':>3} {'tokens per GPU':>15} {'pair':>12} {'each side':>10} {'peak':>10} "
+            f"{'host RAM per GPU':>17}  limit"
+        )
+    else:
+        lines.append(f"  longest sequence that {fits}{bounded} (one sequence per step, dp=1{shared}):")
+        lines.append(
+            f"    {'cp':>3} {'tokens per GPU':>15} {'sequence':>12} {'peak':>10} {'host RAM per GPU':>17}  limit"
+        )
     for size in sorted({cp, *CP_SIZES}):
         lines.append("    " + _longest_row(plan, shape, counts, size, usable, host, processes_per_node))
+    if recipe.is_preference:
+        lines.append(f"    ({_pair_layout_note(recipe)})")
     lines.append(
         "  (activations from per-token costs measured on CPU and checked against H100 runs: docs/benchmarks.md)"
+    )
+    return lines
+
+
+def _pair_layout_note(recipe: Recipe) -> str:
+    """What the pair and each-side columns of the longest-pair table mean for the recipe's layout."""
+    if recipe.pair_sides_in_own_rows:
+        return (
+            "pair: prompt + chosen and prompt + rejected, each side a row of its own padded to the longer side, so "
+            "each side is at most half the pair"
+        )
+    return (
+        "pair: prompt + chosen and prompt + rejected, in one row; each side: half of it when the sides are as "
+        "long, a side may take more when the other is shorter"
+    )
+
+
+def _preference_lines(
+    recipe: Recipe,
+    shape: ModelShape,
+    setup: ActivationSetup,
+    tokens: int,
+    estimate: ActivationEstimate,
+    states: float,
+    weights: float,
+) -> list[str]:
+    """What preference training (``rl``) adds to a step: its pairs, and its reference forward or first pass."""
+    if recipe.pair_sides_in_own_rows:
+        rows = (
+            f"{recipe.rows_per_micro_batch} rows (a row per side, each up to {recipe.sequence_len:,} tokens)"
+        )
+    else:
+        rows = f"{recipe.micro_batch_size} row(s) of up to {recipe.sequence_len:,} tokens, each holding whole pairs"
+    lines = [
+        f"  rl: {recipe.rl}: a micro batch is {rows}; a pair (both sides, the prompt in each) is at most "
+        f"sequence_len ({recipe.sequence_len:,}) tokens"
+    ]
+    reference = no_grad_forward_memory(shape, setup, tokens)
+    if setup.reference_forward:
+        where = (
+            "it sets the peak"
+            if estimate.phase == "reference forward"
+            else f"below the training peak ({format_bytes(estimate.peak)}, at the {estimate.phase})"
+        )
+        lines.append(
+            "  reference forward of each micro batch (the adapter disabled, no gradients, keeps nothing): "
+            f"activations {format_bytes(reference)}, {where}"
+        )
+        return lines
+    # Before training: the weights as loaded, no gradients or optimizer state yet (the Trainer builds them at train()).
+    lines.append(
+        "  precompute_ref_log_probs: before training, one forward without gradients over every pair (no "
+        f"reference forward per step): peak {format_bytes(weights + reference)} (weights {format_bytes(weights)} "
+        f"+ activations {format_bytes(reference)}), below the training peak ({format_bytes(states + estimate.peak)})"
     )
     return lines
 
@@ -390,7 +470,8 @@ def _longest_row(
     longest = longest_within(shape, setup, usable - states, host_budget, step=1024)
     tokens = longest.tokens
     if tokens == 0:
-        return f"{cp:>3} {'none':>15} {'-':>12} {format_bytes(states):>10} {'-':>17}  {longest.limit}"
+        side = f" {'-':>10}" if recipe.is_preference else ""
+        return f"{cp:>3} {'none':>15} {'-':>12}{side} {format_bytes(states):>10} {'-':>17}  {longest.limit}"
     estimate = activation_memory(shape, setup, tokens)
     # offloaded layer inputs and offloaded model states (fsdp_config.offload_params)
     pinned = format_bytes(estimate.host + memory.host) if estimate.host + memory.host else "-"
@@ -399,8 +480,12 @@ def _longest_row(
     if longest.host_tokens is not None:
         other = longest.gpu_tokens if limit == "host RAM" else longest.host_tokens
         limit += f" (the {'GPU' if limit == 'host RAM' else 'host'} allows {other:,})"
-    sequence = tokens * cp // recipe.micro_batch_size
-    return f"{cp:>3} {tokens:>15,} {sequence:>12,} {peak:>10} {pinned:>17}  {limit}"
+    row = tokens * cp // recipe.rows_per_micro_batch
+    if recipe.is_preference:
+        # A row per side: a pair of two such rows; packed: a pair fills the row.
+        pair = 2 * row if recipe.pair_sides_in_own_rows else row
+        return f"{cp:>3} {tokens:>15,} {pair:>12,} {pair // 2:>10,} {peak:>10} {pinned:>17}  {limit}"
+    return f"{cp:>3} {tokens:>15,} {row:>12,} {peak:>10} {pinned:>17}  {limit}"
 
 
 def _describe_host(host: HostMemory) -> str:

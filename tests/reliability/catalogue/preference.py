@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.reliability.catalogue.framework import DELETE, Case, Workspace
-from tests.reliability.catalogue.setups import _tokenizer_folder
+from tests.reliability.catalogue.setups import _full_model_folder, _tokenizer_folder
 
 # A ChatML-like template that starts with the number of messages: rendering fewer messages
 # is then never a prefix of rendering more (a pair's response cannot be located after its prompt).
@@ -21,6 +21,12 @@ def _pairs(ws: Workspace) -> dict:
         "rl": "dpo",
         "datasets": [{"path": str(ws.data / "train.jsonl"), "type": "chat_template.default"}],
     }
+
+
+def _full_model(ws: Workspace) -> dict:
+    """A full fine-tune's keys and a saved full model in ``full-model``."""
+    _full_model_folder(ws)
+    return {"adapter": DELETE, "precompute_ref_log_probs": True}
 
 
 def _pair_data(ws: Workspace, type_: str, **tokenizer: object) -> dict:
@@ -41,7 +47,13 @@ CASES: tuple[Case, ...] = (
     Case("rl-full-fine-tune", setup=lambda ws: {**_pairs(ws), "adapter": DELETE}),
     Case("rl-lora-model-dir", setup=lambda ws: {**_pairs(ws), "lora_model_dir": str(ws.root / "adapter")}),
     Case("rl-train-on-inputs", setup=lambda ws: {**_pairs(ws), "train_on_inputs": True}),
-    Case("rl-eval-data", setup=lambda ws: {**_pairs(ws), "val_set_size": 0.1}),
+    Case("rl-evaluate-base-model", setup=lambda ws: {**_pairs(ws), "val_set_size": 0.1}, command="evaluate"),
+    Case(
+        "rl-evaluate-full-model",
+        setup=lambda ws: {**_pairs(ws), **_full_model(ws), "val_set_size": 0.1},
+        command="evaluate",
+        args=("--checkpoint", "{ws}/full-model"),
+    ),
     Case("rl-fsdp", setup=lambda ws: {**_pairs(ws), "fsdp_version": 2}),
     Case("rl-deepspeed", setup=lambda ws: {**_pairs(ws), "zero_stage": 2}),
     Case(

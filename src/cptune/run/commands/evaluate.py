@@ -17,7 +17,7 @@ from cptune.config.recipe import Recipe
 from cptune.errors import CptuneError
 from cptune.models.loading import load_tokenizer
 from cptune.models.memory_features import install_memory_features
-from cptune.run.commands.weights import load_source_model, model_source
+from cptune.run.commands.weights import ModelSource, load_source_model, model_source
 from cptune.run.plan import RunPlan
 from cptune.run.training.distributed import read_dist_env
 
@@ -33,6 +33,32 @@ def check_eval_data(recipe: Recipe) -> None:
         )
 
 
+def check_preference_source(recipe: Recipe, source: ModelSource) -> None:
+    """Refuse evaluating preference pairs (``rl``) where the model would be compared with itself.
+
+    The preference loss compares a model with its reference, the base model: with a LoRA adapter the
+    reference is the adapter disabled, so the adapter must be the one a run saved; the base model alone
+    is its own reference (every pair's loss ln 2). A saved full fine-tune's reference is the base model,
+    which its evaluation would need loaded besides it (not built): its run evaluates during training.
+
+    Raises:
+        CptuneError: ``recipe`` has ``rl`` and ``source`` is not a LoRA adapter.
+    """
+    if not recipe.is_preference or source.kind == "adapter":
+        return
+    if source.kind == "base":
+        raise CptuneError(
+            f"evaluate: rl: {recipe.rl} compares a model with its reference, the base model, and --checkpoint is "
+            "not given, so the base model would be compared with itself (every pair's loss ln 2). Give "
+            "--checkpoint with the LoRA adapter a run saved (output_dir or a checkpoint-N folder)."
+        )
+    raise CptuneError(
+        f"evaluate: rl: {recipe.rl} compares a model with its reference, the base model, and '{source.path}' is a "
+        "full model: evaluating it against the base model is not built yet. A full fine-tune's run evaluates its "
+        "pairs during training: set val_set_size (or test_datasets) and eval_steps in the recipe."
+    )
+
+
 def evaluate(
     recipe: Recipe, checkpoint: str | Path | None = None, *, plan: RunPlan | None = None
 ) -> dict[str, float]:
@@ -43,16 +69,21 @@ def evaluate(
 
     Returns:
         ``eval_loss`` (Σ token losses / Σ target tokens over the whole evaluation set),
-        ``eval_perplexity``, ``eval_tokens`` and the Trainer's timing metrics.
+        ``eval_perplexity``, ``eval_tokens`` and the Trainer's timing metrics. With ``rl``: ``eval_loss``
+        (the mean pair loss over every evaluation pair), the preference metrics as TRL names them
+        (``eval_rewards/chosen``, ...) and ``eval_pairs``
+        (:meth:`~cptune.run.training.preference_trainer.PreferenceTrainer.evaluation_loop`).
 
     Raises:
-        CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable.
+        CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable (with ``rl``: not
+            a LoRA adapter, :func:`check_preference_source`).
     """
     from cptune.data.prepare import prepare_datasets
     from cptune.run.training.builder import build_trainer, run_scope
 
     check_eval_data(recipe)
     source = model_source(checkpoint)
+    check_preference_source(recipe, source)
     env = read_dist_env()
     plan = plan or RunPlan.build(recipe, env.world_size)
     tokenizer = load_tokenizer(recipe)

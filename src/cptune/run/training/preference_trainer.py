@@ -5,15 +5,18 @@ adapter disabled, then the policy, each on this rank's shard, completed over the
 rank backpropagates its share of the pair losses scaled to the mean over the optimizer step's pairs
 (:func:`~cptune.parallel.preference.preference_step_loss`). The step's pairs are counted as the SFT
 loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS`) are
-summed per pair and logged as means over the pairs since the last log.
+summed per pair and logged as means over the pairs since the last log. Evaluation reports the same
+loss and metrics over the evaluation pairs, prefixed ``eval_`` (:meth:`PreferenceTrainer.evaluation_loop`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
+from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.errors import CptuneError
 from cptune.models.reference import adapter_disabled
@@ -22,6 +25,7 @@ from cptune.parallel.loss import step_target_count
 from cptune.parallel.preference import (
     METRICS,
     PairBatch,
+    PairOutputs,
     PreferenceLoss,
     pair_forward,
     preference_step_loss,
@@ -74,6 +78,22 @@ class PreferenceTrainer(CptuneTrainer):
             attention_layers=self._attention_layers,
         )
         self.train_dataset = with_reference_column(self.train_dataset, sums)
+        if self.eval_dataset is not None:
+            # The evaluation pairs' reference is the same model as loaded: their sums come from this pass too.
+            sums = precompute_reference(
+                self.eval_dataset,
+                self.data_collator,
+                model,
+                self.cp_backend,
+                self._shard_loss,
+                rows_per_batch=self.args.per_device_eval_batch_size,
+                dp_rank=self.accelerator.process_index // self.batch_group_size,
+                dp_size=dp_size,
+                cp_group=self._cp_group,
+                reference_context=self._reference_context,
+                attention_layers=self._attention_layers,
+            )
+            self.eval_dataset = with_reference_column(self.eval_dataset, sums)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)
@@ -94,7 +114,19 @@ class PreferenceTrainer(CptuneTrainer):
             if model.training and self._dropout_keys is not None:
                 self._key_dropout(sharded.coords)
 
-        outputs = pair_forward(
+        outputs = self._pair_forward(model, inputs, on_shard=key_dropout)
+        if model.training:
+            self._metrics.add(outputs.metric_sums(), len(outputs.losses))
+        if num_items_in_batch is None:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], outputs.losses.device)
+        loss = preference_step_loss(outputs, num_items_in_batch, self.cp_size, self.accelerator.num_processes)
+        return (loss, None) if return_outputs else loss
+
+    def _pair_forward(
+        self, model: torch.nn.Module, inputs: dict[str, Any], on_shard: Any = None
+    ) -> PairOutputs:
+        """The micro batch's reference and policy forwards on this rank, completed over its CP group."""
+        return pair_forward(
             model,
             self.accelerator.unwrap_model(model),
             self.cp_backend,
@@ -103,15 +135,47 @@ class PreferenceTrainer(CptuneTrainer):
             self.preference_loss,
             self._cp_group,
             reference_context=self._reference_context,
-            on_shard=key_dropout,
+            on_shard=on_shard,
             attention_layers=self._attention_layers,
         )
-        if model.training:
-            self._metrics.add(outputs.metric_sums(), len(outputs.losses))
-        if num_items_in_batch is None:
-            num_items_in_batch = self._get_num_items_in_batch([inputs], outputs.losses.device)
-        loss = preference_step_loss(outputs, num_items_in_batch, self.cp_size, self.accelerator.num_processes)
-        return (loss, None) if return_outputs else loss
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """The preference loss and metrics over every evaluation pair: per-pair sums, one all-reduce at the end.
+
+        ``{prefix}_loss`` is the mean pair loss over the pairs of every data-parallel group and batch (as
+        the training loss is over a step's pairs), the metrics means over the same pairs, and
+        ``{prefix}_pairs`` their number. Filler rows (:class:`~cptune.run.training.eval_loop.EvalRows`)
+        hold pairs without targets, which count nowhere.
+        """
+        model = self._wrap_model(self.model, training=False)
+        model.eval()
+        self.callback_handler.eval_dataloader = dataloader
+        totals = PairMetrics(("loss", *METRICS))
+        with torch.no_grad():
+            for inputs in dataloader:
+                inputs = self._prepare_inputs(inputs)
+                with self.cp_backend.step_context(), self.compute_loss_context_manager():
+                    outputs = self._pair_forward(model, inputs)
+                held_out = pairs_with_targets(outputs, PairBatch.from_inputs(inputs).target_counts())
+                totals.add({"loss": held_out.losses.sum(), **held_out.metric_sums()}, len(held_out.losses))
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        means = totals.means()
+        if not means:
+            raise CptuneError(
+                "evaluation: the evaluation data holds no preference pair, so there is no loss to report. "
+                "Check test_datasets / val_set_size."
+            )
+        metrics = {f"{metric_key_prefix}_{name}": value for name, value in means.items()}
+        # Every rank of a CP group counted its group's pairs.
+        metrics[f"{metric_key_prefix}_pairs"] = totals.last_pairs // self.batch_group_size
+        return EvalLoopOutput(
+            predictions=None,
+            label_ids=None,
+            metrics=metrics,
+            num_samples=len(dataloader.dataset.source),  # the evaluation rows, without fillers
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -120,25 +184,42 @@ class PreferenceTrainer(CptuneTrainer):
         super().log(logs, start_time)
 
 
-class PairMetrics:
-    """Sums of the preference metrics and the pairs they cover since the last log, on this rank."""
+def pairs_with_targets(outputs: PairOutputs, targets: torch.Tensor) -> PairOutputs:
+    """``outputs`` of the pairs whose two sides have targets: the real pairs, without the evaluation's fillers.
 
-    def __init__(self) -> None:
-        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+    Preparing the data drops a pair with a side without response tokens, so every real pair has
+    targets on both sides; a filler row (every label -100) has none.
+
+    Args:
+        targets: The target count of every sequence of the batch (:meth:`PairBatch.target_counts`).
+    """
+    real = (targets[0::2] > 0) & (targets[1::2] > 0)
+    return PairOutputs(**{f.name: getattr(outputs, f.name)[real] for f in dataclasses.fields(outputs)})
+
+
+class PairMetrics:
+    """Sums of per-pair values (the preference metrics) and the pairs they cover since the last call, on this rank."""
+
+    def __init__(self, names: tuple[str, ...] = METRICS) -> None:
+        self.names = names
+        self._sums = torch.zeros(len(names) + 1, dtype=torch.float64)
+        self.last_pairs = 0
 
     def add(self, sums: dict[str, torch.Tensor], pairs: int) -> None:
-        values = [float(sums[name]) for name in METRICS]
+        values = [float(sums[name]) for name in self.names]
         self._sums += torch.tensor([*values, pairs], dtype=torch.float64)
 
     def means(self) -> dict[str, float]:
-        """Each metric's mean over the pairs of every rank since the last call (a collective), then reset.
+        """Each value's mean over the pairs of every rank since the last call (a collective), then reset.
 
         The ranks of a CP group hold the same pairs: they count in the sums and in the pair count
-        alike, so the mean is over distinct pairs.
+        alike, so the mean is over distinct pairs. :attr:`last_pairs` keeps the pair count of every rank
+        summed (each pair counted once per rank of its CP group).
         """
         totals = all_reduce_sum(self._sums)
         self._sums.zero_()
         pairs = float(totals[-1])
+        self.last_pairs = round(pairs)
         if pairs == 0:
             return {}
-        return {name: float(totals[i]) / pairs for i, name in enumerate(METRICS)}
+        return {name: float(totals[i]) / pairs for i, name in enumerate(self.names)}
