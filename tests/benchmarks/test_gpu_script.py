@@ -133,7 +133,7 @@ def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
 
     with substituted():
         rows = check_kernels.run_checks(device="cpu", size=1, head_dim=8, dtypes=("bfloat16",))
-    assert len(rows) == 12 and all(row["ok"] for row in rows), rows
+    assert len(rows) == 13 and all(row["ok"] for row in rows), rows
     assert {"out", "lse", "dq", "dk", "dv"} <= rows[0].keys()
     sinks = next(row for row in rows if row["case"] == check_kernels.SINKS_CASE)
     assert 0 < sinks["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, sinks
