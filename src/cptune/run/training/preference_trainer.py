@@ -1,11 +1,12 @@
-"""cptune's Trainer for preference training (``rl: dpo``, ``rl: ipo``): one loss per pair, exact under CP.
+"""cptune's Trainer for preference training (``rl: dpo``, ``ipo``, ``orpo``, ``simpo``): one loss per pair,
+exact under CP.
 
 Each micro batch goes through :func:`cptune.parallel.preference.pair_forward` (the reference with the
-adapter disabled, then the policy, each on this rank's shard, completed over the CP group) and this
+adapter disabled (dpo, ipo), then the policy, each on this rank's shard, completed over the CP group) and this
 rank backpropagates its share of the pair losses scaled to the mean over the optimizer step's pairs
 (:func:`~cptune.parallel.preference.preference_step_loss`). The step's pairs are counted as the SFT
-loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS`) are
-summed per pair and logged as means over the pairs since the last log.
+loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS` and the
+loss's extras, e.g. ORPO's ``log_odds_ratio``) are summed per pair and logged as means over the pairs since the last log.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ class PreferenceTrainer(CptuneTrainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         has_adapter = callable(getattr(unwrapped, "disable_adapter", None))
         # A full fine-tune's reference is the model as loaded, which only the first pass below sees.
-        self._reference_context = (
-            adapter_disabled(unwrapped) if has_adapter or not precompute_reference else contextlib.nullcontext
-        )
-        self._metrics = PairMetrics()
+        # orpo and simpo run no reference forward, so a full fine-tune of theirs needs no context either.
+        by_adapter = has_adapter or (preference_loss.needs_reference and not precompute_reference)
+        self._reference_context = adapter_disabled(unwrapped) if by_adapter else contextlib.nullcontext
+        self._metrics = PairMetrics(preference_loss.metric_names)
         if precompute_reference:
             self._precompute_reference(unwrapped)
 
@@ -123,11 +124,12 @@ class PreferenceTrainer(CptuneTrainer):
 class PairMetrics:
     """Sums of the preference metrics and the pairs they cover since the last log, on this rank."""
 
-    def __init__(self) -> None:
-        self._sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64)
+    def __init__(self, names: tuple[str, ...] = METRICS) -> None:
+        self._names = names
+        self._sums = torch.zeros(len(names) + 1, dtype=torch.float64)
 
     def add(self, sums: dict[str, torch.Tensor], pairs: int) -> None:
-        values = [float(sums[name]) for name in METRICS]
+        values = [float(sums[name]) for name in self._names]
         self._sums += torch.tensor([*values, pairs], dtype=torch.float64)
 
     def means(self) -> dict[str, float]:
@@ -141,4 +143,4 @@ class PairMetrics:
         pairs = float(totals[-1])
         if pairs == 0:
             return {}
-        return {name: float(totals[i]) / pairs for i, name in enumerate(METRICS)}
+        return {name: float(totals[i]) / pairs for i, name in enumerate(self._names)}
