@@ -1,4 +1,5 @@
-"""The recipe's preference keys (rl, rl_beta/dpo_beta, dpo_label_smoothing) and what they refuse.
+"""The recipe's preference keys (rl, rl_beta/dpo_beta, dpo_label_smoothing, orpo_alpha, simpo_gamma, cpo_alpha)
+and what they refuse.
 
 The catalogue (tests/reliability/catalogue/preference.py) runs every refusal through the CLI; this
 checks what the keys resolve to and that the layouts that are built validate.
@@ -44,6 +45,12 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"datasets": [{"path": "p.jsonl", "type": "passthrough.default", "field_prompt": "question"}]},
         {"test_datasets": [PAIRS]},  # evaluation of held-out pairs
         {"val_set_size": 0.1},
+        {"rl": "orpo", "orpo_alpha": 0.2},
+        {"rl": "simpo", "simpo_gamma": 0.8, "cpo_alpha": 0.0, "rl_beta": 2.0},
+        # No reference model: a full fine-tune, or one from a trained adapter, trains as it is.
+        {"rl": "orpo", "adapter": None},
+        {"rl": "simpo", "adapter": None, "context_parallel_size": 2, "cp_backend": "deepspeed"},
+        {"rl": "simpo", "lora_model_dir": "adapter"},
     ],
 )
 def test_the_built_layouts_validate(keys):
@@ -53,8 +60,7 @@ def test_the_built_layouts_validate(keys):
 @pytest.mark.parametrize(
     ("keys", "key"),
     [
-        ({"rl": "orpo"}, "rl"),
-        ({"rl": "simpo"}, "rl"),
+        ({"rl": "kto"}, "rl"),
         ({"rl": "grpo"}, "rl"),
         ({"adapter": None}, "adapter"),
         (
@@ -83,3 +89,44 @@ def test_a_full_fine_tune_is_told_to_precompute_the_reference():
 def test_a_supervised_recipe_is_not_preference():
     plain = validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}]})
     assert not plain.is_preference and plain.rl_refusal() is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "resolved"),
+    [
+        ({"rl": "orpo"}, (0.1, 0.5, 1.0)),
+        ({"rl": "orpo", "orpo_alpha": 0.25}, (0.25, 0.5, 1.0)),
+        ({"rl": "simpo"}, (0.1, 0.5, 1.0)),
+        ({"rl": "simpo", "rl_beta": 2.5, "simpo_gamma": 1.2, "cpo_alpha": 0}, (2.5, 1.2, 0.0)),
+    ],
+)
+def test_variant_keys_resolve_to_trls_defaults(keys, resolved):
+    """β (ORPO's λ from orpo_alpha), γ and the NLL weight, each TRL's default when unset (ORPOConfig, CPOConfig)."""
+    r = recipe(**keys)
+    assert (r.resolved_beta, r.resolved_simpo_gamma, r.resolved_cpo_alpha) == resolved
+    assert not r.needs_reference
+
+
+@pytest.mark.parametrize(
+    ("keys", "key", "says"),
+    [
+        ({"orpo_alpha": 0.2}, "orpo_alpha", "applies only with rl: orpo (not rl: dpo)"),
+        ({"rl": "simpo", "orpo_alpha": 0.2}, "orpo_alpha", "applies only with rl: orpo (not rl: simpo)"),
+        ({"rl": "orpo", "simpo_gamma": 0.5}, "simpo_gamma", "applies only with rl: simpo (not rl: orpo)"),
+        ({"rl": "ipo", "cpo_alpha": 1.0}, "cpo_alpha", "applies only with rl: simpo (not rl: ipo)"),
+        (
+            {"rl": None, "datasets": [{"path": "d.jsonl"}], "cpo_alpha": 1.0},
+            "cpo_alpha",
+            "only with rl: simpo;",
+        ),
+        ({"rl": "orpo", "rl_beta": 0.2}, "rl_beta", "set orpo_alpha instead"),
+        ({"rl": "orpo", "dpo_beta": 0.2}, "dpo_beta", "set orpo_alpha instead"),
+        ({"rl": "simpo", "precompute_ref_log_probs": True}, "precompute_ref_log_probs", "reads no reference"),
+        ({"rl": "orpo", "dpo_label_smoothing": 0.1}, "dpo_label_smoothing", "applies only with rl: dpo"),
+    ],
+)
+def test_a_variant_key_with_another_rl_is_refused_naming_it(keys, key, says):
+    with pytest.raises(RecipeError) as refused:
+        recipe(**keys)
+    line = next(line for line in str(refused.value).splitlines() if line.startswith(f"  - {key}:"))
+    assert says in line

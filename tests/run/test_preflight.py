@@ -109,6 +109,33 @@ def test_validate_says_how_a_preference_recipe_trains(tmp_path, overrides, layou
     ) in plan.splitlines()
 
 
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ("rl=simpo", "simpo_gamma=0.8"),
+            "rl: simpo, beta 0.1, simpo_gamma 0.8, cpo_alpha 1, pairs packed in rows; no reference model",
+        ),
+        (
+            ("rl=orpo", "rl_beta=null", "orpo_alpha=0.2"),
+            "rl: orpo, orpo_alpha 0.2, pairs packed in rows; no reference",
+        ),
+        (
+            ("precompute_ref_log_probs=true",),
+            "rl: dpo, beta 0.1, pairs packed in rows; reference: log-prob sums precomputed",
+        ),
+    ],
+)
+def test_validate_names_each_losss_parameters_and_its_reference(tmp_path, overrides, line):
+    from tests.conftest import REPO
+
+    recipe = load_recipe(
+        REPO / "examples" / "cpu" / "dpo.yaml", (f"dataset_prepared_path={tmp_path}", *overrides)
+    )
+    plan = preflight_module.describe_plan(RunPlan.build(recipe, 2))
+    assert any(row.startswith(f"  training:   {line}") for row in plan.splitlines()), plan
+
+
 def test_validate_lists_the_patches_applied_around_the_backends_import(write_recipe):
     """A run logs them first ("patched ... ring-flash-attn-import-compat"); validate showed only the run's set."""
     recipe = load_recipe(write_recipe(context_parallel_size=2, cp_backend="ring-flash-attn"))

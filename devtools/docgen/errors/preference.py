@@ -14,29 +14,29 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "rl-not-built",
         SECTION,
-        "rl: kto, grpo, orpo or simpo",
+        "rl: kto or grpo",
         "rl: kto is not built in cptune",
-        "cptune trains `rl: dpo` and `rl: ipo`; the message says what the other would need.",
+        "cptune trains `rl: dpo`, `ipo`, `orpo` and `simpo`; the message says what the other would need.",
     ),
     Entry(
         "rl-unknown",
         SECTION,
         "An rl value cptune does not know",
-        "is not a preference loss cptune knows; use rl: dpo or rl: ipo.",
-        "Set `rl: dpo` or `rl: ipo`.",
+        "is not a preference loss cptune knows; use rl: dpo, rl: ipo, rl: orpo or rl: simpo.",
+        "Set `rl` to one of them.",
     ),
     Entry(
         "preference-type-without-rl",
         SECTION,
         "Preference data without rl",
-        "holds preference pairs (prompt, chosen, rejected), which rl: dpo or rl: ipo trains",
-        "Set `rl: dpo` (or `ipo`) to train the pairs, or use a supervised data type.",
+        "holds preference pairs (prompt, chosen, rejected), which rl (dpo, ipo, orpo, simpo) trains",
+        "Set `rl: dpo` (or `ipo`, `orpo`, `simpo`) to train the pairs, or use a supervised data type.",
     ),
     Entry(
         "beta-without-rl",
         SECTION,
         "rl_beta or dpo_beta without rl",
-        "rl_beta: applies only with rl: dpo or rl: ipo; remove it.",
+        "rl_beta: applies only with rl (dpo, ipo or simpo); remove it.",
         "Remove it, or set `rl`.",
     ),
     Entry(
@@ -169,6 +169,29 @@ ENTRIES: tuple[Entry, ...] = (
         "dpo_label_smoothing with rl: ipo",
         "dpo_label_smoothing: applies only with rl: dpo (not rl: ipo); remove it.",
         "Remove it: IPO's loss has no label smoothing.",
+    ),
+    Entry(
+        "variant-key-without-its-rl",
+        SECTION,
+        "orpo_alpha, simpo_gamma or cpo_alpha without the rl they belong to",
+        "orpo_alpha: applies only with rl: orpo (not rl: dpo); remove it, or set rl: orpo.",
+        "`orpo_alpha` is ORPO's λ; `simpo_gamma` and `cpo_alpha` are SimPO's margin and NLL weight. Remove the "
+        "key, or set the `rl` it belongs to.",
+    ),
+    Entry(
+        "orpo-beta",
+        SECTION,
+        "rl_beta or dpo_beta with rl: orpo",
+        "rl_beta: rl: orpo weighs its odds-ratio term with orpo_alpha (ORPO's λ); set orpo_alpha instead.",
+        "Set `orpo_alpha` (Axolotl's name of ORPO's λ, TRL's ORPOConfig `beta`) and remove `rl_beta`.",
+    ),
+    Entry(
+        "reference-free-precompute",
+        SECTION,
+        "precompute_ref_log_probs with rl: orpo or simpo",
+        "rl: simpo reads no reference model (its loss compares the policy's own per-token log-probs of the two "
+        "sides), so there is nothing to precompute",
+        "Remove `precompute_ref_log_probs`: ORPO and SimPO train a full fine-tune or an adapter without one.",
     ),
 )
 

@@ -253,17 +253,19 @@ def _adapter_extras(r: Recipe) -> Iterator[tuple[str, str]]:
 def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     """Preference training (`rl`).
 
-    - `rl` takes `dpo` or `ipo`; Axolotl's other values (`kto`, `grpo`, `orpo`, `simpo`) are refused, each with
-      what it would need.
-    - `rl` trains a LoRA or QLoRA adapter (`adapter: lora` or `qlora`): the reference is the base model
-      with the adapter disabled. A full fine-tune (a reference copy or precomputed reference log-probs),
-      `lora_model_dir` (TRL's reference would be the starting adapter), FSDP2, DeepSpeed and tensor
-      parallelism are refused with `rl`, as is `train_on_inputs: true` (the prompt is never trained).
+    - `rl` takes `dpo`, `ipo`, `orpo` or `simpo`; Axolotl's other values (`kto`, `grpo`) are refused, each
+      with what it would need.
+    - `rl: dpo` and `ipo` need a reference: a LoRA or QLoRA adapter (the base model with the adapter
+      disabled) or `precompute_ref_log_probs`; `lora_model_dir` is refused with them (TRL's reference would
+      be the starting adapter). `orpo` and `simpo` read no reference: `precompute_ref_log_probs` is refused
+      with them. FSDP2, DeepSpeed and tensor parallelism are refused with `rl`, as is
+      `train_on_inputs: true` (the prompt is never trained).
     - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
       (`ring-flash-attn`).
     - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
       without it none is; `rl_beta` and `dpo_beta` may not disagree; `dpo_label_smoothing` applies to
-      `rl: dpo` only.
+      `rl: dpo` only, `orpo_alpha` to `rl: orpo` (whose λ it is: `rl_beta` and `dpo_beta` are refused with
+      it), `simpo_gamma` and `cpo_alpha` to `rl: simpo`.
     """
     refusal = r.rl_refusal()
     if refusal is not None:
@@ -276,16 +278,17 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
             if dataset.is_preference:
                 yield (
                     f"{key}[{index}].type",
-                    f"{dataset.type} holds preference pairs (prompt, chosen, rejected), which rl: dpo or rl: ipo "
-                    "trains; set rl, or use a supervised type (chat_template, alpaca, completion, pretokenized).",
+                    f"{dataset.type} holds preference pairs (prompt, chosen, rejected), which rl (dpo, ipo, orpo, "
+                    "simpo) trains; set rl, or use a supervised type (chat_template, alpaca, completion, pretokenized).",
                 )
         for key in ("rl_beta", "dpo_beta"):
             if getattr(r, key) is not None:
-                yield key, "applies only with rl: dpo or rl: ipo; remove it."
+                yield key, "applies only with rl (dpo, ipo or simpo); remove it."
         if r.dpo_label_smoothing:
             yield "dpo_label_smoothing", "applies only with rl: dpo; remove it."
         if r.precompute_ref_log_probs:
             yield "precompute_ref_log_probs", "applies only with rl: dpo or rl: ipo; remove it."
+        yield from _variant_keys(r)
         return
     rl = f"rl: {r.rl}"
     for key, index, dataset in entries:
@@ -296,14 +299,20 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
                 "(field_messages, field_chosen, field_rejected) or passthrough.default (prompt, chosen and rejected "
                 "text).",
             )
-    if r.adapter is None and not r.precompute_ref_log_probs:
+    if not r.needs_reference and r.precompute_ref_log_probs:
+        yield (
+            "precompute_ref_log_probs",
+            f"{rl} reads no reference model (its loss compares the policy's own per-token log-probs of the two "
+            "sides), so there is nothing to precompute; remove precompute_ref_log_probs.",
+        )
+    if r.needs_reference and r.adapter is None and not r.precompute_ref_log_probs:
         yield (
             "adapter",
             f"{rl} needs a reference model: with adapter: lora (or qlora) it is the base model with the adapter "
             "disabled, no copy; a full fine-tune has no adapter to disable. Set precompute_ref_log_probs: true (the "
             "reference's log-probs of every pair computed in a first pass, from the model as loaded), or adapter: lora.",
         )
-    if r.lora_model_dir is not None:
+    if r.needs_reference and r.lora_model_dir is not None:
         yield (
             "lora_model_dir",
             f"{rl} would compare with the base model (the adapter disabled), not with the adapter you start from; "
@@ -335,6 +344,22 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
         yield "dpo_beta", f"{r.dpo_beta} disagrees with rl_beta: {r.rl_beta} (two names of β); set one."
     if r.dpo_label_smoothing and r.rl != "dpo":
         yield "dpo_label_smoothing", f"applies only with rl: dpo (not {rl}); remove it."
+    if r.rl == "orpo":
+        for key in ("rl_beta", "dpo_beta"):
+            if getattr(r, key) is not None:
+                yield (
+                    key,
+                    "rl: orpo weighs its odds-ratio term with orpo_alpha (ORPO's λ); set orpo_alpha instead.",
+                )
+    yield from _variant_keys(r)
+
+
+def _variant_keys(r: Recipe) -> Iterator[tuple[str, str]]:
+    """The keys of one loss variant set with another rl (or none)."""
+    for key, owner in (("orpo_alpha", "orpo"), ("simpo_gamma", "simpo"), ("cpo_alpha", "simpo")):
+        if getattr(r, key) is not None and r.rl != owner:
+            now = f" (not rl: {r.rl})" if r.rl is not None else ""
+            yield key, f"applies only with rl: {owner}{now}; remove it, or set rl: {owner}."
 
 
 def _chat_template(r: Recipe) -> Iterator[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""Preference losses (DPO, IPO) under context parallelism, exact at every CP size.
+"""Preference losses (DPO, IPO, ORPO, SimPO) under context parallelism, exact at every CP size.
 
 The design (``docs/preference-training.md``, "How it works"): a pair is one row of two documents
 (prompt + chosen, prompt + rejected) and the collator numbers the sequences of a batch
@@ -6,8 +6,10 @@ The design (``docs/preference-training.md``, "How it works"): a pair is one row 
 its own shard per sequence, with the same fp32 machinery as the SFT loss
 (:func:`cptune.parallel.loss.token_loss_sum` and its chunked head variant, given ``segments``); a sum
 all-reduce over the CP group completes the sums (:func:`~cptune.parallel.collectives.differentiable_all_reduce_sum`:
-its backward adds the gradients of the group's ranks). The reference is the same model with its
-adapter disabled, run on the same shard without gradients. Every rank then computes the same
+its backward adds the gradients of the group's ranks); each sequence's target count travels in the same
+collective, so the per-token means (IPO, ORPO, SimPO) divide sums and counts of the same tokens. The
+reference (DPO, IPO) is the same model with its adapter disabled, run on the same shard without gradients;
+ORPO and SimPO read none. Every rank then computes the same
 per-pair losses and backpropagates ``1/C`` of their sum, scaled as the SFT loss is
 (:func:`preference_step_loss`), which gives the gradient of the mean over every pair of the
 optimizer step.
@@ -19,6 +21,8 @@ runs the model and talks to the process group (:func:`pair_forward`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +51,17 @@ METRICS = (
 )
 """The metrics of preference training, as TRL's DPOTrainer names them; each a mean over pairs."""
 
+EXTRA_METRICS = {
+    "dpo": (),
+    "ipo": (),
+    "simpo": ("nll_loss",),
+    "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen"),
+}
+"""The metrics of each loss besides :data:`METRICS`, as TRL's CPOTrainer and ORPOTrainer name them.
+
+``log_odds_ratio`` is the mean of ``log σ(log odds)`` and ``log_odds_chosen`` the mean of the log odds
+themselves, as TRL's ORPOTrainer logs them; ``nll_loss`` is the chosen side's NLL (mean per token)."""
+
 
 @dataclass(frozen=True)
 class PairOutputs:
@@ -57,9 +72,12 @@ class PairOutputs:
     rejected_logps: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Per pair, detached: the loss's :data:`EXTRA_METRICS`."""
 
     def metric_sums(self) -> dict[str, torch.Tensor]:
-        """Each of :data:`METRICS` summed over the batch's pairs (divide by the pairs for the mean)."""
+        """Each metric of the loss (:data:`METRICS` and its extras) summed over the batch's pairs (divide by the
+        pairs for the mean)."""
         chosen, rejected = self.chosen_rewards, self.rejected_rewards
         values = (
             chosen,
@@ -69,39 +87,71 @@ class PairOutputs:
             self.chosen_logps,
             self.rejected_logps,
         )
-        return {name: value.sum() for name, value in zip(METRICS, values, strict=True)}
+        sums = {name: value.sum() for name, value in zip(METRICS, values, strict=True)}
+        return sums | {name: value.sum() for name, value in self.extras.items()}
 
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """The per-pair loss of ``rl`` (``dpo`` or ``ipo``) with its β and label smoothing.
+    """The per-pair loss of ``rl`` (``dpo``, ``ipo``, ``orpo`` or ``simpo``) with its parameters.
 
     With ``s = β·((π_c − ref_c) − (π_r − ref_r))`` over the sequences' log-prob sums: ``dpo`` is
     ``−(1 − ε)·log σ(s) − ε·log σ(−s)`` (TRL's ``sigmoid`` loss at ``ε = 0``); ``ipo`` is
     ``(x − 1/(2β))²`` with ``x`` the same log-ratio difference of per-token means (each side's sums
     divided by its target count), as TRL's ``ipo``. The rewards are ``β·(π − ref)`` of each side.
+
+    ``orpo`` and ``simpo`` read no reference; with ``m`` each side's per-token mean log-prob, ``simpo`` is
+    ``−log σ(β·(m_c − m_r) − γ) + α·(−m_c)`` (TRL's CPOTrainer with ``loss_type="simpo"``, ``α`` its
+    ``cpo_alpha``) and ``orpo`` is ``−m_c − β·log σ(L)`` with the log odds
+    ``L = (m_c − m_r) − (log(1 − e^m_c) − log(1 − e^m_r))`` (TRL's ORPOTrainer, ``β`` its λ); their rewards
+    are ``β·m``. The NLL term ``−m_c`` is each pair's own mean over its chosen response's tokens, so the
+    loss stays a mean over pairs (TRL takes the NLL as one mean over all the chosen tokens of its batch, and
+    ORPOTrainer's over the prompt's tokens too: the same value for one pair of a batch; see
+    docs/preference-training.md).
     """
 
     kind: str
     beta: float
     label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
 
     @classmethod
     def from_recipe(cls, recipe: Any) -> PreferenceLoss:
         """The loss a validated recipe with ``rl`` asks for."""
-        return cls(kind=recipe.rl, beta=recipe.resolved_beta, label_smoothing=recipe.dpo_label_smoothing)
+        return cls(
+            kind=recipe.rl,
+            beta=recipe.resolved_beta,
+            label_smoothing=recipe.dpo_label_smoothing,
+            simpo_gamma=recipe.resolved_simpo_gamma,
+            cpo_alpha=recipe.resolved_cpo_alpha,
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        """The loss reads the reference's sums (dpo, ipo)."""
+        return self.kind in ("dpo", "ipo")
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """What :meth:`PairOutputs.metric_sums` holds for this loss."""
+        return METRICS + EXTRA_METRICS[self.kind]
 
     def pair_outputs(
-        self, policy: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor
+        self, policy: torch.Tensor, reference: torch.Tensor | None, targets: torch.Tensor
     ) -> PairOutputs:
         """Per-pair losses and metric inputs from complete per-sequence sums.
 
         Args:
             policy: ``(2·pairs,)`` log-prob sums of every sequence under the policy (sequence
                 ``2k`` the chosen side of pair ``k``, ``2k + 1`` its rejected side).
-            reference: The same under the reference.
-            targets: The target count of every sequence (IPO's per-token means).
+            reference: The same under the reference; None for a loss that reads none (orpo, simpo).
+            targets: The target count of every sequence (the per-token means of ipo, orpo and simpo).
         """
+        if not self.needs_reference:
+            return self._reference_free(policy / targets.to(policy.dtype).clamp(min=1.0))
+        if reference is None:
+            raise ValueError(f"rl: {self.kind} needs the reference's sums")
         chosen_ratio = policy[0::2] - reference[0::2]
         rejected_ratio = policy[1::2] - reference[1::2]
         if self.kind == "ipo":
@@ -122,6 +172,38 @@ class PreferenceLoss:
             chosen_rewards=self.beta * chosen_ratio.detach(),
             rejected_rewards=self.beta * rejected_ratio.detach(),
         )
+
+    def _reference_free(self, means: torch.Tensor) -> PairOutputs:
+        """orpo and simpo from each sequence's per-token mean log-prob ``means`` (``(2·pairs,)``)."""
+        chosen, rejected = means[0::2], means[1::2]
+        nll = -chosen
+        extras: dict[str, torch.Tensor] = {"nll_loss": nll.detach()}
+        if self.kind == "simpo":
+            losses = -F.logsigmoid(self.beta * (chosen - rejected) - self.simpo_gamma)
+            if self.cpo_alpha:
+                losses = losses + self.cpo_alpha * nll
+        elif self.kind == "orpo":
+            log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+            ratio = F.logsigmoid(log_odds)
+            losses = nll - self.beta * ratio
+            extras |= {"log_odds_ratio": ratio.detach(), "log_odds_chosen": log_odds.detach()}
+        else:
+            raise ValueError(f"unknown preference loss {self.kind!r}")
+        return PairOutputs(
+            losses=losses,
+            chosen_logps=chosen.detach(),
+            rejected_logps=rejected.detach(),
+            chosen_rewards=self.beta * chosen.detach(),
+            rejected_rewards=self.beta * rejected.detach(),
+            extras=extras,
+        )
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 − eˣ)`` for ``x < 0``, accurate on both sides of ``−log 2`` (Mächler, "Accurately computing
+    log(1 − exp(−|a|))", 2012): ``log(−expm1(x))`` near 0, ``log1p(−eˣ)`` below."""
+    near_zero = x > -math.log(2)
+    return torch.where(near_zero, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 @dataclass(frozen=True)
@@ -190,9 +272,19 @@ def sequence_log_probs(
     model: torch.nn.Module, sharded: ShardedInputs, shard_loss: Callable[..., Any], batch: PairBatch
 ) -> torch.Tensor:
     """This rank's part of every sequence's log-prob sum: ``(2·pairs,)``, from its shard's targets only."""
+    return _shard_sums_and_counts(model, sharded, shard_loss, batch)[0]
+
+
+def _shard_sums_and_counts(
+    model: torch.nn.Module, sharded: ShardedInputs, shard_loss: Callable[..., Any], batch: PairBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of every sequence's log-prob sum and of its target count (both ``(2·pairs,)``)."""
     segments = batch.shard_segments(sharded.coords, sharded.shift_labels)
     loss_sums, _ = shard_loss(model, sharded.model_kwargs, sharded.shift_labels, segments=segments)
-    return -loss_sums
+    ids, count = segments
+    kept = sharded.shift_labels.reshape(-1).to(ids.device) != IGNORE_INDEX
+    targets = torch.bincount(ids.reshape(-1)[kept], minlength=count).to(loss_sums)
+    return -loss_sums, targets
 
 
 def pair_forward(
@@ -223,24 +315,28 @@ def pair_forward(
         group: This rank's CP group; None when the rank holds whole rows (cp=1): its sums are complete.
         reference_context: Entered around the reference forward (besides ``torch.no_grad``): turns the
             policy into the reference (the adapter disabled). No reference forward runs when the batch
-            carries precomputed sums (``batch.reference_logps``).
+            carries precomputed sums (``batch.reference_logps``) or the loss reads none (orpo, simpo).
         on_shard: Called with the policy forward's shard before it runs (exact dropout's keys).
         attention_layers: The model's attention layers, to check each forward went through the backend.
-        complete: Completes the policy's sums over the group (replaceable to plant a bug in tests).
+        complete: Completes the policy's sums, followed by the sequences' target counts, over the group
+            (replaceable to plant a bug in tests).
     """
-    if batch.reference_logps is None:
+    reference = None
+    if loss.needs_reference and batch.reference_logps is None:
         reference = reference_log_probs(
             reference_model, sharder, shard_loss, batch, group, reference_context, attention_layers
         )
-    else:
+    elif loss.needs_reference:
         reference = batch.reference_logps
     sharded = sharder.shard(batch.tokens)
     if on_shard is not None:
         on_shard(sharded)
-    local = sequence_log_probs(model, sharded, shard_loss, batch)
+    sums, targets = _shard_sums_and_counts(model, sharded, shard_loss, batch)
     _check_served(sharded, attention_layers)
-    policy = local if group is None else complete(local, group)
-    return loss.pair_outputs(policy, reference.to(policy), batch.target_counts())
+    # The counts go with the sums through one collective: each mean divides the sum of the tokens it counted.
+    local = torch.cat([sums, targets])
+    policy, targets = (local if group is None else complete(local, group)).split(batch.sequences)
+    return loss.pair_outputs(policy, None if reference is None else reference.to(policy), targets.detach())
 
 
 def reference_log_probs(

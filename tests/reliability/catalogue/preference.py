@@ -93,4 +93,10 @@ CASES: tuple[Case, ...] = (
         ),
     ),
     Case("label-smoothing-ipo", setup=lambda ws: {**_pairs(ws), "rl": "ipo", "dpo_label_smoothing": 0.1}),
+    Case("variant-key-without-its-rl", setup=lambda ws: {**_pairs(ws), "orpo_alpha": 0.2}),
+    Case("orpo-beta", setup=lambda ws: {**_pairs(ws), "rl": "orpo", "rl_beta": 0.2}),
+    Case(
+        "reference-free-precompute",
+        setup=lambda ws: {**_pairs(ws), "rl": "simpo", "adapter": DELETE, "precompute_ref_log_probs": True},
+    ),
 )

@@ -220,10 +220,7 @@ def describe_plan(
             if recipe.pair_sides_in_own_rows
             else "pairs packed in rows"
         )
-        lines.append(
-            f"  training:   rl: {recipe.rl}, beta {recipe.resolved_beta:g}, {layout}; "
-            "reference: the base model (adapter disabled), a second forward without gradients"
-        )
+        lines.append(f"  training:   {_preference_plan(recipe)}, {layout}; {_reference_plan(recipe)}")
     lines += ["", *describe_state_memory(plan, config)]
     lines += ["", *activation_memory_lines(plan, config, GpuMemory.detect(gpu_memory_gib), per_node, host)]
     notes = [*axolotl_notes(recipe), *optimizer_notes(recipe, cuda=torch.cuda.is_available())]
@@ -275,3 +272,23 @@ def _data_status(recipe: Recipe, tokenizer: Any) -> str:
     if stats is None:
         return "not prepared yet (`cptune preprocess` or `cptune train` will prepare it)"
     return stats
+
+
+def _preference_plan(recipe: Recipe) -> str:
+    """``rl`` and its parameters, as the plan shows them."""
+    if recipe.rl == "orpo":
+        return f"rl: orpo, orpo_alpha {recipe.resolved_beta:g}"
+    if recipe.rl == "simpo":
+        return (
+            f"rl: simpo, beta {recipe.resolved_beta:g}, simpo_gamma {recipe.resolved_simpo_gamma:g}, "
+            f"cpo_alpha {recipe.resolved_cpo_alpha:g}"
+        )
+    return f"rl: {recipe.rl}, beta {recipe.resolved_beta:g}"
+
+
+def _reference_plan(recipe: Recipe) -> str:
+    if not recipe.needs_reference:
+        return "no reference model (per-token mean log-probs of the policy only)"
+    if recipe.precompute_ref_log_probs:
+        return "reference: log-prob sums precomputed in a first pass"
+    return "reference: the base model (adapter disabled), a second forward without gradients"

@@ -1,12 +1,14 @@
-"""cptune's Trainer for preference training (``rl: dpo``, ``rl: ipo``): one loss per pair, exact under CP.
+"""cptune's Trainer for preference training (``rl: dpo``, ``ipo``, ``orpo``, ``simpo``): one loss per pair,
+exact under CP.
 
 Each micro batch goes through :func:`cptune.parallel.preference.pair_forward` (the reference with the
-adapter disabled, then the policy, each on this rank's shard, completed over the CP group) and this
+adapter disabled (dpo, ipo), then the policy, each on this rank's shard, completed over the CP group) and this
 rank backpropagates its share of the pair losses scaled to the mean over the optimizer step's pairs
 (:func:`~cptune.parallel.preference.preference_step_loss`). The step's pairs are counted as the SFT
-loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS`) are
-summed per pair and logged as means over the pairs since the last log. Evaluation reports the same
-loss and metrics over the evaluation pairs, prefixed ``eval_`` (:meth:`PreferenceTrainer.evaluation_loop`).
+loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS` and the
+loss's extras, e.g. ORPO's ``log_odds_ratio``) are summed per pair and logged as means over the pairs since
+the last log. Evaluation reports the same loss and metrics over the evaluation pairs, prefixed ``eval_``
+(:meth:`PreferenceTrainer.evaluation_loop`).
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ class PreferenceTrainer(CptuneTrainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         has_adapter = callable(getattr(unwrapped, "disable_adapter", None))
         # A full fine-tune's reference is the model as loaded, which only the first pass below sees.
-        self._reference_context = (
-            adapter_disabled(unwrapped) if has_adapter or not precompute_reference else contextlib.nullcontext
-        )
-        self._metrics = PairMetrics()
+        # orpo and simpo run no reference forward, so a full fine-tune of theirs needs no context either.
+        by_adapter = has_adapter or (preference_loss.needs_reference and not precompute_reference)
+        self._reference_context = adapter_disabled(unwrapped) if by_adapter else contextlib.nullcontext
+        self._metrics = PairMetrics(preference_loss.metric_names)
         if precompute_reference:
             self._precompute_reference(unwrapped)
 
@@ -152,7 +154,7 @@ class PreferenceTrainer(CptuneTrainer):
         model = self._wrap_model(self.model, training=False)
         model.eval()
         self.callback_handler.eval_dataloader = dataloader
-        totals = PairMetrics(("loss", *METRICS))
+        totals = PairMetrics(("loss", *self.preference_loss.metric_names))
         with torch.no_grad():
             for inputs in dataloader:
                 inputs = self._prepare_inputs(inputs)
@@ -194,7 +196,9 @@ def pairs_with_targets(outputs: PairOutputs, targets: torch.Tensor) -> PairOutpu
         targets: The target count of every sequence of the batch (:meth:`PairBatch.target_counts`).
     """
     real = (targets[0::2] > 0) & (targets[1::2] > 0)
-    return PairOutputs(**{f.name: getattr(outputs, f.name)[real] for f in dataclasses.fields(outputs)})
+    per_pair = {f.name: getattr(outputs, f.name) for f in dataclasses.fields(outputs) if f.name != "extras"}
+    extras = {name: value[real] for name, value in outputs.extras.items()}
+    return PairOutputs(**{name: value[real] for name, value in per_pair.items()}, extras=extras)
 
 
 class PairMetrics:
