@@ -262,3 +262,24 @@ def test_validate_prints_the_longest_preference_pair_and_the_reference_forward(w
         r"training peak",
         described,
     )
+
+
+def test_validate_plans_no_reference_pass_for_the_reference_free_losses(write_recipe):
+    """rl: simpo (and orpo) read no reference model: no reference forward per step, no first pass."""
+    from tests.conftest import REPO
+
+    pairs = [
+        {
+            "path": str(REPO / "examples" / "data" / "preference.jsonl"),
+            "type": "chat_template.default",
+            "field_messages": "prompt",
+        }
+    ]
+    keys = {"base_model": str(REPO / "examples" / "tiny-llama"), "gradient_checkpointing": True}
+    simpo = load_recipe(write_recipe("simpo.yaml", datasets=pairs, rl="simpo", **keys))
+    plan = RunPlan.build(simpo, 1)
+    assert not memory_plan.activation_setup(plan, 1).reference_forward
+    described = describe_plan(plan, gpu_memory_gib=3.0)
+    assert "rl: simpo reads no reference model: no reference forward, no first pass" in described
+    assert "reference forward of each micro batch" not in described
+    assert "before training, one forward without gradients" not in described

@@ -133,7 +133,9 @@ def activation_setup(plan: RunPlan, cp_size: int) -> ActivationSetup:
         if cp_size > 1
         else None,
         # A full fine-tune's reference runs once, before training (precompute_ref_log_probs): see _reference_lines.
-        reference_forward=recipe.is_preference and not recipe.precompute_ref_log_probs,
+        reference_forward=recipe.is_preference
+        and recipe.needs_reference
+        and not recipe.precompute_ref_log_probs,
     )
 
 
@@ -425,6 +427,9 @@ def _preference_lines(
         f"  rl: {recipe.rl}: a micro batch is {rows}; a pair (both sides, the prompt in each) is at most "
         f"sequence_len ({recipe.sequence_len:,}) tokens"
     ]
+    if not recipe.needs_reference:
+        lines.append(f"  rl: {recipe.rl} reads no reference model: no reference forward, no first pass")
+        return lines
     reference = no_grad_forward_memory(shape, setup, tokens)
     if setup.reference_forward:
         where = (
