@@ -475,7 +475,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     ]
     ref_losses, cp_losses, ref64_losses, step_targets = [], [], [], []
     twin_losses: list[list[float]] = [[] for _ in twins]
-    twin_seconds = 0.0
+    twin_seconds = [0.0 for _ in twins]  # what each twin costs (the eager one alone was the rule before)
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
@@ -498,11 +498,13 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 router_log=ref_log if reference64 is None else None,
             )
         )
-        started = time.perf_counter()
-        for (twin_spec, twin, twin_backend), losses in zip(twins, twin_losses, strict=True):
+        for i, (twin_spec, twin, twin_backend) in enumerate(twins):
+            started = time.perf_counter()
             with twin_spec.context():
-                losses.append(run_step(twin, twin_backend, ref_batches, 1, targets, router=ref_router))
-        twin_seconds += time.perf_counter() - started
+                twin_losses[i].append(
+                    run_step(twin, twin_backend, ref_batches, 1, targets, router=ref_router)
+                )
+            twin_seconds[i] += time.perf_counter() - started
         if reference64 is not None:
             ref64_losses.append(
                 run_step(
