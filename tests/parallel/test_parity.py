@@ -410,9 +410,16 @@ def bf16_excesses(r: dict) -> dict[str, float]:
         rel(a, b) for twin in r["baseline_losses"] for a, b in zip(twin, r["ref_losses"], strict=True)
     )
     return {
-        "losses": losses / (BF16_FACTOR * twin_losses),
-        "gradients": r["grad_norm_rel"] / (BF16_FACTOR * max(r["baseline_grad_norm_rel"])),
+        "losses": _over_floor(losses, twin_losses),
+        "gradients": _over_floor(r["grad_norm_rel"], max(r["baseline_grad_norm_rel"])),
     }
+
+
+def _over_floor(distance: float, floor: float) -> float:
+    """``distance`` over :data:`BF16_FACTOR` times ``floor``; a zero floor (no twin moved) allows only 0."""
+    if floor > 0:
+        return distance / (BF16_FACTOR * floor)
+    return 0.0 if distance == 0 else float("inf")
 
 
 def check(results: list[dict], cases: list[dict], *, bf16: bool = False) -> None:
