@@ -17,8 +17,13 @@ suite is one of three kinds, and the test says which in a comment:
   error scales with the rounding of the CPU it runs on; the factor covers how one order's error
   varies against another's. The floor covers a reference that lands on float64 by luck (a
   scalar can): the bound of the last sum, or :data:`ULP_FLOOR`.
-- **reorder floor**: the same run computes the reference twice in two legal orders (bf16 parity:
-  eager against sdpa attention); the path under test may land a stated multiple of that apart.
+- **reorder floor**: the same run computes the reference again in several legal orders (bf16
+  parity: 3 twins, eager attention, sdpa's math backend and cptune's document attention against
+  the reference's sdpa; tests/parallel/reorder_twins.py); the path under test may land a stated
+  multiple of the farthest twin's distance from the reference (16x: test_parity.py's
+  ``BF16_FACTOR``). The multiple comes from the chance that a path exactly as noisy as the twins
+  lands past it (for normal draws, past 16x the largest of 3: 0.02%), never from one machine's
+  distances: with one twin and 2x, that chance is 30%.
 
 ``CPTUNE_TEST_REORDER=1`` (tests/reorder.py) runs the numerical tests with other summation orders,
 so a tolerance at its edge fails on one machine before it reaches another.

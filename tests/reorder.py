@@ -59,11 +59,19 @@ def apply(threads: bool = True) -> None:
     from cptune.parallel.kernels import blockwise
 
     # The chunk size is a default argument, bound when the functions were defined.
-    loss.token_loss_sum.__defaults__ = (LOSS_CHUNK_ELEMENTS,)
-    loss.head_token_loss_sum.__defaults__ = (LOSS_CHUNK_ELEMENTS,)
-    head_loss.HeadLoss.__init__.__defaults__ = (LOSS_CHUNK_ELEMENTS,)
+    for function in (loss.token_loss_sum, loss.head_token_loss_sum, head_loss.HeadLoss.__init__):
+        _set_default(function, "chunk_elements", LOSS_CHUNK_ELEMENTS)
     if not getattr(blockwise._blocks, "reorder_stress", False):
         blockwise._blocks = _split_rows(blockwise._blocks)
+
+
+def _set_default(function, name: str, value: object) -> None:
+    """Replace the default of ``function``'s positional parameter ``name``, keeping its other defaults."""
+    code = function.__code__
+    names = code.co_varnames[: code.co_argcount]
+    defaults = list(function.__defaults__)
+    defaults[names.index(name) - (len(names) - len(defaults))] = value
+    function.__defaults__ = tuple(defaults)
 
 
 def _split_rows(blocks):

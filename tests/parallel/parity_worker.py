@@ -10,7 +10,7 @@ cptune's tensor parallelism and shards it with FSDP2 over dp_shard × cp, as
 ``cptune train`` does, on a dp_shard × cp × tp mesh), and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
 steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64 and each
-gradient's distance from it, in bf16 those of a cp=1 reorder baseline (``run_case``).
+gradient's distance from it, in bf16 those of the cp=1 reference's reorder twins (``run_case``).
 
 A case's ``inject`` plants a bug in the CP path (``INJECTIONS``): the parity check must fail on it.
 A case with ``preference`` (``dpo``, ``ipo``) trains preference pairs instead (preference_case.py).
@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
 from preference_case import run_preference_case  # tests/parallel/preference_case.py
+from reorder_twins import TWINS, grad_norm_rel  # tests/parallel/reorder_twins.py
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -441,9 +443,10 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
 
     In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too): the parity
     check holds each fp32 path's distance from it against the other's (tests/numerics.py).
-    In bf16 a second cp=1 reference runs beside the first with eager attention instead of
-    sdpa: the same computation with the attention's sums in another order. How far it lands
-    from the first is the noise floor of bf16 (``reorder_baseline``); CP reorders the same sums.
+    In bf16 the cp=1 reference runs again in the orders of tests/parallel/reorder_twins.py's
+    ``TWINS`` (eager attention, sdpa's math backend, document attention): the same computation
+    with the attention's sums in other orders. How far they land from the first is the noise
+    floor of bf16 (``baseline_*``, one entry per twin); CP reorders the same sums.
     ``autocast``: the three bf16 models' forwards run under bf16 autocast (LoRA adapters stay fp32), as
     ``cptune train`` runs a bf16 recipe.
     """
@@ -456,16 +459,20 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     reference = build_model(case, local.attn_implementation if case["causal"] else "cptune")
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
-    twin = reference64 = None
+    twins: list = []  # (Twin, model, its cp=1 backend)
+    reference64 = None
     if case.get("bf16"):
-        twin = copy.deepcopy(reference)
-        twin.set_attn_implementation("eager")
+        reference_attention = reference.config._attn_implementation
+        for twin_spec in TWINS:
+            twin = copy.deepcopy(reference)
+            twin.set_attn_implementation(twin_spec.attn_implementation(reference_attention))
+            twins.append((twin_spec, twin, twin_spec.backend(case["causal"])))
     else:
         reference64 = float64_twin(reference)
     if case.get("autocast"):
         # As accelerate prepares a bf16 model: its forward under autocast, the backward outside. After
         # the copies: a copy of a wrapped forward would call the original's.
-        for m in (reference, model, twin):
+        for m in (reference, model, *(t[1] for t in twins)):
             m.forward = torch.autocast("cpu", dtype=torch.bfloat16)(m.forward)
     # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
     ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
@@ -493,10 +500,12 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     ref_log, cp_log = RouterLossLog(), RouterLossLog()
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=LEARNING_RATE)
-        for m in (reference, model, twin, reference64)
+        for m in (reference, model, *(t[1] for t in twins), reference64)
         if m is not None
     ]
-    ref_losses, cp_losses, twin_losses, ref64_losses, step_targets = [], [], [], [], []
+    ref_losses, cp_losses, ref64_losses, step_targets = [], [], [], []
+    twin_losses: list[list[float]] = [[] for _ in twins]
+    twin_seconds = [0.0 for _ in twins]  # what each twin costs (the eager one alone was the rule before)
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
@@ -519,8 +528,13 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 router_log=ref_log if reference64 is None else None,
             )
         )
-        if twin is not None:
-            twin_losses.append(run_step(twin, local, ref_batches, 1, targets, router=ref_router))
+        for i, (twin_spec, twin, twin_backend) in enumerate(twins):
+            started = time.perf_counter()
+            with twin_spec.context():
+                twin_losses[i].append(
+                    run_step(twin, twin_backend, ref_batches, 1, targets, router=ref_router)
+                )
+            twin_seconds[i] += time.perf_counter() - started
         if reference64 is not None:
             ref64_losses.append(
                 run_step(
@@ -566,8 +580,11 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             result["grad_rel"], result["grad_worst"] = grad_diffs(cp_g, ref_g)
             result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
             result["grad_sha"] = grads_digest(cp_g)
-            if twin is not None:
-                result["baseline_grad_rel"], _ = grad_diffs(grads(twin), ref_g)
+            if twins:
+                result["grad_norm_rel"] = grad_norm_rel(cp_g, ref_g)
+                twin_g = [grads(twin) for _, twin, _ in twins]
+                result["baseline_grad_rel"] = [grad_diffs(g, ref_g)[0] for g in twin_g]
+                result["baseline_grad_norm_rel"] = [grad_norm_rel(g, ref_g) for g in twin_g]
             if reference64 is not None:
                 ref64_g = grads(reference64)
                 result["grad_errors"] = relative_errors(cp_g, ref64_g)
@@ -576,8 +593,10 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             optimizer.step()
             optimizer.zero_grad()
     result.update(ref_losses=ref_losses, cp_losses=cp_losses, targets=step_targets)
-    if twin is not None:
-        result["baseline_losses"] = twin_losses
+    if twins:
+        result.update(
+            baseline_losses=twin_losses, twin_seconds=twin_seconds, twins=[t[0].name for t in twins]
+        )
     if reference64 is not None:
         result["ref64_losses"] = ref64_losses
     return result

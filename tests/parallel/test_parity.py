@@ -8,7 +8,8 @@ and with the torch backend: against the cp=1 reference computed in float64, the
 CP run's losses and gradients at most 8x as far from it as the fp32 cp=1
 reference's (tests/numerics.py; ``check``). batch_zigzag runs in bf16
 (ring-flash-attn 0.1.8's zigzag backward is wrong in fp32), compared with a bf16
-reference within a multiple of a cp=1 reorder baseline measured in the same run.
+reference within a multiple of the reorder floor measured in the same run (the cp=1
+reference computed again in 3 other legal orders: ``bf16_excesses``).
 Planted bugs (a wrong gradient scale, a sliding window, a dropped document
 boundary) must fail the fp32 check (``test_planted_bugs_fail_the_fp32_parity_check``).
 
@@ -411,35 +412,66 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+#: How many times the largest distance of the reorder twins a bf16 CP run may land from the cp=1 reference
+#: (``bf16_excesses``). Chosen from the chance of a false failure, not from one machine's distances: a CP run
+#: that adds in orders as legal as the twins' lands beyond ``c`` times the largest of ``K`` independent draws
+#: of the same noise with probability P(|X| > c·max(|Y_1|..|Y_K|)); for normal draws (Monte Carlo, 4·10^6
+#: trials) K=1, c=2: 0.30 (the rule before: one eager twin, 2x); K=3, c=8: 0.0015; K=3, c=16: 0.0002. The
+#: suite checks 2 quantities (losses, gradients) of 12 bf16 cases (7 in this module's cp2 launch, 5 in
+#: test_ulysses_parity.py's; a case's ranks report the same all-reduced values): 24 draws, so at most about
+#: 24 × 0.0002 ≈ 0.5% of runs on another CPU fail at random. 16, not 8: a MoE model's bf16 routing flips a
+#: token's experts now and then, a discrete jump that makes its noise heavier-tailed than a normal draw (over
+#: seeds 11-18 a Qwen3-MoE LoRA case's CP losses landed 5.7x the farthest twin's, its gradients 4x); every
+#: case of that sweep stays under 0.36 of this limit, the planted bf16 bug lands at least 5x past it
+#: (issue 26).
+BF16_FACTOR = 16.0
+
+
+def bf16_excesses(r: dict) -> dict[str, float]:
+    """One rank's bf16 results against the reorder floor: each quantity's distance over its limit (above 1 fails).
+
+    Reorder floor: the case's cp=1 reference is computed again in the orders of
+    tests/parallel/reorder_twins.py's ``TWINS`` (3 legal reorders of its attention sums) in the same
+    run; the CP run may land at most :data:`BF16_FACTOR` times as far from the reference as the
+    farthest twin does:
+
+    - losses: the largest relative loss distance over the 3 SGD steps, against the twins' largest over
+      their steps (each update feeds one order's rounding into the next step, the twins' and the CP
+      run's alike, so both maxima grow together);
+    - step-0 gradients: ``‖g_cp - g_ref‖ / ‖g_ref‖`` over every gradient together, against the same of
+      each twin. A norm sums the errors of every element, so one draw varies little; the largest
+      element's error of the largest tensor (``grad_rel``, reported) is an extreme of a few elements.
+    """
+    losses = max(rel(a, b) for a, b in zip(r["cp_losses"], r["ref_losses"], strict=True))
+    twin_losses = max(
+        rel(a, b) for twin in r["baseline_losses"] for a, b in zip(twin, r["ref_losses"], strict=True)
+    )
+    return {
+        "losses": _over_floor(losses, twin_losses),
+        "gradients": _over_floor(r["grad_norm_rel"], max(r["baseline_grad_norm_rel"])),
+    }
+
+
+def _over_floor(distance: float, floor: float) -> float:
+    """``distance`` over :data:`BF16_FACTOR` times ``floor``; a zero floor (no twin moved) allows only 0."""
+    if floor > 0:
+        return distance / (BF16_FACTOR * floor)
+    return 0.0 if distance == 0 else float("inf")
+
+
 def check(results: list[dict], cases: list[dict], *, bf16: bool = False) -> None:
     """Every rank's losses (3 steps) and step-0 gradients of every case against the cp=1 reference.
 
     fp32: the float64-reference rule (tests/numerics.py, :func:`fp32_failures`). bf16 (``bf16``):
-    reorder floor, within a multiple of how far the case's second cp=1 reference (eager attention
-    instead of sdpa: the same sums in another order) lands from the first, measured in the same
-    run: 2x at step 0 (loss and gradients: both runs reorder the same bf16 sums once), 20x over
-    the 3 SGD steps, where each update feeds one order's bf16 rounding into the next step.
-
-    The step-0 loss's floor is the second reference's loss distance at its largest over the 3 steps,
-    not step 0's alone: each step's distance is one draw of the reorder noise (the later ones larger,
-    each update feeding its rounding on), and a CP run no worse than the second reference lands more
-    than twice one draw's distance about 30% of the time (two independent normal draws:
-    1 - (2/pi)·atan(2)), as a dense Llama with LoRA under autocast does at 3 seeds of 8 (issue 32: the
-    bf16 MoE LoRA case's step-0 loss lands 9x its step-0 draw at seed 11, with its routing forced to
-    cp=1's too). The gradients have one draw (step 0's).
+    the reorder floor of the same run (:func:`bf16_excesses`).
     """
     for name in (c["name"] for c in cases):
         for rank, per_rank in enumerate(results):
             r = per_rank[name]
             assert r["grad_nonzero"], f"{name}: reference gradients are zero, the check would be vacuous"
             if bf16:
-                losses = [rel(a, b) for a, b in zip(r["cp_losses"], r["ref_losses"], strict=True)]
-                baseline = [rel(a, b) for a, b in zip(r["baseline_losses"], r["ref_losses"], strict=True)]
-                step0_limit, losses_limit = 2 * max(baseline), 20 * max(baseline)
-                grad_limit = 2 * r["baseline_grad_rel"]
-                assert losses[0] <= step0_limit, (name, rank, losses, step0_limit, r)
-                assert max(losses) <= losses_limit, (name, rank, losses, losses_limit, r)
-                assert r["grad_rel"] <= grad_limit, (name, rank, r["grad_rel"], r["grad_worst"], grad_limit)
+                excesses = bf16_excesses(r)
+                assert max(excesses.values()) <= 1, (name, rank, excesses, r["grad_rel"], r["grad_worst"])
             else:
                 failures = fp32_failures(r)
                 assert not failures, (name, rank, failures, r["grad_rel"], r["grad_worst"])
@@ -491,7 +523,7 @@ def test_torch_parity_fp32(parity_results, spawn, cases):
 @pytest.mark.distributed
 def test_zigzag_parity_bf16(parity_results):
     results = parity_results("cp2")
-    check(results, ZIGZAG_CASES, bf16=True)  # reorder floor: the same run's eager-attention reference
+    check(results, ZIGZAG_CASES, bf16=True)  # reorder floor: the same run's reorder twins
 
 
 @pytest.mark.distributed
@@ -500,7 +532,7 @@ def test_memory_features_parity_cp2(parity_results):
 
     Offloading changes no bit: each offload case's CP losses and step-0 gradients equal its twin's
     without offloading (two-level checkpointing too: layer 1's input made again from layer 0's). With every feature on, the fp32 parity check holds, and the bf16 one under
-    autocast (the reorder floor of the same run's eager-attention reference).
+    autocast (the reorder floor of the same run's reorder twins).
     """
     results = parity_results("cp2")
     check(results, FEATURE_CP2_CASES)
@@ -647,8 +679,10 @@ def test_zigzag_sliding_window_parity_bf16(parity_results):
     """Gemma 3 (sliding, sliding, full) on the zigzag ring at cp=2 in bf16, within the reorder floor; and the
     window aligned to each block instead (planted) fails the same check."""
     results = parity_results("cp2")
-    check(results, ZIGZAG_WINDOW_BF16_CP2_CASES, bf16=True)  # reorder floor: the eager-attention reference
+    check(results, ZIGZAG_WINDOW_BF16_CP2_CASES, bf16=True)  # reorder floor: the same run's reorder twins
     for case_ in ZIGZAG_WINDOW_PLANTED_CASES:
+        worst = max(max(bf16_excesses(per_rank[case_["name"]]).values()) for per_rank in results)
+        print(f"{case_['name']}: {worst:.3g} times the limit")
         with pytest.raises(AssertionError):
             check(results, [case_], bf16=True)
 

@@ -136,8 +136,8 @@ MOE_CP2_CASES = [
 # bf16 as `cptune train` runs it under DeepSpeed (``bf16.enabled``: the engine casts every parameter to bf16,
 # LoRA adapters too, and steps fp32 master weights; no autocast, so peft's LoRA input cast that cptune skips
 # under autocast is a no-op here), each memory feature on at cp=2, off in the cp=1 references (tests/parallel/
-# case_features.py), held to check(bf16=True): the reorder floor of a second bf16 cp=1 reference with eager
-# attention (issue 30). The offload case must equal its twin without offloading bit for bit.
+# case_features.py), held to check(bf16=True): the reorder floor of the bf16 cp=1 reference's reorder twins
+# (tests/parallel/reorder_twins.py; issue 30). The offload case must equal its twin without offloading bit for bit.
 BF16_FEATURES = {"offload": True, "tiles": 3, "norms": True, "head_loss": True}
 BF16_CP2_CASES = [
     case("bf16-packed-causal-lora", bf16=True),

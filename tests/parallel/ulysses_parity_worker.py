@@ -29,8 +29,10 @@ Usage: ulysses_parity_worker.py OUT_DIR CASES_JSON
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,6 +44,7 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
+from reorder_twins import TWINS, Twin, grad_norm_rel  # tests/parallel/reorder_twins.py
 from ulysses_preference_case import run_ulysses_preference_case  # tests/parallel/, beside this script
 
 from cptune.labels import shift_labels_within_documents
@@ -179,14 +182,14 @@ def reference_run(
     steps: list,
     float64: bool = False,
     router_aux: list[float] | None = None,
-    attention: str | None = None,
+    twin: Twin | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """cp=1: every micro batch of every data-parallel group, whole rows, mean over the step's targets.
 
     ``float64``: the same model and loss computed in float64. A MoE model's router loss is added as
     CptuneTrainer adds it (the mean over the step's micro batches), each step's logged value (the mean
-    ``aux``, a collective every rank runs) appended to ``router_aux``. ``attention``: the attention
-    implementation instead of sdpa (bf16: eager, the reorder baseline). Runs before DeepSpeed's attention
+    ``aux``, a collective every rank runs) appended to ``router_aux``. ``twin``: one of the reorder
+    twins of tests/parallel/reorder_twins.py instead (bf16: the reorder floor). Runs before DeepSpeed's attention
     wraps the core attention: the wrapper replaces ``sdpa`` in the registry until the case's scope
     patch reverts.
     """
@@ -195,10 +198,14 @@ def reference_run(
     if case.get("arch") == "gpt_oss":
         # transformers' eager gpt-oss attention (gpt-oss has no sdpa), the documents' masks given
         local = MaskedEagerBackend(case.get("window", 5))
-    model = build_model(case, attention or (local.attn_implementation if causal else "cptune"))
+    attention = local.attn_implementation if causal else "cptune"
+    model = build_model(case, twin.attn_implementation(attention) if twin else attention)
     loss_sum = token_loss_sum
     if float64:
         model, loss_sum = float64_twin(model), float64_loss_sum
+    if twin:
+        local = twin.backend(causal)
+    context = twin.context if twin else contextlib.nullcontext
     router = RouterBalance.from_config(model.config)
     router_log = RouterLossLog()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -213,7 +220,8 @@ def reference_run(
         # The reorder stress accumulates the fp32 reference's micro batches the other way (tests/reorder.py).
         for batch in everything if float64 else reorder.in_stress_order(everything):
             sharded = local.shard(batch)
-            outputs = model(**sharded.model_kwargs, use_cache=False)
+            with context():
+                outputs = model(**sharded.model_kwargs, use_cache=False)
             loss, aux = training_loss(
                 loss_sum(outputs.logits, sharded.shift_labels),
                 outputs,
@@ -255,15 +263,13 @@ def largest_relative(grads: dict, ref_grads: dict) -> tuple[float, str]:
     return relative[worst], worst
 
 
-def case_result(
-    reference: tuple, second: tuple, grads: dict, steps: list, run: dict, bf16: bool = False
-) -> dict:
+def case_result(reference: tuple, second: tuple | list, grads: dict, steps: list, run: dict) -> dict:
     """What tests/parallel/test_parity.py's ``check`` reads, from both references' ``(losses, step-0 gradients)``.
 
-    ``second``: the cp=1 reference computed in float64, or in bf16 (``bf16``) the one with eager attention
-    (the reorder baseline of ``check(bf16=True)``).
+    ``second``: the cp=1 reference computed in float64, or in bf16 a list, the reorder twins' (the reorder
+    floor of ``check(bf16=True)``).
     """
-    (ref_losses, ref_grads), (second_losses, second_grads) = reference, second
+    ref_losses, ref_grads = reference
     grad_rel, worst = largest_relative(grads, ref_grads)
     result = {
         "ref_losses": ref_losses,
@@ -274,10 +280,14 @@ def case_result(
         "grad_sha": grads_digest(grads),
         **run,
     }
-    if bf16:
-        result["baseline_losses"] = second_losses
-        result["baseline_grad_rel"] = largest_relative(second_grads, ref_grads)[0]
+    if isinstance(second, list):
+        result["grad_norm_rel"] = grad_norm_rel(grads, ref_grads)
+        result["baseline_losses"] = [losses for losses, _ in second]
+        result["baseline_grad_rel"] = [largest_relative(g, ref_grads)[0] for _, g in second]
+        result["baseline_grad_norm_rel"] = [grad_norm_rel(g, ref_grads) for _, g in second]
+        result["twins"] = [twin.name for twin in TWINS]
     else:
+        second_losses, second_grads = second
         result["ref64_losses"] = second_losses
         result["grad_errors"] = relative_errors(grads, second_grads)
         result["ref_grad_errors"] = relative_errors(ref_grads, second_grads)
@@ -335,8 +345,12 @@ def run_case(case: dict) -> dict:
     steps = [[[make_batch(generator, case) for _ in range(ga)] for _ in range(dp)] for _ in range(STEPS)]
     ref64_router_aux: list[float] = []
     reference = reference_run(case, steps)
-    if case.get("bf16"):  # the reorder baseline: the same bf16 run with eager attention
-        second = reference_run(case, steps, attention="eager")
+    if case.get("bf16"):  # the reorder floor: the same bf16 run in each twin's order
+        second, twin_seconds = [], []  # what each twin costs (the eager one alone was the rule before)
+        for twin in TWINS:
+            started = time.perf_counter()
+            second.append(reference_run(case, steps, twin=twin))
+            twin_seconds.append(time.perf_counter() - started)
     else:
         second = reference_run(case, steps, float64=True, router_aux=ref64_router_aux)
     ref_grads = reference[1]
@@ -415,7 +429,9 @@ def run_case(case: dict) -> dict:
     if stage == 3:
         run["whole_parameters"] = whole_parameters(engine.module.named_parameters(), world)
         run["parameters"] = sum(1 for _ in engine.module.parameters())
-    return case_result(reference, second, grads, steps, run, bf16=bool(case.get("bf16")))
+    if case.get("bf16"):
+        run["twin_seconds"] = twin_seconds
+    return case_result(reference, second, grads, steps, run)
 
 
 def main() -> None:

@@ -1,0 +1,97 @@
+"""The reorder twins of a bf16 cp=1 reference: the same function computed with its sums in other orders.
+
+bf16 parity has no float64 reference to hold a CP run against (a float64 model is another function
+under bf16 rounding), so the parity workers run the cp=1 reference again in :data:`TWINS`' orders
+beside it, and ``check(bf16=True)`` (tests/parallel/test_parity.py) holds the CP run's distance from
+the reference against the largest distance of the twins. Each twin is a legal reorder of the
+reference's attention, the one computation a CP backend splits besides the gradient sums:
+
+- ``eager``: transformers' eager attention (scores, fp32 softmax, values as separate matmuls);
+- ``sdpa-math``: the reference's sdpa with torch's math backend instead of the CPU flash kernel
+  (whole score matrix, q and k each scaled by the square root of the scale);
+- ``documents``: cptune's cp=1 document attention (``LocalBackend(documents=True)``): one SDPA
+  call per document, no ``tokens x tokens`` mask, so masked keys never enter the sums; a sliding
+  window counted within each document, as the reference's mask and the CP kernels count it
+  (:class:`DocumentTwinBackend`). On rows of one document each (no padding) it makes the one SDPA
+  call over the batch the reference makes, and the floor rests on the other two twins.
+
+Three twins, not one: the rule compares the CP run against the largest of them, and a CP run
+exactly as noisy as each twin lands beyond ``c`` times the largest of ``K`` independent draws far
+less often than beyond ``c`` times one (test_parity.py's ``check``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
+from cptune.parallel.backends.base import ShardedInputs
+from cptune.parallel.backends.document_attention import DocumentAttention, RowDocuments
+from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.shard import TokenBatch
+
+
+class DocumentTwinBackend(LocalBackend):
+    """``LocalBackend(documents=True)`` whose attention also takes a sliding window (``DocumentAttention``'s,
+    counted in positions within each document), so the twin serves windowed models too."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__(causal, documents=True)
+
+    def shard(self, batch: TokenBatch) -> ShardedInputs:
+        sharded = super().shard(batch)
+        attention = DocumentAttention(self.causal)
+        documents = RowDocuments.of(batch.position_ids, batch.shape[0])
+
+        def attend(q, k, v, scale, window=None):
+            return attention.within(q, k, v, scale, documents, window)
+
+        call = AttentionCall(attend=attend, takes_window=True)
+        return dataclasses.replace(
+            sharded, model_kwargs={**sharded.model_kwargs, ATTENTION_KWARG: call}, call=call
+        )
+
+
+@dataclass(frozen=True)
+class Twin:
+    """How one twin computes the reference: its attention implementation, cp=1 backend and context."""
+
+    name: str
+    #: the attention implementation for a causal reference (sdpa); None keeps the reference's
+    attention: str | None
+    documents: bool
+    context: Callable[[], contextlib.AbstractContextManager]
+
+    def backend(self, causal: bool) -> LocalBackend:
+        return DocumentTwinBackend(causal) if self.documents else LocalBackend(causal=causal)
+
+    def attn_implementation(self, reference: str) -> str:
+        return self.attention or reference
+
+
+def _math_sdpa() -> contextlib.AbstractContextManager:
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+TWINS = (
+    Twin("eager", "eager", False, contextlib.nullcontext),
+    Twin("sdpa-math", None, False, _math_sdpa),
+    Twin("documents", ATTENTION_NAME, True, contextlib.nullcontext),
+)
+
+
+def grad_norm_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """``‖got - want‖ / ‖want‖`` over every gradient together (float64): the norm-based relative error.
+
+    A sum over every element of every tensor, so one draw of it varies far less from run to run than
+    the largest element's error does (test_parity.py's ``check`` uses it; ``grad_rel`` is reported).
+    """
+    diff = sum(float((got[n].double() - w.double()).square().sum()) for n, w in want.items())
+    ref = sum(float(w.double().square().sum()) for w in want.values())
+    return (diff / max(ref, 1e-300)) ** 0.5
