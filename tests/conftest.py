@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,23 +133,37 @@ def succeeded(done: subprocess.CompletedProcess) -> None:
         pytest.fail(f"exit code {done.returncode}; stderr:\n{done.stderr[-20000:]}", pytrace=False)
 
 
-@pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """The quickstart as a user runs it (``cptune train examples/quickstart.yaml``, cp=2), once per session.
+# docs/getting-started.md's first training command, run as written in a fresh copy of examples/: the
+# quickstart (cp=2) into outputs/quickstart, its data prepared into prepared/ (examples/quickstart.yaml).
+QUICKSTART_COMMAND = "cptune train examples/quickstart.yaml --overwrite"
 
-    Returns the finished process and its output_dir (the adapter); the test of the quickstart and
-    the tests of ``cptune inference`` share this one run.
+
+@dataclass(frozen=True)
+class PageRun:
+    """A documented command's finished process and the fresh copy of ``examples/`` it ran in."""
+
+    done: subprocess.CompletedProcess
+    folder: Path
+
+
+@pytest.fixture(scope="session")
+def quickstart_page_run(tmp_path_factory) -> PageRun:
+    """The quickstart as the getting-started page runs it (:data:`QUICKSTART_COMMAND`), once per session.
+
+    tests/docs/test_commands.py continues the page in a copy of its folder; the tests of the
+    quickstart (tests/test_examples.py), of ``cptune inference`` and of the data report share it
+    through ``quickstart_run``.
     """
-    root = tmp_path_factory.mktemp("quickstart")
-    out = root / "out"
-    done = run_cptune(
-        "train",
-        "examples/quickstart.yaml",
-        f"--output_dir={out}",
-        f"--dataset_prepared_path={root / 'prepared'}",
-        cwd=REPO,
-    )
-    return done, out
+    from tests.as_written import fresh_clone, run_as_written
+
+    folder = fresh_clone(tmp_path_factory.mktemp("quickstart"))
+    return PageRun(run_as_written(QUICKSTART_COMMAND, folder), folder)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(quickstart_page_run) -> tuple[subprocess.CompletedProcess, Path]:
+    """The session's quickstart run: its finished process and its output_dir (the adapter)."""
+    return quickstart_page_run.done, quickstart_page_run.folder / "outputs" / "quickstart"
 
 
 def logged_losses(output_dir: Path) -> list[float]:

@@ -189,7 +189,7 @@ def test_fsdp2_example_log_is_quiet(tmp_path):
 
 
 @pytest.mark.distributed
-def test_quickstart_resume_continues_from_its_last_checkpoint(quickstart_run, tmp_path):
+def test_quickstart_resume_continues_from_its_last_checkpoint(quickstart_page_run, quickstart_run, tmp_path):
     """``cptune train examples/quickstart.yaml --resume``, as scripts/quickstart.sh advertises it.
 
     A copy of the session's finished quickstart run (the original is shared with other tests), less
@@ -212,7 +212,7 @@ def test_quickstart_resume_continues_from_its_last_checkpoint(quickstart_run, tm
         "examples/quickstart.yaml",
         "--resume",
         f"--output_dir={out}",
-        f"--dataset_prepared_path={finished.parent / 'prepared'}",
+        f"--dataset_prepared_path={quickstart_page_run.folder / 'prepared'}",  # the finished run's data
         cwd=REPO,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -11,27 +11,27 @@ Kept out, each with its reason: commands for GPUs or several nodes, commands on 
 (the reader's own recipe: no file of that name ships), the scripts that install into ``.venv``
 (tested by tests/scripts/test_setup.py, and the quickstart's training command is the next command
 on its page), and the CPU examples' full trainings, which tests/test_examples.py trains (minutes
-each). What runs trains the quickstart twice (cp=2 and cp=1), the page's own recipe twice, and
-one ``accelerate launch`` of 2 steps: 2 min 45 s of CPU time in all (measured with its processes'
-time; 18 min wall on a 2-core machine shared with other suites, load 15-20). Each command's time
-is printed with ``-s``.
+each). What runs trains the quickstart once (cp=2), the page's own recipe for 20 steps, and one
+``accelerate launch`` of 2 steps. The getting-started page's first command, the quickstart's
+training, is run as written once per session (``quickstart_page_run`` in tests/conftest.py), in a
+fresh copy of ``examples/``; the quickstart's own tests share that run, and the page goes on from
+it in a copy of its folder. Each command's time is printed with ``-s``.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.as_written import fresh_clone, run_as_written
+from tests.conftest import QUICKSTART_COMMAND, REPO
 from tests.quiet_log import noise_in
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -75,6 +75,7 @@ NOT_RUN: tuple[tuple[str, str], ...] = (
 # A page whose commands follow another page's: the launching page's accelerate line is run in the
 # folder where the getting-started page left the quickstart's run (issue 33: it refused then).
 RUNS_AFTER = {"docs/launching.md": "docs/getting-started.md"}
+GETTING_STARTED = "docs/getting-started.md"
 
 
 @dataclass(frozen=True)
@@ -140,18 +141,16 @@ def test_the_getting_started_recipe_is_written_and_the_launch_line_is_extracted(
     ]
 
 
-def _environment() -> dict[str, str]:
-    python_path = os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])
-    return {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": python_path.rstrip(os.pathsep),
-        "OMP_NUM_THREADS": "1",
-    }
+def run_page(
+    page: Path, folder: Path, already_run: dict[str, subprocess.CompletedProcess] | None = None
+) -> list[str]:
+    """Runs the page's steps in ``folder``; returns a transcript line per step.
 
-
-def run_page(page: Path, folder: Path) -> list[str]:
-    """Runs the page's steps in ``folder``; returns a transcript line per step."""
+    ``already_run`` maps a command to its finished process when the session ran it as written in
+    this same folder before (it must come before every other command the page runs): its result
+    is checked like a command run here, and it is not run again.
+    """
+    already_run = dict(already_run or {})
     transcript = []
     for step in page_steps(page):
         if step.path:
@@ -162,17 +161,16 @@ def run_page(page: Path, folder: Path) -> list[str]:
         if why:
             transcript.append(f"not run: {step.command} ({why})")
             continue
-        started = time.monotonic()
-        done = subprocess.run(
-            ["bash", "-c", step.command],
-            cwd=folder,
-            env=_environment(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            stdin=subprocess.DEVNULL,
-        )
         where = f"{_name(page)}: `{step.command}`"
+        started = time.monotonic()
+        if step.command in already_run:
+            ran_here = [line for line in transcript if line.startswith(("ran ", "wrote "))]
+            assert not ran_here, f"{where} ran before the page's earlier steps: {ran_here}"
+            done = already_run.pop(step.command)
+            ran = "ran once for the session (quickstart_page_run)"
+        else:
+            done = run_as_written(step.command, folder)
+            ran = f"ran ({time.monotonic() - started:.1f} s)"
         if done.returncode != 0:
             pytest.fail(
                 f"{where} exited {done.returncode}\n--- stdout:\n{done.stdout[-4000:]}\n"
@@ -183,7 +181,8 @@ def run_page(page: Path, folder: Path) -> list[str]:
         assert not noise, (
             f"{where} printed noise:\n" + "\n".join(noise) + f"\n--- stderr:\n{done.stderr[-6000:]}"
         )
-        transcript.append(f"ran ({time.monotonic() - started:.1f} s): {step.command}")
+        transcript.append(f"{ran}: {step.command}")
+    assert not already_run, f"{_name(page)} has no command {sorted(already_run)}"
     return transcript
 
 
@@ -193,28 +192,39 @@ def finished_pages(tmp_path_factory) -> dict[str, Path]:
     return {}
 
 
-def _fresh_copy(root: Path) -> Path:
+def _start_page(name: str, root: Path, request: pytest.FixtureRequest) -> tuple[Path, dict]:
+    """A folder to run page ``name`` in from its start, and the commands the session already ran there.
+
+    The getting-started page starts with the quickstart's training, which the session runs once
+    as written (``quickstart_page_run``, shared with the quickstart's own tests): the page goes on
+    in a copy of the fresh folder that command ran in, holding what it wrote.
+    """
+    if name != GETTING_STARTED:
+        return fresh_clone(root), {}
+    shared = request.getfixturevalue("quickstart_page_run")
     folder = root / "clone"
-    shutil.copytree(REPO / "examples", folder / "examples", ignore=shutil.ignore_patterns("__pycache__"))
-    return folder
+    shutil.copytree(shared.folder, folder)
+    return folder, {QUICKSTART_COMMAND: shared.done}
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
-def test_the_pages_commands_run_as_written(page: Path, finished_pages, tmp_path_factory):
+def test_the_pages_commands_run_as_written(page: Path, finished_pages, tmp_path_factory, request):
     name = _name(page)
     root = tmp_path_factory.mktemp(re.sub(r"\W", "-", name))
     before = RUNS_AFTER.get(name)
     if before is None:
-        folder = _fresh_copy(root)
+        folder, already_run = _start_page(name, root, request)
     else:
         if before not in finished_pages:
-            earlier = _fresh_copy(tmp_path_factory.mktemp(re.sub(r"\W", "-", before)))
-            run_page(REPO / before, earlier)
+            earlier, already_run = _start_page(
+                before, tmp_path_factory.mktemp(re.sub(r"\W", "-", before)), request
+            )
+            run_page(REPO / before, earlier, already_run)
             finished_pages[before] = earlier
-        folder = root / "clone"
+        folder, already_run = root / "clone", {}
         shutil.copytree(finished_pages[before], folder)
-    transcript = run_page(page, folder)
+    transcript = run_page(page, folder, already_run)
     finished_pages[name] = folder
     print("\n".join(transcript))
     assert any(line.startswith(("ran ", "wrote ")) for line in transcript)

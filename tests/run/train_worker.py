@@ -26,6 +26,7 @@ import torch
 from cptune.config.loader import load_recipe
 from cptune.run.training import train as train_module
 from cptune.run.training.distributed import close_process_groups, read_dist_env
+from cptune.run.training.unused_imports import leave_out_bitsandbytes
 
 FIXED_TEXT = "### Instruction:\nName a colour of the sea.\n\n### Response:\nBlue, green or grey."
 
@@ -42,6 +43,8 @@ def main() -> None:
         crash_step = int(args[at + 1])
         del args[at : at + 2]
     out_dir, recipes = Path(args[0]), args[1:]
+    # As cptune's own ranks do (cptune/cli.py): this process trains these recipes only.
+    leave_out_bitsandbytes([load_recipe(recipe) for recipe in recipes])
     reports = [train_one(recipe, crash_step) for recipe in recipes]
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps({"runs": reports}))
     close_process_groups()  # as cptune's own ranks end

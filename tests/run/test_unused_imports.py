@@ -1,0 +1,79 @@
+"""A launched rank leaves bitsandbytes unimported unless its recipe quantizes or uses its optimizers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from cptune.config.loader import validate_recipe
+from cptune.run.training.unused_imports import leave_out_bitsandbytes, uses_bitsandbytes
+
+
+def recipe(**keys):
+    return validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {},
+        {"adapter": "lora"},
+        {"optimizer": "adamw_torch"},
+        {"optimizer": "sgd"},
+        {"optimizer": "adamw_torch_8bit"},
+    ],
+    ids=["full", "lora", "adamw_torch", "sgd", "torchao-8bit"],
+)
+def test_a_recipe_without_quantization_or_bitsandbytes_optimizer_leaves_it_out(keys):
+    modules: dict = {}
+    assert not uses_bitsandbytes(recipe(**keys))
+    assert leave_out_bitsandbytes([recipe(**keys)], modules)
+    assert modules == {
+        "bitsandbytes": None
+    }  # `import bitsandbytes` raises ImportError, find_spec answers None
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"adapter": "qlora", "load_in_4bit": True},
+        {"adapter": "lora", "load_in_8bit": True},
+        {"optimizer": "adamw_bnb_8bit"},
+        {"optimizer": "paged_adamw_32bit"},
+        {"optimizer": "lion_8bit"},
+    ],
+    ids=["qlora", "lora-8bit", "adamw_bnb_8bit", "paged", "lion_8bit"],
+)
+def test_a_recipe_that_uses_bitsandbytes_keeps_it(keys):
+    modules: dict = {}
+    assert uses_bitsandbytes(recipe(**keys))
+    assert not leave_out_bitsandbytes([recipe(**keys)], modules)
+    assert modules == {}
+
+
+def test_one_recipe_of_several_that_uses_it_keeps_it():
+    """A test worker trains several recipes in one process (tests/run/train_worker.py)."""
+    modules: dict = {}
+    assert not leave_out_bitsandbytes([recipe(), recipe(optimizer="adamw_bnb_8bit")], modules)
+    assert modules == {}
+
+
+def test_an_imported_bitsandbytes_is_left_alone():
+    imported = object()
+    modules = {"bitsandbytes": imported}
+    assert not leave_out_bitsandbytes([recipe()], modules)
+    assert modules["bitsandbytes"] is imported
+
+
+def test_left_out_reads_as_not_installed(monkeypatch):
+    """How transformers, peft and accelerate ask (importlib.util.find_spec) sees no bitsandbytes."""
+    import sys
+
+    # Undone in reverse after the test: whatever sys.modules held for it before comes back.
+    monkeypatch.setitem(sys.modules, "bitsandbytes", "placeholder")
+    monkeypatch.delitem(sys.modules, "bitsandbytes")
+    leave_out_bitsandbytes([recipe()], sys.modules)
+    assert importlib.util.find_spec("bitsandbytes") is None
+    with pytest.raises(ImportError):
+        import bitsandbytes  # noqa: F401
