@@ -42,11 +42,17 @@ from cptune.labels import IGNORE_INDEX
 EPS32 = torch.finfo(torch.float32).eps  # 2**-23
 EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2**-7
 
-#: How much farther from float64 a path under test may land than the fp32 reference path does. A
-#: tensor's error is the largest over its elements, a noisy statistic; and a CP path rounds more
-#: often than one process (partial attention merged by LSE, partial gradient sums all-reduced and
-#: divided by the world size). Planted bugs land 1e3-1e5 times past this limit (test_parity.py).
-SAME_BOUND_FACTOR = 8.0
+#: How much farther from float64 a path under test may land than the fp32 reference path does. The
+#: reference's own distance from float64 is one draw of its rounding, not a bound: on the same cases
+#: (tests/parallel/test_parity.py's DPO, SimPO and ORPO pairs, seeds 11 to 16) its median over the 28
+#: gradient tensors moves 4x with the seed alone (5.3e-7 to 2.2e-6), while the CP path's error, which
+#: adds the rounding of partial attention merged by LSE and of partial gradients all-reduced and divided
+#: by the world size, stays near 5e-6. A factor of 8 put one of those 12 seeds at 1.11x its limit and the
+#: next at 0.56x; 16 covers the seed-to-seed spread of the draw times the CP path's extra rounding, so a
+#: CPU that rounds the reference luckier than this one does not fail a correct run. Planted bugs land
+#: 1e3-1e6 times past a factor-8 limit (test_parity.py), so still 500x past this one. The sound fix is
+#: the bf16 check's: the reference computed in several legal orders, the limit from the farthest.
+SAME_BOUND_FACTOR = 16.0
 #: Floor of a tensor's relative error (to its largest element): two ulps of that element, the
 #: resolution of the comparison itself, for a tensor the fp32 reference happens to get exactly.
 ULP_FLOOR = 2 * EPS32

@@ -164,7 +164,7 @@ def test_qlora_recipe_adapter_loads_in_peft_and_merges_into_the_dequantized_base
     with torch.no_grad():
         expected, got = model(input_ids=ids).logits, standalone(input_ids=ids).logits
         expected64 = float64_twin(model)(input_ids=ids).logits  # the 4-bit base dequantized, in float64
-    # Float64 reference (tests/numerics.py): the merged model's fp32 logits within 8x the adapter-on-4-bit
+    # Float64 reference (tests/numerics.py): the merged model's fp32 logits within 16x the adapter-on-4-bit
     # model's distance from float64. Merged into the original, unquantized weights it was 0.05 off.
     assert_float64_rule({"logits": got}, {"logits": expected}, {"logits": expected64})
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]

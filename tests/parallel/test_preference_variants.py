@@ -199,7 +199,7 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
 
     The same tiny model, adapter weights and tokens (asserted). Tolerance, the float64-reference rule
     (tests/numerics.py) as in the DPO comparison: TRL also runs in float64; cptune's fp32 loss, each metric
-    and each LoRA gradient tensor land at most 8x as far from TRL's float64 value as TRL's own fp32 run
+    and each LoRA gradient tensor land at most 16x as far from TRL's float64 value as TRL's own fp32 run
     does, plus a floor (the reorder bound of the per-token means behind the value; 2 ulps for gradients).
     """
     import trl

@@ -182,7 +182,7 @@ def test_saved_adapter_and_merged_model_give_the_trained_models_logits(reference
         f"logits max abs diff: saved adapter vs trained {adapter_diff:.3g}, merged vs adapter {merged_diff:.3g}"
     )
     # Float64 reference (tests/numerics.py): the cp=2 model's logits and the merged model's (merging
-    # changes the order of the additions) within 8x of the saved adapter's fp32 logits' distance.
+    # changes the order of the additions) within 16x of the saved adapter's fp32 logits' distance.
     for got in (trained, merged_logits):
         assert_float64_rule({"logits": got}, {"logits": loaded}, {"logits": loaded64})
     with torch.no_grad(), with_adapter.disable_adapter():
