@@ -23,7 +23,8 @@ bf16 cases (``BF16_CP2_CASES``) run DeepSpeed's bf16 engine with each memory fea
 reorder-floor check of test_parity.py, ZeRO-3 with recomputed norms among them.
 Sliding-window models (a tiny Mistral and Gemma 3 text, ``WINDOW_CP2_CASES`` and the cp4 window
 cases) run through the ``cptune`` core attention, which attends each layer's window over whole rows,
-and so does a tiny gpt-oss (``SINK_CP2_CASES``), whose sinks each rank applies for its heads.
+and so does a tiny gpt-oss (``SINK_CP2_CASES``, and at cp=4 one query head per rank), whose sinks each rank
+applies for its heads.
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ CP4_CASES = [
     case(
         "cp4-window-mistral-packed-causal-full", cp=4, arch="mistral", long_doc=True, lora=False, seq_len=32
     ),
+    # gpt-oss over 4 ranks: one query head each, so each rank applies exactly one head's sink.
+    case("cp4-sinks-gpt-oss-packed-causal-lora", cp=4, arch="gpt_oss", long_doc=True, seq_len=32),
 ]
 DP2_CP2_CASES = [
     case("dp2xcp2-mbs2-ga2-packed-lora", mbs=2, ga=2),
