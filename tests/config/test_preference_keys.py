@@ -42,6 +42,12 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "sample_packing": True},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "ulysses_attn_implementation": "sdpa"},
         {"datasets": [{"path": "p.jsonl", "type": "passthrough.default", "field_prompt": "question"}]},
+        # The model states sharded: FSDP2 or ZeRO, LoRA or a full fine-tune (refused before issue 31's sharding).
+        {"fsdp_version": 2, "dp_shard_size": 2, "context_parallel_size": 2},
+        {"fsdp_version": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
+        {"zero_stage": 3, "context_parallel_size": 2},
+        {"zero_stage": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed", "zero_stage": 3},
     ],
 )
 def test_the_built_layouts_validate(keys):
@@ -60,6 +66,7 @@ def test_the_built_layouts_validate(keys):
             "causal",
         ),
         ({"test_datasets": [PAIRS]}, "test_datasets"),
+        ({"tensor_parallel_size": 2, "fsdp_version": 2, "context_parallel_size": 2}, "tensor_parallel_size"),
     ],
 )
 def test_what_is_not_built_is_refused_naming_the_key(keys, key):

@@ -42,8 +42,6 @@ CASES: tuple[Case, ...] = (
     Case("rl-lora-model-dir", setup=lambda ws: {**_pairs(ws), "lora_model_dir": str(ws.root / "adapter")}),
     Case("rl-train-on-inputs", setup=lambda ws: {**_pairs(ws), "train_on_inputs": True}),
     Case("rl-eval-data", setup=lambda ws: {**_pairs(ws), "val_set_size": 0.1}),
-    Case("rl-fsdp", setup=lambda ws: {**_pairs(ws), "fsdp_version": 2}),
-    Case("rl-deepspeed", setup=lambda ws: {**_pairs(ws), "zero_stage": 2}),
     Case(
         "rl-tensor-parallel",
         setup=lambda ws: {**_pairs(ws), "tensor_parallel_size": 2, "fsdp_version": 2, "adapter": "lora"},

@@ -26,7 +26,11 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
-from cptune.run.training.reference_pass import precompute_reference, with_reference_column
+from cptune.run.training.reference_pass import (
+    RowsAwaitingReference,
+    precompute_reference,
+    with_reference_column,
+)
 from cptune.run.training.trainer import CptuneTrainer
 
 
@@ -51,17 +55,60 @@ class PreferenceTrainer(CptuneTrainer):
             adapter_disabled(unwrapped) if has_adapter or not precompute_reference else contextlib.nullcontext
         )
         self._metrics = PairMetrics()
-        if precompute_reference:
-            self._precompute_reference(unwrapped)
+        # With sharded parameters the first pass needs the prepared model: it runs in _prepare_for_training.
+        self._rows_awaiting_reference: RowsAwaitingReference | None = None
+        if precompute_reference and self._parameters_sharded():
+            self._rows_awaiting_reference = RowsAwaitingReference(self.train_dataset)
+            self.train_dataset = self._rows_awaiting_reference
+        elif precompute_reference:
+            # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at
+            # train()); the first pass runs where training will.
+            unwrapped.to(self.args.device)
+            sums = self._precompute_reference(unwrapped, self.train_dataset)
+            self.train_dataset = with_reference_column(self.train_dataset, sums)
 
-    def _precompute_reference(self, model: torch.nn.Module) -> None:
-        """``precompute_ref_log_probs``: the training rows' reference sums, from the weights as loaded."""
-        # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at train());
-        # the first pass runs where training will (rl refuses ZeRO, whose stage 3 would partition it).
-        model.to(self.args.device)
+    def _parameters_sharded(self) -> bool:
+        """FSDP2 or ZeRO-3 holds each parameter split over the ranks (whole only inside a forward)."""
+        if self.is_fsdp_enabled:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any):
+        """The Trainer's preparation; with sharded parameters, the first pass between it and the checkpoint's load.
+
+        The sharded model can run a forward only once prepared (every rank gathering each layer's
+        parameters), and the reference is the model as loaded, not a checkpoint's weights: the Trainer
+        prepares without the checkpoint, the first pass runs, then the checkpoint's states are loaded as the
+        Trainer loads them (transformers 5.23 trainer.py:1800-1810).
+        """
+        rows = self._rows_awaiting_reference
+        if rows is None:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        rows.fill(self._precompute_reference(self.accelerator.unwrap_model(model), rows.rows))
+        if resume_from_checkpoint is not None:
+            self._load_sharded_checkpoint(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _load_sharded_checkpoint(self, checkpoint: str) -> None:
+        """A checkpoint's model, optimizer, scheduler and scaler states, as the Trainer's preparation loads them."""
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+        from transformers.trainer_utils import _is_peft_model
+
+        if self.is_deepspeed_enabled:
+            strict = not _is_peft_model(self.model)
+            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=strict)
+        else:
+            self._load_from_checkpoint(checkpoint, self.model_wrapped)
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_scaler(checkpoint)
+
+    def _precompute_reference(self, model: torch.nn.Module, rows: Any) -> list[list[float]]:
+        """``precompute_ref_log_probs``: the reference sums of ``rows`` (the training rows), from ``model`` as loaded."""
         dp_size = self.accelerator.num_processes // self.batch_group_size
-        sums = precompute_reference(
-            self.train_dataset,
+        return precompute_reference(
+            rows,
             self.data_collator,
             model,
             self.cp_backend,
@@ -72,8 +119,8 @@ class PreferenceTrainer(CptuneTrainer):
             cp_group=self._cp_group,
             reference_context=self._reference_context,
             attention_layers=self._attention_layers,
+            device=self.args.device,
         )
-        self.train_dataset = with_reference_column(self.train_dataset, sums)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)
