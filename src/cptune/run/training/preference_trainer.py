@@ -5,7 +5,9 @@ adapter disabled, then the policy, each on this rank's shard, completed over the
 rank backpropagates its share of the pair losses scaled to the mean over the optimizer step's pairs
 (:func:`~cptune.parallel.preference.preference_step_loss`). The step's pairs are counted as the SFT
 loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS`) are
-summed per pair and logged as means over the pairs since the last log.
+summed per pair and logged as means over the pairs since the last log. With ``precompute_ref_log_probs``
+the reference's sums come from a first pass (:mod:`cptune.run.training.reference_pass`): when the trainer
+is built, or, with the parameters sharded (FSDP2, ZeRO-3), once the Trainer has prepared the model.
 """
 
 from __future__ import annotations
