@@ -54,6 +54,10 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_fsdp2_zero3_and_resum
             "train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO, timeout=900
         )
         assert done.returncode == 0, done.stderr[-3000:]
+        # With the parameters sharded the pass waits for the prepared model (all 4 ranks in each forward).
+        assert ("the first pass over 4 training rows runs on the sharded model" in done.stderr) is (
+            name in ("fsdp2", "zero3")
+        ), (name, done.stderr[-3000:])
         logs[name] = dpo_logs(out)
     cp1 = logs["cp1"]
     assert len(cp1["loss"]) == 4 and len(set(cp1["loss"].values())) > 1

@@ -13,6 +13,7 @@ is built, or, with the parameters sharded (FSDP2, ZeRO-3), once the Trainer has 
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from cptune.run.training.reference_pass import (
     with_reference_column,
 )
 from cptune.run.training.trainer import CptuneTrainer
+
+log = logging.getLogger("cptune.preference")
 
 
 class PreferenceTrainer(CptuneTrainer):
@@ -88,6 +91,10 @@ class PreferenceTrainer(CptuneTrainer):
         if rows is None:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        log.info(
+            "precompute_ref_log_probs: the first pass over %d training rows runs on the sharded model",
+            len(rows),
+        )
         rows.fill(self._precompute_reference(self.accelerator.unwrap_model(model), rows.rows))
         if resume_from_checkpoint is not None:
             self._load_sharded_checkpoint(resume_from_checkpoint)
