@@ -51,6 +51,12 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"rl": "orpo", "adapter": None},
         {"rl": "simpo", "adapter": None, "context_parallel_size": 2, "cp_backend": "deepspeed"},
         {"rl": "simpo", "lora_model_dir": "adapter"},
+        # The model states sharded: FSDP2 or ZeRO, LoRA or a full fine-tune (refused before issue 31's sharding).
+        {"fsdp_version": 2, "dp_shard_size": 2, "context_parallel_size": 2},
+        {"fsdp_version": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
+        {"zero_stage": 3, "context_parallel_size": 2},
+        {"zero_stage": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
+        {"context_parallel_size": 2, "cp_backend": "deepspeed", "zero_stage": 3},
     ],
 )
 def test_the_built_layouts_validate(keys):
@@ -67,6 +73,7 @@ def test_the_built_layouts_validate(keys):
             {"context_parallel_size": 2, "cp_backend": "torch", "causal": False, "cp_load_balance": False},
             "causal",
         ),
+        ({"tensor_parallel_size": 2, "fsdp_version": 2, "context_parallel_size": 2}, "tensor_parallel_size"),
     ],
 )
 def test_what_is_not_built_is_refused_naming_the_key(keys, key):

@@ -12,6 +12,7 @@ from cptune.errors import PatchError
 from cptune.patches.overrides import check_overrides
 from cptune.patches.transformers_patches import TRAINER_OVERRIDES
 from cptune.run.training import trainer as trainer_module
+from cptune.run.training.preference_trainer import PreferenceTrainer
 
 
 def test_the_installed_transformers_fits_every_override():
@@ -19,9 +20,10 @@ def test_the_installed_transformers_fits_every_override():
     assert plan.ok, plan.describe()
 
 
-def test_every_private_trainer_member_cptune_touches_is_declared():
-    """An override or call of a private Trainer member in CptuneTrainer without a declaration fails here."""
-    source = inspect.getsource(trainer_module.CptuneTrainer)
+@pytest.mark.parametrize("subclass", [trainer_module.CptuneTrainer, PreferenceTrainer])
+def test_every_private_trainer_member_cptune_touches_is_declared(subclass):
+    """An override or call of a private Trainer member in cptune's Trainers without a declaration fails here."""
+    source = inspect.getsource(subclass)
     cls = ast.parse(source).body[0]
     trainer_members = set(vars(transformers.trainer.Trainer))
     overridden = {node.name for node in cls.body if isinstance(node, ast.FunctionDef)}

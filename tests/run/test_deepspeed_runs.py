@@ -8,7 +8,10 @@ do not divide over the 2 processes:
 2. ``zero3``: the same under ZeRO-3, partitioning every parameter (``stage3_param_persistence_threshold:
    0``; the default keeps all of a tiny model's parameters whole);
 3. ``resumed``: ``zero0`` resumed from its checkpoint of step 2;
-4. ``ring``: ring-flash-attn without DeepSpeed, the reference, after the DeepSpeed runs.
+4. ``ring``: ring-flash-attn without DeepSpeed, the reference, after the DeepSpeed runs;
+5. ``dpo-zero3``: ``examples/cpu/dpo.yaml`` (DPO of a LoRA adapter, its reference the adapter disabled) with
+   DeepSpeed Ulysses under ZeRO-3, every parameter partitioned, SGD, 4 steps;
+6. ``dpo-ring``: the same without DeepSpeed (ring-flash-attn), its reference.
 
 In one process, as ``cptune.run.training.train.train`` called several times from a notebook: no run may
 leave DeepSpeed's process-wide state behind (before the fix the second Ulysses run stopped at
@@ -35,7 +38,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.conftest import QUICKSTART_DATA, max_rel_diff
+from tests.conftest import QUICKSTART_DATA, REPO, max_rel_diff
 from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
 
@@ -47,7 +50,8 @@ WORLD, GA = 2, 2
 LOSS_TOL = ADAPTER_TOL = logged_tolerance(128, GA)  # bound (tests/numerics.py): 128-token rows, GA a step
 # The first 22 quickstart samples pack into 11 rows of 128 tokens with the tiny model's tokenizer.
 SAMPLES = 22
-RUNS = ("zero0", "zero3", "resumed", "ring")
+RUNS = ("zero0", "zero3", "resumed", "ring", "dpo-zero3", "dpo-ring")
+DPO_KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +92,25 @@ def runs(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict[str, dict]]:
         },
         "ring": {"cp_backend": "ring-flash-attn"},
     }
+    example = yaml.safe_load((REPO / "examples" / "cpu" / "dpo.yaml").read_text())
+    dpo = {
+        **example,
+        "base_model": str(REPO / example["base_model"]),
+        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
+        "dataset_prepared_path": str(root / "dpo-prepared"),
+        "max_steps": 4,
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+        "warmup_steps": 0,
+        "context_parallel_size": WORLD,
+    }
+    recipes["dpo-zero3"] = {**dpo, **ulysses, "deepspeed": str(zero3)}
+    recipes["dpo-ring"] = dpo
     paths = []
     for name in RUNS:
         paths.append(root / f"{name}.yaml")
-        paths[-1].write_text(yaml.safe_dump({**common, **recipes[name], "output_dir": str(root / name)}))
+        base = {} if name.startswith("dpo") else common
+        paths[-1].write_text(yaml.safe_dump({**base, **recipes[name], "output_dir": str(root / name)}))
     ranks = run_ranks(WORKER, WORLD, root / "launch", *map(str, paths), timeout=400)
     assert ranks[0].keys() == set(RUNS)
     for name, key in [(name, key) for name in RUNS for key in ("loss", "grad_norm", "epoch")]:
@@ -146,6 +165,30 @@ def test_zero3_adapter_holds_the_grown_embeddings_as_without_deepspeed(runs):
         assert got[key].dtype == expected[key].dtype and torch.equal(got[key], expected[key]), key
     worst = max(float((got[k] - expected[k]).abs().max() / expected[k].abs().max()) for k in expected)
     assert worst <= ADAPTER_TOL
+
+
+def test_lora_dpo_under_zero3_logs_the_ring_runs_numbers(runs):
+    """DPO with Ulysses under ZeRO-3: the reference forward (the adapter disabled) gathers the partitioned base
+    weights as the policy's does; every step's loss, gradient norm, rewards and log-probs equal the run
+    without DeepSpeed (which equals cp=1: tests/parallel/test_parity.py)."""
+    _, reports = runs
+    got, expected = reports["dpo-zero3"], reports["dpo-ring"]
+    assert reports["dpo-zero3"]["whole_parameters"] == []
+    assert len(steps(expected, "loss")) == 4 and steps(expected, "rewards/margins")[1] == 0.0
+    assert steps(got, "rewards/margins")[1] == 0.0
+    diffs = {
+        key: max_rel_diff(steps(got, key), steps(expected, key)) for key in DPO_KEYS if "rewards" not in key
+    }
+    # A reward is β times a difference of log-prob sums, 0 at step 1: its error is relative to the sums.
+    beta = 0.1  # examples/cpu/dpo.yaml's rl_beta
+    for key in ("rewards/chosen", "rewards/rejected"):
+        sums = steps(expected, key.replace("rewards", "logps"))
+        diffs[key] = max(
+            abs(steps(got, key)[s] - v) / (beta * abs(sums[s])) for s, v in steps(expected, key).items()
+        )
+    print("LoRA DPO, Ulysses ZeRO-3 vs ring, cp=2:", diffs)
+    # Bound (tests/numerics.py): the example's rows of at most 512 tokens, 2 a step.
+    assert max(diffs.values()) <= logged_tolerance(512, 2), diffs
 
 
 def test_resumed_run_continues_the_uninterrupted_one(runs):

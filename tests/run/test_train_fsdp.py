@@ -116,6 +116,9 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
     tests/test_examples.py counts on.
 
     ``lora``: a LoRA run of the tiny model (SGD, gradient accumulation 2).
+
+    ``dpo``: ``examples/cpu/dpo.yaml`` (DPO of a LoRA adapter, the reference the adapter disabled) at
+    dp_shard=2 × cp=2, SGD, 4 steps.
     """
     root = tmp_path_factory.mktemp("fsdp-4")
     example = yaml.safe_load(EXAMPLE.read_text())
@@ -137,14 +140,35 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
     full.write_text(yaml.safe_dump(keys))
     lora_keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
     lora = write_recipe(root, tiny_model_dir, "lora", gradient_accumulation_steps=2, **lora_keys)
+    dpo = root / "dpo.yaml"
+    dpo.write_text(yaml.safe_dump(example_dpo_recipe(root)))
     with auditing(root / "collectives") as audit:
-        ranks = train_in_one_launch(4, root / "launch", full, lora)
+        ranks = train_in_one_launch(4, root / "launch", full, lora, dpo)
     audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
     references = {
         "sharded": one_process_reference(full, root / "reference"),
         "lora": one_process_reference(lora, root / "lora-reference"),
+        "dpo": one_process_reference(dpo, root / "dpo-reference"),
     }
     return root, ranks, references
+
+
+def example_dpo_recipe(root: Path) -> dict:
+    """examples/cpu/dpo.yaml at dp_shard=2 × cp=2 under FSDP2: 4 SGD steps, logged at each."""
+    example = yaml.safe_load((REPO / "examples" / "cpu" / "dpo.yaml").read_text())
+    return {
+        **example,
+        "base_model": str(REPO / example["base_model"]),
+        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
+        "dataset_prepared_path": str(root / "prepared"),
+        "output_dir": str(root / "dpo"),
+        "max_steps": MAX_STEPS,
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+        "warmup_steps": 0,
+        "fsdp_version": 2,
+        "dp_shard_size": 2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +332,19 @@ def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_r
     assert {str(t.dtype) for t in load_file(root / "bf16" / "adapter_model.safetensors").values()} == {
         "torch.float32"
     }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_dpo_dp_shard2_cp2_logs_the_one_process_runs_numbers(four_rank_runs):
+    """DPO under FSDP2: the reference forward (the adapter disabled) and the policy's gather the same sharded
+    base weights; the logged loss, gradient norm, rewards and log-probs of each step equal one process's."""
+    from tests.run.test_train_preference import assert_logs_cp1s_numbers, dpo_logs
+
+    root, _, references = four_rank_runs
+    expected = dpo_logs(references["dpo"])
+    assert len(expected["loss"]) == MAX_STEPS and len(set(expected["loss"].values())) > 1
+    assert_logs_cp1s_numbers("LoRA DPO, dp_shard=2 x cp=2", dpo_logs(root / "dpo"), expected)
 
 
 def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Path) -> None:

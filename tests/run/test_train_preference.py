@@ -1,18 +1,22 @@
-"""`cptune train` of a full-fine-tune DPO recipe with precompute_ref_log_probs: cp=2 and dp=2 log cp=1's numbers,
-their evaluations too, and a resumed run repeats the finished run's steps.
+"""`cptune train` of a full-fine-tune DPO recipe with precompute_ref_log_probs: cp=2, and dp_shard=2 × cp=2 with the
+model states sharded by FSDP2 and by ZeRO-3, log cp=1's numbers, their evaluations too, and a resumed sharded run
+repeats its steps.
 
 The first pass (cptune.run.training.reference_pass) splits the training rows over the data-parallel
-groups and each row over its CP group; the logged loss, gradient norm and DPO metrics of every step
-must equal the cp=1 run's. The first step's policy is the reference: loss ln 2, margin 0 exactly.
-Four pairs are held out (val_set_size) and evaluated every 2 steps: their reference sums come from
-the same first pass, and eval_loss and the eval_ metrics (means over the held-out pairs) must equal
-the cp=1 run's too; at dp=2 the second group evaluates a filler row, whose pairs count nowhere.
-The pair-level parity of the same code (float64 reference) is in tests/parallel/test_parity.py.
+groups and each row over its CP group; with sharded parameters it runs on the prepared model, every rank
+in each forward (each gathers the parameters from all 4 ranks). The logged loss, gradient norm and DPO
+metrics of every step must equal the cp=1 run's. The first step's policy is the reference: loss ln 2,
+margin 0 exactly. Four pairs are held out (val_set_size) and evaluated every 2 steps: their reference sums
+come from the same first pass, and eval_loss and the eval_ metrics (means over the held-out pairs) must equal
+the cp=1 run's too; with two data-parallel groups the second evaluates a filler row, whose pairs count
+nowhere. The pair-level parity of the same code (float64 reference) is in tests/parallel/test_parity.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 
 import pytest
@@ -30,28 +34,15 @@ EVAL_KEYS = (
     "eval_rewards/rejected",
 )
 HELD_OUT = 4  # val_set_size: pairs
-
-
-def rel_diffs(run: dict, cp1: dict, keys: tuple[str, ...]) -> dict[str, float]:
-    """Each key's largest relative difference from cp=1 over the logged steps.
-
-    A reward is β times a difference of two log-prob sums (policy minus reference), 0 at step 1: its error
-    is relative to the sums, not to itself.
-    """
-    diffs = {}
-    for key in keys:
-        if "rewards/" not in key:
-            diffs[key] = max_rel_diff(run[key], cp1[key])
-            continue
-        sums = key.replace("rewards", "logps")
-        diffs[key] = max(
-            abs(run[key][step] - value) / (BETA * abs(cp1[sums][step])) for step, value in cp1[key].items()
-        )
-    return diffs
+SHARDED_PASS = re.compile(r"the first pass over \d+ training rows runs on the sharded model")
 
 
 @pytest.mark.distributed
-def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp1s_numbers(tmp_path):
+def test_full_fine_tune_dpo_with_precomputed_reference_cp2_fsdp2_zero3_and_resume_log_cp1s_numbers(tmp_path):
+    # ZeRO-3 keeps parameters below stage3_param_persistence_threshold (1e5 elements by default, so all of
+    # the tiny model's) whole on every rank; 0 partitions them all, as a real model's are.
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     common = [
         "--adapter=null",
         "--precompute_ref_log_probs=true",
@@ -64,36 +55,42 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp
         f"--dataset_prepared_path={tmp_path / 'prepared'}",
     ]
     runs = {
-        "cp1": ["--context_parallel_size=1", "--micro_batch_size=2", "--save_steps=2"],
+        "cp1": ["--context_parallel_size=1", "--micro_batch_size=2"],
         "cp2": ["--context_parallel_size=2", "--micro_batch_size=2"],
-        # Two data-parallel groups of one row each train the rows cp=1 trains as micro batches of 2.
-        "dp2": ["--context_parallel_size=1", "--micro_batch_size=1", "--nproc-per-node", "2"],
+        # Two data-parallel groups of one row each train the rows cp=1 trains as micro batches of 2, every
+        # weight split over the 4 ranks.
+        "fsdp2": ["--fsdp_version=2", "--dp_shard_size=2", "--micro_batch_size=1", "--save_steps=2"],
+        "zero3": [f"--deepspeed={zero3}", "--micro_batch_size=1", "--nproc-per-node", "4"],
     }
     logs = {}
     for name, extra in runs.items():
         out = tmp_path / name
-        done = run_cptune("train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO)
+        # 4 processes on a CI machine of 2 cores: DeepSpeed alone takes about a minute to start.
+        done = run_cptune(
+            "train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO, timeout=900
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-        logs[name] = {key: logged(out, key) for key in (*KEYS, "rewards/margins", *EVAL_KEYS, "eval_pairs")}
+        # With the parameters sharded the pass waits for the prepared model (all 4 ranks in each forward).
+        assert bool(SHARDED_PASS.search(done.stderr)) is (name in ("fsdp2", "zero3")), (
+            name,
+            done.stderr[-3000:],
+        )
+        logs[name] = dpo_logs(out)
     cp1 = logs["cp1"]
     assert len(cp1["loss"]) == 4 and len(set(cp1["loss"].values())) > 1
     # Evaluated after steps 2 and 4, every held-out pair once; by step 2 the policy has left the reference.
     assert cp1["eval_pairs"] == {2: HELD_OUT, 4: HELD_OUT} and cp1["eval_rewards/chosen"][2] != 0.0, cp1
     # Step 1 trains against the model it started from: policy = reference, exactly.
     assert cp1["rewards/margins"][1] == 0.0 and abs(cp1["loss"][1] - math.log(2)) < 1e-6, cp1
-    for name in ("cp2", "dp2"):
-        assert logs[name]["rewards/margins"][1] == 0.0, (name, logs[name])
+    for name in ("cp2", "fsdp2", "zero3"):
         assert logs[name]["eval_pairs"] == cp1["eval_pairs"], (name, logs[name])
-        diffs = rel_diffs(logs[name], cp1, (*KEYS, *EVAL_KEYS))
-        print(f"{name} max rel diff vs cp=1:", diffs)
-        # Bound (tests/numerics.py): rows of at most 512 tokens, 4 rows a step (2 x accumulation 2); the
-        # evaluation sums over its 4 pairs, in at most 4 rows.
-        assert max(diffs.values()) <= logged_tolerance(512, 4), (name, diffs, logs[name], cp1)
+        assert_logs_cp1s_numbers(name, logs[name], cp1)
 
-    # Resumed from its step-2 checkpoint, the cp=1 run's first pass again computes the reference from the
-    # weights as loaded (before the checkpoint is), so steps 3 and 4 repeat the finished run's exactly.
+    # Resumed from its step-2 checkpoint, the FSDP2 run's first pass again computes the reference from the
+    # weights as loaded (the Trainer prepares the sharded model, the pass runs, then the checkpoint loads),
+    # so steps 3 and 4 repeat the finished run's exactly.
     resumed = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "cp1", resumed)
+    shutil.copytree(tmp_path / "fsdp2", resumed)
     shutil.rmtree(resumed / "checkpoint-4")
     done = run_cptune(
         "train",
@@ -101,11 +98,40 @@ def test_full_fine_tune_dpo_with_precomputed_reference_cp2_dp2_and_resume_log_cp
         "--resume",
         f"--output_dir={resumed}",
         *common,
-        *runs["cp1"],
+        *runs["fsdp2"],
         cwd=REPO,
+        timeout=900,
     )
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    finished = logs["fsdp2"]
     for key in (*KEYS, "rewards/margins", *EVAL_KEYS):
         again = logged(resumed, key)
-        steps = [s for s in (3, 4) if s in cp1[key]]  # the evaluation logs at step 4 only
-        assert {s: again[s] for s in steps} == {s: cp1[key][s] for s in steps}, (key, again, cp1[key])
+        steps = [s for s in (3, 4) if s in finished[key]]  # the evaluation logs at step 4 only
+        assert {s: again[s] for s in steps} == {s: finished[key][s] for s in steps}, (
+            key,
+            again,
+            finished[key],
+        )
+
+
+def dpo_logs(output_dir) -> dict[str, dict[int, float]]:
+    """The DPO numbers a run logged, ``{key: {step: value}}``."""
+    return {key: logged(output_dir, key) for key in (*KEYS, "rewards/margins", *EVAL_KEYS, "eval_pairs")}
+
+
+def assert_logs_cp1s_numbers(name: str, got: dict, cp1: dict) -> None:
+    """``got`` (:func:`dpo_logs` of a run of the example's rows) logs the cp=1 run's numbers at every step."""
+    assert got["rewards/margins"][1] == 0.0, (name, got)
+    keys = (*KEYS, *EVAL_KEYS)
+    diffs = {key: max_rel_diff(got[key], cp1[key]) for key in keys if "rewards/" not in key}
+    # A reward is β times a difference of two log-prob sums (policy minus reference), 0 at step 1: its error
+    # is relative to the sums, not to itself.
+    for key in (k for k in keys if "rewards/" in k):
+        sums = key.replace("rewards", "logps")
+        diffs[key] = max(
+            abs(got[key][step] - value) / (BETA * abs(cp1[sums][step])) for step, value in cp1[key].items()
+        )
+    print(f"{name} max rel diff vs cp=1:", diffs)
+    # Bound (tests/numerics.py): rows of at most 512 tokens, 4 rows a step (2 x accumulation 2); the
+    # evaluation sums over its 4 pairs, in at most 4 rows.
+    assert max(diffs.values()) <= logged_tolerance(512, 4), (name, diffs, got, cp1)

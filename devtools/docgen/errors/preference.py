@@ -102,25 +102,12 @@ ENTRIES: tuple[Entry, ...] = (
         "(`precompute_ref_log_probs`), and each evaluation logs `eval_loss` and the `eval_rewards/...` metrics.",
     ),
     Entry(
-        "rl-fsdp",
-        SECTION,
-        "rl under FSDP2",
-        "rl: dpo under FSDP2 is not built yet; train without FSDP (the adapter is small).",
-        "Remove `fsdp_version` (and `fsdp_config`).",
-    ),
-    Entry(
-        "rl-deepspeed",
-        SECTION,
-        "rl under DeepSpeed",
-        "rl: dpo under DeepSpeed is not built yet; remove zero_stage.",
-        "Remove `zero_stage` and `deepspeed`.",
-    ),
-    Entry(
         "rl-tensor-parallel",
         SECTION,
         "rl with tensor parallelism",
-        "rl: dpo with tensor parallelism is not built yet; remove it.",
-        "Remove `tensor_parallel_size`.",
+        "rl: dpo with tensor parallelism is not checked yet",
+        "Remove `tensor_parallel_size`; shard the model states with FSDP2 (`dp_shard_size`) or ZeRO-3 instead, "
+        "which preference training supports.",
     ),
     Entry(
         "rl-torch-bidirectional",

@@ -258,8 +258,8 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     - `rl: dpo` and `ipo` need a reference: a LoRA or QLoRA adapter (the base model with the adapter
       disabled) or `precompute_ref_log_probs`; `lora_model_dir` is refused with them (TRL's reference would
       be the starting adapter). `orpo` and `simpo` read no reference: `precompute_ref_log_probs` is refused
-      with them. FSDP2, DeepSpeed and tensor parallelism are refused with `rl`, as is
-      `train_on_inputs: true` (the prompt is never trained).
+      with them. Tensor parallelism is refused with `rl` (FSDP2 and ZeRO shard the model states instead), as
+      is `train_on_inputs: true` (the prompt is never trained).
     - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
       (`ring-flash-attn`).
     - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
@@ -325,13 +325,13 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
             f"{rl} trains the responses only (the prompt's log-probs are the same in the chosen and rejected "
             "sequences); remove train_on_inputs.",
         )
-    if r.is_fsdp:
-        yield "fsdp_version", f"{rl} under FSDP2 is not built yet; train without FSDP (the adapter is small)."
-    for key in ("deepspeed", "zero_stage"):
-        if getattr(r, key) is not None:
-            yield key, f"{rl} under DeepSpeed is not built yet; remove {key}."
     if r.tensor_parallel_size > 1:
-        yield "tensor_parallel_size", f"{rl} with tensor parallelism is not built yet; remove it."
+        yield (
+            "tensor_parallel_size",
+            f"{rl} with tensor parallelism is not checked yet (no test shows its per-pair log-prob sums equal "
+            "those of tensor_parallel_size 1); remove it: FSDP2 (dp_shard_size) or ZeRO-3 shard the model states "
+            "instead.",
+        )
     backend = named_backend(r)
     if r.context_parallel_size > 1 and not backend.trains_preference_pairs:
         able = " or ".join(f"cp_backend: {b.name}" for b in BACKENDS.values() if b.trains_preference_pairs)

@@ -135,7 +135,39 @@ TRAINER_OVERRIDES: tuple[Override, ...] = (
         requires=versions.written_for("transformers"),
         signature=("self", "output_dir", "state_dict"),
     ),
+    Override(
+        name="PreferenceTrainer._prepare_for_training",
+        target=f"{TRAINER}._prepare_for_training",
+        reason=(
+            "Runs precompute_ref_log_probs' first pass on a sharded model (FSDP2, ZeRO-3) once prepared, before a "
+            "resumed run's checkpoint is loaded.\n"
+            "transformers/trainer.py:1715 prepares the model and loads the checkpoint in one method; the reference "
+            "is the model as loaded, so the pass must run between the two."
+        ),
+        remove_when="the Trainer offers a hook between preparing the model and loading a checkpoint.",
+        requires=versions.written_for("transformers"),
+        signature=("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
+    ),
+    *(
+        Override(
+            name=f"PreferenceTrainer calls Trainer.{member}",
+            target=f"{TRAINER}.{member}",
+            reason=(
+                "After the first pass on a sharded model, a resumed run's states load as the Trainer's "
+                "preparation loads them (trainer.py:1801-1810)."
+            ),
+            remove_when="the Trainer offers a hook between preparing the model and loading a checkpoint.",
+            requires=versions.written_for("transformers"),
+            signature=signature,
+        )
+        for member, signature in (
+            ("_load_from_checkpoint", ("self", "resume_from_checkpoint", "model")),
+            ("_load_optimizer_and_scheduler", ("self", "checkpoint")),
+            ("_load_scaler", ("self", "checkpoint")),
+        )
+    ),
 )
-"""The private members of transformers' Trainer that :class:`cptune.run.training.trainer.CptuneTrainer` overrides
+"""The private members of transformers' Trainer that :class:`cptune.run.training.trainer.CptuneTrainer` (and its
+:class:`~cptune.run.training.preference_trainer.PreferenceTrainer`) overrides
 or calls: checked like patches when the Trainer is built, listed by ``cptune validate`` and on the
 patches page."""

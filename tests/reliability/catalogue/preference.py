@@ -54,8 +54,6 @@ CASES: tuple[Case, ...] = (
         command="evaluate",
         args=("--checkpoint", "{ws}/full-model"),
     ),
-    Case("rl-fsdp", setup=lambda ws: {**_pairs(ws), "fsdp_version": 2}),
-    Case("rl-deepspeed", setup=lambda ws: {**_pairs(ws), "zero_stage": 2}),
     Case(
         "rl-tensor-parallel",
         setup=lambda ws: {**_pairs(ws), "tensor_parallel_size": 2, "fsdp_version": 2, "adapter": "lora"},

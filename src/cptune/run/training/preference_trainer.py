@@ -8,13 +8,16 @@ rank backpropagates its share of the pair losses scaled to the mean over the opt
 loss counts its targets. The metrics TRL logs (:data:`~cptune.parallel.preference.METRICS` and the
 loss's extras, e.g. ORPO's ``log_odds_ratio``) are summed per pair and logged as means over the pairs since
 the last log. Evaluation reports the same loss and metrics over the evaluation pairs, prefixed ``eval_``
-(:meth:`PreferenceTrainer.evaluation_loop`).
+(:meth:`PreferenceTrainer.evaluation_loop`). With ``precompute_ref_log_probs`` the reference's sums of the
+training and evaluation rows come from a first pass (:mod:`cptune.run.training.reference_pass`): when the
+trainer is built, or, with the parameters sharded (FSDP2, ZeRO-3), once the Trainer has prepared the model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -32,8 +35,14 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
-from cptune.run.training.reference_pass import precompute_reference, with_reference_column
+from cptune.run.training.reference_pass import (
+    RowsAwaitingReference,
+    precompute_reference,
+    with_reference_column,
+)
 from cptune.run.training.trainer import CptuneTrainer
+
+log = logging.getLogger("cptune.preference")
 
 
 class PreferenceTrainer(CptuneTrainer):
@@ -57,45 +66,89 @@ class PreferenceTrainer(CptuneTrainer):
         by_adapter = has_adapter or (preference_loss.needs_reference and not precompute_reference)
         self._reference_context = adapter_disabled(unwrapped) if by_adapter else contextlib.nullcontext
         self._metrics = PairMetrics(preference_loss.metric_names)
-        if precompute_reference:
-            self._precompute_reference(unwrapped)
+        # With sharded parameters the first pass needs the prepared model: it runs in _prepare_for_training.
+        self._rows_awaiting_reference: RowsAwaitingReference | None = None
+        if precompute_reference and self._parameters_sharded():
+            self._rows_awaiting_reference = RowsAwaitingReference(self.train_dataset)
+            self.train_dataset = self._rows_awaiting_reference
+        elif precompute_reference:
+            # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at
+            # train()); the first pass runs where training will.
+            unwrapped.to(self.args.device)
+            sums = self._precompute_reference(unwrapped, self.train_dataset)
+            self.train_dataset = with_reference_column(self.train_dataset, sums)
+            self._precompute_evaluation_reference(unwrapped)
 
-    def _precompute_reference(self, model: torch.nn.Module) -> None:
-        """``precompute_ref_log_probs``: the training rows' reference sums, from the weights as loaded."""
-        # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at train());
-        # the first pass runs where training will (rl refuses ZeRO, whose stage 3 would partition it).
-        model.to(self.args.device)
+    def _parameters_sharded(self) -> bool:
+        """FSDP2 or ZeRO-3 holds each parameter split over the ranks (whole only inside a forward)."""
+        if self.is_fsdp_enabled:
+            return True
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any):
+        """The Trainer's preparation; with sharded parameters, the first pass between it and the checkpoint's load.
+
+        The sharded model can run a forward only once prepared (every rank gathering each layer's
+        parameters), and the reference is the model as loaded, not a checkpoint's weights: the Trainer
+        prepares without the checkpoint, the first pass runs, then the checkpoint's states are loaded as the
+        Trainer loads them (transformers 5.23 trainer.py:1800-1810).
+        """
+        rows = self._rows_awaiting_reference
+        if rows is None:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        log.info(
+            "precompute_ref_log_probs: the first pass over %d training rows runs on the sharded model",
+            len(rows),
+        )
+        rows.fill(self._precompute_reference(self.accelerator.unwrap_model(model), rows.rows))
+        self._precompute_evaluation_reference(self.accelerator.unwrap_model(model))
+        if resume_from_checkpoint is not None:
+            self._load_sharded_checkpoint(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _load_sharded_checkpoint(self, checkpoint: str) -> None:
+        """A checkpoint's model, optimizer, scheduler and scaler states, as the Trainer's preparation loads them."""
+        from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+        from transformers.trainer_utils import _is_peft_model
+
+        if self.is_deepspeed_enabled:
+            strict = not _is_peft_model(self.model)
+            deepspeed_load_checkpoint(self.model_wrapped, checkpoint, load_module_strict=strict)
+        else:
+            self._load_from_checkpoint(checkpoint, self.model_wrapped)
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_scaler(checkpoint)
+
+    def _precompute_reference(
+        self, model: torch.nn.Module, rows: Any, rows_per_batch: int | None = None
+    ) -> list[list[float]]:
+        """``precompute_ref_log_probs``: the reference sums of ``rows`` (training rows unless ``rows_per_batch``
+        says otherwise), from ``model`` as loaded."""
         dp_size = self.accelerator.num_processes // self.batch_group_size
-        sums = precompute_reference(
-            self.train_dataset,
+        return precompute_reference(
+            rows,
             self.data_collator,
             model,
             self.cp_backend,
             self._shard_loss,
-            rows_per_batch=self.args.per_device_train_batch_size,
+            rows_per_batch=rows_per_batch or self.args.per_device_train_batch_size,
             dp_rank=self.accelerator.process_index // self.batch_group_size,
             dp_size=dp_size,
             cp_group=self._cp_group,
             reference_context=self._reference_context,
             attention_layers=self._attention_layers,
+            device=self.args.device,
         )
-        self.train_dataset = with_reference_column(self.train_dataset, sums)
-        if self.eval_dataset is not None:
-            # The evaluation pairs' reference is the same model as loaded: their sums come from this pass too.
-            sums = precompute_reference(
-                self.eval_dataset,
-                self.data_collator,
-                model,
-                self.cp_backend,
-                self._shard_loss,
-                rows_per_batch=self.args.per_device_eval_batch_size,
-                dp_rank=self.accelerator.process_index // self.batch_group_size,
-                dp_size=dp_size,
-                cp_group=self._cp_group,
-                reference_context=self._reference_context,
-                attention_layers=self._attention_layers,
-            )
-            self.eval_dataset = with_reference_column(self.eval_dataset, sums)
+
+    def _precompute_evaluation_reference(self, model: torch.nn.Module) -> None:
+        """The evaluation pairs' reference is the same model as loaded: their sums come from the first pass too
+        (the evaluation's data loader is built when evaluation runs, after this)."""
+        if self.eval_dataset is None:
+            return
+        sums = self._precompute_reference(model, self.eval_dataset, self.args.per_device_eval_batch_size)
+        self.eval_dataset = with_reference_column(self.eval_dataset, sums)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)

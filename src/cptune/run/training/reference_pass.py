@@ -12,11 +12,16 @@ goes to group ``b mod dp``, whose first CP rank writes its sums into a vector of
 over the world (one all-reduce: every other entry is zero, so the sum is exact). Every rank ends with
 every row's sums. They are computed each run from the weights as loaded (before a resume loads a
 checkpoint), so a resumed run trains against the same reference.
+
+Every rank runs the same number of forwards (:func:`first_pass_schedule`): a group left without a batch
+in the last round runs one again and keeps nothing. With the parameters sharded (FSDP2, ZeRO-3) each
+forward gathers them from every rank, so a rank that stopped early would leave the others waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cptune.parallel.backends.base import BatchSharder, step_context
+from cptune.parallel.collectives import all_reduce_sum
 from cptune.parallel.preference import PairBatch, reference_log_probs
 from cptune.parallel.shard import TokenBatch
 
@@ -49,6 +55,7 @@ def precompute_reference(
     cp_group: dist.ProcessGroup | None,
     reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     attention_layers: int | None = None,
+    device: torch.device | None = None,
 ) -> list[list[float]]:
     """Every row's reference sums: ``[chosen_0, rejected_0, chosen_1, ...]`` per row, on every rank (a collective).
 
@@ -64,21 +71,22 @@ def precompute_reference(
         cp_group: This rank's CP group; None at cp=1.
         reference_context: Entered around each forward (the adapter disabled, for LoRA).
         attention_layers: The model's attention layers, to check each forward went through the backend.
+        device: Where the forwards run (default: where the model's first parameter is; a sharded model's
+            may be offloaded to the CPU).
     """
     pairs = row_pair_counts(rows)
+    schedule = first_pass_schedule(math.ceil(len(pairs) / rows_per_batch), dp_rank, dp_size)
     offsets = [0]
     for count in pairs:
         offsets.append(offsets[-1] + 2 * count)
-    device = next(model.parameters()).device
+    device = device if device is not None else next(model.parameters()).device
     sums = torch.zeros(offsets[-1], dtype=torch.float64, device=device)
     writes = cp_group is None or dist.get_rank(cp_group) == 0
     was_training = model.training
     model.eval()  # no dropout: the reference of every step is the model without it
     try:
-        starts = range(0, len(pairs), rows_per_batch)
-        for number, start in enumerate(starts):
-            if number % dp_size != dp_rank:
-                continue
+        for number, keep in schedule:
+            start = number * rows_per_batch
             stop = min(start + rows_per_batch, len(pairs))
             batch = PairBatch.from_inputs(collate([rows[i] for i in range(start, stop)]))
             with step_context(sharder):
@@ -91,14 +99,25 @@ def precompute_reference(
                     reference_context,
                     attention_layers,
                 )
-            if writes:
+            if writes and keep:
                 sums[offsets[start] : offsets[stop]] = values.to(sums)
     finally:
         model.train(was_training)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sums)
-    flat = sums.tolist()
+    flat = all_reduce_sum(sums).tolist()
     return [flat[offsets[i] : offsets[i + 1]] for i in range(len(pairs))]
+
+
+def first_pass_schedule(batches: int, dp_rank: int, dp_size: int) -> list[tuple[int, bool]]:
+    """The batches one data-parallel group runs in the first pass: ``(batch number, keep its sums)``.
+
+    Group ``g`` keeps batches ``g, g + dp, ...``. Every group runs ``ceil(batches / dp)`` forwards: one left
+    without a batch in the last round runs its first batch again (batch 0 when it has none) and keeps
+    nothing, so sharded parameters, which every forward gathers from every rank, are gathered in step.
+    """
+    mine = list(range(dp_rank, batches, dp_size))
+    rounds = math.ceil(batches / dp_size)
+    filler = mine[0] if mine else 0
+    return [(number, True) for number in mine] + [(filler, False)] * (rounds - len(mine))
 
 
 def _on(batch: PairBatch, device: torch.device) -> PairBatch:
@@ -116,3 +135,30 @@ def with_reference_column(rows: Any, sums: Sequence[Sequence[float]]) -> Any:
     if COLUMN in rows.column_names:
         rows = rows.remove_columns(COLUMN)
     return rows.add_column(COLUMN, [list(row) for row in sums])
+
+
+class RowsAwaitingReference(torch.utils.data.Dataset):
+    """The training rows, each with its precomputed sums as :data:`COLUMN` once :meth:`fill` has given them.
+
+    A model whose parameters are sharded (FSDP2, ZeRO-3) can run the first pass only once the Trainer has
+    prepared it, after the training data loader is built over this object: the sums arrive then, and every
+    row read before is an error.
+    """
+
+    def __init__(self, rows: Any):
+        self.rows = rows
+        self._sums: list[list[float]] | None = None
+
+    def fill(self, sums: Sequence[Sequence[float]]) -> None:
+        """Give every row its sums (:func:`precompute_reference`'s result, in the rows' order)."""
+        if len(sums) != len(self.rows):
+            raise ValueError(f"{len(sums)} rows of reference sums for {len(self.rows)} training rows")
+        self._sums = [list(row) for row in sums]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self._sums is None:
+            raise RuntimeError("a training row was read before the first pass computed its reference sums")
+        return {**self.rows[index], COLUMN: self._sums[index]}
