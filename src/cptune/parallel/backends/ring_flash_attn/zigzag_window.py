@@ -166,26 +166,32 @@ def _window(block: ChunkBlock) -> tuple[bool, int, int]:
     return False, block.left, block.right
 
 
-def _forward(kernel, q, k, v, scale, block: ChunkBlock) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_options(scale: float, block: ChunkBlock) -> dict[str, Any]:
+    """The flash-attn keywords a block's forward and backward share: its scale and its window."""
     causal, left, right = _window(block)
+    return {
+        "dropout_p": 0.0,
+        "softmax_scale": scale,
+        "causal": causal,
+        "window_size_left": left,
+        "window_size_right": right,
+        "softcap": 0.0,
+        "alibi_slopes": None,
+    }
+
+
+def _forward(kernel, q, k, v, scale, block: ChunkBlock) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse, *_ = kernel(
         q=q.contiguous(),
         k=k.contiguous(),
         v=v.contiguous(),
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        window_size_left=left,
-        window_size_right=right,
-        softcap=0.0,
-        alibi_slopes=None,
         return_softmax=False,
+        **_attention_options(scale, block),
     )
     return out, lse
 
 
 def _backward(kernel, dout, q, k, v, out, lse, scale, block: ChunkBlock) -> tuple[torch.Tensor, ...]:
-    causal, left, right = _window(block)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kernel(
@@ -198,14 +204,8 @@ def _backward(kernel, dout, q, k, v, out, lse, scale, block: ChunkBlock) -> tupl
         dq=dq,
         dk=dk,
         dv=dv,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        window_size_left=left,
-        window_size_right=right,
-        softcap=0.0,
-        alibi_slopes=None,
         deterministic=False,
         rng_state=None,
+        **_attention_options(scale, block),
     )
     return dq, dk, dv
