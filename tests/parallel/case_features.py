@@ -49,3 +49,24 @@ def grads_digest(grads: dict[str, torch.Tensor]) -> str:
         digest.update(name.encode())
         digest.update(grads[name].detach().contiguous().float().numpy().tobytes())
     return digest.hexdigest()
+
+
+WINDOWED_ARCHS = ("mistral", "gemma3", "gpt_oss")
+"""The families with sliding-window layers the parity cases build (``arch``)."""
+
+
+def windowed_model(case: dict, vocab_size: int) -> torch.nn.Module:
+    """The tiny model of a windowed family a case names: Mistral (a window on every layer), Gemma 3 text
+    (sliding, sliding, full) or gpt-oss (sinks on every layer; sliding, full; 4 experts, router loss on), with
+    the case's window (5 keys unless ``window`` says otherwise)."""
+    from devtools.tiny import build_tiny_gemma3_text, build_tiny_gpt_oss, build_tiny_mistral
+
+    builders = {
+        "mistral": build_tiny_mistral,
+        "gemma3": build_tiny_gemma3_text,
+        "gpt_oss": build_tiny_gpt_oss,
+    }
+    model = builders[case["arch"]](vocab_size, seed=1234, sliding_window=case.get("window", 5))
+    if case["arch"] == "gpt_oss":
+        model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64 reference
+    return model

@@ -39,8 +39,10 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from case_features import (  # tests/parallel/case_features.py, next to this script
+    WINDOWED_ARCHS,
     grads_digest,
     install_case_features,
+    windowed_model,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
@@ -72,9 +74,6 @@ from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
-    build_tiny_gemma3_text,
-    build_tiny_gpt_oss,
-    build_tiny_mistral,
     build_tiny_model,
     build_tiny_qwen3_moe,
     tiny_llama_config,
@@ -128,13 +127,8 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
         # as a loop of matrix products (torch's grouped_mm takes no float64 reference).
         model = build_tiny_qwen3_moe(VOCAB, seed=1234, num_key_value_heads=case.get("kv_heads", 2))
         model.set_experts_implementation("eager")
-    elif case.get("arch") == "mistral":  # a sliding window on every layer
-        model = build_tiny_mistral(VOCAB, seed=1234, sliding_window=case.get("window", 5))
-    elif case.get("arch") == "gemma3":  # sliding, sliding, full (layer_types)
-        model = build_tiny_gemma3_text(VOCAB, seed=1234, sliding_window=case.get("window", 5))
-    elif case.get("arch") == "gpt_oss":  # sinks on every layer; sliding, full; 4 experts, router loss on
-        model = build_tiny_gpt_oss(VOCAB, seed=1234, sliding_window=case.get("window", 5))
-        model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64 reference
+    elif case.get("arch") in WINDOWED_ARCHS:
+        model = windowed_model(case, VOCAB)
     else:
         config = tiny_llama_config(VOCAB, num_key_value_heads=case.get("kv_heads", 2))
         model = build_tiny_model(config, seed=1234)
