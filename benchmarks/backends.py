@@ -66,6 +66,7 @@ def discover(
     from cptune.config import recipe as schema
     from cptune.config.loader import validate_recipe
     from cptune.errors import RecipeError
+    from cptune.parallel.backends.table import BACKENDS
 
     unavailable = getattr(schema, "UNAVAILABLE_CP_BACKENDS", {})
     variants, skipped = [], []
@@ -73,14 +74,15 @@ def discover(
         if backend in unavailable:
             skipped.append({"name": backend, "why": f"not available yet ({unavailable[backend]})"})
             continue
+        variant_key = BACKENDS[backend].variant_key
         funcs: list[str | None] = [None]
-        if backend == "ring-flash-attn":
-            funcs = literal_values(schema.Recipe.model_fields["ring_attn_func"].annotation)
+        if variant_key is not None:
+            funcs = literal_values(schema.Recipe.model_fields[variant_key].annotation)
         for func in funcs:
             name = backend if func is None else f"{backend} / {func}"
             keys: dict[str, Any] = {"context_parallel_size": cp_size, "cp_backend": backend}
             if func is not None:
-                keys["ring_attn_func"] = func
+                keys[variant_key] = func
             problem = ""
             for precision in precisions:
                 try:

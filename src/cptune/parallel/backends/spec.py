@@ -65,6 +65,8 @@ class BackendPolicy(Protocol):
     name: str | None
     #: what computes the attention, for messages (``cp_backend: torch``)
     label: str
+    #: the recipe key whose values pick among this backend's attention functions (``ring_attn_func``), or None
+    variant_key: str | None
 
     def run_name(self, recipe: Recipe) -> str:
         """The backend as results tables name a run of ``recipe`` (``ring-flash-attn / varlen_llama3``, ``torch``)."""

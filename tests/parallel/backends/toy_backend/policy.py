@@ -18,6 +18,7 @@ class Toy:
 
     name = NAME
     label = f"cp_backend: {NAME}"
+    variant_key = None
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = False

@@ -19,6 +19,7 @@ class DeepSpeedUlysses:
 
     name = NAME
     label = f"cp_backend: {NAME}"
+    variant_key = None
     shards_inputs_itself = True
     runs_own_engine = True
     runs_under_zero = False  # its own engine is DeepSpeed's, whatever the recipe says

@@ -17,6 +17,7 @@ class Local:
 
     name: str | None = None
     label = "cptune's bidirectional attention"
+    variant_key = None
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = False

@@ -19,6 +19,7 @@ class RingFlashAttn:
 
     name = NAME
     label = f"cp_backend: {NAME}"
+    variant_key = "ring_attn_func"
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = True

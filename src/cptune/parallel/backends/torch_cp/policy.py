@@ -19,6 +19,7 @@ class TorchCp:
 
     name = NAME
     label = f"cp_backend: {NAME}"
+    variant_key = None
     shards_inputs_itself = True
     runs_own_engine = False
     runs_under_zero = True
