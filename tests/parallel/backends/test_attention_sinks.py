@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from cptune.errors import CptuneError
-from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
@@ -36,12 +35,9 @@ from cptune.parallel.kernels.varlen import varlen_attention
 from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_gpt_oss
 from tests.numerics import assert_within, reorder_bound
+from tests.parallel.backends.windowed_rows import DOCUMENTS, VOCAB, WINDOW, logits, packed_batch
 from tests.parallel.masked_eager import MaskedEagerBackend
 
-VOCAB = 97
-WINDOW = 5
-# 3 short documents, then one of 16 tokens, wider than the window of 5.
-DOCUMENTS = [3, 2, 4, 16]
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 U32 = torch.finfo(torch.float32).eps / 2
 
@@ -164,18 +160,6 @@ def test_varlen_kernels_apply_the_sinks_within_each_document_and_window():
             3 * max(DOCUMENTS), b.abs().max(), torch.float64
         )
         assert_within(a, b, limit, name)
-
-
-def packed_batch() -> TokenBatch:
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, VOCAB, (1, sum(DOCUMENTS)), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
-    return TokenBatch(ids, positions, shift_labels_within_documents(ids.clone(), positions))
-
-
-def logits(model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kwargs, use_cache=False).logits
 
 
 def gpt_oss(**overrides) -> torch.nn.Module:

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from cptune.errors import CptuneError
-from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import (
     ATTENTION_KWARG,
     AttentionCall,
@@ -35,25 +34,9 @@ from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_gemma3_text, build_tiny_mistral
 from tests.numerics import assert_within, reorder_bound
-
-VOCAB = 97
-WINDOW = 5
-# 3 short documents, then one of 16 tokens, wider than the window of 5.
-DOCUMENTS = [3, 2, 4, 16]
+from tests.parallel.backends.windowed_rows import DOCUMENTS, VOCAB, WINDOW, logits, packed_batch
 
 BUILDERS = {"mistral": build_tiny_mistral, "gemma3": build_tiny_gemma3_text}
-
-
-def packed_batch() -> TokenBatch:
-    generator = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, VOCAB, (1, sum(DOCUMENTS)), generator=generator)
-    positions = torch.cat([torch.arange(n) for n in DOCUMENTS])[None]
-    return TokenBatch(ids, positions, shift_labels_within_documents(ids.clone(), positions))
-
-
-def logits(model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**kwargs, use_cache=False).logits
 
 
 def per_document(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
