@@ -125,6 +125,9 @@ PAIRS = [
 BETA = 0.1
 
 
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0}
+
+
 def _trl_trainer(rows, tokenizer, dtype, loss_type):
     """TRL's DPOTrainer on the tiny model (a fresh LoRA adapter), its adapter then moved off zero."""
     from datasets import Dataset
@@ -141,7 +144,7 @@ def _trl_trainer(rows, tokenizer, dtype, loss_type):
         per_device_train_batch_size=len(rows),
         seed=5,
     )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    lora = LoraConfig(**LORA)
     trainer = DPOTrainer(
         model=model,
         args=args,
@@ -170,18 +173,23 @@ def _trl_step(trainer, rows):
     return float(loss.detach()), metrics, grads
 
 
-def _cptune_step(trainer, rows, tokenizer, kind):
-    """cptune's loss, metrics and LoRA gradients on the same pairs, the same base and adapter weights."""
+def adapter_copy(trainer, tokenizer) -> torch.nn.Module:
+    """The tiny Llama (seed 3, as TRL's trainer got it) with a LoRA adapter holding the trainer's adapter weights,
+    in fp32, in training mode."""
     from peft import LoraConfig, get_peft_model
 
-    base = build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3), LoraConfig(**LORA))
     adapter = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.requires_grad:
                 param.copy_(adapter[name].float())
-    model.train()
+    return model.train()
+
+
+def _cptune_step(trainer, rows, tokenizer, kind):
+    """cptune's loss, metrics and LoRA gradients on the same pairs, the same base and adapter weights."""
+    model = adapter_copy(trainer, tokenizer)
     format_row = build_pair_formatter(
         DatasetConfig(path="pairs", type="passthrough.default"), tokenizer, None, "pairs"
     )

@@ -30,7 +30,7 @@ from cptune.parallel.preference import (
 )
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.numerics import float64_excess, float64_excesses, relative_errors, reorder_bound
-from tests.parallel.test_preference import PAIRS, TRL_VERSION
+from tests.parallel.test_preference import LORA, PAIRS, TRL_VERSION, adapter_copy
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
 needs_trl = pytest.mark.skipif(
@@ -84,7 +84,6 @@ def test_log1mexp_is_accurate_on_both_sides_of_minus_log_2():
 # --- equal to TRL at cp=1 --------------------------------------------------------------------------
 
 BETA = 0.1
-LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "lora_dropout": 0.0}
 
 
 def _trl_trainer(kind, rows, tokenizer, dtype, **loss_args):
@@ -139,15 +138,7 @@ def _trl_step(trainer, rows, names):
 
 def _cptune_step(trainer, rows, tokenizer, loss):
     """cptune's loss, metrics and LoRA gradients on the same pairs (one packed row), base and adapter weights."""
-    from peft import LoraConfig, get_peft_model
-
-    model = get_peft_model(build_tiny_model(tiny_llama_config(len(tokenizer)), seed=3), LoraConfig(**LORA))
-    adapter = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.requires_grad:
-                param.copy_(adapter[name].float())
-    model.train()
+    model = adapter_copy(trainer, tokenizer)
     format_row = build_pair_formatter(
         DatasetConfig(path="pairs", type="passthrough.default"), tokenizer, None, "pairs"
     )
