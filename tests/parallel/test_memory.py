@@ -191,3 +191,5 @@ def test_format_bytes():
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(16 * 1024**3) == "16 GiB"
     assert format_bytes(1020 * 1024**2) == "1020 MiB"  # was "1.02e+03 MiB"
+    assert format_bytes(999.7 * 1024**2) == "1000 MiB"  # was "1e+03 MiB"
+    assert format_bytes(999.4 * 1024**2) == "999 MiB"

@@ -261,8 +261,10 @@ def format_bytes(count: float) -> str:
         if abs(value) < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{value:.0f} B"
-            # Three significant figures, without an exponent between 1000 and 1023 of a unit.
-            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
+            # Three significant figures, without an exponent: a value that rounds to 1000 or more
+            # (999.7 as well as 1000 to 1023 of a unit) is printed whole.
+            text = f"{value:.3g}"
+            return f"{text} {unit}" if "e" not in text else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
