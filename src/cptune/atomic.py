@@ -16,11 +16,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Marker", "discard_folder", "fsync_dir", "publish_folder", "write_marker", "write_text"]
+__all__ = [
+    "Marker",
+    "discard_folder",
+    "fsync_dir",
+    "publish_folder",
+    "write_bytes",
+    "write_marker",
+    "write_text",
+]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -56,6 +65,27 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(staging, path)
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace the file ``path`` by ``data`` whole: a reader sees the old file or the new one.
+
+    Staged under a name of this call's own (``.<name>.<pid>-<random>.partial``), so that writers of the
+    same file in several processes at once (one per node, on a shared file system) never write into each
+    other's staging file: each rename puts a whole file in place.
+    """
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(staging, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
