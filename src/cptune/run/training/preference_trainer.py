@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
@@ -197,9 +198,16 @@ class PreferenceTrainer(CptuneTrainer):
         log.info(
             "precompute_ref_log_probs: the first pass over %d %s rows runs%s", len(rows), rows_name, where
         )
+        started = time.perf_counter()
         sums = self._precompute_reference(model, rows, rows_per_batch)
+        seconds = time.perf_counter() - started
         if store is not None and self.accelerator.is_local_main_process:
-            log.info("precompute_ref_log_probs: reference sums stored in %s", store.save(split, sums))
+            path = store.save(split, sums)
+            log.info(
+                "precompute_ref_log_probs: the first pass took %.2f s; reference sums stored in %s",
+                seconds,
+                path,
+            )
         return sums
 
     def _precompute_reference(
