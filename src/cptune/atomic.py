@@ -2,7 +2,8 @@
 
 Every writer of something another process (or a later run) reads goes through here:
 the data cache (:mod:`cptune.data.cache`), checkpoints (:mod:`cptune.run.training.checkpoints`),
-the merged model (:mod:`cptune.run.commands.merge`), the train log and the data report.
+the merged model (:mod:`cptune.run.commands.merge`), the train log, the data report and the stored
+reference sums of preference training (:mod:`cptune.run.training.reference_cache`).
 
 The recipe is always the same: write under a temporary name beside the final one (same
 folder, so same file system), flush the data to disk (``fsync``), ``rename`` into place

@@ -22,11 +22,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.errors import CptuneError
 from cptune.models.reference import adapter_disabled
-from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.collectives import all_reduce_sum, is_distributed
 from cptune.parallel.loss import step_target_count
 from cptune.parallel.preference import (
     METRICS,
@@ -184,7 +185,7 @@ class PreferenceTrainer(CptuneTrainer):
         if store is not None:
             loaded = store.load(split, row_pair_counts(rows))
             found = torch.tensor([0 if loaded is None else 1], dtype=torch.int64, device=self.args.device)
-            if int(all_reduce_sum(found).item()) == self.accelerator.num_processes:
+            if int(all_reduce_sum(found).item()) == (dist.get_world_size() if is_distributed() else 1):
                 log.info(
                     "precompute_ref_log_probs: the reference sums of %d %s rows read from %s (no first pass)",
                     len(rows),
