@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cptune import atomic
-from cptune.atomic import Marker, discard_folder, publish_folder, write_text
+from cptune.atomic import Marker, discard_folder, publish_folder, write_bytes, write_text
 from cptune.run.training.checkpoints import CHECKPOINT_MARKER, is_complete_checkpoint
 
 
@@ -50,6 +50,23 @@ def test_a_crash_before_the_rename_of_a_file_leaves_the_old_bytes(tmp_path, monk
     with pytest.raises(Crash):
         write_text(target, "new")
     assert target.read_bytes() == b"old"
+
+
+def test_write_bytes_replaces_the_file_whole_and_a_crash_before_the_rename_leaves_the_old_bytes(
+    tmp_path, monkeypatch
+):
+    target = tmp_path / "sums.safetensors"
+    write_bytes(target, b"old")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+    def crash(src, dst):
+        raise Crash
+
+    monkeypatch.setattr(atomic.os, "replace", crash)
+    with pytest.raises(Crash):
+        write_bytes(target, b"new")
+    # The staging file (named per call, so that writers of one file on several nodes never share it) is gone too.
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == [target.name]
 
 
 def test_publish_folder_writes_the_marker_last_with_every_file_and_its_size(tmp_path):

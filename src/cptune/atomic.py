@@ -2,7 +2,8 @@
 
 Every writer of something another process (or a later run) reads goes through here:
 the data cache (:mod:`cptune.data.cache`), checkpoints (:mod:`cptune.run.training.checkpoints`),
-the merged model (:mod:`cptune.run.commands.merge`), the train log and the data report.
+the merged model (:mod:`cptune.run.commands.merge`), the train log, the data report and the stored
+reference sums of preference training (:mod:`cptune.run.training.reference_cache`).
 
 The recipe is always the same: write under a temporary name beside the final one (same
 folder, so same file system), flush the data to disk (``fsync``), ``rename`` into place
@@ -16,11 +17,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Marker", "discard_folder", "fsync_dir", "publish_folder", "write_marker", "write_text"]
+__all__ = [
+    "Marker",
+    "discard_folder",
+    "fsync_dir",
+    "publish_folder",
+    "write_bytes",
+    "write_marker",
+    "write_text",
+]
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -56,6 +66,27 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(staging, path)
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Replace the file ``path`` by ``data`` whole: a reader sees the old file or the new one.
+
+    Staged under a name of this call's own (``.<name>.<pid>-<random>.partial``), so that writers of the
+    same file in several processes at once (one per node, on a shared file system) never write into each
+    other's staging file: each rename puts a whole file in place.
+    """
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(staging, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

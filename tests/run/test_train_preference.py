@@ -36,6 +36,9 @@ EVAL_KEYS = (
 )
 HELD_OUT = 4  # val_set_size: pairs
 SHARDED_PASS = re.compile(r"the first pass over \d+ training rows runs on the sharded model")
+STORED_SUMS_READ = re.compile(
+    r"the reference sums of \d+ (training|evaluation) rows read from .*reference_log_probs"
+)
 
 
 @pytest.mark.distributed
@@ -53,7 +56,6 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
         "--max_steps=4",
         f"--val_set_size={HELD_OUT}",
         "--eval_steps=2",
-        f"--dataset_prepared_path={tmp_path / 'prepared'}",
     ]
     runs = {
         "cp1": ["--context_parallel_size=1", "--micro_batch_size=2"],
@@ -65,6 +67,9 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
     logs = {}
     for name, extra in runs.items():
         out = tmp_path / name
+        # Each run its own prepared data, so each runs its first pass (no other run's stored sums).
+        extra = [*extra, f"--dataset_prepared_path={tmp_path / 'prepared' / name}"]
+        runs[name] = extra
         # 4 processes on a CI machine of 2 cores: DeepSpeed alone takes about a minute to start.
         done = run_cptune(
             "train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO, timeout=900
@@ -86,9 +91,10 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
         assert logs[name]["eval_pairs"] == cp1["eval_pairs"], (name, logs[name])
         assert_logs_cp1s_numbers(name, logs[name], cp1)
 
-    # Resumed from its step-2 checkpoint, the FSDP2 run's first pass again computes the reference from the
-    # weights as loaded (the Trainer prepares the sharded model, the pass runs, then the checkpoint loads),
-    # so steps 3 and 4 repeat the finished run's exactly.
+    # Resumed from its step-2 checkpoint, the FSDP2 run reads the reference sums its first run stored with the
+    # prepared data (the weights as loaded, before any step) instead of running the first pass again (the
+    # Trainer prepares the sharded model, then the checkpoint loads), so steps 3 and 4 repeat the finished run's
+    # exactly. (The stored file's key and bytes: tests/run/test_reference_cache.py.)
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "fsdp2", resumed)
     shutil.rmtree(resumed / "checkpoint-4")
@@ -103,6 +109,8 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
         timeout=900,
     )
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr[-3000:]
+    assert "first pass over" not in done.stderr, done.stderr[-3000:]
+    assert set(STORED_SUMS_READ.findall(done.stderr)) == {"training", "evaluation"}, done.stderr[-3000:]
     finished = logs["fsdp2"]
     for key in (*KEYS, "rewards/margins", *EVAL_KEYS):
         again = logged(resumed, key)

@@ -96,10 +96,13 @@ ENTRIES: tuple[Entry, ...] = (
         "rl-evaluate-full-model",
         SECTION,
         "cptune evaluate of an rl recipe's saved full model",
-        "is a full model: evaluating it against the base model is not built yet",
-        "Evaluate during the run instead: with `val_set_size` (or `test_datasets`) and `eval_steps`, the "
-        "evaluation pairs' reference log-probs are computed in the first pass with the training pairs' "
-        "(`precompute_ref_log_probs`), and each evaluation logs `eval_loss` and the `eval_rewards/...` metrics.",
+        "a full model: the base model's log-prob sums of the evaluation pairs are read from those a training run "
+        "stored",
+        "Set `precompute_ref_log_probs: true` in the recipe (a full fine-tune's recipe has it). The evaluation "
+        "reads the evaluation pairs' reference sums that the run's first pass stored with the prepared data "
+        "(`dataset_prepared_path/<fingerprint>/reference_log_probs/`); if none match the recipe's data and base "
+        "model, `cptune evaluate` says so and names the file: run `cptune train` of the recipe with "
+        "`val_set_size` (or `test_datasets`), whose first pass stores them before training.",
     ),
     Entry(
         "rl-tensor-parallel",
@@ -192,5 +195,20 @@ DOCUMENTED: tuple[Documented, ...] = (
         raised_in="src/cptune/config/rules.py",
         why_not_in_catalogue="every backend of cptune's table trains preference pairs; only a backend added to the "
         "table without trains_preference_pairs (a new backend being written) meets it",
+    ),
+    Documented(
+        "rl-evaluate-full-model-without-stored-reference",
+        SECTION,
+        "cptune evaluate of a saved full model without stored reference sums",
+        "none matches this recipe's data and base model",
+        "Run `cptune train` of this recipe with `val_set_size` (or `test_datasets`): its first pass stores the "
+        "base model's sums of the evaluation pairs with the prepared data before training (`max_steps: 1` is "
+        "enough), then evaluate again. Data prepared again differently (another `sequence_len`, dataset or "
+        "tokenizer) or another base model, dtype or transformers version needs its own stored sums.",
+        raised_in="src/cptune/run/training/preference_trainer.py",
+        why_not_in_catalogue="it needs a full fine-tune saved by a training run before the evaluation, which the "
+        "catalogue's quick cases do not train",
+        tested_by="tests/run/test_reference_cache.py::"
+        "test_evaluate_reads_a_full_fine_tunes_stored_reference_and_a_lora_evaluation_passes_over_eval_rows_only",
     ),
 )

@@ -78,7 +78,9 @@ class PreferenceKeys(BaseModel):
         False,
         description="Compute the reference's log-prob sums of every training pair in a first pass before training "
         "(the model as loaded), and train against them: no reference forward per step. Needed by a full "
-        "fine-tune (no adapter to disable); allowed with LoRA.",
+        "fine-tune (no adapter to disable); allowed with LoRA. The sums are stored with the prepared data "
+        "(dataset_prepared_path/<fingerprint>/reference_log_probs/), and a later or resumed run of the same data "
+        "and base model reads them instead of running the pass again.",
     )
 
     def rl_refusal(self) -> str | None:

@@ -50,7 +50,14 @@ CASES: tuple[Case, ...] = (
     Case("rl-evaluate-base-model", setup=lambda ws: {**_pairs(ws), "val_set_size": 0.1}, command="evaluate"),
     Case(
         "rl-evaluate-full-model",
-        setup=lambda ws: {**_pairs(ws), **_full_model(ws), "val_set_size": 0.1},
+        # A LoRA recipe (no precompute_ref_log_probs) and a saved full model, e.g. the adapter merged.
+        setup=lambda ws: {
+            **_pairs(ws),
+            **_full_model(ws),
+            "adapter": "lora",
+            "precompute_ref_log_probs": DELETE,
+            "val_set_size": 0.1,
+        },
         command="evaluate",
         args=("--checkpoint", "{ws}/full-model"),
     ),

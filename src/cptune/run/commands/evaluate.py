@@ -38,11 +38,13 @@ def check_preference_source(recipe: Recipe, source: ModelSource) -> None:
 
     The preference loss compares a model with its reference, the base model: with a LoRA adapter the
     reference is the adapter disabled, so the adapter must be the one a run saved; the base model alone
-    is its own reference (every pair's loss ln 2). A saved full fine-tune's reference is the base model,
-    which its evaluation would need loaded besides it (not built): its run evaluates during training.
+    is its own reference (every pair's loss ln 2). A saved full model's reference is the base model, which is
+    not loaded beside it: the evaluation pairs' sums are read from those a training run of the recipe stored
+    (``precompute_ref_log_probs``, :mod:`cptune.run.training.reference_cache`).
 
     Raises:
-        CptuneError: ``recipe`` has ``rl`` and ``source`` is not a LoRA adapter.
+        CptuneError: ``recipe`` has ``rl`` and ``source`` is the base model, or a full model without
+            ``precompute_ref_log_probs``.
     """
     if not recipe.is_preference or source.kind == "adapter":
         return
@@ -52,11 +54,12 @@ def check_preference_source(recipe: Recipe, source: ModelSource) -> None:
             "not given, so the base model would be compared with itself (every pair's loss ln 2). Give "
             "--checkpoint with the LoRA adapter a run saved (output_dir or a checkpoint-N folder)."
         )
-    raise CptuneError(
-        f"evaluate: rl: {recipe.rl} compares a model with its reference, the base model, and '{source.path}' is a "
-        "full model: evaluating it against the base model is not built yet. A full fine-tune's run evaluates its "
-        "pairs during training: set val_set_size (or test_datasets) and eval_steps in the recipe."
-    )
+    if recipe.needs_reference and not recipe.precompute_ref_log_probs:
+        raise CptuneError(
+            f"evaluate: rl: {recipe.rl} compares a model with its reference, the base model, and '{source.path}' is "
+            "a full model: the base model's log-prob sums of the evaluation pairs are read from those a training "
+            "run stored, which needs precompute_ref_log_probs: true in the recipe (as a full fine-tune's has)."
+        )
 
 
 def evaluate(
@@ -75,8 +78,9 @@ def evaluate(
         (:meth:`~cptune.run.training.preference_trainer.PreferenceTrainer.evaluation_loop`).
 
     Raises:
-        CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable (with ``rl``: not
-            a LoRA adapter, :func:`check_preference_source`).
+        CptuneError: the recipe has no evaluation data, or ``checkpoint`` is not usable (with ``rl``: the
+            base model, or a full model without ``precompute_ref_log_probs`` (:func:`check_preference_source`) or
+            without stored reference sums of the evaluation pairs).
     """
     from cptune.data.prepare import prepare_datasets
     from cptune.run.training.builder import build_trainer, run_scope
@@ -104,7 +108,17 @@ def evaluate(
         log.info("evaluating %s on %d rows", source.describe(recipe), len(prepared.eval))
     with run_scope(plan):
         loss = install_memory_features(model, recipe).loss  # tiled MLP and the chunked loss help here too
-        trainer = build_trainer(plan, env, model, tokenizer, prepared, attention.build, loss)
+        trainer = build_trainer(
+            plan,
+            env,
+            model,
+            tokenizer,
+            prepared,
+            attention.build,
+            loss,
+            training=False,
+            model_is_reference=source.kind != "full",
+        )
         metrics = trainer.evaluate()
         trainer.accelerator.wait_for_everyone()
     # The Trainer adds the training epoch to every log; a standalone evaluation has none.

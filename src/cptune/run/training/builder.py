@@ -109,10 +109,16 @@ def build_trainer(
     prepared: PreparedData,
     backend_factory: BackendFactory,
     shard_loss: ShardLoss = logits_loss,
+    *,
+    training: bool = True,
+    model_is_reference: bool = True,
 ) -> CptuneTrainer:
     """cptune's Trainer for the plan, on the prepared data, sharding each batch with ``backend_factory``'s sharder.
 
-    A recipe with ``rl`` gets the :class:`~cptune.run.training.preference_trainer.PreferenceTrainer`.
+    A recipe with ``rl`` gets the :class:`~cptune.run.training.preference_trainer.PreferenceTrainer`; with
+    ``precompute_ref_log_probs`` its first pass's sums are stored with the prepared data
+    (:mod:`cptune.run.training.reference_cache`). ``training`` is False under ``cptune evaluate``;
+    ``model_is_reference`` False where ``model`` is a saved full fine-tune, whose reference is the base model.
 
     Call it with the plan's patches applied. Starts the process group on CPU (gloo), unless
     DeepSpeed's engine starts its own.
@@ -129,12 +135,18 @@ def build_trainer(
     if recipe.is_preference:
         from cptune.parallel.preference import PreferenceLoss
         from cptune.run.training.preference_trainer import PreferenceTrainer
+        from cptune.run.training.reference_cache import ReferenceStore
 
         trainer_class, extra = (
             PreferenceTrainer,
             {
                 "preference_loss": PreferenceLoss.from_recipe(recipe),
                 "precompute_reference": recipe.precompute_ref_log_probs,
+                "reference_store": ReferenceStore.for_recipe(recipe, prepared.path)
+                if recipe.precompute_ref_log_probs
+                else None,
+                "training": training,
+                "model_is_reference": model_is_reference,
             },
         )
     return trainer_class(

@@ -18,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers.trainer_utils import EvalLoopOutput
 
 from cptune.errors import CptuneError
 from cptune.models.reference import adapter_disabled
-from cptune.parallel.collectives import all_reduce_sum
+from cptune.parallel.collectives import all_reduce_sum, is_distributed
 from cptune.parallel.loss import step_target_count
 from cptune.parallel.preference import (
     METRICS,
@@ -35,9 +37,12 @@ from cptune.parallel.preference import (
     pair_forward,
     preference_step_loss,
 )
+from cptune.run.training.reference_cache import ReferenceStore
 from cptune.run.training.reference_pass import (
+    COLUMN,
     RowsAwaitingReference,
     precompute_reference,
+    row_pair_counts,
     with_reference_column,
 )
 from cptune.run.training.trainer import CptuneTrainer
@@ -49,8 +54,24 @@ class PreferenceTrainer(CptuneTrainer):
     """A :class:`CptuneTrainer` whose loss is the mean preference loss over the optimizer step's pairs."""
 
     def __init__(
-        self, *args: Any, preference_loss: PreferenceLoss, precompute_reference: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        preference_loss: PreferenceLoss,
+        precompute_reference: bool = False,
+        reference_store: ReferenceStore | None = None,
+        training: bool = True,
+        model_is_reference: bool = True,
+        **kwargs: Any,
     ):
+        """Args (besides the Trainer's):
+        preference_loss: The loss of ``rl``.
+        precompute_reference: ``precompute_ref_log_probs``: the reference sums come from a first pass.
+        reference_store: Where the first pass's sums are stored and read back (None: computed each run).
+        training: False under ``cptune evaluate``: the first pass runs over the evaluation rows only.
+        model_is_reference: False where the model is a saved full fine-tune (``cptune evaluate``): its
+            reference, the base model, is not loaded, and the evaluation rows' sums must be read from
+            ``reference_store``.
+        """
         super().__init__(*args, **kwargs)
         if self._router is not None:
             raise CptuneError(
@@ -67,17 +88,40 @@ class PreferenceTrainer(CptuneTrainer):
         self._reference_context = adapter_disabled(unwrapped) if by_adapter else contextlib.nullcontext
         self._metrics = PairMetrics(preference_loss.metric_names)
         # With sharded parameters the first pass needs the prepared model: it runs in _prepare_for_training.
+        self._reference_store = reference_store
         self._rows_awaiting_reference: RowsAwaitingReference | None = None
-        if precompute_reference and self._parameters_sharded():
+        if not precompute_reference:
+            return
+        sharded = self._parameters_sharded()
+        if training and sharded:
+            # With sharded parameters the first pass needs the prepared model: it runs in _prepare_for_training.
             self._rows_awaiting_reference = RowsAwaitingReference(self.train_dataset)
             self.train_dataset = self._rows_awaiting_reference
-        elif precompute_reference:
+            return
+        # An evaluation prepares a sharded model only inside evaluate(): its first pass is not built, and a LoRA
+        # adapter's evaluation then runs the reference (the adapter disabled) with each batch.
+        computes = model_is_reference and not sharded
+        if computes:
             # The Trainer leaves a model DeepSpeed will train where it was loaded (its engine moves it at
             # train()); the first pass runs where training will.
             unwrapped.to(self.args.device)
-            sums = self._precompute_reference(unwrapped, self.train_dataset)
+        if training:
+            sums = self._reference_sums(unwrapped, "train", self.train_dataset)
             self.train_dataset = with_reference_column(self.train_dataset, sums)
-            self._precompute_evaluation_reference(unwrapped)
+        self._precompute_evaluation_reference(unwrapped, computes=computes)
+        if (
+            not model_is_reference
+            and self.eval_dataset is not None
+            and COLUMN not in self.eval_dataset.column_names
+        ):
+            where = reference_store.path("eval") if reference_store is not None else "no store"
+            raise CptuneError(
+                "evaluate: the model is a full fine-tune, evaluated against its reference, the base model, whose "
+                "log-prob sums of the evaluation pairs are read from those a run of this recipe stored "
+                f"(precompute_ref_log_probs): none matches this recipe's data and base model ({where}). Run "
+                "`cptune train` of this recipe with val_set_size (or test_datasets): its first pass stores them "
+                "before training (max_steps: 1 is enough), or evaluate during that run (eval_steps)."
+            )
 
     def _parameters_sharded(self) -> bool:
         """FSDP2 or ZeRO-3 holds each parameter split over the ranks (whole only inside a forward)."""
@@ -98,12 +142,10 @@ class PreferenceTrainer(CptuneTrainer):
         if rows is None:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        log.info(
-            "precompute_ref_log_probs: the first pass over %d training rows runs on the sharded model",
-            len(rows),
+        rows.fill(
+            self._reference_sums(self.accelerator.unwrap_model(model), "train", rows.rows, sharded=True)
         )
-        rows.fill(self._precompute_reference(self.accelerator.unwrap_model(model), rows.rows))
-        self._precompute_evaluation_reference(self.accelerator.unwrap_model(model))
+        self._precompute_evaluation_reference(self.accelerator.unwrap_model(model), sharded=True)
         if resume_from_checkpoint is not None:
             self._load_sharded_checkpoint(resume_from_checkpoint)
         return model, train_dataloader
@@ -120,6 +162,54 @@ class PreferenceTrainer(CptuneTrainer):
             self._load_from_checkpoint(checkpoint, self.model_wrapped)
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_scaler(checkpoint)
+
+    def _reference_sums(
+        self,
+        model: torch.nn.Module,
+        split: str,
+        rows: Any,
+        rows_per_batch: int | None = None,
+        *,
+        sharded: bool = False,
+        computes: bool = True,
+    ) -> list[list[float]] | None:
+        """The reference sums of ``split``'s ``rows``: read from the store where every rank finds them whole, else
+        from the first pass (then stored by each node's first process); None where the store has none and
+        ``computes`` is False.
+
+        The pass is a collective, so the ranks agree first (one all-reduce): one rank without a usable file
+        (a node without the shared file system, a damaged copy) makes them all compute.
+        """
+        store = self._reference_store
+        rows_name = {"train": "training", "eval": "evaluation"}[split]
+        if store is not None:
+            loaded = store.load(split, row_pair_counts(rows))
+            found = torch.tensor([0 if loaded is None else 1], dtype=torch.int64, device=self.args.device)
+            if int(all_reduce_sum(found).item()) == (dist.get_world_size() if is_distributed() else 1):
+                log.info(
+                    "precompute_ref_log_probs: the reference sums of %d %s rows read from %s (no first pass)",
+                    len(rows),
+                    rows_name,
+                    store.path(split),
+                )
+                return loaded
+        if not computes:
+            return None
+        where = " on the sharded model" if sharded else ""
+        log.info(
+            "precompute_ref_log_probs: the first pass over %d %s rows runs%s", len(rows), rows_name, where
+        )
+        started = time.perf_counter()
+        sums = self._precompute_reference(model, rows, rows_per_batch)
+        seconds = time.perf_counter() - started
+        if store is not None and self.accelerator.is_local_main_process:
+            path = store.save(split, sums)
+            log.info(
+                "precompute_ref_log_probs: the first pass took %.2f s; reference sums stored in %s",
+                seconds,
+                path,
+            )
+        return sums
 
     def _precompute_reference(
         self, model: torch.nn.Module, rows: Any, rows_per_batch: int | None = None
@@ -142,13 +232,19 @@ class PreferenceTrainer(CptuneTrainer):
             device=self.args.device,
         )
 
-    def _precompute_evaluation_reference(self, model: torch.nn.Module) -> None:
+    def _precompute_evaluation_reference(
+        self, model: torch.nn.Module, *, sharded: bool = False, computes: bool = True
+    ) -> None:
         """The evaluation pairs' reference is the same model as loaded: their sums come from the first pass too
         (the evaluation's data loader is built when evaluation runs, after this)."""
         if self.eval_dataset is None:
             return
-        sums = self._precompute_reference(model, self.eval_dataset, self.args.per_device_eval_batch_size)
-        self.eval_dataset = with_reference_column(self.eval_dataset, sums)
+        batch = self.args.per_device_eval_batch_size
+        sums = self._reference_sums(
+            model, "eval", self.eval_dataset, batch, sharded=sharded, computes=computes
+        )
+        if sums is not None:
+            self.eval_dataset = with_reference_column(self.eval_dataset, sums)
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
         local = torch.tensor(sum(int(b["pairs"]) for b in batch_samples), dtype=torch.int64)

@@ -10,8 +10,9 @@ completed over its CP group, no gradients); the sums become the rows' ``referenc
 The data-parallel groups split the rows: batch ``b`` (``micro_batch_size`` rows in the stored order)
 goes to group ``b mod dp``, whose first CP rank writes its sums into a vector of every row's, summed
 over the world (one all-reduce: every other entry is zero, so the sum is exact). Every rank ends with
-every row's sums. They are computed each run from the weights as loaded (before a resume loads a
-checkpoint), so a resumed run trains against the same reference.
+every row's sums. They come from the weights as loaded (before a resume loads a checkpoint), so a resumed
+run trains against the same reference; they are stored with the prepared data and read back by a later or
+resumed run (:mod:`cptune.run.training.reference_cache`).
 
 Every rank runs the same number of forwards (:func:`first_pass_schedule`): a group left without a batch
 in the last round runs one again and keeps nothing. With the parameters sharded (FSDP2, ZeRO-3) each
