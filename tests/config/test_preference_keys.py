@@ -137,3 +137,23 @@ def test_a_variant_key_with_another_rl_is_refused_naming_it(keys, key, says):
         recipe(**keys)
     line = next(line for line in str(refused.value).splitlines() if line.startswith(f"  - {key}:"))
     assert says in line
+
+
+@pytest.mark.parametrize("type_", ["chatml.intel", "llama3.ultra", "chat_template.argilla_chat"])
+def test_axolotls_preference_types_that_are_built_validate(type_):
+    assert recipe(datasets=[{"path": "p.jsonl", "type": type_}]).is_preference
+
+
+@pytest.mark.parametrize(
+    "type_", ["user_defined.default", "zephyr.nectar", "mistral.argilla_chat", "chatml.default"]
+)
+def test_axolotls_other_preference_types_are_refused_naming_the_type_and_listing_cptunes(type_):
+    with pytest.raises(RecipeError) as refused:
+        recipe(datasets=[{"path": "p.jsonl", "type": type_}])
+    message = str(refused.value)
+    assert f"  - datasets[0].type: '{type_}' is not a preference (rl) dataset type cptune reads" in message
+    assert (
+        "cptune reads chat_template.default, chat_template.argilla_chat, passthrough.default, chatml.argilla,"
+        in message
+    )
+    assert "llama3.ultra." in message
