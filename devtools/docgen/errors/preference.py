@@ -105,9 +105,11 @@ ENTRIES: tuple[Entry, ...] = (
         "rl-tensor-parallel",
         SECTION,
         "rl with tensor parallelism",
-        "rl: dpo with tensor parallelism is not checked yet",
-        "Remove `tensor_parallel_size`; shard the model states with FSDP2 (`dp_shard_size`) or ZeRO-3 instead, "
-        "which preference training supports.",
+        "rl: dpo with tensor parallelism is not built yet",
+        "The tensor-parallel ranks of a group hold the same tokens: each computes every pair's log-prob sums and "
+        "counts the step's pairs again, and no test shows the result equals a run without tensor parallelism yet. "
+        "Remove `tensor_parallel_size`; shard the model states with FSDP2 (`fsdp_version: 2`, `dp_shard_size`) or "
+        "ZeRO-3 instead, which preference training is checked with.",
     ),
     Entry(
         "rl-torch-bidirectional",

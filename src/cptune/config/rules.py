@@ -328,9 +328,12 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     if r.tensor_parallel_size > 1:
         yield (
             "tensor_parallel_size",
-            f"{rl} with tensor parallelism is not checked yet (no test shows its per-pair log-prob sums equal "
-            "those of tensor_parallel_size 1); remove it: FSDP2 (dp_shard_size) or ZeRO-3 shard the model states "
-            "instead.",
+            f"{rl} with tensor parallelism is not built yet: the ranks of a tensor-parallel group hold the same "
+            "tokens, so each computes every pair's log-prob sums and counts the step's pairs again, and no test "
+            "shows the loss, its gradients and the metrics then equal those of tensor_parallel_size 1 (the "
+            "tensor-parallel parity launch checks the supervised loss only). Remove tensor_parallel_size and shard "
+            "the model states with FSDP2 (fsdp_version: 2, dp_shard_size) or ZeRO-3 instead, which rl is checked "
+            "with.",
         )
     backend = named_backend(r)
     if r.context_parallel_size > 1 and not backend.trains_preference_pairs:
