@@ -226,7 +226,9 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     reference64 = float64_twin(reference)
     keys = [use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, reference64, model)]
     shard_loss = install_case_features(model, case)
-    if case.get("fsdp2"):
+    if groups.tp_mesh is not None:  # a tp case: split over tp, then FSDP2 over dp_shard × cp, as cptune train
+        worker.shard_with_tensor_parallel(model, groups.tp_mesh)
+    elif case.get("fsdp2"):
         shard_over_the_world(model, groups.world)
     local = LocalBackend(causal=True)
     backend = worker.make_backend(case, groups, kernels)
@@ -285,7 +287,9 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
             world,
             cp_size,
             groups.cp_group,
-            step_pairs,
+            # As PreferenceTrainer counts: every rank of a TP group counts its group's pairs too, so the count is
+            # tp times the step's, as the world size the loss is scaled by is while FSDP2 averages over world / tp.
+            step_pairs * groups.tp_size,
             loss,
             shard_loss,
             keys[2],
@@ -300,14 +304,15 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         # targets; the sums' magnitudes times β), relative to the loss.
         floors.append(reorder_bound(longest, value_scale(loss) * magnitude) / abs(ref64_loss))
         for p in model.parameters():
-            if p.requires_grad and not case.get("fsdp2"):  # FSDP2 has reduce-scattered their mean already
+            if p.requires_grad and not case.get("fsdp2") and groups.tp_mesh is None:  # FSDP2 averaged them
                 dist.all_reduce(p.grad)  # DDP: mean over the world
                 p.grad /= world
         if step == 0:
             pairs = float(step_pairs)
-            # Each CP rank holds its group's pairs: the world's sums count every pair cp_size times.
+            # Each CP (and TP) rank holds its group's pairs: the world's sums count every pair cp × tp times.
             names = loss.metric_names
-            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp_size) for i, n in enumerate(names)}
+            copies = pairs * cp_size * groups.tp_size
+            result["cp_metrics"] = {n: float(total[1 + i]) / copies for i, n in enumerate(names)}
             result["ref_metrics"] = {n: v / pairs for n, v in ref_sums.items()}
             result["ref64_metrics"] = {n: v / pairs for n, v in ref64_sums.items()}
             result["metric_floors"] = {

@@ -271,6 +271,14 @@ PREFERENCE_DP2_CP2_CASES = [
     pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
     pref_case("dpo-full-precomputed-packed-ga2", lora=False, precompute=True, ga=2),
 ]
+# tp=2 × cp=2 (FSDP2 over the cp ranks, full fine-tunes, as TP requires): the ranks of a tp group hold the same
+# tokens, so each computes every pair's sums and counts the step's pairs; the losses, gradients and metrics must
+# still be cp=1's. The DPO case's reference sums come from this test's with_reference: cptune's first pass
+# (reference_pass) writes them once per tp rank, so the recipe refuses dpo/ipo with tensor parallelism for now.
+TP2_PREFERENCE_CP2_CASES = [
+    pref_case("tp2-dpo-full-precomputed-packed-mbs2-ga2", tp=2, lora=False, precompute=True, mbs=2, ga=2),
+    pref_case("tp2-simpo-unpacked-full", preference="simpo", tp=2, lora=False, packed=False, mbs=2),
+]
 # The reference-free losses (no reference forward): per-token means, their target counts completed over the group.
 PREFERENCE_CP2_CASES += [
     pref_case("simpo-packed-mbs2-ga2", preference="simpo", mbs=2, ga=2),
@@ -382,6 +390,7 @@ SPAWNS = {
         + TP2_CP2_CASES
         + PREFERENCE_DP2_CP2_CASES
         + TORCH_PREFERENCE_DP2_CP2_CASES
+        + TP2_PREFERENCE_CP2_CASES
         + MOE_DP2_CP2_CASES,
     ),
 }
@@ -583,7 +592,7 @@ def preference_metric_failures(r: dict) -> dict[str, float]:
     [
         ("cp2", PREFERENCE_CP2_CASES + TORCH_PREFERENCE_CP2_CASES),
         ("cp4", PREFERENCE_CP4_CASES + TORCH_PREFERENCE_CP4_CASES),
-        ("dp2xcp2", PREFERENCE_DP2_CP2_CASES + TORCH_PREFERENCE_DP2_CP2_CASES),
+        ("dp2xcp2", PREFERENCE_DP2_CP2_CASES + TORCH_PREFERENCE_DP2_CP2_CASES + TP2_PREFERENCE_CP2_CASES),
     ],
     ids=["cp2", "cp4", "dp2xcp2"],
 )
