@@ -57,6 +57,14 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"zero_stage": 3, "context_parallel_size": 2},
         {"zero_stage": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "zero_stage": 3},
+        # Tensor parallelism with a loss that reads no reference (refused before issue 31's tp2 x cp2 parity cases).
+        {
+            "rl": "simpo",
+            "tensor_parallel_size": 2,
+            "fsdp_version": 2,
+            "context_parallel_size": 2,
+            "adapter": None,
+        },
     ],
 )
 def test_the_built_layouts_validate(keys):
@@ -73,7 +81,29 @@ def test_the_built_layouts_validate(keys):
             {"context_parallel_size": 2, "cp_backend": "torch", "causal": False, "cp_load_balance": False},
             "causal",
         ),
-        ({"tensor_parallel_size": 2, "fsdp_version": 2, "context_parallel_size": 2}, "tensor_parallel_size"),
+        # Tensor parallelism splits full fine-tunes only, as without rl.
+        ({"tensor_parallel_size": 2, "fsdp_version": 2, "context_parallel_size": 2}, "adapter"),
+        # DPO's first pass would write each row's reference sums once per tensor-parallel rank.
+        (
+            {
+                "tensor_parallel_size": 2,
+                "fsdp_version": 2,
+                "context_parallel_size": 2,
+                "adapter": None,
+                "precompute_ref_log_probs": True,
+            },
+            "tensor_parallel_size",
+        ),
+        (
+            {
+                "rl": "ipo",
+                "tensor_parallel_size": 2,
+                "fsdp_version": 2,
+                "adapter": None,
+                "precompute_ref_log_probs": True,
+            },
+            "tensor_parallel_size",
+        ),
     ],
 )
 def test_what_is_not_built_is_refused_naming_the_key(keys, key):
@@ -137,3 +167,23 @@ def test_a_variant_key_with_another_rl_is_refused_naming_it(keys, key, says):
         recipe(**keys)
     line = next(line for line in str(refused.value).splitlines() if line.startswith(f"  - {key}:"))
     assert says in line
+
+
+@pytest.mark.parametrize("type_", ["chatml.intel", "llama3.ultra", "chat_template.argilla_chat"])
+def test_axolotls_preference_types_that_are_built_validate(type_):
+    assert recipe(datasets=[{"path": "p.jsonl", "type": type_}]).is_preference
+
+
+@pytest.mark.parametrize(
+    "type_", ["user_defined.default", "zephyr.nectar", "mistral.argilla_chat", "chatml.default"]
+)
+def test_axolotls_other_preference_types_are_refused_naming_the_type_and_listing_cptunes(type_):
+    with pytest.raises(RecipeError) as refused:
+        recipe(datasets=[{"path": "p.jsonl", "type": type_}])
+    message = str(refused.value)
+    assert f"  - datasets[0].type: '{type_}' is not a preference (rl) dataset type cptune reads" in message
+    assert (
+        "cptune reads chat_template.default, chat_template.argilla_chat, passthrough.default, chatml.argilla,"
+        in message
+    )
+    assert "llama3.ultra." in message

@@ -185,3 +185,168 @@ def test_debug_view_heads_each_document_with_its_pair_and_side_and_marks_the_res
 
 def test_every_example_pair_has_distinct_responses():
     assert all(row["chosen"] != row["rejected"] for row in ROWS) and len(ROWS) >= 32
+
+
+# Axolotl's fixed-template types: the texts each writes (prompt_strategies/dpo/chatml.py and llama3.py, Axolotl
+# 0.21), tokenized as passthrough.default (the tiny tokenizer: <s> 1, </s> 2, <|im_start|> 3, <|im_end|> 4).
+CHATML_USER = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+CHATML_PROMPT = "<|im_start|>system\nBe brief.<|im_end|>\n" + CHATML_USER
+LLAMA3_PROMPT = "<|start_header_id|>user<|end_header_id|>\n\nSay hi.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+CONVERSATION = {
+    "chosen": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi."}],
+    "rejected": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Go away."}],
+}
+
+
+@pytest.mark.parametrize(
+    ("type_", "row", "prompt", "end"),
+    [
+        (
+            "chatml.intel",
+            {"system": "Be brief.", "question": "Say hi.", "chosen": "Hi.", "rejected": "Go away."},
+            CHATML_PROMPT,
+            "<|im_end|>",
+        ),
+        (
+            "chatml.icr",
+            {"system": "Be brief.", "input": "Say hi.", "chosen": "Hi.", "rejected": "Go away."},
+            CHATML_PROMPT,
+            "<|im_end|>",
+        ),
+        (
+            "chatml.prompt_pairs",
+            {"system": "Be brief.", "prompt": "Say hi.", "chosen": "Hi.", "rejected": "Go away."},
+            CHATML_PROMPT,
+            "<|im_end|>",
+        ),
+        # argilla: the prompt in the first of prompt, input, question, instruction; the responses in
+        # chosen/rejected or else chosen_response/rejected_response.
+        (
+            "chatml.argilla",
+            {
+                "system": "Be brief.",
+                "instruction": "Say hi.",
+                "chosen_response": "Hi.",
+                "rejected_response": "Go away.",
+            },
+            CHATML_PROMPT,
+            "<|im_end|>",
+        ),
+        (
+            "chatml.ultra",
+            {"system": "Be brief.", "prompt": "Say hi.", **CONVERSATION},
+            CHATML_PROMPT,
+            "<|im_end|>",
+        ),
+        ("chatml.argilla_chat", {"system": "ignored", **CONVERSATION}, CHATML_USER, "<|im_end|>"),
+        (
+            "llama3.default",
+            {"question": "Say hi.", "chosen": "Hi.", "rejected": "Go away.", "system": ""},
+            LLAMA3_PROMPT,
+            "<|eot_id|>",
+        ),
+        (
+            "llama3.intel",
+            {"question": "Say hi.", "chosen": "Hi.", "rejected": "Go away."},
+            LLAMA3_PROMPT,
+            "<|eot_id|>",
+        ),
+        ("llama3.ultra", {"prompt": "Say hi.", **CONVERSATION}, LLAMA3_PROMPT, "<|eot_id|>"),
+        ("llama3.argilla_chat", CONVERSATION, LLAMA3_PROMPT, "<|eot_id|>"),
+    ],
+    ids=lambda value: value if isinstance(value, str) and "." in value and "<" not in value else "",
+)
+def test_axolotls_fixed_template_types_write_its_texts_and_train_each_response_through_its_end(
+    tokenizer, type_, row, prompt, end
+):
+    sample = formatter(tokenizer, type=type_)(row)
+    for (ids, labels), response in zip(sides(sample), ("Hi.", "Go away."), strict=True):
+        expected = tokenizer(prompt + response + end + "</s>")["input_ids"]
+        n_prompt = len(tokenizer(prompt)["input_ids"])
+        assert ids == expected
+        assert labels == [IGNORE_INDEX] * n_prompt + expected[n_prompt:]
+        assert tokenizer.decode(ids[:n_prompt]) == "<s>" + prompt
+        assert tokenizer.decode(ids[n_prompt:]) == response + end + "</s>"
+    if type_.startswith("chatml."):
+        # The ChatML markers are the tokenizer's own special tokens: one token each, the response ending in
+        # <|im_end|> then the eos TRL appends.
+        (chosen_ids, _), _ = sides(sample)
+        assert chosen_ids[:2] == [1, 3] and chosen_ids[-2:] == [4, 2]
+
+
+def test_chatml_prompt_with_a_system_turn_starts_with_it():
+    from cptune.data.preference_templates import templated_pair_texts
+
+    row = {"question": "Say hi.", "chosen": "Hi.", "rejected": "Go away."}
+    assert templated_pair_texts("chatml.intel", row)[0] == CHATML_USER
+    assert templated_pair_texts("chatml.intel", {**row, "system": "Be brief."}) == (
+        CHATML_PROMPT,
+        "Hi.<|im_end|>",
+        "Go away.<|im_end|>",
+    )
+
+
+def test_chat_template_argilla_chat_takes_the_prompt_from_the_chosen_conversation(tokenizer):
+    argilla = formatter(tokenizer, type="chat_template.argilla_chat")(CONVERSATION)
+    default = formatter(tokenizer, type="chat_template.default")(
+        {"messages": CONVERSATION["chosen"][:1], "chosen": "Hi.", "rejected": "Go away."}
+    )
+    assert argilla == default
+    (ids, labels), _ = sides(argilla)
+    prompt, chosen = split_prompt(ids, labels)
+    assert tokenizer.decode(prompt) == "<s><|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(chosen) == "Hi.<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("type_", "row", "says"),
+    [
+        (
+            "chatml.intel",
+            {"prompt": "Say hi.", "chosen": "Hi.", "rejected": "No."},
+            "field 'question' is missing",
+        ),
+        ("llama3.default", {"prompt": "Say hi.", "chosen": "Hi."}, "field 'rejected_response' is missing"),
+        (
+            "chatml.ultra",
+            {"prompt": "Say hi.", "chosen": "Hi.", "rejected": "No."},
+            "field 'chosen' is not a conversation",
+        ),
+        (
+            "chat_template.argilla_chat",
+            {"chosen": "Hi.", "rejected": "No."},
+            "field 'chosen' is not a conversation",
+        ),
+    ],
+)
+def test_a_row_without_the_columns_of_its_type_is_a_row_problem_naming_the_column(
+    tokenizer, type_, row, says
+):
+    with pytest.raises(RowProblem, match=says):
+        formatter(tokenizer, type=type_)(row)
+
+
+def test_a_fixed_template_type_prepares_and_a_file_without_its_columns_is_refused_naming_them(
+    tmp_path, make_recipe, tokenizer
+):
+    from cptune.errors import CptuneError
+
+    path = tmp_path / "intel.jsonl"
+    rows = [{"question": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in ROWS[:4]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = make_recipe(
+        [{"path": str(path), "type": "chatml.intel"}], sequence_len=256, rl="dpo", adapter="lora"
+    )
+    prepared = prepare_datasets(recipe, tokenizer, log=lambda _: None)
+    assert len(prepared.train) == 4  # unpacked: a pair per row
+
+    other = tmp_path / "prompts.jsonl"
+    other.write_text(
+        "".join(json.dumps({"prompt": r["question"], "chosen": "a", "rejected": "b"}) + "\n" for r in rows)
+    )
+    recipe = make_recipe(
+        [{"path": str(other), "type": "chatml.intel"}], sequence_len=256, rl="dpo", adapter="lora"
+    )
+    with pytest.raises(CptuneError, match="'question'") as refused:
+        prepare_datasets(recipe, tokenizer, log=lambda _: None)
+    assert "chatml.intel reads the columns its type names" in str(refused.value)

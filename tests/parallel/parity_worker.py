@@ -615,7 +615,9 @@ def main() -> None:
     torch_patches = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
     with torch_patches.applied(SimpleNamespace(context_parallel_size=cp_size, cp_backend="torch")):
         results = {
-            case["name"]: run_preference_case(case, groups, kernels, sys.modules[__name__])
+            case["name"]: run_preference_case(
+                case, tp_groups if case.get("tp") else groups, kernels, sys.modules[__name__]
+            )
             if case.get("preference")
             else run_case(case, tp_groups if case.get("tp") else groups, kernels)
             for case in cases

@@ -6,7 +6,7 @@ runs 3 SGD steps three ways: the cp=1 reference in fp32 and in float64 (one proc
 ``LocalBackend``) and its own shard through the case's CP backend, each micro batch through
 :func:`cptune.parallel.preference.pair_forward` (reference with the adapter disabled, then the policy)
 and :func:`~cptune.parallel.preference.preference_step_loss`, gradients averaged over the world as
-DDP does. It reports what ``test_parity.check`` reads (losses of the 3 steps, step-0 gradients and
+DDP does (``fsdp2``: the CP model sharded by FSDP2 over every rank instead). It reports what ``test_parity.check`` reads (losses of the 3 steps, step-0 gradients and
 their distances from float64) plus the step-0 metrics and the floors of the preference loss.
 
 ``inject`` plants a bug in the cross-rank sum or target count (:data:`PLANTED`): the check must fail on it.
@@ -190,6 +190,28 @@ def _run_step(model, backend, micro, world, cp_size, group, step_pairs, loss, sh
     return total, sums, magnitude
 
 
+def shard_over_the_world(model: torch.nn.Module, world: int) -> None:
+    """FSDP2 over every rank (dp_shard × cp), as accelerate's ``fsdp2_prepare_model`` wraps a model for
+    ``fsdp_version: 2``: each decoder layer, then the root. Every weight, LoRA's too, is split over the world;
+    the gradients are averaged over it (a reduce-scatter), as DDP averages them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a LoRA adapter
+    layer_classes = set(base._no_split_modules or ())  # what accelerate's auto wrap policy wraps
+    for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def is_sharded(parameter: torch.Tensor) -> bool:
+    """FSDP2 holds ``parameter`` as a DTensor split over the ranks (its first dim)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(parameter, DTensor) and parameter.placements == (Shard(0),)
+
+
 def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> dict:
     """3 SGD steps of the cp=1 references (fp32, float64) and of this rank's CP path; see the module docstring.
 
@@ -204,6 +226,10 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     reference64 = float64_twin(reference)
     keys = [use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, reference64, model)]
     shard_loss = install_case_features(model, case)
+    if groups.tp_mesh is not None:  # a tp case: split over tp, then FSDP2 over dp_shard × cp, as cptune train
+        worker.shard_with_tensor_parallel(model, groups.tp_mesh)
+    elif case.get("fsdp2"):
+        shard_over_the_world(model, groups.world)
     local = LocalBackend(causal=True)
     backend = worker.make_backend(case, groups, kernels)
     loss = case_loss(case)
@@ -213,6 +239,8 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         for m in (reference, reference64, model)
     ]
     result: dict = {}
+    if case.get("fsdp2"):  # every parameter split over the ranks, the frozen base's and LoRA's
+        result["whole_parameters"] = [n for n, p in model.named_parameters() if not is_sharded(p)]
     ref_losses, ref64_losses, cp_losses, floors = [], [], [], []
     steps = [
         make_pair_batches({**case, "seed": case["seed"] + t}, groups.dp_size, worker.VOCAB) for t in range(3)
@@ -259,7 +287,9 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
             world,
             cp_size,
             groups.cp_group,
-            step_pairs,
+            # As PreferenceTrainer counts: every rank of a TP group counts its group's pairs too, so the count is
+            # tp times the step's, as the world size the loss is scaled by is while FSDP2 averages over world / tp.
+            step_pairs * groups.tp_size,
             loss,
             shard_loss,
             keys[2],
@@ -274,14 +304,15 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         # targets; the sums' magnitudes times β), relative to the loss.
         floors.append(reorder_bound(longest, value_scale(loss) * magnitude) / abs(ref64_loss))
         for p in model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and not case.get("fsdp2") and groups.tp_mesh is None:  # FSDP2 averaged them
                 dist.all_reduce(p.grad)  # DDP: mean over the world
                 p.grad /= world
         if step == 0:
             pairs = float(step_pairs)
-            # Each CP rank holds its group's pairs: the world's sums count every pair cp_size times.
+            # Each CP (and TP) rank holds its group's pairs: the world's sums count every pair cp × tp times.
             names = loss.metric_names
-            result["cp_metrics"] = {n: float(total[1 + i]) / (pairs * cp_size) for i, n in enumerate(names)}
+            copies = pairs * cp_size * groups.tp_size
+            result["cp_metrics"] = {n: float(total[1 + i]) / copies for i, n in enumerate(names)}
             result["ref_metrics"] = {n: v / pairs for n, v in ref_sums.items()}
             result["ref64_metrics"] = {n: v / pairs for n, v in ref64_sums.items()}
             result["metric_floors"] = {

@@ -271,6 +271,14 @@ PREFERENCE_DP2_CP2_CASES = [
     pref_case("dpo-packed-mbs2-ga2", mbs=2, ga=2),
     pref_case("dpo-full-precomputed-packed-ga2", lora=False, precompute=True, ga=2),
 ]
+# tp=2 × cp=2 (FSDP2 over the cp ranks, full fine-tunes, as TP requires): the ranks of a tp group hold the same
+# tokens, so each computes every pair's sums and counts the step's pairs; the losses, gradients and metrics must
+# still be cp=1's. The DPO case's reference sums come from this test's with_reference: cptune's first pass
+# (reference_pass) writes them once per tp rank, so the recipe refuses dpo/ipo with tensor parallelism for now.
+TP2_PREFERENCE_CP2_CASES = [
+    pref_case("tp2-dpo-full-precomputed-packed-mbs2-ga2", tp=2, lora=False, precompute=True, mbs=2, ga=2),
+    pref_case("tp2-simpo-unpacked-full", preference="simpo", tp=2, lora=False, packed=False, mbs=2),
+]
 # The reference-free losses (no reference forward): per-token means, their target counts completed over the group.
 PREFERENCE_CP2_CASES += [
     pref_case("simpo-packed-mbs2-ga2", preference="simpo", mbs=2, ga=2),
@@ -298,7 +306,12 @@ TORCH_PREFERENCE_CP2_CASES += [
 ]
 TORCH_PREFERENCE_CP2_CASES += [torch_pref_case("orpo-mbs2", preference="orpo", mbs=2)]
 TORCH_PREFERENCE_CP4_CASES = [torch_pref_case("dpo-mbs2", mbs=2)]
-TORCH_PREFERENCE_DP2_CP2_CASES = [torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2)]
+TORCH_PREFERENCE_DP2_CP2_CASES = [
+    torch_pref_case("dpo-mbs2-ga2", mbs=2, ga=2),
+    # The model states sharded by FSDP2 over all 4 ranks (dp_shard 2 × cp 2), LoRA's too: the reference forward
+    # (the adapter disabled) gathers the same sharded layers as the policy's.
+    torch_pref_case("dpo-fsdp2-mbs2", mbs=2, fsdp2=True),
+]
 # Bugs planted in the cross-rank sum of the pairs' log-probs (preference_case.PLANTED).
 PREFERENCE_PLANTED_CASES = [
     pref_case("planted-pair-sum-local", inject="pair_sum_local", mbs=2),
@@ -377,6 +390,7 @@ SPAWNS = {
         + TP2_CP2_CASES
         + PREFERENCE_DP2_CP2_CASES
         + TORCH_PREFERENCE_DP2_CP2_CASES
+        + TP2_PREFERENCE_CP2_CASES
         + MOE_DP2_CP2_CASES,
     ),
 }
@@ -578,20 +592,24 @@ def preference_metric_failures(r: dict) -> dict[str, float]:
     [
         ("cp2", PREFERENCE_CP2_CASES + TORCH_PREFERENCE_CP2_CASES),
         ("cp4", PREFERENCE_CP4_CASES + TORCH_PREFERENCE_CP4_CASES),
-        ("dp2xcp2", PREFERENCE_DP2_CP2_CASES + TORCH_PREFERENCE_DP2_CP2_CASES),
+        ("dp2xcp2", PREFERENCE_DP2_CP2_CASES + TORCH_PREFERENCE_DP2_CP2_CASES + TP2_PREFERENCE_CP2_CASES),
     ],
     ids=["cp2", "cp4", "dp2xcp2"],
 )
 def test_preference_parity_fp32(parity_results, spawn, cases):
-    """DPO/IPO/ORPO/SimPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn and torch, LoRA and full): the losses
-    of 3 SGD steps, the step-0 gradients and the step-0 metrics (rewards/..., logps/..., and ORPO's and SimPO's
-    nll_loss, log_odds_...) of the cp=1 run, by the float64 rule."""
+    """DPO/IPO/ORPO/SimPO pairs at cp=2, cp=4 and dp2 x cp2 (ring-flash-attn and torch, LoRA and full; torch also
+    with the model states sharded by FSDP2): the losses of 3 SGD steps, the step-0 gradients and the step-0
+    metrics (rewards/..., logps/..., and ORPO's and SimPO's nll_loss, log_odds_...) of the cp=1 run, by the
+    float64 rule."""
     results = parity_results(spawn)
     check(results, cases)
     for name in (c["name"] for c in cases):
         for rank, per_rank in enumerate(results):
             failures = preference_metric_failures(per_rank[name])
             assert not failures, (name, rank, failures, per_rank[name]["cp_metrics"])
+    for name in (c["name"] for c in cases if c.get("fsdp2")):  # FSDP2 really split every parameter
+        for per_rank in results:
+            assert per_rank[name]["whole_parameters"] == [], (name, per_rank[name]["whole_parameters"])
 
 
 @pytest.mark.distributed

@@ -106,6 +106,19 @@ PREFERENCE_CP2_CASES = [
         ga=2,
     ),
 ]
+# ZeRO-1 (optimizer states partitioned) and ZeRO-2 (gradients too) over the 2 ranks.
+PREFERENCE_CP2_CASES += [
+    case("pref-zero1-dpo-packed-mbs2", preference="dpo", stage=1, mbs=2),
+    case(
+        "pref-zero2-dpo-full-precomputed-unpacked-ga2",
+        preference="dpo",
+        stage=2,
+        lora=False,
+        precompute=True,
+        packed=False,
+        ga=2,
+    ),
+]
 PREFERENCE_CP4_CASES = [case("pref-cp4-dpo-packed-mbs2-kv2", preference="dpo", cp=4, mbs=2)]
 PREFERENCE_DP2_CP2_CASES = [case("pref-dp2xcp2-dpo-packed-mbs2-ga2", preference="dpo", mbs=2, ga=2)]
 # The reference-free losses: no reference forward, per-token means.

@@ -43,6 +43,9 @@ MAX_STEPS, SAVE_STEPS = 4, 2
 # starts at zero and lora_A moves less than its initialisation).
 FULL_TOL, LORA_TOL = logged_tolerance(512, 5), logged_tolerance(128, 4)
 EXAMPLE = REPO / "examples" / "cpu" / "fsdp2.yaml"
+# Trains as shipped (no FSDP) in the 2-process launch below, which costs it no process start of its own.
+SIMPO_EXAMPLE = REPO / "examples" / "cpu" / "simpo.yaml"
+EXAMPLES_TRAINED_HERE = (EXAMPLE, SIMPO_EXAMPLE)
 
 
 def write_recipe(root: Path, model_dir: Path, name: str, **keys) -> Path:
@@ -155,13 +158,8 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
 
 def example_dpo_recipe(root: Path) -> dict:
     """examples/cpu/dpo.yaml at dp_shard=2 × cp=2 under FSDP2: 4 SGD steps, logged at each."""
-    example = yaml.safe_load((REPO / "examples" / "cpu" / "dpo.yaml").read_text())
     return {
-        **example,
-        "base_model": str(REPO / example["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
-        "dataset_prepared_path": str(root / "prepared"),
-        "output_dir": str(root / "dpo"),
+        **shipped_example(REPO / "examples" / "cpu" / "dpo.yaml", root, "dpo"),
         "max_steps": MAX_STEPS,
         "optimizer": "sgd",
         "learning_rate": 0.05,
@@ -184,11 +182,26 @@ def two_rank_runs(tmp_path_factory, tiny_model_dir):
 
     ``uninterrupted``: AdamW, a checkpoint every SAVE_STEPS, the reference of the resume test.
     ``bf16``: LoRA in bf16, 2 steps.
+    ``simpo``: ``examples/cpu/simpo.yaml`` as shipped (cp=2, no FSDP), the run tests/test_examples.py counts on.
     """
     root = tmp_path_factory.mktemp("fsdp-2")
     uninterrupted = write_recipe(root, tiny_model_dir, "uninterrupted", save_steps=SAVE_STEPS)
     bf16 = write_recipe(root, tiny_model_dir, "bf16", adapter="lora", lora_r=8, bf16=True, max_steps=2)
-    return root, train_in_one_launch(2, root / "launch", uninterrupted, bf16)
+    simpo = root / "simpo.yaml"
+    simpo.write_text(yaml.safe_dump(shipped_example(SIMPO_EXAMPLE, root, "simpo")))
+    return root, train_in_one_launch(2, root / "launch", uninterrupted, bf16, simpo)
+
+
+def shipped_example(path: Path, root: Path, name: str) -> dict:
+    """The example recipe at ``path`` as shipped, its files found from anywhere, its outputs under ``root``."""
+    example = yaml.safe_load(path.read_text())
+    return {
+        **example,
+        "base_model": str(REPO / example["base_model"]),
+        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
+        "dataset_prepared_path": str(root / "prepared"),
+        "output_dir": str(root / name),
+    }
 
 
 @pytest.mark.distributed
@@ -332,6 +345,30 @@ def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_r
     assert {str(t.dtype) for t in load_file(root / "bf16" / "adapter_model.safetensors").values()} == {
         "torch.float32"
     }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cpu_simpo_example_widens_the_reward_margin_with_cp2(two_rank_runs):
+    """examples/cpu/simpo.yaml as shipped: 12 SimPO steps of a full fine-tune at cp=2 (ring-flash-attn).
+
+    No reference model: the first margin is the untrained model's own (β times the difference of the
+    two sides' mean log-probs), not 0. Measured: margin -0.23 and loss 1.24 at the first step; over the
+    last three logs margin 3.7, accuracy 1.0, loss 0.16. Its exactness against cp=1 is the parity
+    launch's (tests/parallel/test_parity.py, SimPO at cp=2 and the variants' TRL check).
+    """
+    root, _ = two_rank_runs
+    out = root / "simpo"
+    margins = [v for _, v in sorted(logged(out, "rewards/margins").items())]
+    losses = logged_losses(out)
+    assert len(margins) == len(losses) == 12, (margins, losses)
+    last = slice(-3, None)
+    assert sum(margins[last]) / 3 >= margins[0] + 2.0, margins
+    assert sum(losses[last]) / 3 <= 0.5 * losses[0], losses
+    assert sum(logged(out, "rewards/accuracies")[step] for step in (10, 11, 12)) / 3 >= 0.9
+    for name in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "nll_loss"):
+        assert len(logged(out, name)) == 12, name
+    assert (out / "model.safetensors").is_file(), "a full fine-tune saves the whole model"
 
 
 @pytest.mark.distributed

@@ -22,8 +22,39 @@ ALPACA_TYPES = (
 )
 """The alpaca types cptune renders as Axolotl does (:mod:`cptune.data.alpaca`)."""
 
-PREFERENCE_TYPES = ("chat_template.default", "passthrough.default")
+# Axolotl's chatml.* and llama3.* preference types: a fixed template each (cptune.data.preference_templates).
+TEMPLATED_PREFERENCE_TYPES = tuple(
+    f"{family}.{layout}"
+    for family, layouts in (
+        ("chatml", ("argilla", "argilla_chat", "icr", "intel", "prompt_pairs", "ultra")),
+        ("llama3", ("default", "argilla_chat", "icr", "intel", "prompt_pairs", "ultra")),
+    )
+    for layout in layouts
+)
+PREFERENCE_TYPES = (
+    "chat_template.default",
+    "chat_template.argilla_chat",
+    "passthrough.default",
+    *TEMPLATED_PREFERENCE_TYPES,
+)
 """Dataset types whose rows are preference pairs (prompt, chosen, rejected), with Axolotl's names; for ``rl``."""
+
+# The modules of Axolotl's preference (DPO) strategies: `type: <module>.<strategy>` (prompt_strategies/dpo/).
+_AXOLOTL_PREFERENCE_MODULES = (
+    "chat_template",
+    "chatml",
+    "llama3",
+    "mistral",
+    "passthrough",
+    "user_defined",
+    "zephyr",
+)
+
+
+def is_axolotl_preference_type(name: object) -> bool:
+    """``name`` reads as one of Axolotl's preference types (``zephyr.nectar``, ``user_defined.default``, ...)."""
+    return isinstance(name, str) and name.partition(".")[0] in _AXOLOTL_PREFERENCE_MODULES and "." in name
+
 
 DatasetType = Literal[(*ALPACA_TYPES, "chat_template", "completion", "pretokenized", *PREFERENCE_TYPES)]  # type: ignore[valid-type]
 RowFormat = Literal["alpaca", "chat_template", "completion", "pretokenized"]
@@ -55,7 +86,9 @@ class DatasetConfig(Frozen):
         None,
         description="Row format: alpaca (and Axolotl's alpaca styles, e.g. alpaca:chat, "
         "alpaca_instruct.load_no_prompt), chat_template, completion, pretokenized; unset: pre-tokenized rows "
-        "(input_ids, labels), as in Axolotl.",
+        "(input_ids, labels), as in Axolotl. With rl, preference pairs: chat_template.default, "
+        "chat_template.argilla_chat, passthrough.default, and Axolotl's chatml.* and llama3.* "
+        "(docs/preference-training.md).",
     )
     ds_type: DataFileType | None = Field(
         None,

@@ -23,7 +23,13 @@ from cptune.config.axolotl.keys import (
     UNSUPPORTED_RECIPE_KEYS,
 )
 from cptune.config.axolotl.schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
-from cptune.config.data import BUILT_IN_CHAT_TEMPLATES, DatasetConfig, SpecialTokens
+from cptune.config.data import (
+    BUILT_IN_CHAT_TEMPLATES,
+    PREFERENCE_TYPES,
+    DatasetConfig,
+    SpecialTokens,
+    is_axolotl_preference_type,
+)
 from cptune.config.parallelism import FsdpConfig
 from cptune.config.recipe import Recipe
 from cptune.config.rules import combination_problems
@@ -297,6 +303,8 @@ def _problem_from_error(error: Mapping[str, Any]) -> RecipeProblem:
     message = f"{text}; got {_short(got)}."
     if path == "chat_template" and kind == "literal_error" and isinstance(got, str):
         return RecipeProblem(path, _chat_template_message(got))
+    if kind == "literal_error" and loc[-1:] == ("type",) and is_axolotl_preference_type(got):
+        return RecipeProblem(path, _preference_type_message(got))
     if kind == "literal_error" and isinstance(got, str):
         choices = re.findall(r"'([^']*)'", str(error.get("ctx", {}).get("expected", "")))
         close = difflib.get_close_matches(got, choices, n=1, cutoff=0.6)
@@ -314,6 +322,16 @@ def _chat_template_message(name: str) -> str:
         f"'{name}' is not a chat template cptune renders itself (built in: {built_in}). Use chat_template: "
         "tokenizer_default when the model's tokenizer ships its template, or give the template in "
         "chat_template_jinja."
+    )
+
+
+def _preference_type_message(name: str) -> str:
+    return (
+        f"'{name}' is not a preference (rl) dataset type cptune reads (Axolotl's user_defined.default, "
+        "zephyr.nectar and mistral.* are not built yet). cptune reads "
+        f"{', '.join(PREFERENCE_TYPES)}. Rows of prompt, chosen and rejected text already in the model's format "
+        "can use passthrough.default (field_prompt, field_chosen, field_rejected); rows of messages, "
+        "chat_template.default (field_messages, field_chosen, field_rejected), rendered with the chat template."
     )
 
 

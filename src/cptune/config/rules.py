@@ -258,8 +258,9 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     - `rl: dpo` and `ipo` need a reference: a LoRA or QLoRA adapter (the base model with the adapter
       disabled) or `precompute_ref_log_probs`; `lora_model_dir` is refused with them (TRL's reference would
       be the starting adapter). `orpo` and `simpo` read no reference: `precompute_ref_log_probs` is refused
-      with them. Tensor parallelism is refused with `rl` (FSDP2 and ZeRO shard the model states instead), as
-      is `train_on_inputs: true` (the prompt is never trained).
+      with them. `train_on_inputs: true` is refused (the prompt is never trained). Tensor parallelism takes
+      `orpo` and `simpo` (a full fine-tune under FSDP2, `_tensor_parallel`), not yet `dpo` or `ipo`, whose first
+      pass would count each row's reference sums once per tensor-parallel rank.
     - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
       (`ring-flash-attn`).
     - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
@@ -325,12 +326,14 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
             f"{rl} trains the responses only (the prompt's log-probs are the same in the chosen and rejected "
             "sequences); remove train_on_inputs.",
         )
-    if r.tensor_parallel_size > 1:
+    if r.tensor_parallel_size > 1 and r.needs_reference:
         yield (
             "tensor_parallel_size",
-            f"{rl} with tensor parallelism is not checked yet (no test shows its per-pair log-prob sums equal "
-            "those of tensor_parallel_size 1); remove it: FSDP2 (dp_shard_size) or ZeRO-3 shard the model states "
-            "instead.",
+            f"{rl} with tensor parallelism is not built yet: tensor parallelism trains full fine-tunes, whose "
+            "reference comes from the first pass of precompute_ref_log_probs, and that pass writes each row's "
+            "reference sums once per tensor-parallel rank, so they come out tensor_parallel_size times too large. "
+            "Remove tensor_parallel_size and shard the model states with FSDP2 (fsdp_version: 2, dp_shard_size) "
+            "or ZeRO-3, or train rl: orpo or simpo, which read no reference.",
         )
     backend = named_backend(r)
     if r.context_parallel_size > 1 and not backend.trains_preference_pairs:

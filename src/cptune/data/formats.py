@@ -19,6 +19,7 @@ from cptune.data.alpaca import alpaca_formatter
 from cptune.data.chat_format import chat_formatter
 from cptune.data.chat_templates import CHATML, resolve_chat_template
 from cptune.data.preference_formats import build_pair_formatter
+from cptune.data.preference_templates import TEMPLATED_PREFERENCE_TYPES, templated_columns
 from cptune.data.sample import (
     Formatter,
     RowProblem,
@@ -134,6 +135,10 @@ def required_columns(config: DatasetConfig) -> tuple[str, ...]:
         return (config.field_messages, config.field_chosen, config.field_rejected)
     if config.type == "passthrough.default":
         return (config.field_prompt, config.field_chosen, config.field_rejected)
+    if config.type == "chat_template.argilla_chat":
+        return (config.field_chosen, config.field_rejected)
+    if config.type in TEMPLATED_PREFERENCE_TYPES:
+        return templated_columns(config.type)
     row_format = config.row_format
     if row_format == "alpaca":
         return (config.field_instruction, config.field_output)
@@ -150,6 +155,12 @@ def missing_columns_advice(config: DatasetConfig, key: str) -> str:
         return (
             f"{key} has no type, which (as in Axolotl) means pre-tokenized rows (input_ids, and labels); set "
             f"{key}.type to the format of the rows (alpaca, chat_template, completion)."
+        )
+    if config.type in TEMPLATED_PREFERENCE_TYPES:
+        return (
+            f"{config.type} reads the columns its type names, as Axolotl's does (docs/preference-training.md); for "
+            "other column names use passthrough.default or chat_template.default with field_prompt, field_messages, "
+            "field_chosen and field_rejected."
         )
     return f"Set the field name keys of {key} (e.g. field_output, field_messages, field) to the columns your data uses."
 

@@ -2,7 +2,7 @@
 
 The sample is ``prompt + chosen`` then ``prompt + rejected``, each a document of its own
 (positions restart at 0), with the prompt's labels -100: the targets of a document are its
-response's tokens (``docs/preference-training.md``). Two layouts, with Axolotl's type names:
+response's tokens (``docs/preference-training.md``). The layouts, with Axolotl's type names:
 
 * ``chat_template.default``: the prompt's messages (``field_messages``: a list of messages, or a
   text that becomes one user message) and each response (``field_chosen``, ``field_rejected``: a
@@ -10,11 +10,15 @@ response's tokens (``docs/preference-training.md``). Two layouts, with Axolotl's
   template. The prompt is the conversation with the generation prompt (the assistant header); a
   response is what rendering it after the prompt adds, through its end-of-turn token (whitespace
   after that token is left out, as Axolotl's ``rstrip`` of the rendered response does).
+* ``chat_template.argilla_chat``: the same, the prompt being the messages of ``field_chosen`` less
+  its last (argilla's rows hold each side as the whole conversation).
 * ``passthrough.default``: prompt, chosen and rejected as text, tokenized as TRL 1.16's DPOTrainer
   tokenizes such rows: the tokenizer's eos text is appended to a response that does not end with
   it, ``prompt + response`` is tokenized whole (the tokenizer's own special tokens included), and the
   response starts where that and the prompt tokenized alone first differ (a token can straddle the
   boundary; then the prompt's last token counts as the response's).
+* ``chatml.*``, ``llama3.*`` (:mod:`cptune.data.preference_templates`): the texts written in a fixed
+  template from the type's own columns, then tokenized as ``passthrough.default``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from cptune.config.data import DatasetConfig
 from cptune.data.chat_format import message_list, render_chat
 from cptune.data.chat_templates import resolve_chat_template
+from cptune.data.preference_templates import TEMPLATED_PREFERENCE_TYPES, templated_pair_texts
 from cptune.data.sample import Formatter, RowProblem, Sample, field_problem, text_field
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX
@@ -72,22 +77,42 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _passthrough(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+def _text_pair_tokenizer(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase):
+    """Tokenize a pair given as text (prompt, chosen, rejected) as TRL 1.16 does; see the module's docstring."""
     eos = tokenizer.eos_token
     if eos is None:
         raise DataError(
-            "The tokenizer has no eos token, which passthrough.default responses end with. "
+            f"The tokenizer has no eos token, which {config.type} responses end with. "
             "Use a tokenizer that defines eos_token (tokenizer_config in the recipe)."
         )
 
+    def tokenize(prompt: str, chosen: str, rejected: str) -> Sample:
+        responses = [text if text.endswith(eos) else text + eos for text in (chosen, rejected)]
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        chosen_ids, rejected_ids = (tokenizer(prompt + text)["input_ids"] for text in responses)
+        start = min(_common_prefix(prompt_ids, chosen_ids), _common_prefix(prompt_ids, rejected_ids))
+        return pair_sample(prompt_ids[:start], chosen_ids[start:], rejected_ids[start:])
+
+    return tokenize
+
+
+def _passthrough(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+    tokenize = _text_pair_tokenizer(config, tokenizer)
+
     def format_row(row: Mapping[str, Any]) -> Sample:
         prompt = text_field(row, config.field_prompt)
-        responses = [text_field(row, name) for name in (config.field_chosen, config.field_rejected)]
-        responses = [text if text.endswith(eos) else text + eos for text in responses]
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        chosen, rejected = (tokenizer(prompt + text)["input_ids"] for text in responses)
-        start = min(_common_prefix(prompt_ids, chosen), _common_prefix(prompt_ids, rejected))
-        return pair_sample(prompt_ids[:start], chosen[start:], rejected[start:])
+        return tokenize(
+            prompt, *(text_field(row, name) for name in (config.field_chosen, config.field_rejected))
+        )
+
+    return format_row
+
+
+def _templated(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase) -> Formatter:
+    tokenize = _text_pair_tokenizer(config, tokenizer)
+
+    def format_row(row: Mapping[str, Any]) -> Sample:
+        return tokenize(*templated_pair_texts(str(config.type), row))
 
     return format_row
 
@@ -127,9 +152,20 @@ def _chat_pairs(config: DatasetConfig, tokenizer: PreTrainedTokenizerBase, templ
         _, end = _end_token(tail, special_ids, tokenizer)
         return tail[:end]
 
+    def prompt_value(row: Mapping[str, Any]) -> tuple[str, Any]:
+        """The prompt's column and its value: argilla_chat's prompt is the chosen conversation less its reply."""
+        if config.type == "chat_template.argilla_chat":
+            name = config.field_chosen
+            value = row.get(name)
+            if not isinstance(value, list) or len(value) < 2:
+                raise field_problem(
+                    name, "is not a conversation of at least two messages (the prompt, then the reply)"
+                )
+            return name, value[:-1]
+        return config.field_messages, row.get(config.field_messages)
+
     def format_row(row: Mapping[str, Any]) -> Sample:
-        name = config.field_messages
-        value = row.get(name)
+        name, value = prompt_value(row)
         if isinstance(value, str):
             role_key, content_key = config.resolved_message_fields
             value = [{role_key: "user", content_key: value}]
@@ -160,5 +196,7 @@ def build_pair_formatter(
     """
     if config.type == "passthrough.default":
         return _passthrough(config, tokenizer)
+    if config.type in TEMPLATED_PREFERENCE_TYPES:
+        return _templated(config, tokenizer)
     template = resolve_chat_template(tokenizer, chat_template, label, chat_template_jinja)
     return _chat_pairs(config, tokenizer, template)
