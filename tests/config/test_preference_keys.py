@@ -57,7 +57,22 @@ def test_beta_is_rl_beta_or_dpo_beta_or_trls_default(keys, beta):
         {"zero_stage": 3, "context_parallel_size": 2},
         {"zero_stage": 2, "adapter": None, "precompute_ref_log_probs": True, "context_parallel_size": 2},
         {"context_parallel_size": 2, "cp_backend": "deepspeed", "zero_stage": 3},
-        # Tensor parallelism with a loss that reads no reference (refused before issue 31's tp2 x cp2 parity cases).
+        # Tensor parallelism with a loss that reads no reference (refused before issue 31's tp2 x cp2 parity cases),
+        # and with DPO/IPO's precomputed reference (refused while the first pass counted each row tp times).
+        {
+            "tensor_parallel_size": 2,
+            "fsdp_version": 2,
+            "context_parallel_size": 2,
+            "adapter": None,
+            "precompute_ref_log_probs": True,
+        },
+        {
+            "rl": "ipo",
+            "tensor_parallel_size": 2,
+            "fsdp_version": 2,
+            "adapter": None,
+            "precompute_ref_log_probs": True,
+        },
         {
             "rl": "simpo",
             "tensor_parallel_size": 2,
@@ -83,27 +98,6 @@ def test_the_built_layouts_validate(keys):
         ),
         # Tensor parallelism splits full fine-tunes only, as without rl.
         ({"tensor_parallel_size": 2, "fsdp_version": 2, "context_parallel_size": 2}, "adapter"),
-        # DPO's first pass would write each row's reference sums once per tensor-parallel rank.
-        (
-            {
-                "tensor_parallel_size": 2,
-                "fsdp_version": 2,
-                "context_parallel_size": 2,
-                "adapter": None,
-                "precompute_ref_log_probs": True,
-            },
-            "tensor_parallel_size",
-        ),
-        (
-            {
-                "rl": "ipo",
-                "tensor_parallel_size": 2,
-                "fsdp_version": 2,
-                "adapter": None,
-                "precompute_ref_log_probs": True,
-            },
-            "tensor_parallel_size",
-        ),
     ],
 )
 def test_what_is_not_built_is_refused_naming_the_key(keys, key):

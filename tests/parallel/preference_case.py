@@ -41,6 +41,7 @@ from cptune.parallel.preference import (
     preference_step_loss,
     reference_log_probs,
 )
+from cptune.run.training.reference_pass import COLUMN, precompute_reference
 from tests.numerics import relative_errors, reorder_bound
 
 BETA = 0.5  # larger than TRL's 0.1: the 3 steps move the rewards well away from 0
@@ -113,11 +114,14 @@ def _pair(generator: torch.Generator, vocab: int) -> dict[str, list[int]]:
     return {"input_ids": sample.input_ids, "labels": sample.labels, "position_ids": sample.position_ids}
 
 
-def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
-    """batches[dp_group][micro] of one optimizer step: ``mbs`` rows of 2 pairs each (packed) or 1 pair, whose
-    sides the collator lays out as a row each (as ``cptune train`` collates unpacked pairs)."""
+def pair_collator(case: dict) -> PackedCollator:
+    """The training collator of the case's rows (an unpacked pair's sides each in a row, as ``cptune train``)."""
+    return PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=not case["packed"])
+
+
+def make_pair_rows(case: dict, dp_size: int, vocab: int) -> list[list[list[dict]]]:
+    """rows[dp_group][micro] of one optimizer step: ``mbs`` prepared rows of 2 pairs each (packed) or 1 pair."""
     generator = torch.Generator().manual_seed(case["seed"])
-    collate = PackedCollator(pad_token_id=0, preference=True, pair_sides_in_own_rows=not case["packed"])
     per_row = 2 if case["packed"] else 1
     out = []
     for _ in range(dp_size):
@@ -127,8 +131,51 @@ def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBat
             for _ in range(case["mbs"]):
                 pairs = [_pair(generator, vocab) for _ in range(per_row)]
                 rows.append({key: [v for pair in pairs for v in pair[key]] for key in pairs[0]})
-            micro.append(PairBatch.from_inputs(collate(rows)))
+            micro.append(rows)
         out.append(micro)
+    return out
+
+
+def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
+    """batches[dp_group][micro] of one optimizer step: :func:`make_pair_rows` through the training collator."""
+    collate = pair_collator(case)
+    return [
+        [PairBatch.from_inputs(collate(rows)) for rows in group]
+        for group in make_pair_rows(case, dp_size, vocab)
+    ]
+
+
+def first_pass_reference(case, step_rows, model, backend, shard_loss, groups):
+    """The CP model's reference sums of every batch of ``step_rows`` (steps[t][dp_group][micro] rows) through
+    cptune's first pass (``precompute_reference``, as ``PreferenceTrainer`` runs it: each data-parallel group
+    runs its share of the batches over its CP group, one rank of each CP and TP group keeps the sums, one
+    all-reduce gives every rank all of them), then this rank's data-parallel group's batches carrying them."""
+    collate = pair_collator(case)
+    flat = [row for step in step_rows for group in step for micro in group for row in micro]
+    tp_group = groups.tp_mesh["tp"].get_group() if groups.tp_mesh is not None else None
+    with step_context(backend):
+        sums = iter(
+            precompute_reference(
+                flat,
+                collate,
+                model,
+                backend,
+                shard_loss,
+                rows_per_batch=case["mbs"],
+                dp_rank=groups.dp_rank,
+                dp_size=groups.dp_size,
+                cp_group=groups.cp_group,
+                tp_group=tp_group,
+            )
+        )
+
+    def carrying(rows):
+        return PairBatch.from_inputs(collate([{**row, COLUMN: next(sums)} for row in rows]))
+
+    out = []
+    for step in step_rows:
+        batches = [[carrying(rows) for rows in group] for group in step]  # every group's, to keep the order
+        out.append([g if d == groups.dp_rank else [] for d, g in enumerate(batches)])
     return out
 
 
@@ -242,8 +289,12 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     if case.get("fsdp2"):  # every parameter split over the ranks, the frozen base's and LoRA's
         result["whole_parameters"] = [n for n, p in model.named_parameters() if not is_sharded(p)]
     ref_losses, ref64_losses, cp_losses, floors = [], [], [], []
+    step_rows = [
+        make_pair_rows({**case, "seed": case["seed"] + t}, groups.dp_size, worker.VOCAB) for t in range(3)
+    ]
+    collate = pair_collator(case)
     steps = [
-        make_pair_batches({**case, "seed": case["seed"] + t}, groups.dp_size, worker.VOCAB) for t in range(3)
+        [[PairBatch.from_inputs(collate(rows)) for rows in group] for group in step] for step in step_rows
     ]
     ref_steps = ref64_steps = cp_steps = steps
     if case.get("precompute"):
@@ -251,8 +302,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         # the CP model's through its backend over its CP group (its own data-parallel group's batches).
         ref_steps = with_reference(steps, reference, local, logits_loss, None)
         ref64_steps = with_reference(steps, reference64, local, float64_segment_loss, None)
-        mine = [[g if d == groups.dp_rank else [] for d, g in enumerate(s)] for s in steps]
-        cp_steps = with_reference(mine, model, backend, shard_loss, groups.cp_group)
+        cp_steps = first_pass_reference(case, step_rows, model, backend, shard_loss, groups)
     for step in range(3):
         batches = steps[step]
         rows = worker.first_rows(case, step, groups.dp_size)

@@ -105,17 +105,6 @@ ENTRIES: tuple[Entry, ...] = (
         "`val_set_size` (or `test_datasets`), whose first pass stores them before training.",
     ),
     Entry(
-        "rl-tensor-parallel",
-        SECTION,
-        "rl: dpo or ipo with tensor parallelism",
-        "rl: dpo with tensor parallelism is not built yet",
-        "Tensor parallelism trains full fine-tunes, whose DPO/IPO reference comes from the first pass of "
-        "`precompute_ref_log_probs`; that pass writes each row's reference sums once per tensor-parallel rank, so "
-        "they would come out `tensor_parallel_size` times too large. Remove `tensor_parallel_size` and shard the "
-        "model states with FSDP2 (`fsdp_version: 2`, `dp_shard_size`) or ZeRO-3, or train `rl: orpo` or `simpo`, "
-        "which read no reference and run under tensor parallelism.",
-    ),
-    Entry(
         "rl-torch-bidirectional",
         SECTION,
         "rl with cp_backend: torch and causal: false",

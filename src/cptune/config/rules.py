@@ -259,8 +259,8 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
       disabled) or `precompute_ref_log_probs`; `lora_model_dir` is refused with them (TRL's reference would
       be the starting adapter). `orpo` and `simpo` read no reference: `precompute_ref_log_probs` is refused
       with them. `train_on_inputs: true` is refused (the prompt is never trained). Tensor parallelism takes
-      `orpo` and `simpo` (a full fine-tune under FSDP2, `_tensor_parallel`), not yet `dpo` or `ipo`, whose first
-      pass would count each row's reference sums once per tensor-parallel rank.
+      each of them (a full fine-tune under FSDP2, `_tensor_parallel`; `dpo` and `ipo` then precompute their
+      reference, whose first pass keeps each row's sums on one rank of its CP and TP groups).
     - At `context_parallel_size` above 1 the `cp_backend` must compute the per-pair sums
       (`ring-flash-attn`).
     - With `rl` every dataset is a preference type (`chat_template.default`, `passthrough.default`), and
@@ -325,15 +325,6 @@ def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
             "train_on_inputs",
             f"{rl} trains the responses only (the prompt's log-probs are the same in the chosen and rejected "
             "sequences); remove train_on_inputs.",
-        )
-    if r.tensor_parallel_size > 1 and r.needs_reference:
-        yield (
-            "tensor_parallel_size",
-            f"{rl} with tensor parallelism is not built yet: tensor parallelism trains full fine-tunes, whose "
-            "reference comes from the first pass of precompute_ref_log_probs, and that pass writes each row's "
-            "reference sums once per tensor-parallel rank, so they come out tensor_parallel_size times too large. "
-            "Remove tensor_parallel_size and shard the model states with FSDP2 (fsdp_version: 2, dp_shard_size) "
-            "or ZeRO-3, or train rl: orpo or simpo, which read no reference.",
         )
     backend = named_backend(r)
     if r.context_parallel_size > 1 and not backend.trains_preference_pairs:

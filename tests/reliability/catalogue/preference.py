@@ -62,17 +62,6 @@ CASES: tuple[Case, ...] = (
         args=("--checkpoint", "{ws}/full-model"),
     ),
     Case(
-        "rl-tensor-parallel",
-        setup=lambda ws: {
-            **_pairs(ws),
-            "adapter": DELETE,  # tensor parallelism splits full fine-tunes; DPO's then precomputes its reference
-            "precompute_ref_log_probs": True,
-            "tensor_parallel_size": 2,
-            "fsdp_version": 2,
-            "context_parallel_size": 2,
-        },
-    ),
-    Case(
         "rl-torch-bidirectional",
         setup=lambda ws: {
             **_pairs(ws),

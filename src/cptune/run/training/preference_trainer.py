@@ -227,6 +227,7 @@ class PreferenceTrainer(CptuneTrainer):
             dp_rank=self.accelerator.process_index // self.batch_group_size,
             dp_size=dp_size,
             cp_group=self._cp_group,
+            tp_group=self._tp_group,
             reference_context=self._reference_context,
             attention_layers=self._attention_layers,
             device=self.args.device,

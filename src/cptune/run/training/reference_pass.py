@@ -54,6 +54,7 @@ def precompute_reference(
     dp_rank: int,
     dp_size: int,
     cp_group: dist.ProcessGroup | None,
+    tp_group: dist.ProcessGroup | None = None,
     reference_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     attention_layers: int | None = None,
     device: torch.device | None = None,
@@ -70,6 +71,9 @@ def precompute_reference(
         dp_rank: This rank's data-parallel group.
         dp_size: Data-parallel groups.
         cp_group: This rank's CP group; None at cp=1.
+        tp_group: This rank's tensor-parallel group; None without tensor parallelism. Every rank of a CP group
+            and of its TP groups computes the same sums: the first of them keeps them, so the world's sum
+            counts each row once.
         reference_context: Entered around each forward (the adapter disabled, for LoRA).
         attention_layers: The model's attention layers, to check each forward went through the backend.
         device: Where the forwards run (default: where the model's first parameter is; a sharded model's
@@ -82,7 +86,7 @@ def precompute_reference(
         offsets.append(offsets[-1] + 2 * count)
     device = device if device is not None else next(model.parameters()).device
     sums = torch.zeros(offsets[-1], dtype=torch.float64, device=device)
-    writes = cp_group is None or dist.get_rank(cp_group) == 0
+    writes = all(group is None or dist.get_rank(group) == 0 for group in (cp_group, tp_group))
     was_training = model.training
     model.eval()  # no dropout: the reference of every step is the model without it
     try:

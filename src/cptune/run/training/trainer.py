@@ -85,6 +85,7 @@ class CptuneTrainer(Trainer):
         self.cp_backend = backend_factory(self.accelerator, self.model)
         # None at cp=1: each rank holds whole rows, its sums are complete.
         self._cp_group = self.accelerator.torch_device_mesh["cp"].get_group() if cp_size > 1 else None
+        self._tp_group = self.accelerator.torch_device_mesh["tp"].get_group() if tp_size > 1 else None
         # A mixture-of-experts model's router loss, which its own forward adds to the loss cptune replaces.
         self._router = RouterBalance.from_config(self.accelerator.unwrap_model(self.model).config)
         self._router_log = RouterLossLog()
