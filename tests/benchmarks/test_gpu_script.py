@@ -133,10 +133,13 @@ def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
 
     with substituted():
         rows = check_kernels.run_checks(device="cpu", size=1, head_dim=8, dtypes=("bfloat16",))
-    assert len(rows) == 13 and all(row["ok"] for row in rows), rows
+    assert len(rows) == 15 and all(row["ok"] for row in rows), rows
     assert {"out", "lse", "dq", "dk", "dv"} <= rows[0].keys()
     sinks = next(row for row in rows if row["case"] == check_kernels.SINKS_CASE)
     assert 0 < sinks["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, sinks
+    for window in (None, 12):  # size 1: the window n(96) is 12 tokens, chunks of n(192) = 24
+        zigzag = next(row for row in rows if row["case"] == check_kernels._zigzag_sinks_name(window))
+        assert 0 < zigzag["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, zigzag
     # The rounding of bf16 inputs and outputs, and nothing near the pass mark.
     assert all(1e-4 < row["dq"] < check_kernels.TOLERANCE["bfloat16"] / 2 for row in rows if "dq" in row)
 
