@@ -39,7 +39,7 @@ from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
-from cptune.parallel.kernels.sinks import attention_with_sinks
+from cptune.parallel.kernels.sinks import SplitAttention, attention_with_sinks
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
 INSTALL_HINT = (
@@ -59,7 +59,7 @@ class RingKernels:
     zigzag_window: Callable[..., torch.Tensor]
     #: ``(scale, window, group)``: that ring as a SplitAttention (window None: full causal), for the layers with
     #: attention sinks, whose sink needs the ring's merged ``lse`` (.zigzag_window.ZigzagRing)
-    zigzag_ring: Callable[..., Any] | None = None
+    zigzag_ring: Callable[..., SplitAttention]
     #: ``llama3_flash_attn_varlen_forward`` / ``_backward``: the all-gather attention's ``(out, lse)`` and its
     #: backward, for the layers with attention sinks (gpt-oss), whose sink needs the merged ``lse``
     varlen_llama3_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
