@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,21 @@ def test_multirank_verdicts_apply_the_stated_limits():
         {"cp": {"2": {**result, "ok": multirank.verdicts(result)}, "4": {"error": "rank exit codes [1, 0]"}}}
     )
     assert "| 2 | model tiny batch_zigzag |" in table and "| 4 | all | rank exit codes [1, 0] | no |" in table
+
+
+def test_multirank_summarises_a_cp_size_skipped_for_the_budget(tmp_path, monkeypatch, capsys):
+    """A later cp size skipped because --budget ran out is reported as skipped, not counted, and does not crash the
+    summary (it has no verdicts); the run passes on the cp size that ran."""
+    from benchmarks.gpu import multirank
+
+    monkeypatch.setattr(
+        multirank, "run", lambda cp, work, settings: {"attention": {"zigzag causal": {"out": 1e-3}}}
+    )
+    out = tmp_path / "multirank.json"
+    assert multirank.main(["--device", "cpu", "--cp-sizes", "2,4", "--budget", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "multirank parity: 1 passed, 0 failed" in printed, printed
+    assert "skipped" in json.loads(out.read_text())["cp"]["4"]
 
 
 def test_gpu_section_is_rendered_from_the_committed_json_with_mfu_two_ways():
