@@ -19,7 +19,8 @@ zigzag ring's windowed blocks); one key block's backward given the merged
 output and LSE of all blocks (the zigzag ring); the differentiable
 :func:`cptune.parallel.kernels.varlen.varlen_attention` (DeepSpeed's document attention), without and with a sliding window,
 and with gpt-oss's attention sinks and a window (the sink applied to the merged ``(out, lse)``, the backward
-given the sink attention's ``(out, lse)``: :mod:`cptune.parallel.kernels.sinks`; its gradient ``dsinks`` too).
+given the sink attention's ``(out, lse)``: :mod:`cptune.parallel.kernels.sinks`; its gradient ``dsinks`` too);
+the sinks on cptune's zigzag ring (``batch_zigzag``) at one rank, full causal and with a sliding window.
 ``--time`` adds the varlen kernels' forward+backward time against PyTorch's fused SDPA (flash
 backend) on one 16K-token causal sequence with Llama-3.1-8B's attention shape.
 
@@ -174,6 +175,9 @@ def run_checks(
                                  device, head_dim, window))  # fmt: skip
         rows.append(_guarded(SINKS_CASE, name, _sinks_case, varlen_attention, randn, dtype, name, bounds_q, device,
                              head_dim))  # fmt: skip
+        for window in (None, n(96)):  # gpt-oss on the zigzag ring: its full and its sliding layers
+            case = _zigzag_sinks_name(window)
+            rows.append(_guarded(case, name, _zigzag_sinks_case, randn, dtype, name, n, head_dim, window))
         rows.append(_guarded("varlen_attention one KV head per call (attention_kv_heads_per_call: 1)", name,
                              _head_groups_case, varlen_attention, randn, dtype, name, bounds_q, device, head_dim))  # fmt: skip
         if on_row is not None:
@@ -358,6 +362,58 @@ def _sinks_case(varlen_attention, randn, dtype, name, bounds, device, head_dim, 
         out.backward(dout)
         results.append(dict(zip(labels, (out.detach(), *(x.grad for x in leaves)), strict=True)))
     return _compare(SINKS_CASE, name, results[0], results[1], expected)
+
+
+def _zigzag_sinks_name(window: int | None) -> str:
+    suffix = "full causal" if window is None else f"sliding window {window}"
+    return f"zigzag ring with attention sinks (gpt-oss; one rank's 2 chunks, {suffix})"
+
+
+def _zigzag_sinks_case(randn, dtype, name, n, head_dim, window) -> dict[str, Any]:
+    """gpt-oss's sinks on cptune's zigzag ring (``ring_attn_func: batch_zigzag``) as one rank runs it at cp=1: the
+    ring's blocks through torch's flash kernels (causal, cut and band-windowed), merged by log-sum-exp in fp32, the
+    sink applied once to the merged ``(out, lse)``, and the ring's backward given the sink attention's; out and dq,
+    dk, dv, dsinks against softmax over [scores, sink] in float64. Across ranks the ring only adds the exchange of
+    K/V (tests/parallel/test_parity.py holds it to cp=1 on CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.gpu.reference import visible_keys
+    from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing
+    from cptune.parallel.kernels import flash_attn_cpu, torch_flash
+    from cptune.parallel.kernels.sinks import attention_with_sinks
+
+    tokens, heads = 2 * n(192), 16
+    q, dout = randn(2, tokens, heads, head_dim, dtype=dtype), randn(2, tokens, heads, head_dim, dtype=dtype)
+    k, v = randn(2, tokens, 4, head_dim, dtype=dtype), randn(2, tokens, 4, head_dim, dtype=dtype)
+    sinks = 2 * randn(heads, dtype=torch.float32)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    kx, vx = (t.repeat_interleave(heads // k.shape[2], dim=2) for t in leaves64[1:3])
+    scores = torch.einsum("bqhd,bkhd->bhqk", leaves64[0], kx) * head_dim**-0.5
+    seen = visible_keys(tokens, tokens, -1 if window is None else window - 1, 0, q.device)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    logits = torch.cat([scores, leaves64[3][None, :, None, None].expand(2, -1, tokens, 1)], dim=-1)
+    out64 = torch.einsum("bhqk,bkhd->bqhd", logits.softmax(-1)[..., :-1], vx)
+    out64.backward(dout.double())
+    labels = ("out", *GRADS, "dsinks")
+    expected = dict(zip(labels, (out64.detach(), *(x.grad for x in leaves64)), strict=True))
+    opened = not dist.is_initialized()
+    if opened:  # one rank: the ring exchanges nothing, but asks the group for its rank and size
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        results = []
+        for kernels in (torch_flash, flash_attn_cpu):
+            ring = ZigzagRing(
+                head_dim**-0.5, window, None, (kernels._flash_attn_forward, kernels._flash_attn_backward)
+            )
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            out = attention_with_sinks(ring, *leaves)
+            out.backward(dout)
+            results.append(dict(zip(labels, (out.detach(), *(x.grad for x in leaves)), strict=True)))
+    finally:
+        if opened:
+            dist.destroy_process_group()
+    return _compare(_zigzag_sinks_name(window), name, results[0], results[1], expected)
 
 
 def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head_dim) -> dict[str, Any]:

@@ -7,7 +7,9 @@ reference itself, and runs its shard through the real multi-rank code over the
 * ``attention``: ring-flash-attn's ``llama3_flash_attn_varlen_func`` (packed documents, one
   shorter than a shard; causal and bidirectional) and ``zigzag_ring_flash_attn_func`` (causal),
   bf16, on the kernels cptune gives it (PyTorch's FlashAttention-2 on CUDA); relative errors of
-  the gathered output and gradients against float64 attention, next to the single-rank kernels'.
+  the gathered output and gradients against float64 attention, next to the single-rank kernels'; and
+  cptune's own zigzag ring (``batch_zigzag``'s windowed and gpt-oss layers) with a sliding window across
+  chunks and ranks and gpt-oss's attention sinks, the sinks' gradient included.
 * ``model``: a model (the tiny test Llama, or a Llama-3.1-8B-shaped one with fewer layers and
   random weights) with LoRA in bf16, through cptune's :class:`RingFlashAttnBackend`
   (``varlen_llama3`` on packed rows, ``batch_zigzag`` on one causal document) with the
@@ -41,8 +43,10 @@ def gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return full
 
 
-def attention_cases(ring: Any, group: Any, device: str, tokens: int, heads: tuple[int, int], head_dim: int):
-    """Relative errors of ring-flash-attn's llama3 and zigzag functions; see the module docstring."""
+def attention_cases(ring: Any, group: Any, device: str, tokens: int, heads: tuple[int, int], head_dim: int,
+                    zigzag_ring: Any = None):  # fmt: skip
+    """Relative errors of ring-flash-attn's llama3 and zigzag functions, and of cptune's zigzag ring with a sliding
+    window and gpt-oss's sinks (``zigzag_ring``: ``RingKernels.zigzag_ring``); see the module docstring."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     generator = torch.Generator(device=device).manual_seed(1234)
     h, hk = heads
@@ -99,7 +103,48 @@ def attention_cases(ring: Any, group: Any, device: str, tokens: int, heads: tupl
         chunks = gather(tensor[0], group).chunk(2 * world)
         got[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
     results["zigzag causal"] = _errors(got, expected)
+    if zigzag_ring is not None:
+        results["zigzag ring, sliding window and sinks"] = _zigzag_sinks_case(
+            zigzag_ring, group, generator, q, k, v, dout, local, inverse
+        )
     return results
+
+
+def _zigzag_sinks_case(zigzag_ring, group, generator, q, k, v, dout, local, inverse) -> dict[str, float]:
+    """gpt-oss's layers on cptune's zigzag ring (``batch_zigzag``): a sliding window of a quarter of the row, so it
+    crosses chunk and rank boundaries, and a sink per head applied once to the ring's merged ``(out, lse)``;
+    out, dq, dk, dv and the sinks' gradient (each rank's summed over the group) against float64."""
+    from cptune.parallel.kernels.sinks import attention_with_sinks
+
+    tokens, heads, head_dim = q.shape
+    world = dist.get_world_size(group)
+    window = max(2, tokens // 4)
+    sinks = 2 * torch.randn(heads, generator=generator, device=q.device)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    kx, vx = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in leaves64[1:3])
+    scores = torch.einsum("qhd,khd->hqk", leaves64[0], kx) * head_dim**-0.5
+    seen = reference.visible_keys(tokens, tokens, window - 1, 0, q.device)
+    logits = torch.cat(
+        [scores.masked_fill(~seen, float("-inf")), leaves64[3][:, None, None].expand(-1, tokens, 1)], -1
+    )
+    out64 = torch.einsum("hqk,khd->qhd", logits.softmax(-1)[..., :-1], vx)
+    out64.backward(dout.double())
+    expected = {"out": out64.detach(), **{f"d{n}": x.grad for n, x in zip("qkv", leaves64[:3], strict=True)}}
+    expected["dsinks"] = leaves64[3].grad
+    leaves = [local(t).clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+    out = attention_with_sinks(zigzag_ring(head_dim**-0.5, window, group), *leaves)
+    out.backward(local(dout))
+    got = {}
+    for name, tensor in {
+        "out": out.detach(),
+        **{f"d{n}": x.grad for n, x in zip("qkv", leaves[:3], strict=True)},
+    }.items():
+        chunks = gather(tensor[0], group).chunk(2 * world)
+        got[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
+    dsinks = leaves[3].grad.clone()
+    dist.all_reduce(dsinks, group=group)  # each rank's queries' share, as the gradient reduction adds them
+    got["dsinks"] = dsinks
+    return _errors(got, expected)
 
 
 def _reference(q, k, v, dout, forward) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -133,10 +134,13 @@ def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
 
     with substituted():
         rows = check_kernels.run_checks(device="cpu", size=1, head_dim=8, dtypes=("bfloat16",))
-    assert len(rows) == 13 and all(row["ok"] for row in rows), rows
+    assert len(rows) == 15 and all(row["ok"] for row in rows), rows
     assert {"out", "lse", "dq", "dk", "dv"} <= rows[0].keys()
     sinks = next(row for row in rows if row["case"] == check_kernels.SINKS_CASE)
     assert 0 < sinks["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, sinks
+    for window in (None, 12):  # size 1: the window n(96) is 12 tokens, chunks of n(192) = 24
+        zigzag = next(row for row in rows if row["case"] == check_kernels._zigzag_sinks_name(window))
+        assert 0 < zigzag["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, zigzag
     # The rounding of bf16 inputs and outputs, and nothing near the pass mark.
     assert all(1e-4 < row["dq"] < check_kernels.TOLERANCE["bfloat16"] / 2 for row in rows if "dq" in row)
 
@@ -169,6 +173,21 @@ def test_multirank_verdicts_apply_the_stated_limits():
         {"cp": {"2": {**result, "ok": multirank.verdicts(result)}, "4": {"error": "rank exit codes [1, 0]"}}}
     )
     assert "| 2 | model tiny batch_zigzag |" in table and "| 4 | all | rank exit codes [1, 0] | no |" in table
+
+
+def test_multirank_summarises_a_cp_size_skipped_for_the_budget(tmp_path, monkeypatch, capsys):
+    """A later cp size skipped because --budget ran out is reported as skipped, not counted, and does not crash the
+    summary (it has no verdicts); the run passes on the cp size that ran."""
+    from benchmarks.gpu import multirank
+
+    monkeypatch.setattr(
+        multirank, "run", lambda cp, work, settings: {"attention": {"zigzag causal": {"out": 1e-3}}}
+    )
+    out = tmp_path / "multirank.json"
+    assert multirank.main(["--device", "cpu", "--cp-sizes", "2,4", "--budget", "0", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "multirank parity: 1 passed, 0 failed" in printed, printed
+    assert "skipped" in json.loads(out.read_text())["cp"]["4"]
 
 
 def test_gpu_section_is_rendered_from_the_committed_json_with_mfu_two_ways():

@@ -58,6 +58,7 @@ from cptune.parallel.backends.ring_flash_attn.sharding import (
 from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
+from cptune.parallel.kernels.sinks import with_sinks
 from cptune.parallel.loss import count_targets
 from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch
@@ -379,6 +380,24 @@ def sinks_per_block(kernels: RingKernels) -> RingKernels:
     return dataclasses.replace(kernels, sink_attention=sink_attention)
 
 
+def zigzag_sinks_per_block(kernels: RingKernels) -> RingKernels:
+    """Planted bug: on the zigzag ring, the sink put into each block's ``(out, lse)`` as flash-attn returns it, before
+    the ring merges the blocks, and not once after: it enters a query's softmax once per block (per ring step and
+    key chunk) it sees."""
+
+    def sink_attention(attention, q, k, v, sinks):
+        forward, backward = attention.kernels
+
+        def forward_with_sink(**kwargs):
+            out, lse, *rest = forward(**kwargs)
+            return (*with_sinks(out, lse, sinks.detach()), *rest)
+
+        planted = dataclasses.replace(attention, kernels=(forward_with_sink, backward))
+        return kernels.sink_attention(planted, q, k, v, torch.full_like(sinks, float("-inf")))
+
+    return dataclasses.replace(kernels, sink_attention=sink_attention)
+
+
 def dropped_window(kernels: RingKernels) -> RingKernels:
     """Planted bug: the model's sliding window not passed to the kernel (full attention on windowed layers)."""
 
@@ -409,6 +428,7 @@ INJECTIONS = {
     "zigzag_window_block_local": block_local_zigzag_window,
     "sinks_dropped": dropped_sinks,
     "sinks_per_block": sinks_per_block,
+    "zigzag_sinks_per_block": zigzag_sinks_per_block,
 }
 
 

@@ -133,6 +133,16 @@ PLANTED_CASES = [
     # block): the sinks train in these full fine-tunes.
     case("planted-sinks-dropped", inject="sinks_dropped", arch="gpt_oss", long_doc=True, lora=False),
     case("planted-sinks-per-block", inject="sinks_per_block", arch="gpt_oss", long_doc=True, lora=False),
+    # gpt-oss on the zigzag ring with the sink put into each block of the ring before the merge.
+    case(
+        "planted-zigzag-sinks-per-block",
+        inject="zigzag_sinks_per_block",
+        arch="gpt_oss",
+        packed=False,
+        full_rows=True,
+        func="batch_zigzag",
+        lora=False,
+    ),
 ]
 
 # Sliding-window layers (ring-flash-attn's varlen_llama3, causal): a tiny Mistral with a window of 5 keys on
@@ -172,6 +182,19 @@ ZIGZAG_WINDOW_BF16_CP2_CASES = [
         lora=False,
     )
 ]
+# Gemma 3 at cp=4 on the zigzag ring: 4 ranks' blocks, windows crossing chunk boundaries, its full layers on
+# ring-flash-attn's zigzag function (bf16, reorder floor, as at cp=2).
+ZIGZAG_WINDOW_BF16_CP4_CASES = [
+    case(
+        "zigzag-window-gemma3-bf16-full",
+        arch="gemma3",
+        packed=False,
+        func="batch_zigzag",
+        bf16=True,
+        lora=False,
+        seq_len=32,
+    )
+]
 ZIGZAG_WINDOW_CP4_CASES = [
     case(
         "zigzag-window-mistral-full",
@@ -208,6 +231,30 @@ SINK_CP2_CASES = [
 SINK_CP4_CASES = [
     case("sinks-gpt-oss-packed-causal-lora", arch="gpt_oss", long_doc=True, seq_len=32),
     case("sinks-gpt-oss-packed-causal-full", arch="gpt_oss", long_doc=True, lora=False, seq_len=32),
+]
+# gpt-oss on the zigzag ring (batch_zigzag): cptune's ring on every layer (each has sinks; sliding and full),
+# the sink applied once to the ring's merged (out, lse); exact in fp32, so by the float64 rule. Whole rows of one
+# document (full_rows): the zigzag ring has no documents, and padding it let see the row would route otherwise
+# than at cp=1 under gpt-oss's router loss (cptune refuses padded rows there: router_padding.py).
+SINK_ZIGZAG_CP2_CASES = [
+    case(
+        "zigzag-sinks-gpt-oss-full",
+        arch="gpt_oss",
+        packed=False,
+        full_rows=True,
+        func="batch_zigzag",
+        lora=False,
+    ),
+]
+SINK_ZIGZAG_CP4_CASES = [
+    case(
+        "zigzag-sinks-gpt-oss-lora",
+        arch="gpt_oss",
+        packed=False,
+        full_rows=True,
+        func="batch_zigzag",
+        seq_len=32,
+    ),
 ]
 
 # Mixture of experts: a tiny Qwen3-MoE (every layer sparse, 4 experts, 2 per token) with its router's
@@ -368,7 +415,8 @@ SPAWNS = {
         + ZIGZAG_WINDOW_CP2_CASES
         + ZIGZAG_WINDOW_BF16_CP2_CASES
         + ZIGZAG_WINDOW_PLANTED_CASES
-        + SINK_CP2_CASES,
+        + SINK_CP2_CASES
+        + SINK_ZIGZAG_CP2_CASES,
     ),
     "cp4": (
         4,
@@ -380,7 +428,9 @@ SPAWNS = {
         + MOE_CP4_CASES
         + WINDOW_CP4_CASES
         + ZIGZAG_WINDOW_CP4_CASES
-        + SINK_CP4_CASES,
+        + ZIGZAG_WINDOW_BF16_CP4_CASES
+        + SINK_CP4_CASES
+        + SINK_ZIGZAG_CP4_CASES,
     ),
     "dp2xcp2": (
         4,
@@ -426,9 +476,9 @@ def rel(a: float, b: float) -> float:
 #: that adds in orders as legal as the twins' lands beyond ``c`` times the largest of ``K`` independent draws
 #: of the same noise with probability P(|X| > c·max(|Y_1|..|Y_K|)); for normal draws (Monte Carlo, 4·10^6
 #: trials) K=1, c=2: 0.30 (the rule before: one eager twin, 2x); K=3, c=8: 0.0015; K=3, c=16: 0.0002. The
-#: suite checks 2 quantities (losses, gradients) of 12 bf16 cases (7 in this module's cp2 launch, 5 in
-#: test_ulysses_parity.py's; a case's ranks report the same all-reduced values): 24 draws, so at most about
-#: 24 × 0.0002 ≈ 0.5% of runs on another CPU fail at random. 16, not 8: a MoE model's bf16 routing flips a
+#: suite checks 2 quantities (losses, gradients) of 13 bf16 cases (7 in this module's cp2 launch, 1 in its cp4
+#: launch, 5 in test_ulysses_parity.py's; a case's ranks report the same all-reduced values): 26 draws, so at
+#: most about 26 × 0.0002 ≈ 0.5% of runs on another CPU fail at random. 16, not 8: a MoE model's bf16 routing flips a
 #: token's experts now and then, a discrete jump that makes its noise heavier-tailed than a normal draw (over
 #: seeds 11-18 a Qwen3-MoE LoRA case's CP losses landed 5.7x the farthest twin's, its gradients 4x); every
 #: case of that sweep stays under 0.36 of this limit, the planted bf16 bug lands at least 5x past it
@@ -688,11 +738,35 @@ def test_attention_sinks_parity_fp32(parity_results, spawn, cases):
 
 
 @pytest.mark.distributed
-def test_zigzag_sliding_window_parity_bf16(parity_results):
-    """Gemma 3 (sliding, sliding, full) on the zigzag ring at cp=2 in bf16, within the reorder floor; and the
-    window aligned to each block instead (planted) fails the same check."""
+@pytest.mark.parametrize(
+    ("spawn", "cases"),
+    [("cp2", SINK_ZIGZAG_CP2_CASES), ("cp4", SINK_ZIGZAG_CP4_CASES)],
+    ids=["cp2", "cp4"],
+)
+def test_zigzag_attention_sinks_parity_fp32(parity_results, spawn, cases):
+    """gpt-oss on the zigzag ring (batch_zigzag) at cp=2 (full fine-tune: the sinks train) and cp=4 (LoRA), the sink
+    once onto each query's merged attention: the losses of 3 SGD steps and the step-0 gradients of the cp=1 run,
+    by the float64 rule (the sink put into each block instead fails it: test_planted_bugs_fail_the_fp32_parity_check)."""
+    check(parity_results(spawn), cases)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("spawn", "cases"),
+    [("cp2", ZIGZAG_WINDOW_BF16_CP2_CASES), ("cp4", ZIGZAG_WINDOW_BF16_CP4_CASES)],
+    ids=["cp2", "cp4"],
+)
+def test_zigzag_sliding_window_parity_bf16(parity_results, spawn, cases):
+    """Gemma 3 (sliding, sliding, full) on the zigzag ring at cp=2 and cp=4 in bf16, within the reorder floor (the
+    same run's reorder twins)."""
+    check(parity_results(spawn), cases, bf16=True)
+
+
+@pytest.mark.distributed
+def test_a_zigzag_window_aligned_to_each_block_fails_the_bf16_check(parity_results):
+    """The window handed to ring-flash-attn's zigzag function, aligned to each block (planted): the bf16 check of
+    test_zigzag_sliding_window_parity_bf16 fails."""
     results = parity_results("cp2")
-    check(results, ZIGZAG_WINDOW_BF16_CP2_CASES, bf16=True)  # reorder floor: the same run's reorder twins
     for case_ in ZIGZAG_WINDOW_PLANTED_CASES:
         worst = max(max(bf16_excesses(per_rank[case_["name"]]).values()) for per_rank in results)
         print(f"{case_['name']}: {worst:.3g} times the limit")
@@ -710,7 +784,7 @@ def test_moe_router_loss_parity_bf16(parity_results):
 def test_planted_bugs_fail_the_fp32_parity_check(parity_results):
     """A wrong gradient scale, a sliding window, a dropped document boundary, a per-rank router loss,
     Mistral's sliding windows counted in shard-local positions or dropped, and gpt-oss's sinks dropped or
-    applied per block of keys, each planted in the cp=2 ring path: the fp32 check of the tests above fails
+    applied per block of keys (varlen_llama3's gathered blocks, the zigzag ring's), each planted in the cp=2 ring path: the fp32 check of the tests above fails
     on every one."""
     results = parity_results("cp2")
     for case_ in PLANTED_CASES:

@@ -7,6 +7,7 @@ import pytest
 from cptune.config.loader import validate_recipe
 from cptune.errors import CptuneError
 from cptune.parallel.backends.deepspeed_ulysses.policy import DeepSpeedUlysses
+from cptune.parallel.backends.ring_flash_attn.policy import RingFlashAttn
 from cptune.parallel.backends.torch_cp.policy import TorchCp
 from devtools.tiny import build_tiny_mixtral
 
@@ -40,8 +41,13 @@ def text_config(router_loss: bool = True):
             },
             "micro_batch_size: 2",
         ),
+        (
+            RingFlashAttn(),
+            {"ring_attn_func": "batch_zigzag", "bf16": True, "sample_packing": False, "micro_batch_size": 2},
+            "micro_batch_size: 2",
+        ),
     ],
-    ids=["torch-mbs2", "torch-pad-to-sequence-len", "deepspeed-sdpa-mbs2"],
+    ids=["torch-mbs2", "torch-pad-to-sequence-len", "deepspeed-sdpa-mbs2", "zigzag-mbs2"],
 )
 def test_padded_rows_with_a_router_loss_are_refused_with_the_reason(backend, keys, padding):
     recipe = validate_recipe({**BASE, **keys})
@@ -61,3 +67,10 @@ def test_one_row_per_micro_batch_or_no_router_loss_or_a_document_aware_core_is_a
     # Ulysses around cptune's document attention keeps the padding a document of its own.
     ulysses = validate_recipe({**BASE, "cp_backend": "deepspeed", "micro_batch_size": 2})
     DeepSpeedUlysses().check_model(ulysses, 2, text_config())
+    # So do ring-flash-attn's varlen_llama3 (packed or not) and the zigzag ring with one row per micro batch.
+    varlen = validate_recipe({**BASE, "sample_packing": False, "micro_batch_size": 2})
+    RingFlashAttn().check_model(varlen, 2, text_config())
+    zigzag = validate_recipe(
+        {**BASE, "ring_attn_func": "batch_zigzag", "bf16": True, "sample_packing": False}
+    )
+    RingFlashAttn().check_model(zigzag, 2, text_config())

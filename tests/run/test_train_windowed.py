@@ -1,29 +1,40 @@
-"""`cptune train` of a sliding-window model (tiny Mistral) at cp=2 logs what cp=1 logs, through the CLI.
+"""Training a sliding-window model (tiny Mistral) and gpt-oss (sinks, windows, experts) at cp=2 logs what cp=1 logs.
 
 The parity tests (tests/parallel/test_parity.py, test_ulysses_parity.py) hold the sharded attention to
-cp=1; this runs the whole path a user runs: the model checks accept the windowed model for ring-flash-attn
-and deepspeed (Ulysses), the trainer checks every windowed layer passed its window, and the logged
-losses and gradient norms match.
+cp=1; this runs the whole training path of ``cptune train``'s ranks (``cptune.run.training.train.train``:
+preparing the data, the model checks, the trainer): the model checks accept the windowed models for
+ring-flash-attn and deepspeed (Ulysses), the trainer checks every windowed layer passed its window, and the
+logged losses and gradient norms (and gpt-oss's router loss) match. Process start-up dominates such short
+runs, so the recipes of each world size train one after the other in one launch
+(tests/axolotl/train_worker.py): the cp=1 references in one process, the cp=2 runs in two.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from unittest import mock
+
 import pytest
 
-from tests.conftest import logged, max_rel_diff, run_cptune, succeeded, write_short_run
+from tests.conftest import logged, max_rel_diff, write_short_run
+from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
 
+WORKER = Path(__file__).parents[1] / "axolotl" / "train_worker.py"
 WINDOW = 8  # keys a query sees; the quickstart rows pack documents of tens of tokens, most wider than it
 
 
-def save_tiny_mistral(folder, tiny_model_dir):
-    """A tiny Mistral (every layer windowed) with the tiny Llama's tokenizer."""
+def save_tiny(folder, tiny_model_dir, family: str):
+    """A tiny Mistral (every layer windowed) or gpt-oss (sinks on every layer; sliding, full; 4 experts, its router
+    loss on) with the tiny Llama's tokenizer."""
     from transformers import AutoTokenizer
 
-    from devtools.tiny import build_tiny_mistral
+    from devtools.tiny import build_tiny_gpt_oss, build_tiny_mistral
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = build_tiny_mistral(
+    build = {"mistral": build_tiny_mistral, "gpt_oss": build_tiny_gpt_oss}[family]
+    model = build(
         len(tokenizer),
         seed=1,
         sliding_window=WINDOW,
@@ -35,21 +46,41 @@ def save_tiny_mistral(folder, tiny_model_dir):
     return folder
 
 
+def train_in_one_launch(tmp_path: Path, world_size: int, runs: dict[str, tuple[Path, dict]]) -> None:
+    """Train every run (name → model, recipe keys) one after the other in one launch of ``world_size`` processes."""
+    paths = [write_short_run(tmp_path, name, model, **keys) for name, (model, keys) in runs.items()]
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
+        ranks = run_ranks(
+            WORKER, world_size, tmp_path / f"launch-{world_size}", *map(str, paths), timeout=600
+        )
+    assert all(rank == ranks[0] for rank in ranks)  # every rank logs the same (global) losses
+
+
 @pytest.mark.distributed
-def test_a_sliding_window_model_trains_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
-    """LoRA, packed rows of 128 tokens, SGD with accumulation 2: loss and gradient norm of every step at cp=1,
-    at cp=2 with ring-flash-attn (varlen_llama3) and at cp=2 with deepspeed (Ulysses, cptune core attention)."""
-    mistral = save_tiny_mistral(tmp_path / "mistral", tiny_model_dir)
-    runs = {"cp1": {}, "ring": {"context_parallel_size": 2}}
-    runs["ulysses"] = {"context_parallel_size": 2, "cp_backend": "deepspeed"}
-    logs = {}
-    for name, keys in runs.items():
-        path = write_short_run(tmp_path, name, mistral, adapter="lora", lora_r=4, lora_alpha=8, **keys)
-        succeeded(run_cptune("train", str(path)))
-        logs[name] = {key: logged(tmp_path / name, key) for key in ("loss", "grad_norm")}
-    assert len(logs["cp1"]["loss"]) == 3
-    for name in ("ring", "ulysses"):
-        diffs = {key: max_rel_diff(logs[name][key], logs["cp1"][key]) for key in logs["cp1"]}
+def test_windowed_models_train_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
+    """Packed rows of 128 tokens, SGD with accumulation 2: loss and gradient norm of every step at cp=1, at cp=2
+    with ring-flash-attn (varlen_llama3) and at cp=2 with deepspeed (Ulysses, cptune core attention). Mistral with
+    LoRA; gpt-oss fully fine-tuned (its sinks train) on ring-flash-attn, its router loss logged too."""
+    mistral = save_tiny(tmp_path / "mistral", tiny_model_dir, "mistral")
+    gpt_oss = save_tiny(tmp_path / "gpt-oss", tiny_model_dir, "gpt_oss")
+    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8}
+    ring, ulysses = {"context_parallel_size": 2}, {"context_parallel_size": 2, "cp_backend": "deepspeed"}
+    train_in_one_launch(tmp_path, 1, {"mistral-cp1": (mistral, lora), "gpt-oss-cp1": (gpt_oss, {})})
+    # DeepSpeed last: its engine's process-wide state is restored after a run, but it is the odd one out.
+    cp2 = {
+        "mistral-ring": (mistral, {**lora, **ring}),
+        "gpt-oss-ring": (gpt_oss, ring),
+        "mistral-ulysses": (mistral, {**lora, **ulysses}),
+    }
+    train_in_one_launch(tmp_path, 2, cp2)
+    for name in cp2:
+        model = name.rsplit("-", 1)[0]  # the cp=1 reference: the same model's run in the first launch
+        keys = ("loss", "grad_norm") + (("router_aux_loss",) if model == "gpt-oss" else ())
+        expected = {key: logged(tmp_path / f"{model}-cp1", key) for key in keys}
+        got = {key: logged(tmp_path / name, key) for key in keys}
+        assert sorted(expected["loss"]) == [1, 2, 3], expected
+        diffs = {key: max_rel_diff(got[key], expected[key]) for key in keys}
         print(f"{name}: {diffs}")
-        # Bound (tests/numerics.py): rows of 128 tokens, 4 a step (2 x accumulation 2).
-        assert max(diffs.values()) <= logged_tolerance(128, 4), (name, diffs, logs)
+        # Bound (tests/numerics.py): rows of 128 tokens, 4 a step (2 x accumulation 2); a micro batch's router
+        # sums (2 rows x 128 tokens x 2 layers = 512 terms of size <= 1) stay within it.
+        assert max(diffs.values()) <= logged_tolerance(128, 4), (name, diffs, got, expected)

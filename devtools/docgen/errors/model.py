@@ -170,11 +170,12 @@ ENTRIES: tuple[Entry, ...] = (
         "A model with attention sinks (gpt-oss) with a backend that cannot apply them",
         "base_model: gpt_oss adds a learned sink logit per head to the softmax of its attention layers (of type "
         "['full_attention', 'sliding_attention']), which cp_backend: torch cannot apply exactly",
-        "gpt-oss's sink logits are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3`) and "
-        "`cp_backend: deepspeed` (`ulysses_attn_implementation: cptune`), which put each head's sink once into "
-        "every query's softmax over all of its keys. PyTorch's context-parallel attention, `batch_zigzag`, the "
-        "other Ulysses core attentions and cptune's bidirectional attention at `context_parallel_size: 1` do "
-        "not: the message names the reason. See the model table in choosing-a-backend.md.",
+        "gpt-oss's sink logits are exact with `cp_backend: ring-flash-attn` (`ring_attn_func: varlen_llama3` or "
+        "`batch_zigzag`) and `cp_backend: deepspeed` (`ulysses_attn_implementation: cptune`), which put each "
+        "head's sink once into every query's softmax over all of its keys. PyTorch's context-parallel attention "
+        "(whose message names gpt-oss's sliding windows too), the other Ulysses core attentions and cptune's "
+        "bidirectional attention at `context_parallel_size: 1` do not: the message names the reason. See the "
+        "model table in choosing-a-backend.md.",
     ),
     Entry(
         "model-attention-dropout",
@@ -381,13 +382,14 @@ DOCUMENTED: tuple[Documented, ...] = (
     Documented(
         "router-loss-padded-rows",
         SECTION,
-        "a router loss with padded rows under cp_backend torch (or deepspeed around sdpa)",
+        "a router loss with padded rows under cp_backend torch, deepspeed around sdpa, or batch_zigzag",
         "takes no document mask, so the padding would attend to",
         "The router load-balancing loss counts every token of a micro batch, the padding too. At cp=1 padding "
-        "is a document of its own; torch's context-parallel attention and Ulysses around sdpa take no document "
-        "mask, so the padding would see the row's real tokens and route otherwise. Use `micro_batch_size: 1` "
-        "(more `gradient_accumulation_steps`) without `pad_to_sequence_len`, or `cp_backend: ring-flash-attn`, "
-        "or turn the router loss off (`overrides_of_model_config: {output_router_logits: false}`).",
+        "is a document of its own; torch's context-parallel attention, Ulysses around sdpa and ring-flash-attn's "
+        "zigzag ring (`ring_attn_func: batch_zigzag`) take no document mask, so the padding would see the row's "
+        "real tokens and route otherwise. Use `micro_batch_size: 1` (more `gradient_accumulation_steps`) without "
+        "`pad_to_sequence_len`, or `cp_backend: ring-flash-attn` with `ring_attn_func: varlen_llama3`, or turn "
+        "the router loss off (`overrides_of_model_config: {output_router_logits: false}`).",
         raised_in="src/cptune/parallel/router_padding.py",
         why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
         tested_by="tests/parallel/test_router_padding.py::test_padded_rows_with_a_router_loss_are_refused_with_the_reason",

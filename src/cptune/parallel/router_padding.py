@@ -4,8 +4,8 @@ The router load-balancing loss counts every token of a micro batch the model see
 padding included (:mod:`cptune.parallel.router_loss`: transformers counts it too, given no
 attention mask). Padding is never trained, so for the token loss it does not matter what it attends
 to; for the router loss it does: its router logits are part of the sums. At cp=1 padding is a
-document of its own (its positions restart at 0). torch's context-parallel attention, and DeepSpeed
-Ulysses around ``sdpa``, take no document mask: causal over the whole row, the padding attends to
+document of its own (its positions restart at 0). torch's context-parallel attention, DeepSpeed
+Ulysses around ``sdpa`` and ring-flash-attn's zigzag ring (``batch_zigzag``) take no document mask: causal over the whole row, the padding attends to
 the row's real tokens, its hidden states and router logits are not cp=1's, and neither is the
 router loss (measured with torch at cp=2 on a tiny Qwen3-MoE and Mixtral whose rows end in padding:
 ``aux`` 5e-4 and 3e-3 off at the first step, and the routers' gradients over 6e4 times what the
@@ -52,6 +52,7 @@ def check_router_loss_padding(recipe: Recipe, text_config: Any, attention: str) 
         f"counts the padding of each row; {attention} takes no document mask, so the padding would attend to "
         "the row's real tokens and route otherwise than at context_parallel_size: 1, and the router loss "
         "would not be the cp=1 run's. Use micro_batch_size: 1 without pad_to_sequence_len (more "
-        "gradient_accumulation_steps instead), or cp_backend: ring-flash-attn, or set output_router_logits: "
+        "gradient_accumulation_steps instead), or cp_backend: ring-flash-attn with ring_attn_func: varlen_llama3 "
+        "(it keeps the padding a document of its own), or set output_router_logits: "
         "false in overrides_of_model_config."
     )

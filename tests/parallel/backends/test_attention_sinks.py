@@ -283,6 +283,7 @@ def gpt_oss_config():
 
 
 CP2 = {"context_parallel_size": 2}
+ZIGZAG = {**CP2, "ring_attn_func": "batch_zigzag", "bf16": True, "sample_packing": False}
 DEEPSPEED = {**CP2, "cp_backend": "deepspeed"}
 
 
@@ -290,6 +291,7 @@ def test_gpt_oss_is_taken_where_its_sinks_are_applied():
     config = gpt_oss_config()
     check(config)  # cp=1 causal: transformers' own attention
     check(config, **CP2)  # ring-flash-attn, varlen_llama3
+    check(config, **ZIGZAG)  # ring-flash-attn, batch_zigzag: cptune's zigzag ring
     check(config, **DEEPSPEED)  # ulysses_attn_implementation: cptune
 
 
@@ -297,11 +299,6 @@ def test_gpt_oss_is_taken_where_its_sinks_are_applied():
     ("keys", "backend", "reason"),
     [
         ({**CP2, "cp_backend": "torch", "sample_packing": False}, "cp_backend: torch", "takes no sink"),
-        (
-            {**CP2, "ring_attn_func": "batch_zigzag", "bf16": True, "sample_packing": False},
-            r"cp_backend: ring-flash-attn \(ring_attn_func: batch_zigzag\)",
-            "zigzag ring's merge is not wired",
-        ),
         (
             {**DEEPSPEED, "ulysses_attn_implementation": "sdpa", "sample_packing": False},
             "ulysses_attn_implementation: sdpa",
@@ -314,7 +311,7 @@ def test_gpt_oss_is_taken_where_its_sinks_are_applied():
         ),
         ({"causal": False}, "context_parallel_size: 1|cptune", "no place for a logit outside the keys"),
     ],
-    ids=["torch", "zigzag", "deepspeed-sdpa", "deepspeed-flash-attention-2", "cp1-bidirectional"],
+    ids=["torch", "deepspeed-sdpa", "deepspeed-flash-attention-2", "cp1-bidirectional"],
 )
 def test_gpt_oss_is_refused_where_its_sinks_are_not_applied(keys, backend, reason):
     with pytest.raises(CptuneError) as refused:
@@ -327,6 +324,20 @@ def test_gpt_oss_is_refused_where_its_sinks_are_not_applied(keys, backend, reaso
     )
     assert re.search(backend, message), message
     assert re.search(reason, message), message
+
+
+def test_gpt_oss_on_the_torch_backend_is_refused_for_its_sinks_and_its_windows_in_one_message():
+    """torch's CP attention takes neither: the one message names both, so a user does not fix one to meet the other."""
+    with pytest.raises(CptuneError) as refused:
+        check(gpt_oss_config(), **CP2, cp_backend="torch", sample_packing=False)
+    message = str(refused.value)
+    assert "base_model: gpt_oss adds a learned sink logit per head" in message, message
+    assert "takes no sink and returns no log-sum-exp" in message, message
+    assert (
+        "base_model: gpt_oss has attention layers of type ['sliding_attention'] (sliding_window: 16)"
+        in message
+    )
+    assert "takes no mask or window" in message, message
 
 
 def test_cp1_trains_gpt_oss_through_the_document_attention_with_its_windows_and_sinks():

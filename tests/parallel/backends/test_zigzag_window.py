@@ -1,7 +1,8 @@
-"""Sliding windows on the zigzag ring: each block's window in whole-row positions (zigzag_blocks, zigzag_window).
+"""Sliding windows and attention sinks on the zigzag ring: each block's window in whole-row positions, the sink
+once onto the merged attention (zigzag_blocks, zigzag_window).
 
-The ring itself at cp=2 and cp=4 is in tests/parallel/test_parity.py (the zigzag window cases, and a
-window aligned to each block instead, planted, that the check catches).
+The ring itself at cp=2 and cp=4 is in tests/parallel/test_parity.py (the zigzag window and gpt-oss cases, and
+a window aligned to each block or a sink applied to each block instead, planted, that the check catches).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from cptune.parallel.backends.ring_flash_attn.zigzag_blocks import chunk_block, merge_block
-from cptune.parallel.backends.ring_flash_attn.zigzag_window import zigzag_window_attention
+from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, zigzag_window_attention
 from cptune.parallel.kernels import flash_attn_cpu
+from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
 from tests.numerics import assert_float64_rule
 
 KERNELS = (flash_attn_cpu._flash_attn_forward, flash_attn_cpu._flash_attn_backward)
@@ -118,3 +120,95 @@ def test_the_ring_of_one_rank_is_windowed_attention_forward_and_backward(window)
     reference = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float32)
     ref64 = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float64)
     assert_float64_rule(ring, reference, ref64, what=f"window {window}")
+
+
+# --- attention sinks (gpt-oss) on the zigzag ring ----------------------------------------------------------
+
+
+def dense_with_sinks(q, k, v, sinks, window, scale):
+    """gpt-oss's attention over the whole row: softmax over [windowed causal scores, the head's sink], the sink
+    dropped from the output (transformers' ``modeling_gpt_oss.eager_attention_forward``)."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
+    scores = scores.masked_fill(~sees(q.shape[1], window), float("-inf"))
+    sink = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
+
+
+def sinks_per_block(sinks: torch.Tensor):
+    """Planted bug: flash-attn's forward with the sink put into each block's ``(out, lse)`` before the ring merges the
+    blocks, so it enters a query's softmax once per block it sees (per ring step and chunk), not once."""
+    forward, backward = KERNELS
+
+    def forward_with_sink(**kwargs):
+        out, lse, *rest = forward(**kwargs)
+        out, lse = with_sinks(out, lse, sinks)
+        return (out, lse, *rest)
+
+    return forward_with_sink, backward
+
+
+def run_with_sinks(attend, inputs, dout, dtype):
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    out = attend(*leaves)
+    out.backward(dout.to(dtype))
+    return {"out": out.detach(), **{n: t.grad for n, t in zip(("q", "k", "v", "sinks"), leaves, strict=True)}}
+
+
+def sink_inputs():
+    generator = torch.Generator().manual_seed(1)
+    batch, tokens, heads, kv_heads, dim = 2, 12, 4, 2, 8
+    inputs = [
+        torch.randn(batch, tokens, n, dim, generator=generator, dtype=torch.float64)
+        for n in (heads, kv_heads, kv_heads)
+    ]
+    sinks = torch.linspace(-2.0, 2.0, heads, dtype=torch.float64)  # of either sign, live in the softmax
+    dout = torch.randn(batch, tokens, heads, dim, generator=generator, dtype=torch.float64)
+    return [*inputs, sinks], dout, dim**-0.5
+
+
+@pytest.mark.parametrize("window", [None, 3, 6])
+def test_the_sink_goes_once_onto_the_zigzag_rings_merged_attention_forward_and_backward(window):
+    """The zigzag ring (one rank: its 2 chunks, 3 blocks merged) as a SplitAttention with gpt-oss's sinks, full
+    causal and windowed, against gpt-oss's softmax over [scores, sink]: outputs and gradients of q, k, v and the
+    sinks by the float64-reference rule (tests/numerics.py): the fp32 ring and fp32 dense attention, each against
+    the dense attention in float64. The ring across ranks (cp=2, cp=4) is in tests/parallel/test_parity.py."""
+    inputs, dout, scale = sink_inputs()
+    ring = ZigzagRing(scale, window, None, KERNELS)
+    with one_process_group():
+        got = run_with_sinks(
+            lambda q, k, v, s: attention_with_sinks(ring, q, k, v, s), inputs, dout, torch.float32
+        )
+    reference = run_with_sinks(
+        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float32
+    )
+    ref64 = run_with_sinks(
+        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float64
+    )
+    assert float(ref64["sinks"].abs().max()) > 1e-2  # the sinks' gradient is live
+    assert_float64_rule(got, reference, ref64, what=f"window {window}")
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_sink_applied_per_block_of_the_ring_fails_the_same_check(window):
+    """Planted: the sink put into each block before the merge (once per block a query sees), and not once after."""
+    inputs, dout, scale = sink_inputs()
+    planted = ZigzagRing(scale, window, None, sinks_per_block(inputs[3].float()))
+    no_sink = torch.full_like(inputs[3], float("-inf"))
+    with one_process_group():
+        got = run_with_sinks(
+            lambda q, k, v, s: attention_with_sinks(planted, q, k, v, s + no_sink.float()),
+            inputs,
+            dout,
+            torch.float32,
+        )
+    reference = run_with_sinks(
+        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float32
+    )
+    ref64 = run_with_sinks(
+        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float64
+    )
+    for results in (got, reference, ref64):
+        results.pop("sinks")  # the planted sink is a constant here; q, k, v and the output must show it
+    with pytest.raises(AssertionError, match="times the tolerance"):
+        assert_float64_rule(got, reference, ref64, what=f"planted, window {window}")

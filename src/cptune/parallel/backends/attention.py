@@ -168,8 +168,8 @@ def refuse_sinks(config: Any, computed_by: str, reason: str, remedy: str) -> Non
         raise CptuneError(
             f"base_model: {model} adds a learned sink logit per head to the softmax of its attention layers "
             f"(of type {kinds}), which {computed_by} cannot apply exactly: {reason}. {remedy} "
-            "(cp_backend: ring-flash-attn with ring_attn_func: varlen_llama3, and cp_backend: deepspeed with "
-            "ulysses_attn_implementation: cptune, apply them.)"
+            "(cp_backend: ring-flash-attn, with ring_attn_func varlen_llama3 or batch_zigzag, and cp_backend: "
+            "deepspeed with ulysses_attn_implementation: cptune, apply them.)"
         )
 
 

@@ -29,8 +29,9 @@ from torch import Tensor
 class SplitAttention(Protocol):
     """An attention computed by a forward that returns its log-sum-exp and a flash-style backward.
 
-    Layouts are flash-attn's varlen ones: ``q`` ``(tokens, heads, head_dim)``, ``k``, ``v``
-    ``(tokens_k, kv_heads, head_dim)``, ``lse`` ``(heads, tokens)`` in fp32 (or float64).
+    Layouts are flash-attn's: varlen ``q`` ``(tokens, heads, head_dim)``, ``k``, ``v``
+    ``(tokens_k, kv_heads, head_dim)``, ``lse`` ``(heads, tokens)``; or batched, with a leading batch dim on
+    each (``lse`` ``(batch, heads, tokens)``). ``lse`` in fp32 (or float64); ``out`` in ``q``'s dtype or wider.
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,23 +49,28 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
     """The sink attention's ``(out_sink, lse_sink)`` from ordinary attention's merged ``(out, lse)``.
 
     Args:
-        out: ``(tokens, heads, head_dim)``.
-        lse: ``(heads, tokens)``; ``-inf`` for a query that sees no key (its output stays 0).
+        out: ``(tokens, heads, head_dim)``, or ``(batch, tokens, heads, head_dim)``.
+        lse: ``(heads, tokens)`` (``(batch, heads, tokens)``); ``-inf`` for a query that sees no key (its output
+            stays 0).
         sinks: ``(heads,)`` sink logits.
     """
     sinks = sinks.to(lse.dtype)[:, None]
     lse_sink = torch.logaddexp(lse, sinks)
     kept = torch.exp(lse - lse_sink)  # σ(lse - s): the share of the softmax the keys keep
     compute = torch.promote_types(out.dtype, kept.dtype)
-    return (out.to(compute) * kept.t()[..., None].to(compute)).to(out.dtype), lse_sink
+    kept = kept.transpose(-1, -2)[..., None].to(compute)
+    return (out.to(compute) * kept).to(out.dtype), lse_sink
 
 
 def sink_gradient(dout: Tensor, out_sink: Tensor, lse_sink: Tensor, sinks: Tensor) -> Tensor:
     """``dL/ds`` summed over this call's queries: ``-Σ_i exp(s - lse_sink_i) · (dout_i · out_sink_i)``."""
     compute = lse_sink.dtype
-    delta = (dout.to(compute) * out_sink.to(compute)).sum(dim=-1).t()  # (heads, tokens)
+    delta = (
+        (dout.to(compute) * out_sink.to(compute)).sum(dim=-1).transpose(-1, -2)
+    )  # ([batch,] heads, tokens)
     sink_share = torch.exp(sinks.to(compute)[:, None] - lse_sink)
-    return -(sink_share * delta).sum(dim=-1).to(sinks.dtype)
+    per_head = (sink_share * delta).sum(dim=-1).reshape(-1, sinks.shape[0]).sum(dim=0)
+    return -per_head.to(sinks.dtype)
 
 
 class _AttentionWithSinks(torch.autograd.Function):
@@ -74,6 +80,7 @@ class _AttentionWithSinks(torch.autograd.Function):
     ) -> Tensor:
         out, lse = attention.forward(q, k, v)
         out, lse = with_sinks(out, lse, sinks.detach())
+        out = out.to(q.dtype)  # one rounding, after the sink, where the attention's merge kept a wider out
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.attention = attention
         return out

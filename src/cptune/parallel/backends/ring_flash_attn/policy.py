@@ -68,7 +68,7 @@ class RingFlashAttn:
         return 2 if recipe.resolved_ring_attn_func == "batch_zigzag" else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        from cptune.parallel.backends.attention import check_window_support, refuse_sinks
+        from cptune.parallel.backends.attention import check_window_support
 
         func = recipe.resolved_ring_attn_func
         computed_by = f"{self.label} (ring_attn_func: {func})"
@@ -76,15 +76,13 @@ class RingFlashAttn:
         # alignment, so flash-attn's window counts positions of the whole document (sharding.py).
         # batch_zigzag: cptune's zigzag ring gives each block its offset in the row (zigzag_window.py).
         check_window_support(text_config, computed_by, causal=recipe.causal)
-        if func != "varlen_llama3":
-            refuse_sinks(
-                text_config,
-                computed_by,
-                "cptune puts the sink into the merged result of varlen_llama3's all-gather attention only; the "
-                "zigzag ring's merge is not wired to it (a sink applied to each of its blocks would enter the "
-                "softmax once per block)",
-                "Use ring_attn_func: varlen_llama3.",
-            )
+        # Attention sinks: both apply them once to each query's merged attention (varlen_llama3's gathered
+        # attention in sharding.Llama3Attention, the zigzag ring's in zigzag_window.ZigzagRing).
+        if func == "batch_zigzag" and cp_size > 1:
+            # The zigzag ring has no documents: collator padding would see the row and route otherwise.
+            from cptune.parallel.router_padding import check_router_loss_padding
+
+            check_router_loss_padding(recipe, text_config, computed_by)
         if func == "varlen_llama3":
             from cptune.parallel.backends.ring_flash_attn.sharding import check_heads_k_stride
 

@@ -9,6 +9,9 @@ bottom-right aligned (ring-flash-attn's ``llama3_flash_attn_prepare_cu_seqlens``
 ``window_size=(sliding_window - 1, 0)`` counts positions of the whole document, never of a shard,
 and cu_seqlens keep it inside the document; under ``batch_zigzag`` cptune's own zigzag ring
 (:mod:`.zigzag_window`) gives every block its window in whole-row positions.
+Attention sinks (gpt-oss, causal): the sink enters each query's softmax once, after all of its keys are
+merged, on both (varlen_llama3's gathered attention, :class:`Llama3Attention`; on batch_zigzag cptune's
+ring, window or not, :class:`.zigzag_window.ZigzagRing`): :mod:`cptune.parallel.kernels.sinks`.
 ``batch_zigzag`` passes K and V around a ring over zigzag chunks; it balances
 causal work but knows no document boundaries (unpacked causal rows only) and is
 only correct in bf16 with ring-flash-attn 0.1.8 (the recipe validation enforces both).
@@ -36,7 +39,7 @@ from cptune import versions
 from cptune.errors import BackendUnavailableError, CptuneError
 from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
 from cptune.parallel.backends.base import SameBatchForEveryCpRank, ShardedInputs
-from cptune.parallel.kernels.sinks import attention_with_sinks
+from cptune.parallel.kernels.sinks import SplitAttention, attention_with_sinks
 from cptune.parallel.shard import TokenBatch, shard_varlen, shard_zigzag
 
 INSTALL_HINT = (
@@ -54,6 +57,9 @@ class RingKernels:
     zigzag: Callable[..., torch.Tensor]
     #: ``(q, k, v, softmax_scale, window, group)``: the zigzag ring with a sliding window (.zigzag_window)
     zigzag_window: Callable[..., torch.Tensor]
+    #: ``(scale, window, group)``: that ring as a SplitAttention (window None: full causal), for the layers with
+    #: attention sinks, whose sink needs the ring's merged ``lse`` (.zigzag_window.ZigzagRing)
+    zigzag_ring: Callable[..., SplitAttention]
     #: ``llama3_flash_attn_varlen_forward`` / ``_backward``: the all-gather attention's ``(out, lse)`` and its
     #: backward, for the layers with attention sinks (gpt-oss), whose sink needs the merged ``lse``
     varlen_llama3_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -83,7 +89,7 @@ def load_ring_flash_attn() -> RingKernels:
                 f"cp_backend: ring-flash-attn needs the ring-flash-attn package, which cannot be "
                 f"imported here ({err}). Install it with: {INSTALL_HINT}."
             ) from None
-    from cptune.parallel.backends.ring_flash_attn.zigzag_window import zigzag_window_attention
+    from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, zigzag_window_attention
 
     # The flash-attn kernels ring-flash-attn imported (flash-attn's, or cptune's stand-ins without it).
     zigzag_module = sys.modules["ring_flash_attn.zigzag_ring_flash_attn"]
@@ -94,6 +100,7 @@ def load_ring_flash_attn() -> RingKernels:
         prepare_cu_seqlens=module.llama3_flash_attn_prepare_cu_seqlens,
         zigzag=module.zigzag_ring_flash_attn_func,
         zigzag_window=functools.partial(zigzag_window_attention, kernels=flash),
+        zigzag_ring=functools.partial(ZigzagRing, kernels=flash),
         varlen_llama3_forward=llama3.llama3_flash_attn_varlen_forward,
         varlen_llama3_backward=llama3.llama3_flash_attn_varlen_backward,
     )
@@ -142,9 +149,9 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
         else:
             shard = shard_zigzag(batch, self.cp_size, self.cp_rank, self.pad_token_id)
             attend = self._zigzag_attend()
-        # batch_zigzag is causal only (the recipe's rules); varlen_llama3's windows are causal only.
-        varlen = self.func == "varlen_llama3"
-        call = AttentionCall(attend=attend, takes_window=self.causal, takes_sinks=varlen)
+        # batch_zigzag is causal only (the recipe's rules); varlen_llama3's windows are causal only. Both apply
+        # sinks to their merged attention.
+        call = AttentionCall(attend=attend, takes_window=self.causal, takes_sinks=True)
         tokens = shard.tokens
         kwargs = {"input_ids": tokens.input_ids, "position_ids": tokens.position_ids, ATTENTION_KWARG: call}
         return ShardedInputs(
@@ -190,8 +197,12 @@ class RingFlashAttnBackend(SameBatchForEveryCpRank):
     def _zigzag_attend(self):
         kernels, group = self.kernels, self.group
 
-        def attend(q, k, v, scale, window=None):
+        def attend(q, k, v, scale, window=None, sinks=None):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            if sinks is not None:
+                # The sink enters each query's softmax once, after the ring has merged all of its key blocks.
+                scale = q.shape[-1] ** -0.5 if scale is None else scale
+                return kernels.sink_attention(kernels.zigzag_ring(scale, window, group), q, k, v, sinks)
             if window is not None:
                 # Every block's window in whole-row positions (ring-flash-attn's zigzag would align it to
                 # each block): .zigzag_window.

@@ -1,4 +1,4 @@
-"""Sliding-window layers on ring-flash-attn's zigzag ring: the ring with every block's window in whole-row positions.
+"""Sliding windows and attention sinks on the zigzag ring: cptune's ring, every block's window in whole-row positions.
 
 ring-flash-attn 0.1.8's ``zigzag_ring_flash_attn_func`` hands each ring step's block to flash-attn with
 one ``window_size``, aligned to the block, so a window would count positions within blocks. This ring
@@ -7,12 +7,17 @@ attends every pair of a local query chunk and a visiting key chunk as :func:`.zi
 says: skipped when wholly outside the window, cut and windowed where it crosses the window's edge.
 It calls the flash-attn kernels ring-flash-attn imported (flash-attn's, or cptune's stand-ins where
 flash-attn is absent: :mod:`cptune.parallel.kernels`), and merges the blocks by log-sum-exp in fp32.
-Full-attention layers keep ring-flash-attn's own zigzag function.
+Full-attention layers keep ring-flash-attn's own zigzag function, except those with attention sinks
+(gpt-oss): the sink goes once into each query's softmax over all of its keys, so it needs the ring's merged
+``(out, lse)``, which :class:`ZigzagRing` returns (window or not) and ring-flash-attn's function does not;
+:func:`cptune.parallel.kernels.sinks.attention_with_sinks` applies it (a sink applied to each block, or each
+ring step, would enter the softmax once per block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,47 +46,59 @@ def zigzag_window_attention(
         kernels: flash-attn's ``_flash_attn_forward`` and ``_flash_attn_backward`` (2.8 signatures).
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return _ZigzagWindow.apply(q, k, v, scale, window, group, kernels)
+    return _ZigzagAttention.apply(q, k, v, ZigzagRing(scale, window, group, kernels))
 
 
-class _ZigzagWindow(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, window, group, kernels):
-        forward_kernel, _ = kernels
-        ring = _Ring(group)
+@dataclass(frozen=True)
+class ZigzagRing:
+    """The zigzag ring's causal attention as a :class:`~cptune.parallel.kernels.sinks.SplitAttention`.
+
+    :meth:`forward` returns every local query's ``(out, lse)`` over all of its keys, the ring's blocks merged
+    (``out`` in fp32, batched layout); :meth:`backward` runs the ring again given an ``(out, lse)``, so attention
+    sinks (gpt-oss) go once onto the merged result (:func:`cptune.parallel.kernels.sinks.attention_with_sinks`).
+
+    Attributes:
+        scale: Scale of ``q @ k^T``.
+        window: transformers' ``sliding_window``; None: full causal attention.
+        group: The CP group.
+        kernels: flash-attn's ``_flash_attn_forward`` and ``_flash_attn_backward`` (2.8 signatures).
+    """
+
+    scale: float
+    window: int | None
+    group: dist.ProcessGroup | None
+    kernels: tuple[Callable[..., Any], Callable[..., Any]]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        forward_kernel, _ = self.kernels
+        ring = _Ring(self.group)
         chunk_len = q.shape[1] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), device=q.device)
         k, v = k.contiguous(), v.contiguous()
-        own_k, own_v = k, v
         for step in range(ring.size):
             incoming = ring.pass_on(k, v) if step + 1 < ring.size else None
-            for q_rows, k_rows, block in _blocks(ring, step, chunk_len, window):
+            for q_rows, k_rows, block in _blocks(ring, step, chunk_len, self.window):
                 block_out, block_lse = _forward(
-                    forward_kernel, q[:, q_rows], k[:, k_rows], v[:, k_rows], scale, block
+                    forward_kernel, q[:, q_rows], k[:, k_rows], v[:, k_rows], self.scale, block
                 )
                 merge_block(out, lse, q_rows, block_out, block_lse)
             if incoming is not None:
                 k, v = ring.received(incoming)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, own_k, own_v, out, lse)
-        ctx.scale, ctx.window, ctx.group, ctx.kernels = scale, window, group, kernels
-        return out
+        return out, lse
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        _, backward_kernel = ctx.kernels
-        ring = _Ring(ctx.group)
+    def backward(self, dout, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _, backward_kernel = self.kernels
+        ring = _Ring(self.group)
         chunk_len = q.shape[1] // 2
-        dout = dout.contiguous()
+        dout, k, v = dout.contiguous(), k.contiguous(), v.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         travelling = None  # the gradients of the K/V block this rank holds, summed by the ranks before it
         for step in range(ring.size):
             incoming = ring.pass_on(k, v) if step + 1 < ring.size else None
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-            for q_rows, k_rows, block in _blocks(ring, step, chunk_len, ctx.window):
+            for q_rows, k_rows, block in _blocks(ring, step, chunk_len, self.window):
                 grads = _backward(
                     backward_kernel,
                     dout[:, q_rows],
@@ -90,7 +107,7 @@ class _ZigzagWindow(torch.autograd.Function):
                     v[:, k_rows],
                     out[:, q_rows],
                     lse[:, :, q_rows],
-                    ctx.scale,
+                    self.scale,
                     block,
                 )
                 dq[:, q_rows] += grads[0]
@@ -106,7 +123,22 @@ class _ZigzagWindow(torch.autograd.Function):
         if travelling is not None:
             # After the last step, the gradients of this rank's own K/V arrive from the rank before it.
             dk, dv = ring.received(travelling)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _ZigzagAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: ZigzagRing):
+        out, lse = ring.forward(q, k, v)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ctx.ring.backward(dout, q, k, v, out, lse), None)
 
 
 class _Ring:

@@ -84,25 +84,18 @@ class TorchCp:
         return 2 if recipe.resolved_cp_load_balance else 1
 
     def check_model(self, recipe: Recipe, cp_size: int, text_config: Any) -> None:
-        from cptune.parallel.backends.attention import refuse_sinks, refuse_windowed_layers
+        from cptune.errors import CptuneError
 
-        refuse_sinks(
-            text_config,
-            self.label,
-            "PyTorch's context-parallel SDPA (torch 2.13) merges the ring's blocks inside scaled_dot_product_"
-            "attention, which takes no sink and returns no log-sum-exp to put one into",
-            "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed, or "
-            "context_parallel_size: 1.",
-        )
-        refuse_windowed_layers(
-            text_config,
-            self.label,
-            "PyTorch's context-parallel SDPA (torch 2.13, distributed/tensor/experimental/_context_parallel) "
-            "rings the attention with is_causal only and takes no mask or window, so those layers would "
-            "silently see the whole sequence",
-            "Use cp_backend: ring-flash-attn (ring_attn_func: varlen_llama3) or cp_backend: deepspeed, which "
-            "attend sliding windows exactly, or context_parallel_size: 1.",
-        )
+        # gpt-oss has both (sinks on every layer, sliding windows on half): one message names every feature
+        # torch cannot attend, so a user does not fix one to meet the next.
+        refusals = []
+        for refuse in (_refuse_sinks, _refuse_windows):
+            try:
+                refuse(text_config, self.label)
+            except CptuneError as refused:
+                refusals.append(str(refused))
+        if refusals:
+            raise CptuneError(" Also: ".join(refusals))
         # Beside the common checks (select.check_model_config): padding seen by a router loss.
         from cptune.parallel.router_padding import check_router_loss_padding
 
@@ -137,3 +130,29 @@ class TorchCp:
 
 
 POLICY = TorchCp()
+
+
+def _refuse_sinks(text_config: Any, label: str) -> None:
+    from cptune.parallel.backends.attention import refuse_sinks
+
+    refuse_sinks(
+        text_config,
+        label,
+        "PyTorch's context-parallel SDPA (torch 2.13) merges the ring's blocks inside scaled_dot_product_"
+        "attention, which takes no sink and returns no log-sum-exp to put one into",
+        "Use cp_backend: ring-flash-attn or cp_backend: deepspeed, or context_parallel_size: 1.",
+    )
+
+
+def _refuse_windows(text_config: Any, label: str) -> None:
+    from cptune.parallel.backends.attention import refuse_windowed_layers
+
+    refuse_windowed_layers(
+        text_config,
+        label,
+        "PyTorch's context-parallel SDPA (torch 2.13, distributed/tensor/experimental/_context_parallel) "
+        "rings the attention with is_causal only and takes no mask or window, so those layers would "
+        "silently see the whole sequence",
+        "Use cp_backend: ring-flash-attn or cp_backend: deepspeed, which attend sliding windows exactly, "
+        "or context_parallel_size: 1.",
+    )
