@@ -48,6 +48,13 @@ FAILURES = """\
   for a bug) is printed above it, prefixed with `[rank R]`. Tested on CPU by
   killing one of two ranks with SIGKILL: the whole run is over within 40 s
   (a few seconds in practice).
+- **A rank crashes in native code** (a segfault, or glibc aborting with a
+  message such as `malloc(): unaligned tcache chunk detected`). The rank prints
+  `Fatal Python error: Segmentation fault` (or `Aborted`) and the Python stack
+  of each of its threads, innermost call first, then dies of the signal, which
+  the launcher's last line reports (`-6 (SIGABRT)`, `-11 (SIGSEGV)`). Please
+  include those stacks when you report the crash: they name the code that was
+  running. Tested by aborting a launched rank mid-command.
 - **A rank hangs** (alive, but never reaches the next collective). The other
   ranks fail when a collective has waited `ddp_timeout` seconds (default 1800);
   set it lower in the recipe for quicker failure on small runs. A rank that

@@ -6,6 +6,8 @@ message without a traceback, and the command exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -470,8 +472,28 @@ def inference(
     )
 
 
+def _print_stacks_on_fatal_signals() -> None:
+    """Print every thread's Python stack to stderr when this process dies of SIGSEGV, SIGABRT, SIGBUS,
+    SIGFPE or SIGILL (:mod:`faulthandler`), unless a handler is already set (``-X faulthandler``,
+    ``PYTHONFAULTHANDLER``).
+
+    A rank that crashes in native code (glibc's "malloc(): unaligned tcache chunk detected" and its
+    SIGABRT, a segfault in a kernel or in gloo) otherwise ends with one line from the C library and
+    nothing that names the Python code it was running; the launcher only says which signal ended it.
+    faulthandler writes without allocating, so it works with a corrupted heap, and the process still
+    dies of the same signal (the launcher reports the same code).
+    """
+    if faulthandler.is_enabled():
+        return
+    stderr = sys.__stderr__
+    # A stderr without a file descriptor (an embedding host): no handler rather than no command.
+    with contextlib.suppress(AttributeError, ValueError):
+        faulthandler.enable(file=stderr if stderr is not None else 2, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    _print_stacks_on_fatal_signals()
     try:
         # Outside standalone mode click returns (not raises) the code of typer.Exit.
         code = app(args=argv, standalone_mode=False)
