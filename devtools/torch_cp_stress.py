@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m devtools.torch_cp_stress [--iterations N] [--strategy allgather|alltoall] [--no-balance]
+    python -m devtools.torch_cp_stress [--iterations N] [--strategy allgather|alltoall ...] [--no-balance]
 
 starts two gloo processes (the launcher's environment, as ``cptune train`` gives its ranks) that run
 fixed query/key/value rows of several lengths through :class:`~cptune.parallel.backends.torch_cp.sharding.TorchCpBackend`'s
@@ -53,7 +53,7 @@ def churn(generator) -> None:
     gc.collect()
 
 
-def rank_main(iterations: int, strategy: str, balance: bool) -> dict:
+def rank_main(iterations: int, strategies: list[str], balance: bool) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,9 +66,6 @@ def rank_main(iterations: int, strategy: str, balance: bool) -> dict:
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS))
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
-    backend = TorchCpBackend(
-        causal=True, load_balance=balance, comm_strategy=strategy, cp_mesh=mesh, pad_token_id=0
-    )
     generator = torch.Generator().manual_seed(1234 + rank)
 
     def inputs(tokens: int) -> list:
@@ -76,7 +73,7 @@ def rank_main(iterations: int, strategy: str, balance: bool) -> dict:
         shapes = [(HEADS, local), (KV_HEADS, local), (KV_HEADS, local), (HEADS, local)]
         return [torch.randn(BATCH, n, heads, HEAD_DIM, generator=generator) for heads, n in shapes]
 
-    def step(query, key, value, grad_out) -> list:
+    def step(backend, query, key, value, grad_out) -> list:
         q, k, v = (t.clone().requires_grad_() for t in (query, key, value))
         with backend.step_context():
             out = backend._attend(q, k, v, HEAD_DIM**-0.5)
@@ -84,26 +81,28 @@ def rank_main(iterations: int, strategy: str, balance: bool) -> dict:
         return [out.detach(), q.grad, k.grad, v.grad]
 
     patch = torch_cp_cpu_sdpa_patch(always)
-    mismatches, first_mismatch = 0, None
     cases = {tokens: inputs(tokens) for tokens in ROW_LENGTHS}
+    report: dict = {"rank": rank, "iterations": iterations, "mismatches": 0, "strategies": {}}
     with PatchSet([patch]).applied(None):
-        # Each iteration's results against the first of the same row length, bit for bit.
-        reference = {tokens: step(*case) for tokens, case in cases.items()}
-        for iteration in range(iterations):
-            tokens = ROW_LENGTHS[iteration % len(ROW_LENGTHS)]
-            churn(generator)
-            results = step(*cases[tokens])
-            if not all(torch.equal(a, b) for a, b in zip(results, reference[tokens], strict=True)):
-                mismatches += 1
-                first_mismatch = iteration if first_mismatch is None else first_mismatch
+        for strategy in strategies:  # one launch, each of torch's two rings in turn
+            backend = TorchCpBackend(
+                causal=True, load_balance=balance, comm_strategy=strategy, cp_mesh=mesh, pad_token_id=0
+            )
+            mismatches, first_mismatch = 0, None
+            # Each iteration's results against the first of the same row length, bit for bit.
+            reference = {tokens: step(backend, *case) for tokens, case in cases.items()}
+            for iteration in range(iterations):
+                tokens = ROW_LENGTHS[iteration % len(ROW_LENGTHS)]
+                churn(generator)
+                results = step(backend, *cases[tokens])
+                if not all(torch.equal(a, b) for a, b in zip(results, reference[tokens], strict=True)):
+                    mismatches += 1
+                    first_mismatch = iteration if first_mismatch is None else first_mismatch
+            report["strategies"][strategy] = {"mismatches": mismatches, "first_mismatch": first_mismatch}
+            report["mismatches"] += mismatches
     dist.barrier()
     dist.destroy_process_group()
-    return {
-        "rank": rank,
-        "iterations": iterations,
-        "mismatches": mismatches,
-        "first_mismatch": first_mismatch,
-    }
+    return report
 
 
 def launch(argv: list[str]) -> int:
@@ -124,14 +123,19 @@ def launch(argv: list[str]) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=50)
-    parser.add_argument("--strategy", choices=("allgather", "alltoall"), default="allgather")
+    parser.add_argument(
+        "--strategy",
+        action="append",
+        choices=("allgather", "alltoall"),
+        help="repeatable (default: allgather)",
+    )
     parser.add_argument("--no-balance", dest="balance", action="store_false")
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if not args.rank_process:
         sys.exit(launch(sys.argv[1:]))
     faulthandler.enable(all_threads=True)
-    report = rank_main(args.iterations, args.strategy, args.balance)
+    report = rank_main(args.iterations, args.strategy or ["allgather"], args.balance)
     sys.stdout.write(json.dumps(report) + "\n")  # one write: the two ranks share the stdout
     sys.stdout.flush()
     sys.exit(1 if report["mismatches"] else 0)
