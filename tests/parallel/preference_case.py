@@ -153,21 +153,20 @@ def first_pass_reference(case, step_rows, model, backend, shard_loss, groups):
     collate = pair_collator(case)
     flat = [row for step in step_rows for group in step for micro in group for row in micro]
     tp_group = groups.tp_mesh["tp"].get_group() if groups.tp_mesh is not None else None
-    with step_context(backend):
-        sums = iter(
-            precompute_reference(
-                flat,
-                collate,
-                model,
-                backend,
-                shard_loss,
-                rows_per_batch=case["mbs"],
-                dp_rank=groups.dp_rank,
-                dp_size=groups.dp_size,
-                cp_group=groups.cp_group,
-                tp_group=tp_group,
-            )
+    sums = iter(  # precompute_reference enters the backend's step context around each forward itself
+        precompute_reference(
+            flat,
+            collate,
+            model,
+            backend,
+            shard_loss,
+            rows_per_batch=case["mbs"],
+            dp_rank=groups.dp_rank,
+            dp_size=groups.dp_size,
+            cp_group=groups.cp_group,
+            tp_group=tp_group,
         )
+    )
 
     def carrying(rows):
         return PairBatch.from_inputs(collate([{**row, COLUMN: next(sums)} for row in rows]))
