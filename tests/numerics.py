@@ -78,17 +78,19 @@ SAME_BOUND_FACTOR = 16.0
 #: ====  =========  =========  =========
 #:
 #: For large ``c``, ``P_m(c) ≈ (2/π)^(m/2)·E|X|^m / c^m``: each draw added divides the chance by about ``c``,
-#: where doubling ``c`` divides it by ``2^m`` only. Count the draws a suite run takes: a step's loss sits under
-#: its floor (the bound of the step's sum reordered, far above a sum's realised rounding), so luck there
-#: fails nothing; a case's gradient tensors share one upstream error (the loss's gradient flows into all of
-#: them: the reference's median over 28 tensors moves 4x with the seed as one), so count one draw per case
-#: (a tensor's own error is the largest over its elements, which all land lucky together far less often than
-#: one normal draw does). About 150 fp32 cases in the parity launches: 150 × P_3(32) ≈ 0.4% of suite runs
-#: fail at random on some CPU, against 150 × P_3(16) ≈ 3% at 16. The model is pessimistic: it gives the rule
-#: before (one draw, 16x) 150 × P_1(16) ≈ 6 false failures a run, where it failed now and then only. The CP path rounds more than the reference
-#: (partial attention merged by its LSE, gradients summed over the ranks): if it is twice as noisy, ``c`` acts
-#: as ``c / 2``, 150 × P_3(16) ≈ 3%. Planted bugs land 1e4 to 6e5 times past a factor-16 limit
-#: (test_parity.py's planted cases), so still above 5e3 times past this one.
+#: where doubling ``c`` divides it by ``2^m`` only. Count the draws a suite run takes: a step's loss sits
+#: under its floor (the bound of the step's sum reordered, far above a sum's realised rounding), so luck
+#: there fails nothing; a case's gradient tensors share one upstream error (the loss's gradient flows into
+#: all of them: the reference's median over 28 tensors moves 4x with the seed as one), so count one draw
+#: per case (a tensor's own error is the largest over its elements, which all land lucky together far less
+#: often than one normal draw does). 124 correct fp32 cases in the parity launches (test_parity.py's 3,
+#: test_ulysses_parity.py's 2): 124 × P_3(32) ≈ 0.3% of suite runs fail at random on some CPU, against
+#: 124 × P_3(16) ≈ 2.5% at 16. The model is pessimistic: for the rule before (one draw, 16x) it gives
+#: 124 × P_1(16) ≈ 5 false failures a run, where that rule failed now and then. The CP path rounds more
+#: than the reference (partial attention merged by its LSE, gradients summed over the ranks): were it twice
+#: as noisy, ``c`` would act as ``c / 2``, 124 × P_3(16) ≈ 2.5%. The 7 gpt-oss cases have one twin (sdpa's
+#: math backend does not reorder gpt-oss's eager attention): 7 × P_2(32) ≈ 0.4%. Planted bugs land 1e4 to
+#: 6e5 times past a factor-16 limit (test_parity.py's planted cases), so above 5e3 times past this one.
 FP32_TWINS_FACTOR = 32.0
 #: Floor of a tensor's relative error (to its largest element): two ulps of that element, the
 #: resolution of the comparison itself, for a tensor the fp32 reference happens to get exactly.
