@@ -9,8 +9,9 @@ over the world as DDP does (a ``tp`` case: splits the model over ``tp`` ranks wi
 cptune's tensor parallelism and shards it with FSDP2 over dp_shard × cp, as
 ``cptune train`` does, on a dp_shard × cp × tp mesh), and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
-steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64 and each
-gradient's distance from it, in bf16 those of the cp=1 reference's reorder twins (``run_case``).
+steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64, each
+gradient's distance from it, and the same of the reference's fp32 reorder twins (``fp32_twins``, each
+computed on one rank and gathered), in bf16 those of the cp=1 reference's reorder twins (``run_case``).
 
 A case's ``inject`` plants a bug in the CP path (``INJECTIONS``): the parity check must fail on it.
 A case with ``preference`` (``dpo``, ``ipo``) trains preference pairs instead (preference_case.py).
@@ -441,8 +442,10 @@ def grad_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 def run_case(case: dict, groups: Groups, kernels) -> dict:
     """3 optimizer steps of the reference and of the CP path; see the module docstring.
 
-    In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too): the parity
-    check holds each fp32 path's distance from it against the other's (tests/numerics.py).
+    In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too), and again in fp32
+    in the orders of reorder_twins.py's ``FP32_TWINS``, this rank's share of them (``twins_of_rank``):
+    the parity check holds the CP path's distance from float64 against the farthest of the fp32
+    reference's and its twins' (tests/numerics.py's ``FP32_TWINS_FACTOR``).
     In bf16 the cp=1 reference runs again in the orders of tests/parallel/reorder_twins.py's
     ``TWINS`` (eager attention, sdpa's math backend, document attention): the same computation
     with the attention's sums in other orders. How far they land from the first is the noise
