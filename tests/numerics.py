@@ -16,7 +16,11 @@ suite is one of three kinds, and the test says which in a comment:
   differ in order and grouping only, so they share one worst-case bound, and each one's realised
   error scales with the rounding of the CPU it runs on; the factor covers how one order's error
   varies against another's. The floor covers a reference that lands on float64 by luck (a
-  scalar can): the bound of the last sum, or :data:`ULP_FLOOR`.
+  scalar can): the bound of the last sum, or :data:`ULP_FLOOR`. Where the reference can be computed
+  again in other legal orders (the fp32 parity checks: tests/parallel/reorder_twins.py's
+  ``FP32_TWINS``), the reference's distance is the largest of the reference's and its twins', and the
+  factor :data:`FP32_TWINS_FACTOR` (:func:`float64_twins_excess`): one draw of the reference's
+  rounding is no bound, the largest of several is one with a stated chance of failing.
 - **reorder floor**: the same run computes the reference again in several legal orders (bf16
   parity: 3 twins, eager attention, sdpa's math backend and cptune's document attention against
   the reference's sdpa; tests/parallel/reorder_twins.py); the path under test may land a stated
@@ -31,7 +35,7 @@ so a tolerance at its edge fails on one machine before it reaches another.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,8 +55,44 @@ EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2**-7
 #: next at 0.56x; 16 covers the seed-to-seed spread of the draw times the CP path's extra rounding, so a
 #: CPU that rounds the reference luckier than this one does not fail a correct run. Planted bugs land
 #: 1e3-1e6 times past a factor-8 limit (test_parity.py), so still 500x past this one. The sound fix is
-#: the bf16 check's: the reference computed in several legal orders, the limit from the farthest.
+#: the bf16 check's: the reference computed in several legal orders, the limit from the farthest
+#: (:data:`FP32_TWINS_FACTOR`, which the parity checks use); the checks against one fp32 reference (TRL's
+#: fp32 run, a single-process reference of a unit test) keep this factor.
 SAME_BOUND_FACTOR = 16.0
+#: How much farther from float64 a parity run may land than the farthest of the fp32 cp=1 reference and its
+#: reorder twins (tests/parallel/reorder_twins.py's ``FP32_TWINS``: sdpa's math backend and cptune's document
+#: attention, the reference's own sums in other orders; tests/parallel/test_parity.py's ``fp32_excesses``).
+#:
+#: Chosen from the chance of a false failure, not from one machine's distances. Each fp32 evaluation of the
+#: same function lands ``s·|X|`` from float64, ``s`` the scale its sums share (one worst-case bound for all
+#: the orders) and ``X`` the draw of its order's rounding, a sum of many roundings, so near normal. A run
+#: exactly as noisy as the references lands past ``c`` times the largest of ``m`` such draws with probability
+#: ``P_m(c) = E[erf(|X| / (c·√2))^m]`` (X standard normal; numerical integration):
+#:
+#: ====  =========  =========  =========
+#: m     c = 8      c = 16     c = 32
+#: ====  =========  =========  =========
+#: 1     7.9e-2     4.0e-2     2.0e-2      (the rule before: the reference's one draw)
+#: 2     9.8e-3     2.5e-3     6.2e-4      (gpt-oss: the reference and the document twin)
+#: 3     1.5e-3     2.0e-4     2.5e-5      (the reference and its 2 twins)
+#: ====  =========  =========  =========
+#:
+#: For large ``c``, ``P_m(c) ≈ (2/π)^(m/2)·E|X|^m / c^m``: each draw added divides the chance by about ``c``,
+#: where doubling ``c`` divides it by ``2^m`` only. Count the draws a suite run takes: a step's loss sits
+#: under its floor (the bound of the step's sum reordered, far above a sum's realised rounding), so luck
+#: there fails nothing; a case's gradient tensors share one upstream error (the loss's gradient flows into
+#: all of them: the reference's median over 28 tensors moves 4x with the seed as one), so count one draw
+#: per case (a tensor's own error is the largest over its elements, which all land lucky together far less
+#: often than one normal draw does). 124 correct fp32 cases in the parity launches (test_parity.py's 3,
+#: test_ulysses_parity.py's 2): 124 × P_3(32) ≈ 0.3% of suite runs fail at random on some CPU, against
+#: 124 × P_3(16) ≈ 2.5% at 16. The model is pessimistic: for the rule before (one draw, 16x) it gives
+#: 124 × P_1(16) ≈ 5 false failures a run, where that rule failed now and then. The CP path rounds more
+#: than the reference (partial attention merged by its LSE, gradients summed over the ranks): were it twice
+#: as noisy, ``c`` would act as ``c / 2``, 124 × P_3(16) ≈ 2.5%. The 7 gpt-oss cases have one twin (sdpa's
+#: math backend does not reorder gpt-oss's eager attention): 7 × P_2(32) ≈ 0.4%. Planted bugs land 1.7e4 to
+#: 5e5 times past this limit at the suite's seed (test_parity.py's planted cases), and at least 1.5e3 times
+#: over seeds 11 to 16 (the dropped document boundary at seed 15; ``python -m devtools.parity_sweep``).
+FP32_TWINS_FACTOR = 32.0
 #: Floor of a tensor's relative error (to its largest element): two ulps of that element, the
 #: resolution of the comparison itself, for a tensor the fp32 reference happens to get exactly.
 ULP_FLOOR = 2 * EPS32
@@ -113,6 +153,12 @@ def float64_excess(error: float, reference_error: float, floor: float = ULP_FLOO
     errors against the float64 reference. Above 1 is outside.
     """
     return error / (SAME_BOUND_FACTOR * reference_error + floor)
+
+
+def float64_twins_excess(error: float, reference_errors: Sequence[float], floor: float = ULP_FLOOR) -> float:
+    """:func:`float64_excess` against the farthest of the fp32 reference and its twins (``reference_errors``, each
+    one's relative error against float64), with :data:`FP32_TWINS_FACTOR`. Above 1 is outside."""
+    return error / (FP32_TWINS_FACTOR * max(reference_errors) + floor)
 
 
 def float64_excesses(

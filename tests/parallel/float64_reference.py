@@ -1,7 +1,8 @@
 """The parity workers' float64 reference: the cp=1 model, the same function computed in float64.
 
 The fp32 parity tolerances follow the float64-reference rule of tests/numerics.py: a CP run may
-land at most a few times as far from this model's results as the fp32 cp=1 reference does.
+land at most a few times as far from this model's results as the farthest of the fp32 cp=1 reference and
+its fp32 reorder twins (tests/parallel/reorder_twins.py) does.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ over the world as DDP does (a ``tp`` case: splits the model over ``tp`` ranks wi
 cptune's tensor parallelism and shards it with FSDP2 over dp_shard × cp, as
 ``cptune train`` does, on a dp_shard × cp × tp mesh), and reports, per case: the step-0 loss of both
 paths, the largest relative gradient difference, and the losses of 3 optimizer
-steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64 and each
-gradient's distance from it, in bf16 those of the cp=1 reference's reorder twins (``run_case``).
+steps (SGD) of both paths; in fp32 also those of the cp=1 reference computed in float64, each
+gradient's distance from it, and the same of the reference's fp32 reorder twins (``fp32_twins``, each
+computed on one rank and gathered), in bf16 those of the cp=1 reference's reorder twins (``run_case``).
 
 A case's ``inject`` plants a bug in the CP path (``INJECTIONS``): the parity check must fail on it.
 A case with ``preference`` (``dpo``, ``ipo``) trains preference pairs instead (preference_case.py).
@@ -41,7 +42,13 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
 from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
 from preference_case import run_preference_case  # tests/parallel/preference_case.py
-from reorder_twins import TWINS, grad_norm_rel  # tests/parallel/reorder_twins.py
+from reorder_twins import (  # tests/parallel/reorder_twins.py
+    TWINS,
+    fp32_twins,
+    gather_twins,
+    grad_norm_rel,
+    twins_of_rank,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -455,8 +462,10 @@ def grad_diffs(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) 
 def run_case(case: dict, groups: Groups, kernels) -> dict:
     """3 optimizer steps of the reference and of the CP path; see the module docstring.
 
-    In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too): the parity
-    check holds each fp32 path's distance from it against the other's (tests/numerics.py).
+    In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too), and again in fp32
+    in the orders of reorder_twins.py's ``FP32_TWINS``, this rank's share of them (``twins_of_rank``):
+    the parity check holds the CP path's distance from float64 against the farthest of the fp32
+    reference's and its twins' (tests/numerics.py's ``FP32_TWINS_FACTOR``).
     In bf16 the cp=1 reference runs again in the orders of tests/parallel/reorder_twins.py's
     ``TWINS`` (eager attention, sdpa's math backend, document attention): the same computation
     with the attention's sums in other orders. How far they land from the first is the noise
@@ -475,14 +484,19 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     model.set_attn_implementation("cptune")
     twins: list = []  # (Twin, model, its cp=1 backend)
     reference64 = None
+    reference_attention = reference.config._attn_implementation
     if case.get("bf16"):
-        reference_attention = reference.config._attn_implementation
-        for twin_spec in TWINS:
-            twin = copy.deepcopy(reference)
-            twin.set_attn_implementation(twin_spec.attn_implementation(reference_attention))
-            twins.append((twin_spec, twin, twin_spec.backend(case["causal"])))
+        specs = list(TWINS)
     else:
+        # fp32: this rank's share of the reference's fp32 twins (gather_twins shares them after the case).
+        candidates = fp32_twins(reference_attention)
+        fp32_indices = twins_of_rank(candidates, dist.get_rank(), dist.get_world_size())
+        specs = [candidates[i] for i in fp32_indices]
         reference64 = float64_twin(reference)
+    for twin_spec in specs:
+        twin = copy.deepcopy(reference)
+        twin.set_attn_implementation(twin_spec.attn_implementation(reference_attention))
+        twins.append((twin_spec, twin, twin_spec.backend(case["causal"])))
     if case.get("autocast"):
         # As accelerate prepares a bf16 model: its forward under autocast, the backward outside. After
         # the copies: a copy of a wrapped forward would call the original's.
@@ -490,6 +504,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             m.forward = torch.autocast("cpu", dtype=torch.bfloat16)(m.forward)
     # Exact LoRA dropout, as CptuneTrainer installs it; each model keys its own masks.
     ref_keys, keys = (use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, model))
+    twin_keys = [use_exact_lora_dropout(t[1], seed=case["seed"]) for t in twins]
     ref64_keys = None if reference64 is None else use_exact_lora_dropout(reference64, seed=case["seed"])
     loss_fn = install_case_features(model, case)
     result: dict = {}
@@ -519,7 +534,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     ]
     ref_losses, cp_losses, ref64_losses, step_targets = [], [], [], []
     twin_losses: list[list[float]] = [[] for _ in twins]
-    twin_seconds = [0.0 for _ in twins]  # what each twin costs (the eager one alone was the rule before)
+    twin_seconds = [0.0 for _ in twins]  # CPU seconds each twin costs (issue 26: its time budget)
     for step in range(3):
         case_step = {**case, "seed": case["seed"] + step}
         batches = make_batches(case_step, groups.dp_size)
@@ -543,12 +558,12 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             )
         )
         for i, (twin_spec, twin, twin_backend) in enumerate(twins):
-            started = time.perf_counter()
+            started = time.process_time()
             with twin_spec.context():
                 twin_losses[i].append(
-                    run_step(twin, twin_backend, ref_batches, 1, targets, router=ref_router)
+                    run_step(twin, twin_backend, ref_batches, 1, targets, twin_keys[i], router=ref_router)
                 )
-            twin_seconds[i] += time.perf_counter() - started
+            twin_seconds[i] += time.process_time() - started
         if reference64 is not None:
             ref64_losses.append(
                 run_step(
@@ -594,7 +609,7 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
             result["grad_rel"], result["grad_worst"] = grad_diffs(cp_g, ref_g)
             result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
             result["grad_sha"] = grads_digest(cp_g)
-            if twins:
+            if twins and reference64 is None:
                 result["grad_norm_rel"] = grad_norm_rel(cp_g, ref_g)
                 twin_g = [grads(twin) for _, twin, _ in twins]
                 result["baseline_grad_rel"] = [grad_diffs(g, ref_g)[0] for g in twin_g]
@@ -603,16 +618,25 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
                 ref64_g = grads(reference64)
                 result["grad_errors"] = relative_errors(cp_g, ref64_g)
                 result["ref_grad_errors"] = relative_errors(ref_g, ref64_g)
+                twin_grad_errors = [relative_errors(grads(twin), ref64_g) for _, twin, _ in twins]
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
     result.update(ref_losses=ref_losses, cp_losses=cp_losses, targets=step_targets)
-    if twins:
+    if reference64 is not None:
+        result["ref64_losses"] = ref64_losses
+        # Every rank's twins, so that each rank's result holds all of them (a collective, every case).
+        mine = {
+            index: {"name": spec.name, "losses": losses, "grad_errors": errors, "seconds": seconds}
+            for index, (spec, _, _), losses, errors, seconds in zip(
+                fp32_indices, twins, twin_losses, twin_grad_errors, twin_seconds, strict=True
+            )
+        }
+        result["fp32_twins"] = gather_twins(mine)
+    elif twins:
         result.update(
             baseline_losses=twin_losses, twin_seconds=twin_seconds, twins=[t[0].name for t in twins]
         )
-    if reference64 is not None:
-        result["ref64_losses"] = ref64_losses
     return result
 
 

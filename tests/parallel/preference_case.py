@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from case_features import install_case_features  # tests/parallel/, next to this script
 from float64_reference import float64_twin
+from reorder_twins import fp32_twins, gather_twins, twins_of_rank
 
 from cptune.data.collator import PackedCollator
 from cptune.data.preference_formats import pair_sample
@@ -270,6 +273,10 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     model = copy.deepcopy(reference)
     model.set_attn_implementation("cptune")
     reference64 = float64_twin(reference)
+    # This rank's share of the reference's fp32 twins (tests/parallel/reorder_twins.py), shared after the case.
+    candidates = fp32_twins("sdpa")
+    indices = twins_of_rank(candidates, dist.get_rank(), dist.get_world_size())
+    twins = [Fp32Twin(candidates[i], reference, case) for i in indices]
     keys = [use_exact_lora_dropout(m, seed=case["seed"]) for m in (reference, reference64, model)]
     shard_loss = install_case_features(model, case)
     if groups.tp_mesh is not None:  # a tp case: split over tp, then FSDP2 over dp_shard × cp, as cptune train
@@ -282,7 +289,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     complete = PLANTED.get(case.get("inject"))
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=worker.LEARNING_RATE)
-        for m in (reference, reference64, model)
+        for m in (reference, reference64, model, *(t.model for t in twins))
     ]
     result: dict = {}
     if case.get("fsdp2"):  # every parameter split over the ranks, the frozen base's and LoRA's
@@ -300,6 +307,9 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         # precompute_ref_log_probs: each model's reference sums of every batch from its weights before step 0,
         # the CP model's through its backend over its CP group (its own data-parallel group's batches).
         ref_steps = with_reference(steps, reference, local, logits_loss, None)
+        for twin in twins:
+            with twin.running():
+                twin.steps = with_reference(steps, twin.model, twin.backend, logits_loss, None)
         ref64_steps = with_reference(steps, reference64, local, float64_segment_loss, None)
         cp_steps = first_pass_reference(case, step_rows, model, backend, shard_loss, groups)
     for step in range(3):
@@ -315,6 +325,24 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         ref_loss, ref_sums, _ = _run_step(
             reference, local, flat(ref_steps[step]), 1, 1, None, step_pairs, loss, logits_loss, keys[0], None
         )
+        for twin in twins:
+            with twin.running():
+                twin_loss, twin_sums, _ = _run_step(
+                    twin.model,
+                    twin.backend,
+                    flat((twin.steps or steps)[step]),
+                    1,
+                    1,
+                    None,
+                    step_pairs,
+                    loss,
+                    logits_loss,
+                    twin.keys,
+                    None,
+                )
+            twin.losses.append(twin_loss)
+            if step == 0:
+                twin.metrics = {n: v / float(step_pairs) for n, v in twin_sums.items()}
         ref64_loss, ref64_sums, magnitude = _run_step(
             reference64,
             local,
@@ -373,6 +401,8 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
             result["grad_nonzero"] = all(float(g.abs().max()) > 0 for g in ref_g.values())
             result["grad_errors"] = relative_errors(cp_g, ref64_g)
             result["ref_grad_errors"] = relative_errors(ref_g, ref64_g)
+            for twin in twins:
+                twin.grad_errors = relative_errors(worker.grads(twin.model), ref64_g)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -383,4 +413,39 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
         loss_floors=floors,
         targets=[0] * 3,
     )
+    result["fp32_twins"] = gather_twins({i: twin.result() for i, twin in zip(indices, twins, strict=True)})
     return result
+
+
+class Fp32Twin:
+    """One fp32 twin of the cp=1 reference of a preference case: its model, backend, dropout keys and results."""
+
+    def __init__(self, spec: Any, reference: torch.nn.Module, case: dict, keyed: bool = True) -> None:
+        self.spec = spec
+        self.model = copy.deepcopy(reference)
+        self.model.set_attn_implementation(spec.attn_implementation("sdpa"))
+        self.backend = spec.backend(causal=True)
+        # Exact LoRA dropout keyed as the reference's (``keyed``: where the reference's is)
+        self.keys = use_exact_lora_dropout(self.model, seed=case["seed"]) if keyed else None
+        self.steps: list | None = None  # the steps with this twin's precomputed reference sums
+        self.losses: list[float] = []
+        self.metrics: dict[str, float] = {}
+        self.grad_errors: dict[str, float] = {}
+        self.seconds = 0.0  # CPU seconds the twin costs (issue 26: its time budget)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around the twin's work: its order's context (sdpa's math backend), its time counted."""
+        started = time.process_time()
+        with self.spec.context():
+            yield
+        self.seconds += time.process_time() - started
+
+    def result(self) -> dict:
+        return {
+            "name": self.spec.name,
+            "losses": self.losses,
+            "metrics": self.metrics,
+            "grad_errors": self.grad_errors,
+            "seconds": self.seconds,
+        }

@@ -1,9 +1,12 @@
-"""The reorder twins of a bf16 cp=1 reference: the same function computed with its sums in other orders.
+"""The reorder twins of a cp=1 reference: the same function computed with its sums in other orders.
 
-bf16 parity has no float64 reference to hold a CP run against (a float64 model is another function
-under bf16 rounding), so the parity workers run the cp=1 reference again in :data:`TWINS`' orders
-beside it, and ``check(bf16=True)`` (tests/parallel/test_parity.py) holds the CP run's distance from
-the reference against the largest distance of the twins. Each twin is a legal reorder of the
+fp32 parity holds a CP run's distance from the reference computed in float64 against the farthest
+of the fp32 reference and its fp32 twins (:data:`FP32_TWINS`, two of the three below; the
+float64-reference rule of tests/numerics.py). bf16 parity has no float64 reference to hold a CP
+run against (a float64 model is another function under bf16 rounding), so the parity workers run
+the cp=1 reference again in :data:`TWINS`' orders beside it, and ``check(bf16=True)``
+(tests/parallel/test_parity.py) holds the CP run's distance from the reference against the
+largest distance of the twins. Each twin is a legal reorder of the
 reference's attention, the one computation a CP backend splits besides the gradient sums:
 
 - ``eager``: transformers' eager attention (scores, fp32 softmax, values as separate matmuls);
@@ -39,7 +42,7 @@ from cptune.parallel.shard import TokenBatch
 
 class DocumentTwinBackend(LocalBackend):
     """``LocalBackend(documents=True)`` whose attention also takes a sliding window (``DocumentAttention``'s,
-    counted in positions within each document), so the twin serves windowed models too."""
+    counted in positions within each document) and attention sinks, so the twin serves windowed models too."""
 
     def __init__(self, causal: bool) -> None:
         super().__init__(causal, documents=True)
@@ -49,10 +52,11 @@ class DocumentTwinBackend(LocalBackend):
         attention = DocumentAttention(self.causal)
         documents = RowDocuments.of(batch.position_ids, batch.shape[0])
 
-        def attend(q, k, v, scale, window=None):
-            return attention.within(q, k, v, scale, documents, window)
+        def attend(q, k, v, scale, window=None, sinks=None):
+            return attention.within(q, k, v, scale, documents, window, sinks)
 
-        call = AttentionCall(attend=attend, takes_window=True)
+        # Sinks too (gpt-oss, whose fp32 reference is transformers' eager attention given the documents' masks).
+        call = AttentionCall(attend=attend, takes_window=True, takes_sinks=True)
         return dataclasses.replace(
             sharded, model_kwargs={**sharded.model_kwargs, ATTENTION_KWARG: call}, call=call
         )
@@ -84,6 +88,39 @@ TWINS = (
     Twin("sdpa-math", None, False, _math_sdpa),
     Twin("documents", ATTENTION_NAME, True, contextlib.nullcontext),
 )
+
+
+#: The twins of an fp32 cp=1 reference (the float64-reference rule, tests/numerics.py): two of :data:`TWINS`, each
+#: computed on one rank of the launch (:func:`twins_of_rank`), so that a launch adds one twin's time per case, not
+#: ``world x 3`` (issue 26's budget). Eager attention is left out: it serves causal references only (transformers'
+#: eager path builds a causal mask of its own), where these two serve the bidirectional references too.
+FP32_TWINS = (TWINS[1], TWINS[2])
+
+
+def fp32_twins(reference_attention: str) -> tuple[Twin, ...]:
+    """The fp32 twins that compute a reference of ``reference_attention``: sdpa's math backend reorders an SDPA
+    reference only (transformers' sdpa or cptune's masked SDPA), not gpt-oss's eager one (tests/parallel/masked_eager.py),
+    which keeps the document twin alone."""
+    if reference_attention in ("sdpa", ATTENTION_NAME):
+        return FP32_TWINS
+    return tuple(t for t in FP32_TWINS if t.documents)
+
+
+def twins_of_rank(twins: tuple[Twin, ...], rank: int, world: int) -> list[int]:
+    """Which of ``twins`` (their indices) this rank computes: twin ``i`` on rank ``i mod world``. Every rank
+    computes the same cp=1 reference, so one rank's twin stands for all; :func:`gather_twins` shares them."""
+    return [i for i in range(len(twins)) if i % world == rank]
+
+
+def gather_twins(mine: dict[int, dict]) -> list[dict]:
+    """Every rank's twin results (``mine``: twin index -> what it measured), in twin order, on every rank (a
+    collective every rank of the launch runs)."""
+    import torch.distributed as dist
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = {i: r for per_rank in everyone for i, r in per_rank.items()}
+    return [merged[i] for i in sorted(merged)]
 
 
 def grad_norm_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

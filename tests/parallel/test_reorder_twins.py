@@ -1,8 +1,11 @@
-"""The reorder twins of the bf16 parity check (tests/parallel/reorder_twins.py) are legal reorders.
+"""The reorder twins of the parity checks (tests/parallel/reorder_twins.py) are legal reorders.
 
 Each twin must compute the cp=1 reference's function (else its distance is no reorder floor: a twin
 with another function would widen the floor and let bugs through) and must add in another order
-(else it is no draw of the noise and the floor rests on fewer twins than ``BF16_FACTOR`` counts).
+(else it is no draw of the noise and the floor rests on fewer twins than ``BF16_FACTOR`` counts, or
+than tests/numerics.py's ``SAME_BOUND_FACTOR`` counts for the fp32 twins, ``FP32_TWINS``). The fp32
+twins also serve the references the bf16 cases never have: bidirectional (cptune's attention with a
+document mask) and gpt-oss (transformers' eager attention given the documents' masks).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from cptune.labels import shift_labels_within_documents
 from cptune.parallel.backends.attention import register_attention
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.shard import TokenBatch
-from devtools.tiny import build_tiny_mistral, build_tiny_model, tiny_llama_config
+from devtools.tiny import build_tiny_gpt_oss, build_tiny_mistral, build_tiny_model, tiny_llama_config
 from tests.numerics import assert_float64_rule
-from tests.parallel.reorder_twins import TWINS
+from tests.parallel.masked_eager import MaskedEagerBackend
+from tests.parallel.reorder_twins import TWINS, fp32_twins
 
 VOCAB = 97
 # Two rows of 3 short documents, then a long one wider than Mistral's window of 5.
@@ -42,10 +46,12 @@ def logits(model: torch.nn.Module, backend: LocalBackend, batch: TokenBatch, con
         return model(**backend.shard(batch).model_kwargs, use_cache=False).logits
 
 
-def twin_logits(model: torch.nn.Module, twin, batch: TokenBatch) -> torch.Tensor:
+def twin_logits(
+    model: torch.nn.Module, twin, batch: TokenBatch, reference: str = "sdpa", causal: bool = True
+) -> torch.Tensor:
     twin_model = copy.deepcopy(model)
-    twin_model.set_attn_implementation(twin.attn_implementation("sdpa"))
-    return logits(twin_model, twin.backend(causal=True), batch, twin.context)
+    twin_model.set_attn_implementation(twin.attn_implementation(reference))
+    return logits(twin_model, twin.backend(causal=causal), batch, twin.context)
 
 
 @pytest.mark.parametrize("family", sorted(BUILDERS))
@@ -75,3 +81,44 @@ def test_every_twin_adds_in_another_order_in_bf16(family):
     reference = logits(model, LocalBackend(causal=True), batch)
     for twin in TWINS:
         assert not torch.equal(twin_logits(model, twin, batch), reference), f"{family} {twin.name}"
+
+
+def eager_experts(model: torch.nn.Module) -> torch.nn.Module:
+    model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64 reference
+    return model
+
+
+# The fp32 references of the parity workers: (model, attention implementation, its cp=1 backend, causal).
+FP32_REFERENCES = {
+    "llama-causal": (BUILDERS["llama"], "sdpa", lambda: LocalBackend(causal=True), True),
+    "llama-bidirectional": (BUILDERS["llama"], "cptune", lambda: LocalBackend(causal=False), False),
+    "mistral-causal": (BUILDERS["mistral"], "sdpa", lambda: LocalBackend(causal=True), True),
+    "gpt-oss": (
+        lambda: eager_experts(build_tiny_gpt_oss(VOCAB, seed=1, sliding_window=5)),
+        "gpt_oss_masked_eager",
+        lambda: MaskedEagerBackend(5),
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("reference_name", sorted(FP32_REFERENCES))
+def test_every_fp32_twin_computes_the_reference_function_and_adds_in_another_order(reference_name):
+    """Each fp32 twin of a parity worker's fp32 reference (``fp32_twins``): its fp32 logits within the float64
+    rule of the reference's (tests/numerics.py: at most 16x as far from the float64 reference's as the fp32
+    reference's, plus 2 ulps), and not bit-identical to the reference's (a draw of the reorder noise)."""
+    register_attention()
+    build, attention, backend, causal = FP32_REFERENCES[reference_name]
+    model = build().float()
+    local = backend()  # registers gpt-oss's masked eager attention
+    model.set_attn_implementation(attention)
+    batch = packed_batch()
+    reference = logits(model, local, batch)
+    ref64 = logits(copy.deepcopy(model).double(), local, batch)
+    twins = fp32_twins(attention)
+    assert twins, reference_name
+    for twin in twins:
+        got = twin_logits(model, twin, batch, attention, causal)
+        what = f"{reference_name} {twin.name}"
+        assert_float64_rule({"logits": got}, {"logits": reference}, {"logits": ref64}, what=what)
+        assert not torch.equal(got, reference), what

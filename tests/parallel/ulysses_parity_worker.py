@@ -45,8 +45,15 @@ from case_features import (  # tests/parallel/case_features.py, next to this scr
     windowed_model,
 )
 from float64_reference import float64_twin  # tests/parallel/float64_reference.py
-from masked_eager import MaskedEagerBackend  # tests/parallel/masked_eager.py
-from reorder_twins import TWINS, Twin, grad_norm_rel  # tests/parallel/reorder_twins.py
+from masked_eager import MASKED_EAGER, MaskedEagerBackend  # tests/parallel/masked_eager.py
+from reorder_twins import (  # tests/parallel/reorder_twins.py
+    TWINS,
+    Twin,
+    fp32_twins,
+    gather_twins,
+    grad_norm_rel,
+    twins_of_rank,
+)
 from ulysses_preference_case import run_ulysses_preference_case  # tests/parallel/, beside this script
 
 from cptune.labels import shift_labels_within_documents
@@ -192,7 +199,7 @@ def reference_run(
     if case.get("arch") == "gpt_oss":
         # transformers' eager gpt-oss attention (gpt-oss has no sdpa), the documents' masks given
         local = MaskedEagerBackend(case.get("window", 5))
-    attention = local.attn_implementation if causal else "cptune"
+    attention = reference_attention(case)
     model = build_model(case, twin.attn_implementation(attention) if twin else attention)
     loss_sum = token_loss_sum
     if float64:
@@ -237,6 +244,14 @@ def reference_run(
         optimizer.step()
         optimizer.zero_grad()
     return losses, step0_grads
+
+
+def reference_attention(case: dict) -> str:
+    """The cp=1 reference's attention implementation: sdpa (causal), cptune's masked SDPA (bidirectional), or
+    gpt-oss's eager attention given the documents' masks (tests/parallel/masked_eager.py)."""
+    if case.get("arch") == "gpt_oss":
+        return MASKED_EAGER
+    return "sdpa" if case.get("causal", True) else ATTENTION_NAME
 
 
 def engine_grads(engine: object, ref_grads: dict) -> dict[str, torch.Tensor]:
@@ -340,13 +355,26 @@ def run_case(case: dict) -> dict:
     ref64_router_aux: list[float] = []
     reference = reference_run(case, steps)
     if case.get("bf16"):  # the reorder floor: the same bf16 run in each twin's order
-        second, twin_seconds = [], []  # what each twin costs (the eager one alone was the rule before)
+        second, twin_seconds = [], []  # CPU seconds each twin costs (issue 26: its time budget)
         for twin in TWINS:
-            started = time.perf_counter()
+            started = time.process_time()
             second.append(reference_run(case, steps, twin=twin))
-            twin_seconds.append(time.perf_counter() - started)
+            twin_seconds.append(time.process_time() - started)
     else:
         second = reference_run(case, steps, float64=True, router_aux=ref64_router_aux)
+        # This rank's share of the reference's fp32 twins, shared after the case (gather_twins).
+        candidates = fp32_twins(reference_attention(case))
+        mine = {}
+        for i in twins_of_rank(candidates, rank, world):
+            started = time.process_time()
+            losses, twin_grads = reference_run(case, steps, twin=candidates[i])
+            mine[i] = {
+                "name": candidates[i].name,
+                "losses": losses,
+                "grad_errors": relative_errors(twin_grads, second[1]),
+                "seconds": time.process_time() - started,
+            }
+        fp32_twin_results = gather_twins(mine)
     ref_grads = reference[1]
 
     core = case.get("core", "cptune")
@@ -425,6 +453,8 @@ def run_case(case: dict) -> dict:
         run["parameters"] = sum(1 for _ in engine.module.parameters())
     if case.get("bf16"):
         run["twin_seconds"] = twin_seconds
+    else:
+        run["fp32_twins"] = fp32_twin_results
     return case_result(reference, second, grads, steps, run)
 
 

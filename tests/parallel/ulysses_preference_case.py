@@ -23,6 +23,7 @@ import torch.distributed as dist
 from case_features import install_case_features  # tests/parallel/, next to this script
 from float64_reference import float64_twin
 from preference_case import (
+    Fp32Twin,
     _run_step,
     case_loss,
     float64_segment_loss,
@@ -30,6 +31,7 @@ from preference_case import (
     value_scale,
     with_reference,
 )
+from reorder_twins import fp32_twins, gather_twins, twins_of_rank
 
 from cptune.models.head_loss import logits_loss
 from cptune.models.reference import adapter_disabled
@@ -62,10 +64,14 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     torch.manual_seed(0)
     reference = worker.build_model(case, "sdpa")
     reference64 = float64_twin(reference)
+    # This rank's share of the reference's fp32 twins (tests/parallel/reorder_twins.py), shared after the case.
+    candidates = fp32_twins("sdpa")
+    indices = twins_of_rank(candidates, rank, world)
+    twins = [Fp32Twin(candidates[i], reference, case, keyed=False) for i in indices]
     local = LocalBackend(causal=True)
     optimizers = [
         torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=worker.LEARNING_RATE)
-        for m in (reference, reference64)
+        for m in (reference, reference64, *(t.model for t in twins))
     ]
     result: dict = {}
     ref_losses, ref64_losses, floors = [], [], []
@@ -73,6 +79,9 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
     if case.get("precompute"):  # a full fine-tune: each reference model's sums from its weights before step 0
         ref_steps = with_reference(steps, reference, local, logits_loss, None)
         ref64_steps = with_reference(steps, reference64, local, float64_segment_loss, None)
+        for twin in twins:
+            with twin.running():
+                twin.steps = with_reference(steps, twin.model, twin.backend, logits_loss, None)
     for t, batches in enumerate(steps):
         step_pairs = torch.tensor(sum(b.pairs for g in batches for b in g))
         everything = [(b, None) for g in batches for b in g]
@@ -80,6 +89,24 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
         ref_loss, ref_sums, _ = _run_step(
             reference, local, _flat(ref_steps[t]), 1, 1, None, step_pairs, loss, logits_loss, None, None
         )
+        for twin in twins:
+            with twin.running():
+                twin_loss, twin_sums, _ = _run_step(
+                    twin.model,
+                    twin.backend,
+                    _flat((twin.steps or steps)[t]),
+                    1,
+                    1,
+                    None,
+                    step_pairs,
+                    loss,
+                    logits_loss,
+                    None,
+                    None,
+                )
+            twin.losses.append(twin_loss)
+            if t == 0:
+                twin.metrics = {n: v / float(step_pairs) for n, v in twin_sums.items()}
         ref64_loss, ref64_sums, magnitude = _run_step(
             reference64,
             local,
@@ -105,6 +132,8 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
                 for n, v in result["ref64_metrics"].items()
             }
             ref_g, ref64_g = _grads(reference), _grads(reference64)
+            for twin in twins:
+                twin.grad_errors = relative_errors(_grads(twin.model), ref64_g)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -169,6 +198,7 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
         loss_floors=floors,
         targets=[0] * 3,
     )
+    result["fp32_twins"] = gather_twins({i: twin.result() for i, twin in zip(indices, twins, strict=True)})
     return result
 
 
