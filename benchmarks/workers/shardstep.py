@@ -33,7 +33,14 @@ VOCAB = 768  # the tiny tokenizer's vocabulary (examples/tiny-llama)
 
 
 def init_world() -> tuple[int, int]:
-    """(rank, world size); joins the gloo process group when launched with several ranks."""
+    """(rank, world size); joins the gloo process group when launched with several ranks.
+
+    First, as a rank of ``cptune train`` does for its recipe, leaves bitsandbytes out
+    (:mod:`cptune.run.training.unused_imports`): the recipes of :func:`make_recipe` quantize nothing.
+    """
+    from cptune.run.training.unused_imports import leave_out_bitsandbytes
+
+    leave_out_bitsandbytes([make_recipe(1)])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

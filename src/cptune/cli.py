@@ -11,6 +11,7 @@ import faulthandler
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -40,11 +41,39 @@ def _setup_logging(rank: int = 0) -> None:
     logging.getLogger("cptune").setLevel(level)
 
 
+@dataclass(frozen=True)
+class _Invocation:
+    """How :func:`main` was called (the click context's ``obj``).
+
+    ``owns_process``: cptune is this process's program (the console script, ``python -m cptune``, a
+    rank a launcher started), so this process runs this one command and its one recipe; not so when
+    a user's own process calls ``main(argv)`` (a notebook, the tests' ``cptune_in_process``), where a
+    later call could need what this one leaves out.
+    """
+
+    owns_process: bool
+
+
 def _load(recipe: Path, ctx: typer.Context):
     from cptune.config.loader import load_recipe
 
     _refuse_underscored_options(ctx)
     return load_recipe(recipe, list(ctx.args))
+
+
+def _leave_out_unused_imports(ctx: typer.Context, loaded) -> None:
+    """Before transformers is imported: where this process exists for ``loaded`` alone, keep out what it does not use.
+
+    bitsandbytes: about a second of start-up (cptune.run.training.unused_imports) in every process
+    whose command imports peft or the Trainer, for a recipe that neither quantizes nor uses its
+    optimizers.
+    """
+    from cptune.run.training.distributed import under_launcher
+
+    if under_launcher() or (isinstance(ctx.obj, _Invocation) and ctx.obj.owns_process):
+        from cptune.run.training.unused_imports import leave_out_bitsandbytes
+
+        leave_out_bitsandbytes([loaded])
 
 
 def _refuse_underscored_options(ctx: typer.Context) -> None:
@@ -174,11 +203,8 @@ def train(
     from cptune.run.launch.processes import LaunchPlan, launch
     from cptune.run.plan import RunPlan
 
+    _leave_out_unused_imports(ctx, loaded)  # the recipe as it trains, resumed overrides and all
     if under_launcher():
-        from cptune.run.training.unused_imports import leave_out_bitsandbytes
-
-        # This process exists for this recipe: a second less of start-up where it needs no bitsandbytes.
-        leave_out_bitsandbytes([loaded])
         from cptune.run.training.train import train as run_train
 
         result = run_train(loaded, data_reported=data_reported, overrides=ctx.args)
@@ -250,6 +276,7 @@ def preprocess(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    _leave_out_unused_imports(ctx, loaded)
     progress_bars_on_terminal_only()
     debug = debug or rows is not None
     typer.echo(
@@ -289,6 +316,7 @@ def validate(
     # A hub id that cannot be fetched from here stops everything else: said at once, in one line,
     # before torch and transformers are imported.
     check_hub_ids(loaded)
+    _leave_out_unused_imports(ctx, loaded)
     from cptune.data.first_rows import first_row_problems
     from cptune.data.sources import source_problems
     from cptune.errors import RecipeError, RecipeProblem
@@ -366,6 +394,7 @@ def evaluate(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
+    _leave_out_unused_imports(ctx, loaded)
     progress_bars_on_terminal_only()
     launching = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
     plan = None
@@ -406,6 +435,7 @@ def merge_lora(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    _leave_out_unused_imports(ctx, loaded)
     progress_bars_on_terminal_only()
     target = run_merge(loaded, checkpoint, out)
     typer.echo(f"cptune: merged model saved to {target}")
@@ -454,6 +484,7 @@ def inference(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
+    _leave_out_unused_imports(ctx, loaded)
     progress_bars_on_terminal_only()
     options = GenerationOptions(max_new_tokens, do_sample, temperature, top_p, top_k)
     if prompt is None and prompts is None and sys.stdin.isatty():
@@ -496,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
     _print_stacks_on_fatal_signals()
     try:
         # Outside standalone mode click returns (not raises) the code of typer.Exit.
-        code = app(args=argv, standalone_mode=False)
+        # Called without argv, cptune is this process's program: it reads sys.argv.
+        code = app(args=argv, standalone_mode=False, obj=_Invocation(owns_process=argv is None))
     except CptuneError as err:
         from cptune.run.training.distributed import report_to_elastic_agent
 

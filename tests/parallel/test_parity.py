@@ -457,7 +457,12 @@ def parity_results(tmp_path_factory):
             world, cp, cases = SPAWNS[spawn]
             try:
                 done[spawn] = run_ranks(
-                    WORKER, world, tmp_path_factory.mktemp(spawn), str(cp), json.dumps(cases)
+                    WORKER,
+                    world,
+                    tmp_path_factory.mktemp(spawn),
+                    str(cp),
+                    json.dumps(cases),
+                    bitsandbytes=any(c.get("qlora") for c in cases),  # QLoRA cases quantize with it
                 )
             except AssertionError as failure:  # reported by every test of the spawn, run once
                 done[spawn] = failure

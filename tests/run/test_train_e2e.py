@@ -91,7 +91,7 @@ def test_train_reverts_every_patch_after_success_and_failure(write_recipe, tmp_p
 
     recipe = write_recipe(max_steps=1, context_parallel_size=2)
     worker = Path(__file__).with_name("revert_worker.py")
-    results = run_ranks(worker, 2, tmp_path / "ranks", str(recipe))
+    results = run_ranks(worker, 2, tmp_path / "ranks", str(recipe), bitsandbytes=False)
     for r in results:
         assert len(r["targets"]) >= 4
         assert r["same_after_success"] and r["same_after_failure"] and r["raised"], r

@@ -6,7 +6,9 @@ import pytest
 import yaml
 
 from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded, write_short_run
+from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
+from tests.run.test_resume import WORKER
 
 
 def save_tiny_moe(folder, tiny_model_dir, family: str = "qwen3_moe"):
@@ -32,15 +34,53 @@ def save_tiny_moe(folder, tiny_model_dir, family: str = "qwen3_moe"):
 LOGGED = ("loss", "grad_norm", "router_aux_loss")
 
 
-def train_moe(tmp_path, moe, name: str, **keys) -> dict[str, dict[int, float]]:
-    """``cptune train`` of the MoE model for 3 steps (SGD, accumulation 2, the router loss turned on by
-    the recipe's ``overrides_of_model_config``): the loss, gradient norm and router loss of each step."""
+def moe_recipe(root, moe, name: str, **keys):
+    """The MoE model for 3 steps (SGD, accumulation 2, the router loss turned on by the recipe's
+    ``overrides_of_model_config``), into ``root / name``."""
     router = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
-    path = write_short_run(tmp_path, name, moe, overrides_of_model_config=router, **keys)
-    succeeded(run_cptune("train", str(path), timeout=400))
-    logs = {key: logged(tmp_path / name, key) for key in LOGGED}
+    return write_short_run(root, name, moe, overrides_of_model_config=router, **keys)
+
+
+def moe_logs(root, name: str) -> dict[str, dict[int, float]]:
+    """The loss, gradient norm and router loss of each step of the run in ``root / name``."""
+    logs = {key: logged(root / name, key) for key in LOGGED}
     assert sorted(logs["router_aux_loss"]) == [1, 2, 3], logs
     return logs
+
+
+def train_moe(root, moe, name: str, **keys) -> dict[str, dict[int, float]]:
+    """``cptune train`` of :func:`moe_recipe`: the loss, gradient norm and router loss of each step."""
+    succeeded(run_cptune("train", str(moe_recipe(root, moe, name, **keys)), timeout=400))
+    return moe_logs(root, name)
+
+
+# The Mixtral test's rows: unpacked, one per micro batch, the chunked head loss on.
+MIXTRAL_KEYS = {
+    "sample_packing": False,
+    "cut_cross_entropy": True,
+    "micro_batch_size": 1,
+    "gradient_accumulation_steps": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def cp1_runs(tmp_path_factory, tiny_model_dir):
+    """The cp=1 runs the tests below compare with, of the tiny Qwen3-MoE and of the tiny Mixtral, in one
+    launch of one process (tests/run/train_worker.py: start-up paid once, not per run).
+
+    Returns (the folder of the runs, family -> model folder, family -> the cp=1 run's logs); the cp=2
+    runs go into the same folder, so they read the data the cp=1 runs prepared.
+    """
+    root = tmp_path_factory.mktemp("moe")
+    models = {
+        family: save_tiny_moe(root / family, tiny_model_dir, family) for family in ("qwen3_moe", "mixtral")
+    }
+    recipes = [
+        moe_recipe(root, models["qwen3_moe"], "qwen3_moe-cp1", context_parallel_size=1),
+        moe_recipe(root, models["mixtral"], "mixtral-cp1", context_parallel_size=1, **MIXTRAL_KEYS),
+    ]
+    run_ranks(WORKER, 1, root / "cp1-launch", *map(str, recipes))
+    return root, models, {family: moe_logs(root, f"{family}-cp1") for family in models}
 
 
 def assert_logs_match(got: dict, expected: dict) -> None:
@@ -51,38 +91,32 @@ def assert_logs_match(got: dict, expected: dict) -> None:
 
 
 @pytest.mark.distributed
-def test_a_moe_models_router_loss_is_trained_and_logged_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
+def test_a_moe_models_router_loss_is_trained_and_logged_at_cp2_as_at_cp1(cp1_runs):
     """A tiny Qwen3-MoE, full fine-tune, packed rows: cp=2 with ring-flash-attn and with deepspeed (Ulysses,
     cptune's document attention as its core) log the cp=1 run's loss, gradient norm and ``router_aux_loss``
     at every step. Under Ulysses the MoE layers see this rank's contiguous half of the tokens."""
-    moe = save_tiny_moe(tmp_path / "moe", tiny_model_dir)
-    expected = train_moe(tmp_path, moe, "cp1", context_parallel_size=1)
+    root, models, expected = cp1_runs
     for backend in ("ring-flash-attn", "deepspeed"):
-        got = train_moe(tmp_path, moe, f"cp2-{backend}", context_parallel_size=2, cp_backend=backend)
-        assert_logs_match(got, expected)
+        name = f"qwen3_moe-cp2-{backend}"
+        got = train_moe(root, models["qwen3_moe"], name, context_parallel_size=2, cp_backend=backend)
+        assert_logs_match(got, expected["qwen3_moe"])
 
 
 @pytest.mark.distributed
 def test_a_mixtral_router_loss_with_the_torch_backend_and_the_chunked_loss_is_logged_at_cp2_as_at_cp1(
-    tmp_path, tiny_model_dir
+    cp1_runs,
 ):
     """A tiny Mixtral, unpacked rows one per micro batch (torch's CP attention takes no document mask, so padding
     would see real tokens: refused, cptune.parallel.router_padding), the chunked head loss on (``cut_cross_entropy``:
     the model is called for one token of logits, its router logits still come back): cp=2 with cp_backend torch
     (load-balanced head-tail shards) logs the cp=1 run's values. Micro batches of 2 rows are refused by validate."""
-    moe = save_tiny_moe(tmp_path / "mixtral", tiny_model_dir, family="mixtral")
-    keys = {
-        "sample_packing": False,
-        "cut_cross_entropy": True,
-        "micro_batch_size": 1,
-        "gradient_accumulation_steps": 4,
-    }
-    expected = train_moe(tmp_path, moe, "cp1", context_parallel_size=1, **keys)
-    got = train_moe(tmp_path, moe, "cp2-torch", context_parallel_size=2, cp_backend="torch", **keys)
-    assert_logs_match(got, expected)
-    padded = yaml.safe_load((tmp_path / "cp2-torch.yaml").read_text()) | {"micro_batch_size": 2}
-    (tmp_path / "padded.yaml").write_text(yaml.safe_dump(padded))
-    done = run_cptune("validate", str(tmp_path / "padded.yaml"))
+    root, models, expected = cp1_runs
+    keys = {"context_parallel_size": 2, "cp_backend": "torch", **MIXTRAL_KEYS}
+    got = train_moe(root, models["mixtral"], "mixtral-cp2-torch", **keys)
+    assert_logs_match(got, expected["mixtral"])
+    padded = yaml.safe_load((root / "mixtral-cp2-torch.yaml").read_text()) | {"micro_batch_size": 2}
+    (root / "mixtral-padded.yaml").write_text(yaml.safe_dump(padded))
+    done = run_cptune("validate", str(root / "mixtral-padded.yaml"))
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert "micro_batch_size: 2: the model adds a router load-balancing loss" in done.stderr, done.stderr
 

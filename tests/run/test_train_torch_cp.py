@@ -89,7 +89,7 @@ def test_packed_and_padded_batches_stop_training_at_the_first_batch(write_recipe
         pad_to_sequence_len=True,  # every row is padded to 128 tokens, from the first batch on
         output_dir=str(tmp_path / "padded"),
     )
-    results = run_ranks(REFUSAL_WORKER, 2, tmp_path / "ranks", str(packed), str(padded))
+    results = run_ranks(REFUSAL_WORKER, 2, tmp_path / "ranks", str(packed), str(padded), bitsandbytes=False)
     expected = {
         str(packed): "UnmaskableBatchError: cp_backend: torch cannot mask packed documents",
         str(padded): "UnmaskableBatchError: cp_backend: torch cannot mask padding or packed documents "

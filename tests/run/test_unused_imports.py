@@ -77,3 +77,28 @@ def test_left_out_reads_as_not_installed(monkeypatch):
     assert importlib.util.find_spec("bitsandbytes") is None
     with pytest.raises(ImportError):
         import bitsandbytes  # noqa: F401
+
+
+def test_the_cptune_program_leaves_it_out_and_a_users_call_of_main_does_not(write_recipe, monkeypatch):
+    """``cptune validate`` as this process's program (``main()`` reads sys.argv) leaves bitsandbytes out
+    for a LoRA recipe; ``main(argv)`` from a user's process (a notebook, ``cptune_in_process``) does not."""
+    import logging
+    import sys
+
+    from cptune.cli import main
+
+    recipe = str(write_recipe())
+    handlers = list(logging.root.handlers)
+    # Undone after the test, whatever sys.modules held for it before (the placeholder records that).
+    monkeypatch.setitem(sys.modules, "bitsandbytes", "placeholder")
+    monkeypatch.delitem(sys.modules, "bitsandbytes")
+    try:
+        # First: a user's call may import peft here, with bitsandbytes as installed.
+        main(["validate", recipe])
+        assert sys.modules.get("bitsandbytes", "not imported") is not None
+        monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+        monkeypatch.setattr(sys, "argv", ["cptune", "validate", recipe])
+        main()
+        assert "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
+    finally:
+        logging.root.handlers[:] = handlers  # main() adds a handler bound to this test's stderr

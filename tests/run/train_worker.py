@@ -8,7 +8,8 @@ start-up dominates short CPU runs: one launch, not one per recipe). Without
 input, computed with the unwrapped model in a plain forward over the whole input (no CP;
 every rank joins in when the model is sharded with FSDP2), to ``logits.pt`` in that
 recipe's output_dir. Each rank writes ``OUT_DIR/rank{r}.json``: ``{"runs": [report per
-recipe]}``. With ``--crash-saving-step``, every rank kills itself with SIGKILL while the
+recipe]}``; its log, ``OUT_DIR/rank{r}.log``, holds what the runs logged (rank 0 at INFO, as
+``cptune train``'s rank 0). With ``--crash-saving-step``, every rank kills itself with SIGKILL while the
 Trainer is writing checkpoint N (after the model files, before the optimizer state), like
 a machine that goes down mid-save.
 """
@@ -16,6 +17,7 @@ a machine that goes down mid-save.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -43,7 +45,10 @@ def main() -> None:
         crash_step = int(args[at + 1])
         del args[at : at + 2]
     out_dir, recipes = Path(args[0]), args[1:]
-    # As cptune's own ranks do (cptune/cli.py): this process trains these recipes only.
+    # As cptune's own ranks do (cptune/cli.py): rank 0 logs at INFO (what the runs say, in rankN.log)...
+    rank = read_dist_env().rank
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    # ...and this process trains these recipes only.
     leave_out_bitsandbytes([load_recipe(recipe) for recipe in recipes])
     reports = [train_one(recipe, crash_step) for recipe in recipes]
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps({"runs": reports}))

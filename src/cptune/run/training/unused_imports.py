@@ -1,4 +1,4 @@
-"""What a launched rank keeps from being imported because its recipe does not use it: bitsandbytes.
+"""What a process that exists for one recipe keeps from being imported because the recipe does not use it: bitsandbytes.
 
 transformers' Trainer imports peft, and peft imports bitsandbytes when it is installed (the
 ``quantization`` extra); bitsandbytes 0.50 wraps its default kernels in ``torch.compile`` as it is
@@ -6,14 +6,16 @@ imported, which loads TorchDynamo and Inductor. That is about 1.1 s of CPU time 
 that imports the Trainer (``import transformers.trainer``: 5.8 s with bitsandbytes, 4.7 s without,
 measured on a 2-core CPU), paid by every rank of every run, quantized or not.
 
-A rank that cptune's launcher (or torchrun) started exists for one recipe, so where that recipe
-neither quantizes the base model nor names one of bitsandbytes' optimizers, bitsandbytes is marked
-as not importable before anything imports it (``sys.modules[name] = None``: ``import`` raises
-ImportError and ``importlib.util.find_spec`` answers None, which is how transformers, peft and
-accelerate ask). They then take their paths for a machine without it, which for a model that is not
-quantized are the same layers and the same optimizer. Not done in the launcher or a one-process
-run: that process may be a user's own (``cptune_in_process`` in the tests, a notebook), where a
-later recipe could need bitsandbytes and peft would already have left out its quantized layers.
+A rank that cptune's launcher (or torchrun) started exists for one recipe, and so does a process
+whose program is the ``cptune`` command (the launcher of ``cptune train``, ``validate``,
+``inference``, ...). Where that recipe neither quantizes the base model nor names one of
+bitsandbytes' optimizers, bitsandbytes is marked as not importable before anything imports it
+(``sys.modules[name] = None``: ``import`` raises ImportError and ``importlib.util.find_spec`` answers
+None, which is how transformers, peft and accelerate ask). They then take their paths for a machine
+without it, which for a model that is not quantized are the same layers and the same optimizer. Not
+done where a user's own process calls the command line's ``main(argv)`` (``cptune_in_process`` in
+the tests, a notebook): a later recipe there could need bitsandbytes, and peft would already have
+left out its quantized layers.
 """
 
 from __future__ import annotations
