@@ -61,7 +61,7 @@ def _load(recipe: Path, ctx: typer.Context):
     return load_recipe(recipe, list(ctx.args))
 
 
-def _leave_out_unused_imports(ctx: typer.Context, loaded) -> None:
+def _leave_out_unused_imports(ctx: typer.Context, loaded, checkpoint: Path | None = None) -> None:
     """Before transformers is imported: where this process exists for ``loaded`` alone, keep out what it does not use.
 
     bitsandbytes: about a second of start-up (cptune.run.training.unused_imports) in every process
@@ -73,7 +73,7 @@ def _leave_out_unused_imports(ctx: typer.Context, loaded) -> None:
     if under_launcher() or (isinstance(ctx.obj, _Invocation) and ctx.obj.owns_process):
         from cptune.run.training.unused_imports import leave_out_bitsandbytes
 
-        leave_out_bitsandbytes([loaded])
+        leave_out_bitsandbytes([loaded], models=[checkpoint] if checkpoint is not None else ())
 
 
 def _refuse_underscored_options(ctx: typer.Context) -> None:
@@ -394,7 +394,7 @@ def evaluate(
     env = read_dist_env()
     _setup_logging(env.rank)
     loaded = _load(recipe, ctx)
-    _leave_out_unused_imports(ctx, loaded)
+    _leave_out_unused_imports(ctx, loaded, checkpoint)
     progress_bars_on_terminal_only()
     launching = LaunchPlan(nproc_per_node=_nproc_per_node(nproc_per_node, 1, loaded))
     plan = None
@@ -435,7 +435,7 @@ def merge_lora(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    _leave_out_unused_imports(ctx, loaded)
+    _leave_out_unused_imports(ctx, loaded, checkpoint)
     progress_bars_on_terminal_only()
     target = run_merge(loaded, checkpoint, out)
     typer.echo(f"cptune: merged model saved to {target}")
@@ -484,7 +484,7 @@ def inference(
 
     _setup_logging()
     loaded = _load(recipe, ctx)
-    _leave_out_unused_imports(ctx, loaded)
+    _leave_out_unused_imports(ctx, loaded, checkpoint)
     progress_bars_on_terminal_only()
     options = GenerationOptions(max_new_tokens, do_sample, temperature, top_p, top_k)
     if prompt is None and prompts is None and sys.stdin.isatty():

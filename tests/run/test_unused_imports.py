@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 
 import pytest
 
@@ -10,8 +12,24 @@ from cptune.config.loader import validate_recipe
 from cptune.run.training.unused_imports import leave_out_bitsandbytes, uses_bitsandbytes
 
 
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    """A local model folder saved unquantized (a hub id not in the local cache would keep bitsandbytes)."""
+    folder = tmp_path_factory.mktemp("plain-model")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(folder)
+
+
+@pytest.fixture(autouse=True)
+def _base(plain_model, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "BASE", plain_model)
+
+
+BASE = ""
+
+
 def recipe(**keys):
-    return validate_recipe({"base_model": "m", "datasets": [{"path": "d.jsonl"}], **keys})
+    return validate_recipe({"base_model": BASE, "datasets": [{"path": "d.jsonl"}], **keys})
 
 
 @pytest.mark.parametrize(
@@ -102,3 +120,30 @@ def test_the_cptune_program_leaves_it_out_and_a_users_call_of_main_does_not(writ
         assert "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
     finally:
         logging.root.handlers[:] = handlers  # main() adds a handler bound to this test's stderr
+
+
+def test_a_model_saved_quantized_keeps_it(tmp_path, monkeypatch):
+    """A pre-quantized base (its config.json carries a quantization_config, as a ``-bnb-4bit`` hub model's does),
+    or a checkpoint saved so, loads through bitsandbytes whatever the recipe says: it stays importable."""
+    plain, quantized, adapter = (tmp_path / name for name in ("plain", "quantized", "adapter"))
+    for folder, config in (
+        (plain, {}),
+        (quantized, {"quantization_config": {"quant_method": "bitsandbytes"}}),
+    ):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert not uses_bitsandbytes(recipe(base_model=str(plain)))
+    assert not uses_bitsandbytes(recipe(base_model=str(plain)), models=[adapter])
+    assert uses_bitsandbytes(recipe(base_model=str(quantized)))
+    assert uses_bitsandbytes(recipe(base_model=str(plain)), models=[quantized])
+    modules: dict = {}
+    assert not leave_out_bitsandbytes([recipe(base_model=str(plain))], modules, models=[quantized])
+    assert modules == {}
+    # A hub id whose config is not in the local cache is unknown until the run downloads it: kept.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert uses_bitsandbytes(recipe(base_model="someone/some-model-bnb-4bit"))
