@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 124 traces; the cases of fp32-full-everything are not traced yet);
+(docs/benchmarks/memory_traces.json; 128 traces; the cases of fp32-full-everything are not traced yet);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -119,7 +119,9 @@ SETTINGS = {
     "full-everything": Setting(lora=False, offload=True, tiled=True, lengths=LONG_LENGTHS),
     # fp32 training: fp32 weights, no autocast, LoRA in fp32.
     "fp32-lora": Setting(lora=True, offload=False, tiled=False, autocast=False, fp32=True),
-    "fp32-lora-everything": Setting(lora=True, offload=True, tiled=True, autocast=False, fp32=True),
+    "fp32-lora-everything": Setting(
+        lora=True, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONG_LENGTHS
+    ),
     "fp32-full": Setting(lora=False, offload=False, tiled=False, autocast=False, fp32=True),
     "fp32-full-everything": Setting(
         lora=False, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONG_LENGTHS
@@ -171,10 +173,11 @@ FITTED_ROWS = {
     ("mixed", "lora", True, True): "lora-everything-norms",
     ("mixed", "full", True, False): "full-everything",
     ("fp32", "lora", False, False): "fp32-lora",
-    # Not fitted: ("fp32", "lora", True, False) from "fp32-lora-everything" (traced at 2,048 and 4,096, in the
-    # file) has two moments across 2,048 as the mixed full fine-tune had: the base shape's layer backward is
-    # above the MLP shape's at 2,048 (75.1 against 65.3 MB) yet grows more slowly, so the fit gives an MLP term
-    # below zero. It needs the longer lengths; ("fp32", "full", True, False) is not traced yet.
+    # Not fitted: ("fp32", "lora", True, False) from "fp32-lora-everything" (traced at 2,048, 4,096 and 8,192,
+    # in the file): its layer backward is not one moment in every shape below 8,192 tokens. The base shape's
+    # peak is above the MLP shape's at 2,048 (75.1 against 65.3 MB) and at 4,096 (126.1 against 118.7 MB), and
+    # the same at 8,192 (237.3 MB): the fit across 4,096 gives an MLP term below zero. It needs 8,192 and
+    # 16,384 tokens. ("fp32", "full", True, False) from "fp32-full-everything" is not traced yet.
     ("fp32", "full", False, False): "fp32-full",
 }
 # What a layer keeps without gradient checkpointing: (precision, adapter) -> (the setting without it, with it).

@@ -295,9 +295,9 @@ def _ceil_div(a: int, b: int) -> int:
 # They live in cptune.parallel.memory_fit. What the traces cannot show is listed below (GPU-only terms).
 LEGACY_NOTE = (
     "Not refitted yet (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
-    "that printed them was not kept): the fp32 rows with the tiled MLP. Their settings are in "
-    "benchmarks/memory_coefficients.py; fp32-lora-everything's traces at 2,048 and 4,096 tokens (in the file) "
-    "are not one moment in every shape, and both need tracing at 4,096 and 8,192."
+    "that printed them was not kept): the fp32 rows with the tiled MLP. fp32-lora-everything's traces (in "
+    "docs/benchmarks/memory_traces.json) are one moment in every shape only from 8,192 tokens on, so it needs "
+    "8,192 and 16,384; fp32-full-everything is not traced yet (benchmarks/memory_coefficients.py)."
 )
 
 
