@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 52 traces, about 20 minutes of one core);
+(docs/benchmarks/memory_traces.json; 128 traces; the cases of fp32-full-everything are not traced yet);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -25,15 +25,27 @@ forward returns), *loss* (until the first layer is recomputed in the backward) a
 (the rest). Each phase's peak is counted above the bytes allocated when the step began.
 
 **The fit.** Per case and shape, the slope of each phase's peak between two lengths (what a chunk,
-a tile or a kernel's scratch weighs is the same at both). From the slopes, with ``b`` = 2 bytes and
+a tile or a kernel's scratch weighs is the same at both). From the slopes, with ``b`` = 2 bytes (4 in fp32) and
 ``R`` checkpoint rows on the device (``layers``, or :data:`OFFLOAD_ROWS` measured with offloading):
 layer backward = slope - (R + 2)·hidden·b (the incoming gradient and the residual stream's), forward =
 slope - R·hidden·b, loss = slope - R·hidden·b; then the four widths solved from the four shapes. The checkpoint rows left on the device by offloading are measured on the base shape at 2
 and 4 layers: the drop in the layer backward's slope against the same run without offloading.
 
+**The other rows.** The fp32 rows the same way, from fp32 traces (rows of 4 bytes). What a layer keeps
+without gradient checkpointing: the loss phase of a step without it less that of the same step with it
+holds ``layers x (saved - row)``; solved from the four shapes. The loss from the model's fp32 logits
+(accelerate's output conversion), whole or in chunks: the loss phase's slope above the checkpoint rows, as
+``v·vocab + h·hidden + token`` from the base, hidden and vocabulary shapes. A chunk in flight: what the loss
+phase's peak holds beyond its slope, per logit and per hidden unit of a chunk's tokens (base and hidden shapes).
+
+**Lengths.** Each setting's slopes are taken between its two :attr:`Setting.lengths`: 2,048 and 4,096
+tokens, except the full fine-tune with the tiled MLP, between 4,096 and 8,192: at 2,048 its base shape's
+layer backward peaks where the MLP's weight gradients are summed over the tiles (a size that does not grow
+with the tokens), its MLP shape's in the attention backward, so a slope across 2,048 mixes two moments; from
+4,096 on the attention backward's is the peak in every shape (:func:`tiled_full_moments`).
+
 What the traces cannot show (GPU kernels' own buffers, the allocator's reserve) is listed in
-:mod:`cptune.parallel.memory` with its source. The fp32 rows, the peaks without gradient checkpointing
-and the whole-logits loss keep their earlier fits (see :data:`cptune.parallel.memory.LEGACY_NOTE`).
+:mod:`cptune.parallel.memory` with its source.
 """
 
 from __future__ import annotations
@@ -61,7 +73,11 @@ HEAD_DIM, VOCAB, CHUNK_TOKENS, LORA_RANK = 128, 2048, 512, 16
 # feature on: the same slope between 2,048, 4,096 and 8,192 tokens, to the byte); at 1,024 an MLP tile
 # still set it.
 LENGTHS = (2048, 4096)
+LONG_LENGTHS = (4096, 8192)
 DTYPE_BYTES = 2
+# The loss from logits is fitted against the vocabulary too: the base shape with twice its vocabulary.
+LOSS_SHAPES = ("base", "hidden", "vocab")
+TRACED_SHAPES = {**SHAPES, "vocab": {**BASE, "vocab_size": 2 * VOCAB}}
 
 
 @dataclass(frozen=True)
@@ -74,13 +90,20 @@ class Setting:
     patched: bool = True  # cptune's lora-input-kept-under-autocast (LoRA only)
     autocast: bool = True  # False: bf16 weights, fp32 LoRA, no autocast (the GPU check B's setup)
     norms: bool = False  # recompute_norms: the decoder layers' RMSNorms keep their bf16 input only
+    fp32: bool = False  # fp32 weights and compute, no autocast (the model's "fp32" rows)
+    checkpointing: bool = True  # False: every layer keeps what its backward needs (the "saved" rows)
+    loss: str = "head"  # "head": chunked head loss; "whole" / "chunked": from the model's fp32 logits
+    lengths: tuple[int, int] = LENGTHS  # the two lengths its slopes are taken between
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.fp32 else DTYPE_BYTES
 
 
 SETTINGS = {
     "lora": Setting(lora=True, offload=False, tiled=False),
     "lora-everything": Setting(lora=True, offload=True, tiled=True),
     "full": Setting(lora=False, offload=False, tiled=False),
-    "full-everything": Setting(lora=False, offload=True, tiled=True),
     # For the checkpoint rows offloading leaves on the device: the same as lora-everything, not offloaded.
     "lora-tiled": Setting(lora=True, offload=False, tiled=True),
     # Before the LoRA input patch (peft's fp32 cast of every LoRA input), for the page's table.
@@ -90,6 +113,32 @@ SETTINGS = {
     "lora-everything-eager": Setting(lora=True, offload=True, tiled=True, autocast=False),
     # Every feature and recompute_norms (cptune.models.recomputed_norms).
     "lora-everything-norms": Setting(lora=True, offload=True, tiled=True, norms=True),
+    # The full fine-tune with the tiled MLP: from 4,096 tokens on its layer backward's peak is the attention
+    # backward's in every shape; at 2,048 the base shape's was the MLP's weight gradients summed over the
+    # tiles (a moment that does not grow with the tokens), the MLP shape's the attention's.
+    "full-everything": Setting(lora=False, offload=True, tiled=True, lengths=LONG_LENGTHS),
+    # fp32 training: fp32 weights, no autocast, LoRA in fp32.
+    "fp32-lora": Setting(lora=True, offload=False, tiled=False, autocast=False, fp32=True),
+    "fp32-lora-everything": Setting(
+        lora=True, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONG_LENGTHS
+    ),
+    "fp32-full": Setting(lora=False, offload=False, tiled=False, autocast=False, fp32=True),
+    "fp32-full-everything": Setting(
+        lora=False, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONG_LENGTHS
+    ),
+    # Without gradient checkpointing: what a layer keeps for its backward (against the same with it).
+    "lora-saved": Setting(lora=True, offload=False, tiled=False, checkpointing=False),
+    "full-saved": Setting(lora=False, offload=False, tiled=False, checkpointing=False),
+    "fp32-lora-saved": Setting(
+        lora=True, offload=False, tiled=False, autocast=False, fp32=True, checkpointing=False
+    ),
+    "fp32-full-saved": Setting(
+        lora=False, offload=False, tiled=False, autocast=False, fp32=True, checkpointing=False
+    ),
+    # The loss from the model's logits (upcast to fp32 by accelerate's output conversion, as the Trainer
+    # runs it), whole or in chunks of CHUNK_TOKENS x 2,048 logits.
+    "lora-whole-logits": Setting(lora=True, offload=False, tiled=False, loss="whole"),
+    "lora-chunked-logits": Setting(lora=True, offload=False, tiled=False, loss="chunked"),
 }
 # (setting, shapes, layers) traced at both LENGTHS.
 CASES = [
@@ -104,6 +153,17 @@ CASES = [
     *((name, shape, 2) for name in ("lora-everything", "lora") for shape in SHAPES if shape != "base"),
     *((name, shape, 2) for name in ("full", "full-everything") for shape in SHAPES),
     *(("lora-everything-norms", shape, 2) for shape in SHAPES),
+    *((name, shape, 2) for name in ("lora-whole-logits", "lora-chunked-logits") for shape in LOSS_SHAPES),
+    *(
+        (name, shape, 2)
+        for name in ("fp32-lora", "fp32-lora-everything", "fp32-full", "fp32-full-everything")
+        for shape in SHAPES
+    ),
+    *(
+        (name, shape, 2)
+        for name in ("lora-saved", "full-saved", "fp32-lora-saved", "fp32-full-saved")
+        for shape in SHAPES
+    ),
 ]
 # The fitted rows: memory model key (precision, adapter, tiled MLP, recomputed norms) -> the setting traced.
 FITTED_ROWS = {
@@ -111,10 +171,24 @@ FITTED_ROWS = {
     ("mixed", "lora", True, False): "lora-everything",
     ("mixed", "full", False, False): "full",
     ("mixed", "lora", True, True): "lora-everything-norms",
-    # ("mixed", "full", True, False) from "full-everything" is not fitted: its phase peaks are not one moment at
-    # both lengths (the MLP shape's layer backward grows 17.4 KB per token against the base shape's 12.7,
-    # with a smaller MLP), so the memory model keeps its earlier row; the traces stay in the file.
+    ("mixed", "full", True, False): "full-everything",
+    ("fp32", "lora", False, False): "fp32-lora",
+    # Not fitted: ("fp32", "lora", True, False) from "fp32-lora-everything" (traced at 2,048, 4,096 and 8,192,
+    # in the file): its layer backward is not one moment in every shape below 8,192 tokens. The base shape's
+    # peak is above the MLP shape's at 2,048 (75.1 against 65.3 MB) and at 4,096 (126.1 against 118.7 MB), and
+    # the same at 8,192 (237.3 MB): the fit across 4,096 gives an MLP term below zero. It needs 8,192 and
+    # 16,384 tokens. ("fp32", "full", True, False) from "fp32-full-everything" is not traced yet.
+    ("fp32", "full", False, False): "fp32-full",
 }
+# What a layer keeps without gradient checkpointing: (precision, adapter) -> (the setting without it, with it).
+SAVED_ROWS = {
+    ("mixed", "lora"): ("lora-saved", "lora"),
+    ("mixed", "full"): ("full-saved", "full"),
+    ("fp32", "lora"): ("fp32-lora-saved", "fp32-lora"),
+    ("fp32", "full"): ("fp32-full-saved", "fp32-full"),
+}
+# The loss from the model's logits, whole or in chunks -> the setting traced (mixed precision, LoRA).
+LOGITS_ROWS = {"whole": "lora-whole-logits", "chunked": "lora-chunked-logits"}
 PHASES = ("forward", "loss", "backward")
 
 
@@ -137,9 +211,9 @@ def slopes(traces: list[dict[str, Any]], setting: str, shape: str, layers: int) 
             for t in traces
             if (t["setting"], t["shape"], t["layers"], t["tokens"]) == (setting, shape, layers, tokens)
         )
-        for tokens in LENGTHS
+        for tokens in SETTINGS[setting].lengths
     )
-    span = LENGTHS[1] - LENGTHS[0]
+    span = long["tokens"] - short["tokens"]
     return {phase: (long[phase] - short[phase]) / span for phase in PHASES}
 
 
@@ -180,11 +254,68 @@ def offload_rows(traces: list[dict[str, Any]], layers: int) -> float:
 def layer_terms(traces: list[dict[str, Any]], setting: str, shape: str, layers: int, rows: float) -> dict:
     """Per-token bytes of one layer's forward and backward and of the loss, above ``rows`` checkpoint rows."""
     s = slopes(traces, setting, shape, layers)
-    row = SHAPES[shape]["hidden_size"] * DTYPE_BYTES
+    row = SHAPES[shape]["hidden_size"] * SETTINGS[setting].dtype_bytes
     return {
         "forward": s["forward"] - rows * row,
         "loss": s["loss"] - rows * row,
         "backward": s["backward"] - (rows + 2) * row,
+    }
+
+
+def saved_terms(traces: list[dict[str, Any]], key: tuple[str, str], shape: str, layers: int = 2) -> float:
+    """Per-token bytes one layer keeps without gradient checkpointing, from the loss phase of the same step
+    with and without it: there every layer's saved tensors (or its checkpointed input) are held, beside the
+    same loss, so ``layers x saved = layers x row + (without - with)``."""
+    without, with_ = SAVED_ROWS[key]
+    row = SHAPES[shape]["hidden_size"] * SETTINGS[with_].dtype_bytes
+    kept = slopes(traces, without, shape, layers)["loss"] - slopes(traces, with_, shape, layers)["loss"]
+    return row + kept / layers
+
+
+def logits_widths(shape: str) -> tuple[int, int, int]:
+    """A loss shape's (vocab, hidden, 1): what the loss from logits multiplies."""
+    traced = TRACED_SHAPES[shape]
+    return (traced.get("vocab_size", VOCAB), traced["hidden_size"], 1)
+
+
+def logits_terms(traces: list[dict[str, Any]], setting: str, shape: str, layers: int = 2) -> float:
+    """Per-token bytes of the loss from logits, above the checkpoint rows (one per layer)."""
+    row = TRACED_SHAPES[shape]["hidden_size"] * SETTINGS[setting].dtype_bytes
+    return slopes(traces, setting, shape, layers)["loss"] - layers * row
+
+
+def chunk_bytes(traces: list[dict[str, Any]], setting: str) -> list[float]:
+    """Bytes of the chunk in flight per logit and per hidden unit of a chunk's token, from what the loss
+    phase's peak holds beyond its slope (the part that does not grow with the tokens) in the base and the
+    hidden shapes: ``chunk tokens x (per_logit x vocab + per_hidden x hidden)``."""
+    rows, values = [], []
+    for shape in ("base", "hidden"):
+        short = next(
+            t
+            for t in traces
+            if (t["setting"], t["shape"], t["layers"], t["tokens"])
+            == (setting, shape, 2, SETTINGS[setting].lengths[0])
+        )
+        constant = short["loss"] - slopes(traces, setting, shape, 2)["loss"] * short["tokens"]
+        rows.append((CHUNK_TOKENS * VOCAB, CHUNK_TOKENS * SHAPES[shape]["hidden_size"]))
+        values.append(constant)
+    return least_squares(rows, values)
+
+
+def tiled_full_moments(traces: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The full fine-tune with the tiled MLP: the layer backward's peak of the base and MLP shapes at 2,048,
+    4,096 and 8,192 tokens (the same peak in both shapes: the MLP's size does not set it)."""
+    return {
+        shape: [
+            next(
+                t["backward"]
+                for t in traces
+                if (t["setting"], t["shape"], t["layers"], t["tokens"])
+                == ("full-everything", shape, 2, tokens)
+            )
+            for tokens in (LENGTHS[0], *LONG_LENGTHS)
+        ]
+        for shape in ("base", "mlp")
     }
 
 
@@ -200,7 +331,17 @@ def fit(traces: list[dict[str, Any]], attention: dict[str, int]) -> dict[str, An
         / 2
     }
     layers_fit: dict[str, Any] = {}
-    traced = {t["setting"] for t in traces}
+    # The settings traced in every shape at both their lengths (a row whose traces are missing is not fitted).
+    have = {(t["setting"], t["shape"], t["layers"], t["tokens"]) for t in traces}
+    traced = {
+        name
+        for name, setting in SETTINGS.items()
+        if all(
+            (name, shape, 2, tokens) in have
+            for shape in (LOSS_SHAPES if setting.loss != "head" else SHAPES)
+            for tokens in setting.lengths
+        )
+    }
     for key, setting in FITTED_ROWS.items():
         if setting not in traced:
             continue  # the memory model keeps its earlier row
@@ -208,19 +349,48 @@ def fit(traces: list[dict[str, Any]], attention: dict[str, int]) -> dict[str, An
         terms = {shape: layer_terms(traces, setting, shape, 2, rows) for shape in SHAPES}
         design = [widths_of(SHAPES[shape]) for shape in SHAPES]
         layers_fit["/".join(map(str, key))] = {
-            # + 0.0: no -0.0 in the module or on the page
-            phase: [
-                round(x, 2) + 0.0 for x in least_squares(design, [terms[shape][phase] for shape in SHAPES])
-            ]
+            phase: rounded(least_squares(design, [terms[shape][phase] for shape in SHAPES]))
             for phase in PHASES
         }
+    saved_fit = {
+        "/".join(key): rounded(
+            least_squares(
+                [widths_of(SHAPES[shape]) for shape in SHAPES],
+                [saved_terms(traces, key, shape) for shape in SHAPES],
+            )
+        )
+        for key, (without, with_) in SAVED_ROWS.items()
+        if {without, with_} <= traced
+    }
+    logits_fit = {
+        mode: rounded(
+            least_squares(
+                [logits_widths(shape) for shape in LOSS_SHAPES],
+                [logits_terms(traces, setting, shape) for shape in LOSS_SHAPES],
+            )
+        )
+        for mode, setting in LOGITS_ROWS.items()
+        if setting in traced
+    }
     return {
         "cpu_attention_backward_rows": round(attention_rows(attention), 3),
         "offload_rows_on_device": rows_on_device,
         "offload_rows_measured": {str(k): round(v, 3) for k, v in measured_rows.items()},
         "checkpoint_row_bytes_per_token": {k: round(v, 1) for k, v in per_layer.items()},
         "layers": layers_fit,
+        "saved": saved_fit,
+        "logits_loss": logits_fit,
+        "chunk_bytes": {
+            kind: rounded(chunk_bytes(traces, setting))
+            for kind, setting in (("head", "lora"), ("logits", LOGITS_ROWS["chunked"]))
+            if setting in traced
+        },
     }
+
+
+def rounded(values: list[float]) -> list[float]:
+    """Coefficients to 0.01 byte (+ 0.0: no -0.0 in the module or on the page)."""
+    return [round(x, 2) + 0.0 for x in values]
 
 
 def per_token_8b(traces: list[dict[str, Any]], setting: str) -> dict[str, float]:
@@ -257,6 +427,24 @@ def render_module(fitted: dict[str, Any], about: dict[str, Any]) -> str:
             lines.append(f'        "{phase}": ({values}),')
         lines.append("    },")
     lines.append("}")
+    lines += [
+        "# Without gradient checkpointing, what one layer keeps for its backward:",
+        "# (precision, adapter) -> (h, i, kv, token)",
+        "SAVED = {",
+        *(
+            f'    ("{k.split("/")[0]}", "{k.split("/")[1]}"): ({", ".join(map(repr, v))}),'
+            for k, v in fitted["saved"].items()
+        ),
+        "}",
+        "# The loss from the model's fp32 logits, above the checkpoints: whole or chunked -> (vocab, hidden, token)",
+        "LOGITS_LOSS = {",
+        *(f'    "{k}": ({", ".join(map(repr, v))}),' for k, v in fitted["logits_loss"].items()),
+        "}",
+        "# One chunk in flight, of the head loss or of the loss from logits: (per logit, per hidden unit of its tokens)",
+        "CHUNK_BYTES = {",
+        *(f'    "{k}": ({", ".join(map(repr, v))}),' for k, v in fitted["chunk_bytes"].items()),
+        "}",
+    ]
     return "\n".join(lines) + "\n"
 
 

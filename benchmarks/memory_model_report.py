@@ -77,7 +77,11 @@ def render() -> list[str]:
         "an eighth of its width (hidden 512 = 4 heads x 128, one KV head, MLP 1,792, vocabulary 2,048; three "
         "neighbouring shapes move the MLP, the KV heads and the hidden size one at a time), bf16 under autocast, "
         "LoRA r=16 on every linear layer in fp32, gradient checkpointing, the chunked head loss, at "
-        f"{mc.LENGTHS[0]:,} and {mc.LENGTHS[1]:,} tokens; `python -m benchmarks.memory_coefficients fit` turns the "
+        f"{mc.LENGTHS[0]:,} and {mc.LENGTHS[1]:,} tokens; the same in fp32 (fp32 weights, no autocast), without "
+        "gradient checkpointing, and with the loss from the model's fp32 logits, whole or in chunks of "
+        f"{mc.CHUNK_TOKENS} tokens (a fifth shape doubles the vocabulary); the full fine-tune with the tiled MLP at "
+        f"{mc.LONG_LENGTHS[0]:,} and {mc.LONG_LENGTHS[1]:,} tokens (below); "
+        "`python -m benchmarks.memory_coefficients fit` turns the "
         "phase peaks into the coefficients `cptune.parallel.memory` reads (`cptune/parallel/memory_fit.py`; a test "
         "checks that the module is the fit of the committed traces). Raw numbers: "
         "[`benchmarks/memory_traces.json`](benchmarks/memory_traces.json).",
@@ -122,15 +126,51 @@ def render() -> list[str]:
     for key, row in fitted["layers"].items():
         cells = " | ".join(", ".join(f"{x:g}" for x in row[phase]) for phase in mc.PHASES)
         lines.append(f"| {key.replace('/', ', ')} | {cells} |")
+    lines += [
+        "",
+        "Without gradient checkpointing, what one layer keeps for its backward (the loss phase's slope without "
+        "gradient checkpointing less the same step's with it, over the layers, plus the checkpointed row), "
+        "and the loss from the model's fp32 logits above the checkpoints (fitted with mixed precision and LoRA; "
+        "the model charges fp32 training the same; its logits are fp32 too, not traced so):",
+        "",
+        "| precision, adapter | saved per layer (h, i, kv, token) |",
+        "|---|---|",
+        *(
+            f"| {key.replace('/', ', ')} | {', '.join(f'{x:g}' for x in row)} |"
+            for key, row in fitted["saved"].items()
+        ),
+        "",
+        "| loss from logits | (vocab, hidden, token) | at Llama-3.1-8B's widths, KiB per token |",
+        "|---|---|---:|",
+        *(
+            f"| {mode} | {', '.join(f'{x:g}' for x in row)} | {(row[0] * 128256 + row[1] * 4096 + row[2]) / 1024:.1f} |"
+            for mode, row in fitted["logits_loss"].items()
+        ),
+        "",
+        "One chunk in flight, per logit and per hidden unit of its tokens (what the loss phase's peak holds beyond "
+        "its slope): "
+        + "; ".join(f"{kind} {row[0]:g} and {row[1]:g}" for kind, row in fitted["chunk_bytes"].items())
+        + " (the head loss recomputes a chunk's hidden states and logits in the backward; the chunked loss from "
+        "logits a chunk's log-softmax).",
+    ]
     rows = fitted["offload_rows_measured"]
+    moments = mc.tiled_full_moments(traces)
     lines += [
         "",
         f"Activation offloading leaves **{fitted['offload_rows_on_device']} checkpoint rows** on the device "
         f"(measured: {rows['2']} at 2 layers, {rows['4']} at 4; the model charged 3 before this fit); without "
         "offloading one more layer adds "
         f"{fitted['checkpoint_row_bytes_per_token']['lora-tiled']:g} bytes per token to the layer backward "
-        "(one bf16 row of hidden 512 is 1,024). The full fine-tune with the tiled MLP keeps its earlier row: its "
-        "traces (in the file) are not one moment at both lengths for every shape, so no linear fit. "
+        "(one bf16 row of hidden 512 is 1,024). The full fine-tune with the tiled MLP is fitted between "
+        f"{mc.LONG_LENGTHS[0]:,} and {mc.LONG_LENGTHS[1]:,} tokens: at {mc.LENGTHS[0]:,} its layer backward's peak "
+        "is, in the base shape, the moment the MLP's weight gradients are summed over the tiles (a size that does "
+        f"not grow with the tokens): {moments['base'][0] / 1e6:.1f} MB against the MLP shape's "
+        f"{moments['mlp'][0] / 1e6:.1f} MB, whose peak was the attention backward's; from {mc.LONG_LENGTHS[0]:,} on "
+        "the attention backward's peak is above it in every shape (base and MLP shapes: "
+        + ", ".join(f"{moments['base'][i] / 1e6:.1f} and {moments['mlp'][i] / 1e6:.1f} MB" for i in (1, 2))
+        + " at "
+        + " and ".join(f"{t:,}" for t in mc.LONG_LENGTHS)
+        + " tokens). The model adds the summed weight gradients to that peak (an upper bound). "
         f"{memory.LEGACY_NOTE}",
         "",
         "Not in the traces, so listed with their source: FlashAttention-2's backward keeps an fp32 dQ accumulator "

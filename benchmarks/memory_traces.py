@@ -21,7 +21,7 @@ from benchmarks.memory_coefficients import (
     LORA_RANK,
     PHASES,
     SETTINGS,
-    SHAPES,
+    TRACED_SHAPES,
     TRACES,
     VOCAB,
     Setting,
@@ -38,14 +38,20 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
     from cptune.models.offload import enable_activation_offloading
     from cptune.models.recomputed_norms import enable_recomputed_norms
     from cptune.models.tiled_mlp import enable_tiled_mlp
+    from cptune.parallel.loss import token_loss_sum
     from cptune.patches.core import PatchSet
     from cptune.patches.peft_patches import lora_input_cast_patch
     from devtools.tiny import build_tiny_model, tiny_llama_config
 
-    config = tiny_llama_config(VOCAB, **shape, num_hidden_layers=layers, head_dim=HEAD_DIM)
-    model = build_tiny_model(config, seed=seed).to(torch.bfloat16)
+    vocab = shape.get("vocab_size", VOCAB)
+    widths = {k: v for k, v in shape.items() if k != "vocab_size"}
+    config = tiny_llama_config(vocab, **widths, num_hidden_layers=layers, head_dim=HEAD_DIM)
+    model = build_tiny_model(config, seed=seed)
+    if not setting.fp32:
+        model = model.to(torch.bfloat16)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if setting.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if setting.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -54,13 +60,18 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
             model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=32, target_modules="all-linear"))
     if setting.autocast:
         model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+        if setting.loss != "head":  # accelerate hands the Trainer the model's outputs in fp32
+            from accelerate.utils import convert_outputs_to_fp32
+
+            model.forward = convert_outputs_to_fp32(model.forward)
     if setting.offload:
         enable_activation_offloading(model)
     if setting.tiled:
         enable_tiled_mlp(model, None)
     if setting.norms:
         enable_recomputed_norms(model)
-    head_loss = HeadLoss(model, chunk_elements=CHUNK_TOKENS * VOCAB)
+    head_loss = HeadLoss(model, chunk_elements=CHUNK_TOKENS * VOCAB) if setting.loss == "head" else None
+    chunk_elements = CHUNK_TOKENS * VOCAB if setting.loss == "chunked" else 1 << 62
 
     def mark(name: str) -> None:
         with record_function(f"cptune_bench::{name}"):
@@ -70,13 +81,23 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
     for layer in decoder.model.layers:
         layer.input_layernorm.register_forward_pre_hook(lambda module, args: mark("layer"))
         layer.register_forward_hook(lambda module, args, out: mark("layer_end"))
+    if not setting.checkpointing:
+        # Nothing is recomputed, so the loss phase ends where the last layer's output receives its gradient.
+        def mark_backward(module: Any, args: Any, out: Any) -> None:
+            if torch.is_grad_enabled():
+                (out[0] if isinstance(out, tuple) else out).register_hook(lambda grad: mark("backward"))
+
+        decoder.model.layers[-1].register_forward_hook(mark_backward)
     ids = torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(seed))
     labels = ids.roll(-1, 1)
     labels[:, -1] = -100
     kwargs = {"input_ids": ids, "position_ids": torch.arange(tokens)[None]}
 
     def step() -> None:
-        loss, _ = head_loss(model, kwargs, labels)
+        if head_loss is not None:
+            loss, _ = head_loss(model, kwargs, labels)
+        else:
+            loss = token_loss_sum(model(**kwargs).logits, labels, chunk_elements)
         mark("loss")
         loss.backward()
 
@@ -101,7 +122,8 @@ def phase_peaks(events: Any) -> dict[str, int]:
     names = [name for _, name in marks]
     loss_at = names.index("loss")
     forward_end = max(i for i in range(loss_at) if names[i] == "layer_end")
-    backward_start = names.index("layer", loss_at)
+    # The first layer recomputed in the backward; without gradient checkpointing, the backward marker.
+    backward_start = next(i for i in range(loss_at, len(names)) if names[i] in ("layer", "backward"))
     bounds = (marks[forward_end][0], marks[backward_start][0])
     level, peaks = 0, dict.fromkeys(PHASES, 0)
     for when, nbytes in sorted(memory):
@@ -149,10 +171,10 @@ def trace_all(path: Path = TRACES, cases: list[tuple[str, str, int]] = CASES) ->
     attention = previous.get("attention_backward") or attention_backward_peaks()
     have = {(t["setting"], t["shape"], t["layers"], t["tokens"]) for t in done}
     for name, shape, layers in cases:
-        for tokens in LENGTHS:
+        for tokens in SETTINGS[name].lengths:
             if (name, shape, layers, tokens) in have:
                 continue
-            peaks = trace(SETTINGS[name], SHAPES[shape], layers, tokens)
+            peaks = trace(SETTINGS[name], TRACED_SHAPES[shape], layers, tokens)
             done.append({"setting": name, "shape": shape, "layers": layers, "tokens": tokens, **peaks})
             print(f"{name:>22} {shape:>6} L={layers} T={tokens}: {peaks}", flush=True)
             about = {
@@ -160,7 +182,7 @@ def trace_all(path: Path = TRACES, cases: list[tuple[str, str, int]] = CASES) ->
                 "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
                 "versions": f"torch {torch.__version__}, transformers {transformers.__version__}, "
                 f"peft {peft.__version__}",
-                "shapes": SHAPES,
+                "shapes": TRACED_SHAPES,
                 "settings": {k: asdict(v) for k, v in SETTINGS.items()},
                 "head_dim": HEAD_DIM,
                 "vocab": VOCAB,

@@ -5,7 +5,7 @@ Two sets of measurements:
 - The H100 runs on docs/benchmarks.md (Llama-3.1-8B-shaped, LoRA r=16 on every linear layer, bf16,
   gradient checkpointing, one GPU): 25.9 GiB at 8K tokens and 35.9 GiB at 16K with the chunked
   loss, 29.4 and 43.2 GiB before it; 48K tokens trained and 64K ran out of memory. The model
-  predicts 26.4 / 36.5 / 29.6 / 43.7 GiB: +2.0%, +1.6%, +0.7%, +1.1%, and a limit of 49,152 tokens.
+  predicts 26.0 / 36.0 / 29.5 / 43.3 GiB: +0.5%, +0.3%, +0.2%, +0.3%, and a limit of 50,176 tokens.
 - CPU traces of tiny Llamas (torch's allocator, every tensor): one step in-process, fp32 and bf16
   mixed precision (autocast and fp32 model outputs, as accelerate runs bf16), LoRA and full, each
   memory feature on and off. Over 40 such combinations (the tiny model with vocab 768, and one whose

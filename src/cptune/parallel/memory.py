@@ -287,15 +287,17 @@ def _ceil_div(a: int, b: int) -> int:
 # Trainer runs it: weights in half precision, the forward under autocast, LoRA adapters in fp32
 # (peft's default) with cptune's lora-input-kept-under-autocast patch; "fp32" is everything in fp32.
 #
-# The mixed rows with gradient checkpointing, the head loss and the checkpoint rows offloading leaves
-# on the device are fitted by ``python -m benchmarks.memory_coefficients fit`` from CPU traces of an
-# 8B-shaped scaled model (hidden 512 = 4 heads x 128, one KV head, MLP 3.5x, and three neighbouring
-# shapes) kept in docs/benchmarks/memory_traces.json; they live in cptune.parallel.memory_fit.
+# The rows are fitted by ``python -m benchmarks.memory_coefficients fit`` from CPU traces of an 8B-shaped
+# scaled model (hidden 512 = 4 heads x 128, one KV head, MLP 3.5x, and three neighbouring shapes; a fourth
+# with twice the vocabulary for the loss from logits) kept in docs/benchmarks/memory_traces.json: the
+# layers with gradient checkpointing and their head loss, what a layer keeps without it, the loss from
+# whole or chunked logits, a chunk in flight and the checkpoint rows offloading leaves on the device.
+# They live in cptune.parallel.memory_fit. What the traces cannot show is listed below (GPU-only terms).
 LEGACY_NOTE = (
-    "Not refitted (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase and the LoRA "
-    "input patch; the script that printed them was not kept): the fp32 rows, the mixed-precision full "
-    "fine-tune with the tiled MLP, what a layer saves without gradient checkpointing, and the loss from "
-    "whole or chunked logits."
+    "Not refitted yet (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
+    "that printed them was not kept): the fp32 rows with the tiled MLP. fp32-lora-everything's traces (in "
+    "docs/benchmarks/memory_traces.json) are one moment in every shape only from 8,192 tokens on, so it needs "
+    "8,192 and 16,384; fp32-full-everything is not traced yet (benchmarks/memory_coefficients.py)."
 )
 
 
@@ -317,63 +319,60 @@ class Widths:
 
 @dataclass(frozen=True)
 class LayerBytes:
-    """One layer's per-token bytes: its backward with recomputation, its forward, what it saves without it."""
+    """One layer's per-token bytes: its backward with recomputation, its forward, what it saves without it,
+    and the head loss above the checkpoints."""
 
     backward: Widths
     forward: Widths
-    saved: Widths | None  # kept per layer without gradient checkpointing (None: tiled, not measured)
-    # The head loss's, above the checkpoints (None: HEAD_LOSS_BYTES_PER_HIDDEN).
-    head_loss: Widths | None = None
+    saved: Widths | None  # kept per layer without gradient checkpointing (None: tiled, the untiled row's)
+    head_loss: Widths
 
 
-def _fitted(key: tuple[str, str, bool], legacy: LayerBytes, norms: bool = False) -> LayerBytes:
-    """The fitted row of ``key`` (with the norms recomputed if ``norms``) with the legacy row's saved bytes;
-    the legacy row where none is fitted."""
+def _fitted(key: tuple[str, str, bool], legacy: LayerBytes | None = None, norms: bool = False) -> LayerBytes:
+    """The fitted row of ``key`` (with the norms recomputed if ``norms``), untiled rows with what a layer keeps
+    without gradient checkpointing; ``legacy`` where no row is fitted (see :data:`LEGACY_NOTE`)."""
     row = memory_fit.LAYERS.get((*key, norms))
     if row is None:
+        assert legacy is not None, key
         return legacy
-    return LayerBytes(Widths(*row["backward"]), Widths(*row["forward"]), legacy.saved, Widths(*row["loss"]))
+    saved = None if key[2] else Widths(*memory_fit.SAVED[key[:2]])
+    return LayerBytes(Widths(*row["backward"]), Widths(*row["forward"]), saved, Widths(*row["loss"]))
 
 
-# (precision, adapter, tiled MLP) -> coefficients; the saved rows (no gradient checkpointing) are legacy.
+# (precision, adapter, tiled MLP) -> coefficients; a legacy row where none is fitted (see LEGACY_NOTE), with
+# the legacy head loss, 24 bytes per hidden unit.
+_LEGACY_HEAD_LOSS = Widths(24.0)
 LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
-    ("mixed", "lora", False): _fitted(
-        ("mixed", "lora", False), LayerBytes(Widths(33, 14, 4), Widths(8, 8), Widths(20.5, 9.5, 6.7))
+    ("mixed", "lora", False): _fitted(("mixed", "lora", False)),
+    ("mixed", "lora", True): _fitted(("mixed", "lora", True)),
+    ("mixed", "full", False): _fitted(("mixed", "full", False)),
+    ("mixed", "full", True): _fitted(("mixed", "full", True)),
+    ("fp32", "lora", False): _fitted(("fp32", "lora", False)),
+    ("fp32", "lora", True): _fitted(
+        ("fp32", "lora", True), LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None, _LEGACY_HEAD_LOSS)
     ),
-    ("mixed", "lora", True): _fitted(
-        ("mixed", "lora", True), LayerBytes(Widths(40, 0, 4), Widths(16, 0, 4), None)
+    ("fp32", "full", False): _fitted(("fp32", "full", False)),
+    ("fp32", "full", True): _fitted(
+        ("fp32", "full", True), LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None, _LEGACY_HEAD_LOSS)
     ),
-    ("mixed", "full", False): _fitted(
-        ("mixed", "full", False), LayerBytes(Widths(20, 12, 4), Widths(4, 6), Widths(21.4, 8.2, 4.3))
-    ),
-    ("mixed", "full", True): _fitted(
-        ("mixed", "full", True), LayerBytes(Widths(32, 0, 8), Widths(9, 0, 7), None)
-    ),
-    ("fp32", "lora", False): LayerBytes(Widths(21.8, 23.8, 8.2), Widths(8, 16), Widths(13.8, 18.8, 13.1)),
-    ("fp32", "lora", True): LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None),
-    ("fp32", "full", False): LayerBytes(Widths(28, 24, 8), Widths(8, 12), Widths(31.4, 16.2, 8.3)),
-    ("fp32", "full", True): LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None),
 }
 # The same with the decoder layers' norms recomputed (recompute_norms), where fitted. Elsewhere the model
 # keeps the row above: recomputing the norms only drops what they save (their fp32 input copies), so
 # that row is an upper bound.
 RECOMPUTED_NORMS_LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
-    key[:3]: _fitted(key[:3], LAYER_BYTES[key[:3]], norms=True) for key in memory_fit.LAYERS if key[3]
+    key[:3]: _fitted(key[:3], norms=True) for key in memory_fit.LAYERS if key[3]
 }
 # Checkpointed layer inputs that activation offloading leaves on the device (fitted: the one being
 # recomputed and the one prefetched).
 OFFLOAD_ROWS_ON_DEVICE = memory_fit.OFFLOAD_ROWS_ON_DEVICE
-# The loss, per token (legacy fits, with the final norm and the output layer): from logits the model
-# returns in fp32 (accelerate's mixed precision upcasts the model's outputs, so both precisions hold
-# fp32 logits), whole or in chunks (LOSS_CHUNK_ELEMENTS).
-LOGITS_LOSS_BYTES_PER_VOCAB = 12.3  # whole: logits, log-softmax and their gradients in fp32
-CHUNKED_LOSS_BYTES_PER_VOCAB = 8.25  # in chunks: the logits and their gradient stay whole
-# From the hidden states, a chunk of logits at a time (cut_cross_entropy): fitted for mixed precision
-# (LayerBytes.head_loss); the legacy rows keep the legacy figure per hidden unit, from before the lean
-# loss phase.
-HEAD_LOSS_BYTES_PER_HIDDEN = {"fp32": 24.0, "mixed": 26.0}
-# One chunk of logits in flight (legacy: 12 bytes per logit in fp32 and in bf16).
-CHUNK_BYTES_PER_ELEMENT = 12
+# The loss from the model's logits, per token above the checkpoints: (vocab, hidden, token) bytes, whole or
+# in chunks of LOSS_CHUNK_ELEMENTS (fitted with mixed precision, where accelerate upcasts the model's outputs;
+# charged to fp32 training too, whose logits are fp32 as well: not traced in fp32).
+LOGITS_LOSS_BYTES = memory_fit.LOGITS_LOSS
+# One chunk of logits in flight, per logit and per hidden unit of a chunk's token (fitted): the chunked
+# loss from logits recomputes a chunk's log-softmax in the backward; the head loss (cut_cross_entropy) also
+# a chunk's hidden states and logits.
+CHUNK_BYTES = memory_fit.CHUNK_BYTES
 
 # GPU-only terms: what CPU traces cannot show, each with its source.
 #
@@ -514,7 +513,7 @@ def activation_memory(shape: ModelShape, setup: ActivationSetup, tokens: int) ->
     layer = _layer_bytes(setup)
     hidden_row = shape.hidden * b  # one token's hidden state
     if not setup.gradient_checkpointing:
-        saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)
+        saved = (layer.saved or LAYER_BYTES[(*key, False)].saved).per_token(shape)  # tiled: the untiled row
         kept, host = shape.layers * saved * tokens, 0.0
     elif setup.offload:
         # Fitted: OFFLOAD_ROWS_ON_DEVICE layers' inputs stay on the device (two-level checkpointing keeps the
@@ -591,21 +590,30 @@ def _forward_tile(shape: ModelShape, setup: ActivationSetup, tokens: int) -> flo
 
 def _loss_bytes(shape: ModelShape, setup: ActivationSetup, tokens: int) -> float:
     """The loss's working set over ``tokens`` tokens, above the checkpoints (with the final norm and the head)."""
-    precision = _precision_and_adapter(setup)[0]
     if setup.head_loss:
         # What the loss keeps per token (the gradient it hands back among it), and one chunk in flight.
-        chunk = CHUNK_BYTES_PER_ELEMENT * min(setup.loss_chunk_elements, tokens * shape.vocab)
-        head = _layer_bytes(setup).head_loss or Widths(HEAD_LOSS_BYTES_PER_HIDDEN[precision])
-        loss = head.per_token(shape) * tokens + chunk
+        chunk = _chunk_bytes("head", shape, min(setup.loss_chunk_elements, tokens * shape.vocab))
+        loss = _layer_bytes(setup).head_loss.per_token(shape) * tokens + chunk
         if not setup.lora:  # the output layer's weight gradient, summed over the chunks
             loss += 2 * shape.vocab * shape.hidden * setup.dtype_bytes
         return loss
     if tokens * shape.vocab > setup.loss_chunk_elements:
-        return (
-            CHUNKED_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
-            + CHUNK_BYTES_PER_ELEMENT * setup.loss_chunk_elements
+        return _logits_loss("chunked", shape) * tokens + _chunk_bytes(
+            "logits", shape, setup.loss_chunk_elements
         )
-    return LOGITS_LOSS_BYTES_PER_VOCAB * shape.vocab * tokens
+    return _logits_loss("whole", shape) * tokens
+
+
+def _logits_loss(mode: str, shape: ModelShape) -> float:
+    """Per-token bytes of the loss from whole or chunked logits."""
+    vocab, hidden, token = LOGITS_LOSS_BYTES[mode]
+    return vocab * shape.vocab + hidden * shape.hidden + token
+
+
+def _chunk_bytes(kind: str, shape: ModelShape, elements: int) -> float:
+    """One chunk of ``elements`` logits in flight (``kind``: "head" or "logits")."""
+    per_logit, per_hidden = CHUNK_BYTES[kind]
+    return elements * (per_logit + per_hidden * shape.hidden / shape.vocab)
 
 
 def _attention_buffers(shape: ModelShape, setup: ActivationSetup) -> float:
