@@ -91,7 +91,7 @@ SAME_BOUND_FACTOR = 16.0
 #: as noisy, ``c`` would act as ``c / 2``, 124 × P_3(16) ≈ 2.5%. The 7 gpt-oss cases have one twin (sdpa's
 #: math backend does not reorder gpt-oss's eager attention): 7 × P_2(32) ≈ 0.4%. Planted bugs land 1.7e4 to
 #: 5e5 times past this limit at the suite's seed (test_parity.py's planted cases), and at least 1.5e3 times
-#: over seeds 11 to 16 (the dropped document boundary at seed 15; ``python -m devtools.parity_sweep``).
+#: over seeds 11 to 16 (the dropped document boundary at seed 15; ``python -m tests.parallel.parity_sweep``).
 FP32_TWINS_FACTOR = 32.0
 #: Floor of a tensor's relative error (to its largest element): two ulps of that element, the
 #: resolution of the comparison itself, for a tensor the fp32 reference happens to get exactly.

@@ -8,8 +8,8 @@ reference and its twins, tests/numerics.py's ``FP32_TWINS_FACTOR``) beside the r
 reference's distance alone, ``SAME_BOUND_FACTOR``), and the CPU seconds of the case's twins. Planted
 cases must land above 1, the others below. From the repository root::
 
-    python -m devtools.parity_sweep cp2 11 12 13          # test_parity.py's cp=2 launch, 3 seeds
-    python -m devtools.parity_sweep ulysses-cp2 11        # test_ulysses_parity.py's 2-process launch
+    python -m tests.parallel.parity_sweep cp2 11 12 13          # test_parity.py's cp=2 launch, 3 seeds
+    python -m tests.parallel.parity_sweep ulysses-cp2 11        # test_ulysses_parity.py's 2-process launch
 
 Nothing in ``src/`` or the tests imports this.
 """
