@@ -164,6 +164,8 @@ WINDOW_CP2_CASES = [
 WINDOW_CP4_CASES = [
     case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True, seq_len=32),
     case("window-mistral-packed-causal-full", arch="mistral", long_doc=True, lora=False, seq_len=32),
+    # Gemma 3's mixed layers over 4 shards: the long document crosses three shard boundaries.
+    case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True, seq_len=32),
 ]
 # Sliding windows on the zigzag ring (batch_zigzag, window 5; unpacked rows of one document of 12 to 24 tokens
 # then padding), through cptune's own zigzag ring for windowed layers (ring_flash_attn/zigzag_window.py).
@@ -267,6 +269,8 @@ MOE_CP2_CASES = [
     # LoRA all-linear: peft wraps the attention projections, the routers and the experts' weights; the
     # router loss trains the routers' adapters too.
     case("moe-packed-causal-lora", arch="qwen3_moe"),
+    # Mixtral's own router (num_local_experts) on the ring, fully fine-tuned so its router trains.
+    case("mixtral-packed-causal-full", arch="mixtral", lora=False),
 ]
 # torch's CP attention (no document mask) with whole rows, so no padding the router loss counts (the padding
 # CP adds is left out); a tiny Mixtral too (num_local_experts, its own router), with LoRA on its experts.
@@ -287,7 +291,10 @@ MOE_BF16_CP2_CASES += [
     case("moe-packed-causal-lora-bf16-autocast", arch="qwen3_moe", bf16=True, autocast=True),
     case("mixtral-packed-causal-lora-bf16-autocast", arch="mixtral", bf16=True, autocast=True),
 ]
-MOE_CP4_CASES = [case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30)]
+MOE_CP4_CASES = [
+    case("moe-packed-causal-full", arch="qwen3_moe", lora=False, seq_len=30),
+    case("mixtral-packed-causal-lora", arch="mixtral", seq_len=30),
+]
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
 ]

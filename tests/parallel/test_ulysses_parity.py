@@ -132,6 +132,7 @@ WINDOW_CP2_CASES = [
     case("window-mistral-packed-causal-lora", arch="mistral", long_doc=True),
     case("window-mistral-ga2-packed-causal-full", arch="mistral", long_doc=True, lora=False, ga=2),
     case("window-gemma3-packed-causal-lora", arch="gemma3", long_doc=True),
+    case("window-gemma3-packed-causal-full", arch="gemma3", long_doc=True, lora=False),
 ]
 # Attention sinks: a tiny gpt-oss (a sink logit per head in every layer; sliding then full layers; 4 experts, its
 # router loss on) through the cptune core attention, each rank applying the sinks of its block of heads after
@@ -146,6 +147,7 @@ MOE_CP2_CASES = [
     case("moe-packed-causal-full-mbs2-ga2", arch="qwen3_moe", lora=False, mbs=2, ga=2),
     # LoRA on the attention, the routers and the experts' fused weights, partitioned by ZeRO-3.
     case("moe-zero3-ga2-packed-lora", arch="qwen3_moe", stage=3, ga=2),
+    case("mixtral-packed-causal-lora", arch="mixtral"),
 ]
 # bf16 as `cptune train` runs it under DeepSpeed (``bf16.enabled``: the engine casts every parameter to bf16,
 # LoRA adapters too, and steps fp32 master weights; no autocast, so peft's LoRA input cast that cptune skips
@@ -179,6 +181,9 @@ CP4_CASES = [
     ),
     # gpt-oss over 4 ranks: one query head each, so each rank applies exactly one head's sink.
     case("cp4-sinks-gpt-oss-packed-causal-lora", cp=4, arch="gpt_oss", long_doc=True, seq_len=32),
+    case("cp4-window-gemma3-packed-causal-lora", cp=4, arch="gemma3", long_doc=True, seq_len=32),
+    case("cp4-moe-packed-causal-full", cp=4, arch="qwen3_moe", lora=False, seq_len=32),
+    case("cp4-mixtral-packed-causal-lora", cp=4, arch="mixtral", seq_len=32),
 ]
 DP2_CP2_CASES = [
     case("dp2xcp2-mbs2-ga2-packed-lora", mbs=2, ga=2),
