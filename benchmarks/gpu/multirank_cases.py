@@ -95,19 +95,26 @@ def attention_cases(ring: Any, group: Any, device: str, tokens: int, heads: tupl
     leaves = [local(t).clone().requires_grad_() for t in (q, k, v)]
     out = ring.zigzag_ring_flash_attn_func(*leaves, causal=True, group=group)
     out.backward(local(dout))
-    got = {}
-    for name, tensor in {
-        "out": out.detach(),
-        **{f"d{n}": x.grad for n, x in zip("qkv", leaves, strict=True)},
-    }.items():
-        chunks = gather(tensor[0], group).chunk(2 * world)
-        got[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
+    got = _zigzag_whole(out, leaves, group, inverse)
     results["zigzag causal"] = _errors(got, expected)
     if zigzag_ring is not None:
         results["zigzag ring, sliding window and sinks"] = _zigzag_sinks_case(
             zigzag_ring, group, generator, q, k, v, dout, local, inverse
         )
     return results
+
+
+def _zigzag_whole(out, leaves, group, inverse) -> dict[str, torch.Tensor]:
+    """The zigzag ring's out and q/k/v gradients as whole rows: every rank's chunks gathered, back in row order."""
+    world = dist.get_world_size(group)
+    whole = {}
+    for name, tensor in {
+        "out": out.detach(),
+        **{f"d{n}": x.grad for n, x in zip("qkv", leaves, strict=True)},
+    }.items():
+        chunks = gather(tensor[0], group).chunk(2 * world)
+        whole[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
+    return whole
 
 
 def _zigzag_sinks_case(zigzag_ring, group, generator, q, k, v, dout, local, inverse) -> dict[str, float]:
@@ -117,7 +124,6 @@ def _zigzag_sinks_case(zigzag_ring, group, generator, q, k, v, dout, local, inve
     from cptune.parallel.kernels.sinks import attention_with_sinks
 
     tokens, heads, head_dim = q.shape
-    world = dist.get_world_size(group)
     window = max(2, tokens // 4)
     sinks = 2 * torch.randn(heads, generator=generator, device=q.device)
     leaves64 = [t.double().requires_grad_() for t in (q, k, v, sinks)]
@@ -134,13 +140,7 @@ def _zigzag_sinks_case(zigzag_ring, group, generator, q, k, v, dout, local, inve
     leaves = [local(t).clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
     out = attention_with_sinks(zigzag_ring(head_dim**-0.5, window, group), *leaves)
     out.backward(local(dout))
-    got = {}
-    for name, tensor in {
-        "out": out.detach(),
-        **{f"d{n}": x.grad for n, x in zip("qkv", leaves[:3], strict=True)},
-    }.items():
-        chunks = gather(tensor[0], group).chunk(2 * world)
-        got[name] = torch.cat([chunks[inverse[c]] for c in range(2 * world)])
+    got = _zigzag_whole(out, leaves[:3], group, inverse)
     dsinks = leaves[3].grad.clone()
     dist.all_reduce(dsinks, group=group)  # each rank's queries' share, as the gradient reduction adds them
     got["dsinks"] = dsinks

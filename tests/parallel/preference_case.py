@@ -141,11 +141,13 @@ def make_pair_rows(case: dict, dp_size: int, vocab: int) -> list[list[list[dict]
 
 def make_pair_batches(case: dict, dp_size: int, vocab: int) -> list[list[PairBatch]]:
     """batches[dp_group][micro] of one optimizer step: :func:`make_pair_rows` through the training collator."""
+    return collate_pair_rows(case, make_pair_rows(case, dp_size, vocab))
+
+
+def collate_pair_rows(case: dict, rows: list[list[list[dict]]]) -> list[list[PairBatch]]:
+    """rows[dp_group][micro] through the case's training collator."""
     collate = pair_collator(case)
-    return [
-        [PairBatch.from_inputs(collate(rows)) for rows in group]
-        for group in make_pair_rows(case, dp_size, vocab)
-    ]
+    return [[PairBatch.from_inputs(collate(micro)) for micro in group] for group in rows]
 
 
 def first_pass_reference(case, step_rows, model, backend, shard_loss, groups):
@@ -298,10 +300,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
     step_rows = [
         make_pair_rows({**case, "seed": case["seed"] + t}, groups.dp_size, worker.VOCAB) for t in range(3)
     ]
-    collate = pair_collator(case)
-    steps = [
-        [[PairBatch.from_inputs(collate(rows)) for rows in group] for group in step] for step in step_rows
-    ]
+    steps = [collate_pair_rows(case, rows) for rows in step_rows]
     ref_steps = ref64_steps = cp_steps = steps
     if case.get("precompute"):
         # precompute_ref_log_probs: each model's reference sums of every batch from its weights before step 0,
@@ -326,23 +325,7 @@ def run_preference_case(case: dict, groups: Any, kernels: Any, worker: Any) -> d
             reference, local, flat(ref_steps[step]), 1, 1, None, step_pairs, loss, logits_loss, keys[0], None
         )
         for twin in twins:
-            with twin.running():
-                twin_loss, twin_sums, _ = _run_step(
-                    twin.model,
-                    twin.backend,
-                    flat((twin.steps or steps)[step]),
-                    1,
-                    1,
-                    None,
-                    step_pairs,
-                    loss,
-                    logits_loss,
-                    twin.keys,
-                    None,
-                )
-            twin.losses.append(twin_loss)
-            if step == 0:
-                twin.metrics = {n: v / float(step_pairs) for n, v in twin_sums.items()}
+            twin.run_step(flat((twin.steps or steps)[step]), step_pairs, loss, first=step == 0)
         ref64_loss, ref64_sums, magnitude = _run_step(
             reference64,
             local,
@@ -440,6 +423,29 @@ class Fp32Twin:
         with self.spec.context():
             yield
         self.seconds += time.process_time() - started
+
+    def run_step(
+        self, flat_batches: list, step_pairs: torch.Tensor, loss: PreferenceLoss, first: bool
+    ) -> None:
+        """One step of the twin on whole rows (its own precomputed sums where it has them): its loss, and at the
+        first step its metrics."""
+        with self.running():
+            twin_loss, twin_sums, _ = _run_step(
+                self.model,
+                self.backend,
+                flat_batches,
+                1,
+                1,
+                None,
+                step_pairs,
+                loss,
+                logits_loss,
+                self.keys,
+                None,
+            )
+        self.losses.append(twin_loss)
+        if first:
+            self.metrics = {n: v / float(step_pairs) for n, v in twin_sums.items()}
 
     def result(self) -> dict:
         return {

@@ -90,23 +90,7 @@ def run_ulysses_preference_case(case: dict, worker: Any) -> dict:
             reference, local, _flat(ref_steps[t]), 1, 1, None, step_pairs, loss, logits_loss, None, None
         )
         for twin in twins:
-            with twin.running():
-                twin_loss, twin_sums, _ = _run_step(
-                    twin.model,
-                    twin.backend,
-                    _flat((twin.steps or steps)[t]),
-                    1,
-                    1,
-                    None,
-                    step_pairs,
-                    loss,
-                    logits_loss,
-                    None,
-                    None,
-                )
-            twin.losses.append(twin_loss)
-            if t == 0:
-                twin.metrics = {n: v / float(step_pairs) for n, v in twin_sums.items()}
+            twin.run_step(_flat((twin.steps or steps)[t]), step_pairs, loss, first=t == 0)
         ref64_loss, ref64_sums, magnitude = _run_step(
             reference64,
             local,
