@@ -161,6 +161,35 @@ def float64_twins_excess(error: float, reference_errors: Sequence[float], floor:
     return error / (FP32_TWINS_FACTOR * max(reference_errors) + floor)
 
 
+def float64_twins_excesses(
+    errors: Mapping[str, float], reference_errors: Sequence[Mapping[str, float]], floor: float = ULP_FLOOR
+) -> dict[str, float]:
+    """:func:`float64_twins_excess` of every tensor: ``reference_errors`` holds the reference's and each twin's
+    relative errors (:func:`relative_errors`), the farthest of them setting each tensor's limit."""
+    return {n: float64_twins_excess(errors[n], [r[n] for r in reference_errors], floor) for n in errors}
+
+
+def assert_float64_twins_rule(
+    got: Mapping[str, torch.Tensor],
+    references: Sequence[Mapping[str, torch.Tensor]],
+    ref64: Mapping[str, torch.Tensor],
+    floor: float = ULP_FLOOR,
+    what: str = "",
+) -> None:
+    """Every tensor of ``got`` (the path under test) within the twins rule (:data:`FP32_TWINS_FACTOR`).
+
+    ``references``: the fp32 reference and its twins (at least 3: the factor's chance of a false failure is
+    ``P_3(32)``), each the same function with its sums in other orders; ``ref64`` the same computed in float64.
+    """
+    assert len(references) >= 3, (
+        f"{what}: the twins rule takes the reference and 2 twins, got {len(references)}"
+    )
+    reference_errors = [relative_errors(r, ref64) for r in references]
+    excesses = float64_twins_excesses(relative_errors(got, ref64), reference_errors, floor)
+    worst = max(excesses, key=excesses.get)
+    assert excesses[worst] <= 1, f"{what}: {worst} at {excesses[worst]:.3g} times the tolerance"
+
+
 def float64_excesses(
     errors: Mapping[str, float], reference_errors: Mapping[str, float], floor: float = ULP_FLOOR
 ) -> dict[str, float]:

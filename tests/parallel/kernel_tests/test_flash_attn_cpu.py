@@ -1,7 +1,7 @@
 """The CPU flash-attn kernels against a float64 reference; the shim that lets ring-flash-attn import them.
 
-fp32: the float64-reference rule (tests/numerics.py), the same attention computed the plain way in
-fp32 setting the scale. bf16: a bound, each result the fp32 kernels' rounded once.
+fp32: the twins rule (tests/numerics.py), the same attention computed the plain way in fp32 and in
+2 other token orders (tests/token_orders.py) setting the scale. bf16: a bound, each result the fp32 kernels' rounded once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from cptune.parallel.kernels.flash_attn_cpu import (
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
 )
-from tests.numerics import EPS_BF16, assert_float64_rule, assert_within
+from tests.numerics import EPS_BF16, assert_float64_twins_rule, assert_within
+from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
 
 HEAD_DIM = 8
 
@@ -42,15 +43,21 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None):
-    """softmax(q k^T * scale + mask) v in the inputs' dtype, dense (b, s, h, d); returns out and lse (b, h, s_q)."""
+def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None, order=None):
+    """softmax(q k^T * scale + mask) v in the inputs' dtype, dense (b, s, h, d); returns out and lse (b, h, s_q).
+
+    ``order``: None, or one of tests/token_orders.py's ``TWIN_ORDERS``: the queries and keys taken in that order
+    (the mask following them) and the results put back, the same function with its sums in another order.
+    """
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    q_order, k_order = token_order(seqlen_q, order), token_order(seqlen_k, order)
+    q, k, v = q[:, q_order], k[:, k_order], v[:, k_order]
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    diagonal = torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-    key = torch.arange(seqlen_k)[None, :]
+    diagonal = q_order[:, None] + seqlen_k - seqlen_q
+    key = k_order[None, :]
     left, right = window[0], 0 if causal else window[1]
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
     if left >= 0:
@@ -60,7 +67,8 @@ def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None):
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: 0, not NaN
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return put_back(out, q_order, 1), put_back(lse, q_order, 2)
 
 
 def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=0):
@@ -71,24 +79,31 @@ def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=0):
     return q, k, v, dout
 
 
-def reference_with_grads(q, k, v, dout, **mask):
-    """Reference out, lse and (dq, dk, dv) by autograd, in the inputs' dtype (float64 for the reference)."""
+def reference_with_grads(q, k, v, dout, order=None, **mask):
+    """Reference out, lse and (dq, dk, dv) by autograd, in the inputs' dtype (float64 for the reference);
+    ``order``: a twin's token order (``reference_attention``)."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = reference_attention(q, k, v, **mask)
+    out, lse = reference_attention(q, k, v, order=order, **mask)
     out.backward(dout)
     return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
 
 
-def assert_near_float64(got, q, k, v, dout, mask, *, ref64=None, what=""):
-    """fp32 ``(out, lse, (dq, dk, dv), softmax_d)`` under the float64-reference rule (tests/numerics.py).
+def fp32_references(q, k, v, dout, **mask):
+    """The plain fp32 reference and its twins (the tokens in ``TWIN_ORDERS``), each ``(out, lse, grads)``."""
+    fp32 = [t.float() for t in (q, k, v, dout)]
+    return [reference_with_grads(*fp32, order=order, **mask) for order in (None, *TWIN_ORDERS)]
 
-    The same attention computed the plain way in fp32 (``reference_with_grads``) sets the scale;
-    ``ref64``: the float64 reference's ``(out, lse, grads)`` when the caller has them. Rows
+
+def assert_near_float64(got, q, k, v, dout, mask, *, ref64=None, what=""):
+    """fp32 ``(out, lse, (dq, dk, dv), softmax_d)`` under the twins rule (tests/numerics.py).
+
+    The same attention computed the plain way in fp32 and its 2 twins (``fp32_references``) set the
+    scale; ``ref64``: the float64 reference's ``(out, lse, grads)`` when the caller has them. Rows
     without a visible key have lse -inf in both.
     """
     out, lse, grads, softmax_d = got
     ref64 = ref64 or reference_with_grads(q, k, v, dout, **mask)
-    ref32 = reference_with_grads(*(t.float() for t in (q, k, v, dout)), **mask)
+    references = fp32_references(q, k, v, dout, **mask)
     finite = torch.isfinite(ref64[1])
     assert lse.dtype == torch.float32 and torch.equal(lse[~finite], ref64[1][~finite].float())
 
@@ -98,7 +113,8 @@ def assert_near_float64(got, q, k, v, dout, mask, *, ref64=None, what=""):
 
     got_d = named(out, lse, grads, dout.float())
     got_d["softmax_d"] = softmax_d  # the kernel's own delta, against the references' dout . out
-    assert_float64_rule(got_d, named(*ref32, dout.float()), named(*ref64, dout), what=what)
+    twins = [named(*r, dout.float()) for r in references]
+    assert_float64_twins_rule(got_d, twins, named(*ref64, dout), what=what)
 
 
 def run_dense(q, k, v, dout, *, dtype, causal, window=(-1, -1), backward_out=None):
@@ -142,6 +158,28 @@ def test_dense_matches_reference_in_fp32(case):
     assert_near_float64(got, q, k, v, dout, mask, ref64=(ref_out, ref_lse, ref_grads))
 
 
+@pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
+def test_the_twin_orders_compute_the_reference_function_in_another_order(case):
+    """The fp32 references' twins (``fp32_references``) are legal: the same function, a noise of their own."""
+    case = dict(case)
+    mask = {"causal": case.pop("causal"), "window": case.pop("window", (-1, -1))}
+    q, k, v, dout = random_qkv(batch=2, **case)
+
+    def named(out, lse, grads):
+        finite = torch.isfinite(lse)  # rows without keys: -inf in every order (the kernels' test checks it)
+        return {"out": out, "lse": lse[finite], **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
+
+    ref64, ref32 = (named(*reference_with_grads(*t, **mask)) for t in ((q, k, v, dout), fp32(q, k, v, dout)))
+    for order in TWIN_ORDERS:
+        twin64 = named(*reference_with_grads(q, k, v, dout, order, **mask))
+        twin32 = named(*reference_with_grads(*fp32(q, k, v, dout), order, **mask))
+        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
+
+
+def fp32(*tensors):
+    return [t.float() for t in tensors]
+
+
 def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
     # Bottom-right causal with seqlen_q > seqlen_k: the first 6 queries see no key.
     q, k, v, dout = random_qkv(batch=1, seqlen_q=11, seqlen_k=5, nheads=2, nheads_k=2)
@@ -179,7 +217,7 @@ def test_blocked_computation_equals_single_block(monkeypatch):
     """Long inputs are split into query blocks with narrowed key ranges; results must not change.
 
     Narrower key ranges and dk, dv added block by block: the same sums in another order, so both
-    are held to the float64-reference rule.
+    are held to the twins rule.
     """
     q, k, v, dout = random_qkv(batch=1, seqlen_q=23, seqlen_k=29, nheads=4, nheads_k=2)
     for mask in ({"causal": True}, {"causal": False, "window": (4, 2)}, {"causal": True, "window": (3, -1)}):
@@ -210,16 +248,12 @@ def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=N
     return out, lse, (dq, dk, dv), softmax_d
 
 
-def varlen_reference(q, k, v, dout, **mask):
-    """Per-sequence dense reference, concatenated; lse as (h, total_q)."""
+def varlen_reference(q, k, v, dout, cu_q=VARLEN_Q, cu_k=VARLEN_K, order=None, **mask):
+    """Per-sequence dense reference, concatenated; lse as (h, total_q); ``order``: a twin's token order."""
     outs, lses, grads = [], [], ([], [], [])
-    for (q0, q1), (k0, k1) in zip(
-        itertools.pairwise(VARLEN_Q),
-        itertools.pairwise(VARLEN_K),
-        strict=True,
-    ):
+    for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
         out, lse, seq_grads = reference_with_grads(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], **mask
+            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], order, **mask
         )
         outs.append(out[0])
         lses.append(lse[0])
@@ -240,11 +274,12 @@ def test_varlen_matches_per_sequence_reference_in_fp32(nheads_k, mask):
     got = run_varlen(*(t.float() for t in (q, k, v, dout)), **mask)
 
     assert got[1].shape == (4, VARLEN_Q[-1]) and got[1].dtype == torch.float32
-    ref32 = varlen_reference(*(t.float() for t in (q, k, v, dout)), **mask)
-    assert_varlen_near_float64(got, (ref_out, ref_lse, ref_grads), ref32, dout)
+    fp32 = [t.float() for t in (q, k, v, dout)]
+    references = [varlen_reference(*fp32, order=order, **mask) for order in (None, *TWIN_ORDERS)]
+    assert_varlen_near_float64(got, (ref_out, ref_lse, ref_grads), references, dout)
 
 
-def assert_varlen_near_float64(got, ref64, ref32, dout) -> None:
+def assert_varlen_near_float64(got, ref64, references, dout) -> None:
     """``assert_near_float64`` for the varlen layout (lse ``(h, total)``, delta ``(h, total)``)."""
     out, lse, grads, softmax_d = got
 
@@ -253,7 +288,7 @@ def assert_varlen_near_float64(got, ref64, ref32, dout) -> None:
                 "softmax_d": (dout.to(out.dtype) * out).sum(-1).T}  # fmt: skip
 
     got_d = named(out, lse, grads) | {"softmax_d": softmax_d}
-    assert_float64_rule(got_d, named(*ref32), named(*ref64))
+    assert_float64_twins_rule(got_d, [named(*r) for r in references], named(*ref64))
 
 
 def test_varlen_bf16_is_the_fp32_result_rounded_once():

@@ -7,9 +7,9 @@ cases. World 4 runs CP over all four ranks and, on two subgroups of two ranks, C
 parallelism. Each worker creates its own process group (its only owner) from a file store, so
 no port can be taken. The launcher is this file: ``python test_ring_cpu_distributed.py OUT_DIR``.
 
-Errors are per tensor, max |error| / max |float64 reference|. fp32: the float64-reference rule
-(tests/numerics.py), the same attention computed the plain way in fp32 in one process setting the
-scale. bf16: a reorder floor measured in the same run.
+Errors are per tensor, max |error| / max |float64 reference|. fp32: the twins rule (tests/numerics.py),
+the same attention computed the plain way in fp32 in one process, in the tokens' own order and in 2
+others (tests/token_orders.py), setting the scale. bf16: a reorder floor measured in the same run.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from tests import reorder
-from tests.numerics import float64_excess
+from tests.numerics import float64_twins_excess
+from tests.token_orders import TWIN_ORDERS, assert_legal_twin
 
 pytestmark = pytest.mark.distributed
 
@@ -79,11 +80,27 @@ def cases(results: dict[str, dict[str, float]], prefix: str) -> dict[str, dict[s
 def assert_within_fp32_rule(
     results: dict[str, dict[str, float]], name: str, errors: dict[str, float]
 ) -> None:
-    """An fp32 case's errors within the float64-reference rule: plain fp32 attention in one process sets the scale."""
+    """An fp32 case's errors within the twins rule: plain fp32 attention in one process and its 2 twins set the scale."""
     mask = "dense" if "zigzag" in name else "causal=False" if "causal=False" in name else "causal=True"
-    floor = results[f"fp32-one-process {mask}"]
-    excess = {key: float64_excess(error, floor[key]) for key, error in errors.items()}
-    assert max(excess.values()) <= 1, f"{name}: {errors}, one process {floor}"
+    floors = [results[f"fp32-one-process {mask} order={order}"] for order in (None, *TWIN_ORDERS)]
+    excess = {key: float64_twins_excess(error, [f[key] for f in floors]) for key, error in errors.items()}
+    assert max(excess.values()) <= 1, f"{name}: {errors}, one process {floors}"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_the_twin_orders_compute_the_reference_function_in_another_order(causal):
+    """The one-process references' twins (``_reference``'s ``order``) are legal: the same function, a noise of their own."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    shapes = [(sum(SEQ_LENS), heads, HEAD_DIM) for heads in (NHEADS, NHEADS_K, NHEADS_K, NHEADS)]
+    qkvd = [torch.randn(shape, generator=generator) for shape in shapes]
+    cu_seqlens = [0, *itertools.accumulate(SEQ_LENS)]
+    ref64, ref32 = (_reference(*qkvd, cu_seqlens, causal, dtype) for dtype in (torch.float64, torch.float32))
+    for order in TWIN_ORDERS:
+        twin64 = _reference(*qkvd, cu_seqlens, causal, torch.float64, order)
+        twin32 = _reference(*qkvd, cu_seqlens, causal, torch.float32, order)
+        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
 
 
 def test_llama3_varlen_fp32_matches_single_process(results):
@@ -222,24 +239,28 @@ def _import_ring_flash_attn():
     return ring_flash_attn
 
 
-def _reference(q, k, v, dout, cu_seqlens, causal, dtype=None):
-    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients."""
+def _reference(q, k, v, dout, cu_seqlens, causal, dtype=None, order=None):
+    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients;
+    ``order``: a twin's (tests/token_orders.py), each document's tokens taken in that order and put back."""
     import torch
+
+    from tests.token_orders import put_back, token_order
 
     dtype = dtype or torch.float64
     q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
     group = NHEADS // NHEADS_K
     outs = []
     for start, stop in itertools.pairwise(cu_seqlens):
+        tokens = token_order(stop - start, order)
         qs, ks, vs = (
-            q[start:stop],
-            k[start:stop].repeat_interleave(group, 1),
-            v[start:stop].repeat_interleave(group, 1),
+            q[start:stop][tokens],
+            k[start:stop][tokens].repeat_interleave(group, 1),
+            v[start:stop][tokens].repeat_interleave(group, 1),
         )
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * HEAD_DIM**-0.5
         if causal:
-            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+            scores = scores.masked_fill(tokens[None, :] > tokens[:, None], float("-inf"))
+        outs.append(put_back(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs), tokens, 0))
     out = torch.cat(outs)
     out.backward(dout.to(dtype))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
@@ -339,11 +360,14 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
         qkvd = [data[name] for name in ("q", "k", "v", "dout")]
         for causal in (True, False):
             data[f"ref_causal={causal}"] = _reference(*qkvd, data["cu_seqlens"], causal)
-            one_process = _reference(*qkvd, data["cu_seqlens"], causal, torch.float32)
-            results[f"fp32-one-process causal={causal}"] = _errors(one_process, data[f"ref_causal={causal}"])
+            for order in (None, *TWIN_ORDERS):
+                one_process = _reference(*qkvd, data["cu_seqlens"], causal, torch.float32, order)
+                errors = _errors(one_process, data[f"ref_causal={causal}"])
+                results[f"fp32-one-process causal={causal} order={order}"] = errors
         data["ref_dense"] = _reference(*qkvd, [0, total], causal=True)
-        one_process = _reference(*qkvd, [0, total], True, torch.float32)
-        results["fp32-one-process dense"] = _errors(one_process, data["ref_dense"])
+        for order in (None, *TWIN_ORDERS):
+            one_process = _reference(*qkvd, [0, total], True, torch.float32, order)
+            results[f"fp32-one-process dense order={order}"] = _errors(one_process, data["ref_dense"])
         # The bf16 reference sees the same rounded inputs, so only the kernels' rounding is measured.
         data["ref_dense_bf16"] = _reference(*(t.bfloat16() for t in qkvd), [0, total], causal=True)
 

@@ -9,7 +9,8 @@ schemas of the installed torch on meta tensors. The same checks on the real CUDA
 
 Tolerances (tests/numerics.py): the op computes in float64 and rounds ``out`` and the LSE to fp32
 once (a bound, :func:`~tests.numerics.rounding_bound`); gradients, which read the fp32 ``out`` and
-LSE, and the fp32 stand-ins follow the float64-reference rule, plain fp32 attention setting the scale.
+LSE, and the fp32 stand-ins follow the twins rule, plain fp32 attention and its 2 twins (the tokens in
+other orders, tests/token_orders.py) setting the scale.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from benchmarks.gpu import reference
 from benchmarks.gpu.reference_ops import REFERENCE_OPS
 
 from cptune.parallel.kernels import dispatch, flash_attn_cpu, torch_flash
-from tests.numerics import assert_float64_rule, assert_within, rounding_bound
-from tests.parallel.kernel_tests.test_flash_attn_cpu import reference_with_grads, varlen_reference
+from tests.numerics import assert_float64_twins_rule, assert_within, rounding_bound
+from tests.parallel.kernel_tests.test_flash_attn_cpu import fp32_references, varlen_reference
+from tests.token_orders import TWIN_ORDERS
 
 HEAD_DIM = 8
 KERNELS = {"torch_flash": torch_flash, "stand-in": flash_attn_cpu}
@@ -91,14 +93,14 @@ def test_dense_matches_reference_and_stand_ins(case):
     assert_within(out, ref_out, rounding_bound(ref_out), "out")
     assert_within(lse[finite], ref_lse[finite], rounding_bound(ref_lse[finite]), "lse")
     # Both implementations (the stand-ins are what cptune's CPU runs use) near the float64 reference.
-    ref32 = reference_with_grads(q, k, v, dout, **mask)
-    ref64 = (ref_out, ref_lse, [leaf.grad for leaf in leaves])
+    references = [named(*r, finite) for r in fp32_references(q, k, v, dout, **mask)]
+    ref64 = named(ref_out, ref_lse, [leaf.grad for leaf in leaves], finite)
     for name, got in results.items():
-        assert_float64_rule(*(named(*r, finite) for r in (got, ref32, ref64)), what=name)
+        assert_float64_twins_rule(named(*got, finite), references, ref64, what=name)
 
 
 def named(out, lse, grads, finite):
-    """Results as the float64-reference rule takes them; rows without keys (lse -inf) left out."""
+    """Results as the twins rule takes them; rows without keys (lse -inf) left out."""
     return {"out": out, "lse": lse[finite], **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
 
@@ -156,11 +158,14 @@ def test_varlen_matches_reference_and_stand_ins(nheads_k, causal, window):
     assert lse.shape == (4, 31) and lse.dtype == torch.float32
     assert_within(out, ref_out, rounding_bound(ref_out), "out")
     assert_within(lse, ref_lse, rounding_bound(ref_lse), "lse")
-    ref32 = varlen_reference(q, k, v, dout, causal=causal, window=window)
-    ref64 = (ref_out, ref_lse, [leaf.grad for leaf in leaves])
     every = torch.ones_like(ref_lse, dtype=torch.bool)
+    references = [
+        named(*varlen_reference(q, k, v, dout, order=order, causal=causal, window=window), every)
+        for order in (None, *TWIN_ORDERS)
+    ]
+    ref64 = named(ref_out, ref_lse, [leaf.grad for leaf in leaves], every)
     for name, got in (("torch_flash", (out, lse, grads)), ("stand-in", stand_in)):
-        assert_float64_rule(*(named(*r, every) for r in (got, ref32, ref64)), what=name)
+        assert_float64_twins_rule(named(*got, every), references, ref64, what=name)
 
 
 def test_backward_writes_into_strided_views_and_nothing_else():
@@ -224,14 +229,19 @@ def test_backward_with_merged_output_and_lse_sums_to_the_full_gradient():
         dq_total += dq
         dk_blocks.append(dk)
         dv_blocks.append(dv)
-    # Float64 reference: the merge adds fp32 roundings (logaddexp, the weights, the sums) to one call's.
+    # Twins rule: the merge adds fp32 roundings (logaddexp, the weights, the sums) to one call's; the one call
+    # and plain fp32 attention in its own and 2 other token orders are the references.
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference.attention(*leaves, causal=False)
     ref_out.backward(dout.double())
     every = torch.ones_like(ref_lse, dtype=torch.bool)
     merged = (merged_out, merged_lse, (dq_total, torch.cat(dk_blocks, 1), torch.cat(dv_blocks, 1)))
     ref64 = (ref_out, ref_lse, [leaf.grad for leaf in leaves])
-    assert_float64_rule(*(named(*r, every) for r in (merged, (full_out, full_lse, full_grads), ref64)))
+    references = [
+        named(*r, every)
+        for r in [(full_out, full_lse, full_grads), *fp32_references(q, k, v, dout, causal=False)]
+    ]
+    assert_float64_twins_rule(named(*merged, every), references, named(*ref64, every))
 
 
 @pytest.mark.parametrize(

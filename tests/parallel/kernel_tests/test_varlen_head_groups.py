@@ -2,8 +2,9 @@
 
 Heads are independent, so splitting them over calls changes no head's arithmetic in the attention
 itself; on the CPU's stand-in kernels the batched matrix products run over other batch counts, so
-gradients may differ in the last bits: both are held to the float64-reference rule (tests/numerics.py),
-and a call that mixed up heads (a wrong group's keys) fails it. The GPU kernels' bit-identity is
+gradients may differ in the last bits: both are held to the twins rule (tests/numerics.py), the one call and
+plain fp32 attention per sequence in 2 token orders (tests/token_orders.py) the references, and a call
+that mixed up heads (a wrong group's keys) fails it. The GPU kernels' bit-identity is
 ``benchmarks/gpu/check_kernels.py``'s to check on a GPU.
 """
 
@@ -14,7 +15,9 @@ import torch
 
 from cptune.parallel.kernels import varlen
 from cptune.parallel.kernels.varlen import _head_groups, varlen_attention
-from tests.numerics import assert_float64_rule
+from tests.numerics import assert_float64_twins_rule
+from tests.parallel.kernel_tests.test_flash_attn_cpu import varlen_reference
+from tests.token_orders import TWIN_ORDERS
 
 CU_SEQLENS = torch.tensor([0, 7, 25, 40], dtype=torch.int32)
 
@@ -23,6 +26,18 @@ def attention(q, k, v, causal, per_call):
     out = varlen_attention(q, k, v, CU_SEQLENS, 18, scale=None, causal=causal, kv_heads_per_call=per_call)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1]))
     return dict(zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True))
+
+
+def references(fp32, whole, causal):
+    """``whole`` (the attention in one call) and plain fp32 attention per sequence in 2 other token orders."""
+    cu = CU_SEQLENS.tolist()
+    dout = torch.ones_like(whole["out"]) * torch.linspace(-1, 1, whole["out"].shape[-1])
+    q, k, v = (t.detach() for t in fp32)
+    twins = [varlen_reference(q, k, v, dout, cu, cu, order, causal=causal) for order in TWIN_ORDERS]
+    return [
+        whole,
+        *(dict(zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True)) for out, _, grads in twins),
+    ]
 
 
 def inputs(heads=8, kv_heads=4):
@@ -48,13 +63,16 @@ def test_groups_of_kv_heads_give_the_attention_of_one_call(causal, per_call):
     grouped = attention(*fp32, causal, per_call)
     ref64 = attention(*fp64, causal, None)
     assert torch.equal(grouped["out"], whole["out"])  # the forward runs the same arithmetic per head
-    assert_float64_rule(grouped, whole, ref64, what=f"kv_heads_per_call={per_call}")
+    assert_float64_twins_rule(
+        grouped, references(fp32, whole, causal), ref64, what=f"kv_heads_per_call={per_call}"
+    )
 
 
 def test_a_group_given_another_groups_keys_fails_the_rule(monkeypatch):
     """The comparison sees heads mixed up: every group attends with the first group's keys and values."""
     fp32, fp64 = inputs()
     whole, ref64 = attention(*fp32, True, None), attention(*fp64, True, None)
+    twins = references(fp32, whole, True)
     right = varlen._head_groups
     monkeypatch.setattr(
         varlen,
@@ -62,4 +80,4 @@ def test_a_group_given_another_groups_keys_fails_the_rule(monkeypatch):
         lambda q, k, n: [(qs, slice(0, ks.stop - ks.start)) for qs, ks in right(q, k, n)],
     )
     with pytest.raises(AssertionError, match="times the tolerance"):
-        assert_float64_rule(attention(*fp32, True, 1), whole, ref64, what="heads mixed up")
+        assert_float64_twins_rule(attention(*fp32, True, 1), twins, ref64, what="heads mixed up")
