@@ -8,6 +8,7 @@ a window aligned to each block or a sink applied to each block instead, planted,
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from collections.abc import Iterator
 
@@ -19,14 +20,17 @@ from cptune.parallel.backends.ring_flash_attn.zigzag_blocks import chunk_block, 
 from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, zigzag_window_attention
 from cptune.parallel.kernels import flash_attn_cpu
 from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
-from tests.numerics import assert_float64_rule
+from tests.numerics import assert_float64_twins_rule
+from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
 
 KERNELS = (flash_attn_cpu._flash_attn_forward, flash_attn_cpu._flash_attn_backward)
 
 
-def sees(rows: int, window: int | None) -> torch.Tensor:
-    """transformers' causal sliding window over one row: query q sees key k when 0 <= q - k < window."""
-    gap = torch.arange(rows)[:, None] - torch.arange(rows)[None, :]
+def sees(rows: int, window: int | None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' causal sliding window over one row: query q sees key k when 0 <= q - k < window; ``order``:
+    the row's tokens taken in that order (tests/token_orders.py), the mask following them."""
+    order = torch.arange(rows) if order is None else order
+    gap = order[:, None] - order[None, :]
     return (gap >= 0) & (gap < window if window is not None else True)
 
 
@@ -84,20 +88,23 @@ def one_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def dense(q, k, v, window, scale):
-    """Windowed causal attention over the whole row (grouped-query heads), the reference."""
+def dense(q, k, v, window, scale, order=None):
+    """Windowed causal attention over the whole row (grouped-query heads), the reference; ``order``: a twin's
+    (tests/token_orders.py), the row's tokens taken in that order and the output put back."""
+    tokens = token_order(q.shape[1], order)
+    q, k, v = q[:, tokens], k[:, tokens], v[:, tokens]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
-    scores = scores.masked_fill(~sees(q.shape[1], window), float("-inf"))
+    scores = scores.masked_fill(~sees(q.shape[1], window, tokens), float("-inf"))
     values = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values)
+    return put_back(torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values), tokens, 1)
 
 
 @pytest.mark.parametrize("window", [2, 3, 6, 9])  # 1: each query sees itself only, so dk is 0
 def test_the_ring_of_one_rank_is_windowed_attention_forward_and_backward(window):
     """At cp=1 the row is 2 chunks on one rank: the ring's blocks (the diagonal ones, and the second chunk's
     queries on the first chunk's keys, cut at the window's edge) against dense windowed attention. Outputs
-    and gradients of q, k, v by the float64-reference rule (tests/numerics.py): fp32 ring and fp32 dense
-    attention, each against the dense attention in float64."""
+    and gradients of q, k, v by the twins rule (tests/numerics.py): the fp32 ring against the dense attention in
+    float64, as far as fp32 dense attention in the tokens' own order and 2 others may land."""
     generator = torch.Generator().manual_seed(0)
     batch, tokens, heads, kv_heads, dim = 2, 12, 4, 2, 8
     inputs = [
@@ -117,22 +124,46 @@ def test_the_ring_of_one_rank_is_windowed_attention_forward_and_backward(window)
         ring = run(
             lambda q, k, v: zigzag_window_attention(q, k, v, scale, window, None, KERNELS), torch.float32
         )
-    reference = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float32)
+    references = [
+        run(lambda q, k, v, o=o: dense(q, k, v, window, scale, o), torch.float32)
+        for o in (None, *TWIN_ORDERS)
+    ]
     ref64 = run(lambda q, k, v: dense(q, k, v, window, scale), torch.float64)
-    assert_float64_rule(ring, reference, ref64, what=f"window {window}")
+    assert_float64_twins_rule(ring, references, ref64, what=f"window {window}")
 
 
 # --- attention sinks (gpt-oss) on the zigzag ring ----------------------------------------------------------
 
 
-def dense_with_sinks(q, k, v, sinks, window, scale):
+def dense_with_sinks(q, k, v, sinks, window, scale, order=None):
     """gpt-oss's attention over the whole row: softmax over [windowed causal scores, the head's sink], the sink
-    dropped from the output (transformers' ``modeling_gpt_oss.eager_attention_forward``)."""
+    dropped from the output (transformers' ``modeling_gpt_oss.eager_attention_forward``); ``order``: a twin's
+    (tests/token_orders.py), the row's tokens taken in that order and the output put back."""
+    tokens = token_order(q.shape[1], order)
+    q, k, v = q[:, tokens], k[:, tokens], v[:, tokens]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
-    scores = scores.masked_fill(~sees(q.shape[1], window), float("-inf"))
+    scores = scores.masked_fill(~sees(q.shape[1], window, tokens), float("-inf"))
     sink = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
+    return put_back(out, tokens, 1)
+
+
+def dense_references(inputs, dout, window, scale):
+    """fp32 dense attention with sinks in the tokens' own order and in 2 others (the twins rule), and in float64."""
+    references = [
+        run_with_sinks(
+            lambda q, k, v, s, o=o: dense_with_sinks(q, k, v, s, window, scale, o),
+            inputs,
+            dout,
+            torch.float32,
+        )
+        for o in (None, *TWIN_ORDERS)
+    ]
+    ref64 = run_with_sinks(
+        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float64
+    )
+    return references, ref64
 
 
 def sinks_per_block(sinks: torch.Tensor):
@@ -171,22 +202,35 @@ def sink_inputs():
 def test_the_sink_goes_once_onto_the_zigzag_rings_merged_attention_forward_and_backward(window):
     """The zigzag ring (one rank: its 2 chunks, 3 blocks merged) as a SplitAttention with gpt-oss's sinks, full
     causal and windowed, against gpt-oss's softmax over [scores, sink]: outputs and gradients of q, k, v and the
-    sinks by the float64-reference rule (tests/numerics.py): the fp32 ring and fp32 dense attention, each against
-    the dense attention in float64. The ring across ranks (cp=2, cp=4) is in tests/parallel/test_parity.py."""
+    sinks by the twins rule (tests/numerics.py): the fp32 ring against the dense attention in float64, as far as
+    fp32 dense attention in the tokens' own order and 2 others may land. The ring across ranks (cp=2, cp=4) is in tests/parallel/test_parity.py."""
     inputs, dout, scale = sink_inputs()
     ring = ZigzagRing(scale, window, None, KERNELS)
     with one_process_group():
         got = run_with_sinks(
             lambda q, k, v, s: attention_with_sinks(ring, q, k, v, s), inputs, dout, torch.float32
         )
-    reference = run_with_sinks(
-        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float32
-    )
-    ref64 = run_with_sinks(
-        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float64
-    )
+    references, ref64 = dense_references(inputs, dout, window, scale)
     assert float(ref64["sinks"].abs().max()) > 1e-2  # the sinks' gradient is live
-    assert_float64_rule(got, reference, ref64, what=f"window {window}")
+    assert_float64_twins_rule(got, references, ref64, what=f"window {window}")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_dense_twins_compute_the_reference_function_in_another_order(window):
+    """The twins of ``dense`` and ``dense_with_sinks`` (tests/token_orders.py) are legal: the same function, a
+    noise of their own."""
+    inputs, dout, scale = sink_inputs()
+    for name, attend in {
+        "dense": lambda q, k, v, s, o: dense(q, k, v, window, scale, o) + 0 * s.sum(),
+        "sinks": lambda q, k, v, s, o: dense_with_sinks(q, k, v, s, window, scale, o),
+    }.items():
+        ref64, ref32, *twins = (
+            run_with_sinks(functools.partial(attend, o=o), inputs, dout, dtype)
+            for o, dtype in [(None, torch.float64), (None, torch.float32)]
+            + [(o, dtype) for o in TWIN_ORDERS for dtype in (torch.float64, torch.float32)]
+        )
+        for order, twin64, twin32 in zip(TWIN_ORDERS, twins[0::2], twins[1::2], strict=True):
+            assert_legal_twin(twin64, ref64, twin32, ref32, what=f"{name} {order}")
 
 
 @pytest.mark.parametrize("window", [None, 6])
@@ -202,13 +246,8 @@ def test_a_sink_applied_per_block_of_the_ring_fails_the_same_check(window):
             dout,
             torch.float32,
         )
-    reference = run_with_sinks(
-        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float32
-    )
-    ref64 = run_with_sinks(
-        lambda q, k, v, s: dense_with_sinks(q, k, v, s, window, scale), inputs, dout, torch.float64
-    )
-    for results in (got, reference, ref64):
+    references, ref64 = dense_references(inputs, dout, window, scale)
+    for results in (got, *references, ref64):
         results.pop("sinks")  # the planted sink is a constant here; q, k, v and the output must show it
     with pytest.raises(AssertionError, match="times the tolerance"):
-        assert_float64_rule(got, reference, ref64, what=f"planted, window {window}")
+        assert_float64_twins_rule(got, references, ref64, what=f"planted, window {window}")
