@@ -19,9 +19,32 @@ from cptune.parallel.backends.deepspeed_ulysses.sharding import (
 from cptune.parallel.backends.document_attention import dense_attend, document_attention_forward
 from cptune.parallel.backends.local.sharding import document_mask
 from cptune.parallel.shard import TokenBatch
-from tests.numerics import assert_float64_rule
+from tests.numerics import assert_float64_twins_rule
+from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
 
 PACKED_POSITIONS = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])
+
+
+def masked(q, k, v, causal, order=None):
+    """SDPA over each whole row of PACKED_POSITIONS with its documents' mask, (batch, tokens, heads, head_dim);
+    ``order``: a twin's (tests/token_orders.py), the tokens taken in that order and the output put back."""
+    mask = document_mask(PACKED_POSITIONS)
+    if causal:
+        mask = mask & torch.ones(11, 11, dtype=torch.bool).tril()
+    tokens = token_order(11, order)
+    q, k, v, mask = q[:, :, tokens], k[:, :, tokens], v[:, :, tokens], mask[:, :, tokens][..., tokens]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    return put_back(out, tokens, 2).transpose(1, 2)
+
+
+def with_grads(out, inputs):
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    return {"out": out, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
+
+
+def masked_references(leaves32, causal):
+    """fp32 SDPA over the masked rows in the tokens' own order and 2 others: a reference and its twins."""
+    return [with_grads(masked(*leaves32, causal, order), leaves32) for order in (None, *TWIN_ORDERS)]
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -34,25 +57,25 @@ def test_document_attention_equals_masked_attention_over_each_row(causal):
     kwargs = {ATTENTION_KWARG: call, "position_ids": PACKED_POSITIONS}
     out, _ = document_attention_forward(None, q, k, v, None, scaling=0.3, **kwargs)
     assert call.layers_served == 1
-    mask = document_mask(PACKED_POSITIONS)
-    if causal:
-        mask = mask & torch.ones(11, 11, dtype=torch.bool).tril()
-
-    def masked(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(
-            1, 2
-        )
-
-    def with_grads(out, inputs):
-        grads = torch.autograd.grad(out.square().sum(), inputs)
-        return {"out": out, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
-
-    expected = masked(q, k, v)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    # Float64 reference: per document or over the masked row, the same sums in other orders.
-    assert_float64_rule(
-        with_grads(out, (q, k, v)), with_grads(expected, (q, k, v)), with_grads(masked(*leaves64), leaves64)
+    # Twins rule: per document, or over the masked row in 3 token orders (the references), the same sums in
+    # other orders.
+    references = masked_references((q, k, v), causal)
+    assert_float64_twins_rule(
+        with_grads(out, (q, k, v)), references, with_grads(masked(*leaves64, causal), leaves64)
     )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_masked_twins_compute_the_reference_function_in_another_order(causal):
+    """``masked``'s twins (tests/token_orders.py) are legal: the same function, a noise of their own."""
+    torch.manual_seed(0)
+    leaves64 = [torch.randn(2, n, 11, 8, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2)]
+    leaves32 = [t.detach().float().requires_grad_() for t in leaves64]
+    ref32, *twins32 = masked_references(leaves32, causal)
+    ref64, *twins64 = (with_grads(masked(*leaves64, causal, o), leaves64) for o in (None, *TWIN_ORDERS))
+    for order, twin64, twin32 in zip(TWIN_ORDERS, twins64, twins32, strict=True):
+        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
 
 
 def test_document_attention_refuses_calls_without_metadata_or_with_a_mask():
@@ -206,12 +229,9 @@ def test_document_attention_on_gpu_kernels_is_one_varlen_call_equal_to_the_per_d
 
     assert [c.tolist() for c in calls] == [[0, 4, 7, 9, 11, 17, 22]]  # both rows' documents, end to end
 
-    def with_grads(out, inputs):
-        grads = torch.autograd.grad(out.square().sum(), inputs)
-        return {"out": out, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
-
-    # Float64 reference: the ops keep the LSE in fp32, so the varlen path may land as far from the
-    # float64 loop as the loop computed wholly in fp32 does (the float64-reference rule).
-    assert_float64_rule(
-        with_grads(varlen, (q, k, v)), with_grads(loop32, leaves32), with_grads(loop, (q, k, v))
+    # Twins rule: the ops keep the LSE in fp32, so the varlen path may land as far from the float64 loop as
+    # the loop computed wholly in fp32, or SDPA over the masked rows in 2 token orders (its twins), lands.
+    twins = masked_references([t.detach().float().requires_grad_() for t in (q, k, v)], causal)[1:]
+    assert_float64_twins_rule(
+        with_grads(varlen, (q, k, v)), [with_grads(loop32, leaves32), *twins], with_grads(loop, (q, k, v))
     )
