@@ -33,7 +33,8 @@ from cptune.parallel.preference import (
 from cptune.parallel.shard import shard_contiguous, shard_zigzag
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.conftest import REPO
-from tests.numerics import EPS32, float64_excess, float64_excesses, relative_errors, reorder_bound
+from tests.numerics import EPS32, float64_twins_excess, float64_twins_excesses, relative_errors, reorder_bound
+from tests.token_orders import TWIN_ORDERS, token_order
 
 TRL_VERSION = "1.16.0"
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -162,10 +163,13 @@ def _trl_trainer(rows, tokenizer, dtype, loss_type):
     return trainer
 
 
-def _trl_step(trainer, rows):
-    """TRL's loss, metrics and LoRA gradients of one batch of ``rows``."""
+def _trl_step(trainer, rows, order=None):
+    """TRL's loss, metrics and LoRA gradients of one batch of ``rows``; ``order``: the rows in another order
+    (tests/token_orders.py), a twin of the step: the same function, its sums over the batch (the loss's and the
+    metrics' means over pairs, each gradient's sum over the batch's tokens) in another order."""
     trainer.model.train()
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    trainer.model.zero_grad(set_to_none=True)
+    batch = trainer.data_collator([trainer.train_dataset[int(i)] for i in token_order(len(rows), order)])
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
     metrics = {name: trainer._metrics["train"][name][-1] for name in METRICS}
@@ -225,6 +229,31 @@ def _cptune_step(trainer, rows, tokenizer, kind):
     return float(loss), metrics, grads, magnitude, int(batch.target_counts().max())
 
 
+def trl_twins_excesses(ours, twins32, trl64, longest: int, floor: float) -> dict[str, float]:
+    """The twins rule (tests/numerics.py) on cptune's step ``ours`` = ``(loss, metrics, grads)`` against TRL's
+    float64 step ``trl64``, TRL's fp32 step and its twins ``twins32`` (``_trl_step``'s orders) setting the limit.
+
+    Floors against TRL's fp32 landing on float64 by luck: the log-prob metrics are sums of ``longest`` terms of
+    one sign (Σ|terms| is the sum itself); the loss and the other metrics come from those sums times β (``floor``:
+    their reorder bound, absolute); gradients, 2 ulps.
+    """
+    (loss, metrics, grads), (loss64, metrics64, grads64) = ours, trl64
+    sums = reorder_bound(longest, 1.0)
+    scalars = {"loss": (loss, [t[0] for t in twins32], loss64)}
+    scalars |= {n: (metrics[n], [t[1][n] for t in twins32], metrics64[n]) for n in metrics64}
+    excesses = {
+        name: float64_twins_excess(
+            abs(value - ref64) / abs(ref64),
+            [abs(r - ref64) / abs(ref64) for r in refs32],
+            sums if "logps" in name else floor / abs(ref64),
+        )
+        for name, (value, refs32, ref64) in scalars.items()
+        if name != "rewards/accuracies"
+    }
+    twin_errors = [relative_errors(t[2], grads64) for t in twins32]
+    return excesses | float64_twins_excesses(relative_errors(grads, grads64), twin_errors)
+
+
 @pytest.mark.skipif(not HAS_TRL, reason=f"TRL is a test-only dependency (pip install trl=={TRL_VERSION})")
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
 def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type):
@@ -232,11 +261,12 @@ def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type
 
     The same tiny model and adapter weights; TRL tokenizes the text itself and cptune's passthrough.default
     gives the same tokens (asserted). TRL runs its own padded batch of 8 sequences; cptune packs the 4 pairs
-    into one row of 8 documents. Tolerance, the float64-reference rule (tests/numerics.py): TRL also runs
-    in float64; cptune's fp32 loss, each metric and each LoRA gradient tensor land at most 16x as far from
-    TRL's float64 value as TRL's own fp32 run does, plus a floor against TRL's fp32 landing on float64 by
-    luck: the reorder bound of the log-prob sums behind the value (the longest sequence's targets, the
-    magnitude of the sums times β, relative to the value; 2 ulps for gradients).
+    into one row of 8 documents. Tolerance, the twins rule (tests/numerics.py): TRL also runs in float64;
+    cptune's fp32 loss, each metric and each LoRA gradient tensor land at most 32x as far from TRL's float64
+    value as the farthest of TRL's own fp32 run and its 2 twins (the batch's rows in other orders,
+    ``_trl_step``), plus a floor against those landing on float64 by luck: the reorder bound of the log-prob
+    sums behind the value (the longest sequence's targets, the magnitude of the sums times β, relative to the
+    value; 2 ulps for gradients).
     """
     import trl
 
@@ -245,38 +275,24 @@ def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type
     rows = PAIRS[:4]
     trl32 = _trl_trainer(rows, tokenizer, torch.float32, loss_type)
     trl64 = _trl_trainer(rows, tokenizer, torch.float64, loss_type)
-    loss32, metrics32, grads32 = _trl_step(trl32, rows)
+    twins32 = [_trl_step(trl32, rows, order) for order in (None, *TWIN_ORDERS)]
+    loss32, metrics32, _ = twins32[0]
     loss64, metrics64, grads64 = _trl_step(trl64, rows)
     kind = "ipo" if loss_type == "ipo" else "dpo"  # TRL's sigmoid is rl: dpo
     loss, metrics, grads, magnitude, longest = _cptune_step(trl32, rows, tokenizer, kind)
     assert metrics["rewards/accuracies"] == metrics64["rewards/accuracies"] == metrics32["rewards/accuracies"]
     assert 0 < metrics64["rewards/accuracies"] < 1, "the adapter moves some pairs each way: a real test"
 
-    def rel(a: float, b: float) -> float:
-        return abs(a - b) / abs(b)
-
-    def floor(value: float) -> float:
-        return reorder_bound(longest, 2 * BETA * magnitude) / abs(value)
-
-    sums = reorder_bound(longest, 1.0)  # logps: sums of one sign, Σ|terms| is the sum itself
-    scalars = {
-        "loss": (loss, loss32, loss64),
-        **{n: (metrics[n], metrics32[n], metrics64[n]) for n in METRICS},
-    }
-    excesses = {
-        name: float64_excess(
-            rel(ours, ref64), rel(ref32, ref64), floor(ref64) if "logps" not in name else sums
-        )
-        for name, (ours, ref32, ref64) in scalars.items()
-        if name != "rewards/accuracies"
-    }
-    excesses |= float64_excesses(relative_errors(grads, grads64), relative_errors(grads32, grads64))
+    floor = reorder_bound(longest, 2 * BETA * magnitude)
+    excesses = trl_twins_excesses(
+        (loss, metrics, grads), twins32, (loss64, metrics64, grads64), longest, floor
+    )
     worst = max(excesses, key=excesses.get)
     print(
         f"{loss_type}: loss {loss:.9g} (TRL fp32 {loss32:.9g}, fp64 {loss64:.12g}); "
         f"worst {worst} at {excesses[worst]:.3g} of its tolerance"
     )
-    assert excesses[worst] <= 1, (worst, excesses[worst], scalars.get(worst))
+    assert excesses[worst] <= 1, (worst, excesses[worst])
     assert math.isfinite(loss) and len(grads) == len(grads64) > 0
 
 
@@ -360,41 +376,29 @@ def _cptune_full_step(trainer, rows, tokenizer):
 def test_full_fine_tune_with_precomputed_reference_equals_trls_dpo_trainer_at_cp1():
     """A full fine-tune's DPO step against reference sums precomputed from the weights as built (cptune's
     precompute_ref_log_probs first pass) equals TRL 1.16.0's DPOTrainer with ``precompute_ref_log_probs=True``:
-    the loss, the metrics and the gradient of every weight, by the float64-reference rule of the LoRA test
-    above (TRL also run in float64; cptune's fp32 values at most 16x as far from it as TRL's fp32 values,
-    plus the reorder floor of the log-prob sums)."""
+    the loss, the metrics and the gradient of every weight, by the twins rule of the LoRA test above (TRL also
+    run in float64; cptune's fp32 values at most 32x as far from it as the farthest of TRL's fp32 values and
+    its 2 twins', plus the reorder floor of the log-prob sums)."""
     import trl
 
     assert trl.__version__ == TRL_VERSION, f"written against TRL {TRL_VERSION}, found {trl.__version__}"
     tokenizer = build_tiny_tokenizer(GENERIC_CORPUS)
     rows = PAIRS[:4]
     trl32, trl64 = (_trl_full_trainer(rows, tokenizer, dtype) for dtype in (torch.float32, torch.float64))
-    loss32, metrics32, grads32 = _trl_step(trl32, rows)
+    twins32 = [_trl_step(trl32, rows, order) for order in (None, *TWIN_ORDERS)]
+    loss32, metrics32, _ = twins32[0]
     loss64, metrics64, grads64 = _trl_step(trl64, rows)
     loss, metrics, grads, magnitude, longest = _cptune_full_step(trl32, rows, tokenizer)
     assert metrics["rewards/accuracies"] == metrics64["rewards/accuracies"] == metrics32["rewards/accuracies"]
     assert 0 < metrics64["rewards/accuracies"] < 1, "the moved weights move some pairs each way: a real test"
 
-    def rel(a: float, b: float) -> float:
-        return abs(a - b) / abs(b)
-
     floor = reorder_bound(longest, 2 * BETA * magnitude)
-    sums = reorder_bound(longest, 1.0)
-    scalars = {
-        "loss": (loss, loss32, loss64),
-        **{n: (metrics[n], metrics32[n], metrics64[n]) for n in METRICS},
-    }
-    excesses = {
-        name: float64_excess(
-            rel(ours, ref64), rel(ref32, ref64), sums if "logps" in name else floor / abs(ref64)
-        )
-        for name, (ours, ref32, ref64) in scalars.items()
-        if name != "rewards/accuracies"
-    }
-    excesses |= float64_excesses(relative_errors(grads, grads64), relative_errors(grads32, grads64))
+    excesses = trl_twins_excesses(
+        (loss, metrics, grads), twins32, (loss64, metrics64, grads64), longest, floor
+    )
     worst = max(excesses, key=excesses.get)
     print(
         f"full: loss {loss:.9g} (TRL fp32 {loss32:.9g}, fp64 {loss64:.12g}); worst {worst} at {excesses[worst]:.3g}"
     )
-    assert excesses[worst] <= 1, (worst, excesses[worst], scalars.get(worst))
+    assert excesses[worst] <= 1, (worst, excesses[worst])
     assert len(grads) == len(grads64) > 0

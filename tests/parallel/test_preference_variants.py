@@ -29,7 +29,8 @@ from cptune.parallel.preference import (
     preference_step_loss,
 )
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
-from tests.numerics import float64_excess, float64_excesses, relative_errors, reorder_bound
+from tests.numerics import float64_twins_excess, float64_twins_excesses, relative_errors, reorder_bound
+from tests.parallel.reorder_twins import TWINS
 from tests.parallel.test_preference import LORA, PAIRS, TRL_VERSION, adapter_copy
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -129,11 +130,31 @@ def _trl_trainer(kind, rows, tokenizer, dtype, **loss_args):
 def _trl_step(trainer, rows, names):
     """TRL's loss, metrics (``names``) and LoRA gradients of one batch of ``rows``."""
     trainer.model.train()
+    trainer.model.zero_grad(set_to_none=True)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
     loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     return float(loss.detach()), {n: float(metrics[n]) for n in names}, grads
+
+
+#: The twins of TRL's fp32 step (tests/parallel/reorder_twins.py): transformers' eager attention, and sdpa's math
+#: backend, for the reference's sdpa; the same function, attention's sums in other orders. Not the batch's rows in
+#: other orders (tests/parallel/test_preference.py's twins): the SimPO case of one pair has one row.
+TRL_TWINS = (TWINS[0], TWINS[1])
+
+
+def _trl_twin_steps(trainer, rows, names):
+    """``_trl_step`` of TRL's fp32 trainer and of its twins (:data:`TRL_TWINS`), each ``(loss, metrics, grads)``."""
+    steps = [_trl_step(trainer, rows, names)]
+    for twin in TRL_TWINS:
+        trainer.model.set_attn_implementation(twin.attn_implementation("sdpa"))
+        try:
+            with twin.context():
+                steps.append(_trl_step(trainer, rows, names))
+        finally:
+            trainer.model.set_attn_implementation("sdpa")
+    return steps
 
 
 def _cptune_step(trainer, rows, tokenizer, loss):
@@ -161,7 +182,8 @@ def _cptune_step(trainer, rows, tokenizer, loss):
 
 
 def _excesses(scalars, longest, scale):
-    """The float64-reference rule of tests/parallel/test_preference.py on each scalar (see the test's docstring)."""
+    """The twins rule of tests/parallel/test_preference.py on each scalar (see the test's docstring); ``scalars``:
+    name -> (cptune's value, [TRL's fp32 value and its twins'], TRL's float64 value)."""
 
     def rel(a: float, b: float) -> float:
         return abs(a - b) / abs(b)
@@ -169,10 +191,12 @@ def _excesses(scalars, longest, scale):
     # Floor: the reorder bound of a per-token mean (Σ|terms| / n = |mean|, over the longest sequence's targets),
     # times the value's scale, relative to the value.
     return {
-        name: float64_excess(
-            rel(ours, ref64), rel(ref32, ref64), reorder_bound(longest, scale(name)) / max(abs(ref64), 1e-30)
+        name: float64_twins_excess(
+            rel(ours, ref64),
+            [rel(ref32, ref64) for ref32 in refs32],
+            reorder_bound(longest, scale(name)) / max(abs(ref64), 1e-30),
         )
-        for name, (ours, ref32, ref64) in scalars.items()
+        for name, (ours, refs32, ref64) in scalars.items()
         if name != "rewards/accuracies"
     }
 
@@ -188,10 +212,11 @@ def _excesses(scalars, longest, scale):
 def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pairs, cpo_alpha):
     """cptune's rl: simpo against TRL 1.16.0's CPOTrainer (``loss_type="simpo"``) on the shipped pairs.
 
-    The same tiny model, adapter weights and tokens (asserted). Tolerance, the float64-reference rule
-    (tests/numerics.py) as in the DPO comparison: TRL also runs in float64; cptune's fp32 loss, each metric
-    and each LoRA gradient tensor land at most 16x as far from TRL's float64 value as TRL's own fp32 run
-    does, plus a floor (the reorder bound of the per-token means behind the value; 2 ulps for gradients).
+    The same tiny model, adapter weights and tokens (asserted). Tolerance, the twins rule (tests/numerics.py)
+    as in the DPO comparison: TRL also runs in float64; cptune's fp32 loss, each metric and each LoRA gradient
+    tensor land at most 32x as far from TRL's float64 value as the farthest of TRL's own fp32 run and its 2
+    twins (:data:`TRL_TWINS`), plus a floor (the reorder bound of the per-token means behind the value; 2 ulps
+    for gradients).
     """
     import trl
 
@@ -203,7 +228,8 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
     loss_args = {"simpo_gamma": gamma, "cpo_alpha": cpo_alpha}
     trl32 = _trl_trainer("simpo", rows, tokenizer, torch.float32, **loss_args)
     trl64 = _trl_trainer("simpo", rows, tokenizer, torch.float64, **loss_args)
-    loss32, metrics32, grads32 = _trl_step(trl32, rows, names)
+    twins32 = _trl_twin_steps(trl32, rows, names)
+    metrics32 = twins32[0][1]
     loss64, metrics64, grads64 = _trl_step(trl64, rows, names)
     ours = PreferenceLoss("simpo", BETA, simpo_gamma=gamma, cpo_alpha=cpo_alpha)
     loss, metrics, grads, longest = _cptune_step(trl32, rows, tokenizer, ours)
@@ -211,12 +237,15 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
     if pairs > 1:
         assert 0 < metrics64["rewards/accuracies"] < 1, "the adapter moves some pairs each way: a real test"
     magnitude = max(abs(metrics64["logps/chosen"]), abs(metrics64["logps/rejected"]))
-    scalars = {"loss": (loss, loss32, loss64), **{n: (metrics[n], metrics32[n], metrics64[n]) for n in names}}
+    scalars = {"loss": (loss, [t[0] for t in twins32], loss64)}
+    scalars |= {n: (metrics[n], [t[1][n] for t in twins32], metrics64[n]) for n in names}
     excesses = _excesses(scalars, longest, lambda n: magnitude * (BETA if "rewards" in n else 1.0))
-    excesses |= float64_excesses(relative_errors(grads, grads64), relative_errors(grads32, grads64))
+    twin_errors = [relative_errors(t[2], grads64) for t in twins32]
+    excesses |= float64_twins_excesses(relative_errors(grads, grads64), twin_errors)
     worst = max(excesses, key=excesses.get)
     print(
-        f"simpo pairs={pairs} cpo_alpha={cpo_alpha}: loss {loss:.9g} (TRL fp32 {loss32:.9g}, fp64 {loss64:.12g}); "
+        f"simpo pairs={pairs} cpo_alpha={cpo_alpha}: loss {loss:.9g} (TRL fp32 {twins32[0][0]:.9g}, "
+        f"fp64 {loss64:.12g}); "
         f"|ours - TRL fp64| / TRL fp64 = {abs(loss - loss64) / abs(loss64):.3g}; "
         f"worst {worst} at {excesses[worst]:.3g} of its tolerance"
     )
@@ -243,15 +272,15 @@ def test_orpo_metrics_equal_trls_orpo_trainer_at_cp1():
     names = (*METRICS, "log_odds_ratio", "log_odds_chosen", "nll_loss")
     trl32 = _trl_trainer("orpo", rows, tokenizer, torch.float32)
     trl64 = _trl_trainer("orpo", rows, tokenizer, torch.float64)
-    loss32, metrics32, _ = _trl_step(trl32, rows, names)
+    twins32 = _trl_twin_steps(trl32, rows, names)
     loss64, metrics64, _ = _trl_step(trl64, rows, names)
     loss, metrics, _, longest = _cptune_step(trl32, rows, tokenizer, PreferenceLoss("orpo", BETA))
     assert metrics["rewards/accuracies"] == metrics64["rewards/accuracies"]
     assert 0 < metrics64["rewards/accuracies"] < 1, "the adapter moves some pairs each way: a real test"
-    odds_term = (loss - metrics["nll_loss"], loss32 - metrics32["nll_loss"], loss64 - metrics64["nll_loss"])
+    odds_terms32 = [loss32 - metrics32["nll_loss"] for loss32, metrics32, _ in twins32]
     scalars = {
-        "odds ratio term": odds_term,
-        **{n: (metrics[n], metrics32[n], metrics64[n]) for n in names[:-1]},
+        "odds ratio term": (loss - metrics["nll_loss"], odds_terms32, loss64 - metrics64["nll_loss"]),
+        **{n: (metrics[n], [t[1][n] for t in twins32], metrics64[n]) for n in names[:-1]},
     }
     magnitude = max(abs(metrics64["logps/chosen"]), abs(metrics64["logps/rejected"]))
     # The log odds amplify a mean's error by at most 1/(1 - e^m) on each side (d/dm of m - log(1 - e^m)).
