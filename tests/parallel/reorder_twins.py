@@ -18,6 +18,11 @@ reference's attention, the one computation a CP backend splits besides the gradi
   (:class:`DocumentTwinBackend`). On rows of one document each (no padding) it makes the one SDPA
   call over the batch the reference makes, and the floor rests on the other two twins.
 
+The token-order twins (:data:`TOKEN_ORDER_TWINS`) serve a cp=1 reference without windows or sinks, causal
+or not, where the document twin is the path under test (tests/parallel/backends/test_local_documents.py):
+cptune's masked SDPA over each whole row with the row's tokens taken in another order (tests/token_orders.py)
+and the output put back, the mask following the tokens.
+
 Three twins, not one: the rule compares the CP run against the largest of them, and a CP run
 exactly as noisy as each twin lands beyond ``c`` times the largest of ``K`` independent draws far
 less often than beyond ``c`` times one (test_parity.py's ``check``).
@@ -33,11 +38,17 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cptune.parallel.backends.attention import ATTENTION_KWARG, ATTENTION_NAME, AttentionCall
+from cptune.parallel.backends.attention import (
+    ATTENTION_KWARG,
+    ATTENTION_NAME,
+    AttentionCall,
+    sdpa_tokens_first,
+)
 from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.backends.document_attention import DocumentAttention, RowDocuments
-from cptune.parallel.backends.local.sharding import LocalBackend
+from cptune.parallel.backends.local.sharding import LocalBackend, document_mask
 from cptune.parallel.shard import TokenBatch
+from tests.token_orders import TWIN_ORDERS, put_back, token_order
 
 
 class DocumentTwinBackend(LocalBackend):
@@ -62,6 +73,35 @@ class DocumentTwinBackend(LocalBackend):
         )
 
 
+class TokenOrderTwinBackend(LocalBackend):
+    """cp=1 over whole rows through cptune's masked SDPA, each row's tokens taken in ``order`` (tests/token_orders.py)
+    and the output put back: the masked reference's function (each document causal within itself, or not) with
+    attention's sums in another order. No sliding windows, no sinks."""
+
+    def __init__(self, causal: bool, order: str) -> None:
+        super().__init__(causal)
+        self.attn_implementation = ATTENTION_NAME
+        self.order = order
+
+    def shard(self, batch: TokenBatch) -> ShardedInputs:
+        sharded = super().shard(batch)
+        count = batch.shape[1]
+        tokens = token_order(count, self.order)
+        mask = document_mask(batch.position_ids)
+        if self.causal:
+            mask = mask & torch.ones(count, count, dtype=torch.bool).tril()
+        mask = mask[..., tokens, :][..., tokens]
+
+        def attend(q, k, v, scale):
+            out = sdpa_tokens_first(q[:, tokens], k[:, tokens], v[:, tokens], scale, attn_mask=mask)
+            return put_back(out, tokens, 1)
+
+        call = AttentionCall(attend=attend)
+        return dataclasses.replace(
+            sharded, model_kwargs={**sharded.model_kwargs, ATTENTION_KWARG: call}, call=call
+        )
+
+
 @dataclass(frozen=True)
 class Twin:
     """How one twin computes the reference: its attention implementation, cp=1 backend and context."""
@@ -71,8 +111,12 @@ class Twin:
     attention: str | None
     documents: bool
     context: Callable[[], contextlib.AbstractContextManager]
+    #: the row's tokens taken in this order (:class:`TokenOrderTwinBackend`); None keeps them
+    order: str | None = None
 
     def backend(self, causal: bool) -> LocalBackend:
+        if self.order is not None:
+            return TokenOrderTwinBackend(causal, self.order)
         return DocumentTwinBackend(causal) if self.documents else LocalBackend(causal=causal)
 
     def attn_implementation(self, reference: str) -> str:
@@ -95,6 +139,13 @@ TWINS = (
 #: ``world x 3`` (issue 26's budget). Eager attention is left out: it serves causal references only (transformers'
 #: eager path builds a causal mask of its own), where these two serve the bidirectional references too.
 FP32_TWINS = (TWINS[1], TWINS[2])
+
+
+#: Twins of a cp=1 reference without windows or sinks whose path under test is the document twin's own
+#: (:class:`TokenOrderTwinBackend`, one per order of tests/token_orders.py).
+TOKEN_ORDER_TWINS = tuple(
+    Twin(f"tokens-{order}", ATTENTION_NAME, False, contextlib.nullcontext, order) for order in TWIN_ORDERS
+)
 
 
 def fp32_twins(reference_attention: str) -> tuple[Twin, ...]:

@@ -18,7 +18,8 @@ from cptune.parallel.backends.attention import check_layers_served, register_att
 from cptune.parallel.backends.local.sharding import LocalBackend
 from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_model, tiny_llama_config
-from tests.numerics import assert_float64_rule
+from tests.numerics import assert_float64_twins_rule
+from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS
 
 VOCAB = 64
 TOKENS = 96
@@ -95,12 +96,18 @@ CASES = [
 def test_documents_give_the_masked_paths_losses_and_gradients(causal, lengths, lora):
     batch = token_batch(lengths)
     masked_model, documents_model = model_pair(lora)
+    twin_models = [copy.deepcopy(masked_model) for _ in TOKEN_ORDER_TWINS]
     reference = loss_and_grads(masked_model, LocalBackend(causal), batch)
     got = loss_and_grads(documents_model, LocalBackend(causal, documents=True), batch)
+    twins = [
+        loss_and_grads(m, t.backend(causal), batch)
+        for m, t in zip(twin_models, TOKEN_ORDER_TWINS, strict=True)
+    ]
     ref64 = loss_and_grads(masked_model.double(), LocalBackend(causal), batch)
-    # float64 reference: both fp32 paths compute the same attention with sums in other orders
-    # (a document's keys alone, or the whole row's with masked-out terms exactly 0).
-    assert_float64_rule(got, reference, ref64, what=f"causal={causal} lora={lora}")
+    # Twins rule: every fp32 path computes the same attention with sums in other orders (a document's keys
+    # alone, or the whole row's with masked-out terms exactly 0, its tokens in their order or 2 others: the
+    # reference and its twins).
+    assert_float64_twins_rule(got, [reference, *twins], ref64, what=f"causal={causal} lora={lora}")
 
 
 @pytest.mark.parametrize("causal", [True, False])
