@@ -6,8 +6,10 @@ fp32, two rows of 40 tokens with prompt tokens masked; the same seeds with the f
 - Offloading is exact: losses and gradients are bit for bit the same (torch.equal).
 - Tiled MLP and head loss: the same sums in another order (weight gradients summed over tiles, token
   losses over chunks, products of other shapes). Each is checked against a float64 reference of the
-  untiled model (tests/numerics.py, the float64-reference rule): per tensor at most 16x as far from
-  it as the untiled fp32 run lands, plus 2 ulps; the loss plus the bound of its sum of token losses.
+  untiled model (tests/numerics.py, the twins rule): per tensor at most 32x as far from it as the
+  farthest of the untiled fp32 run and its 2 twins (the same run with attention's tokens in other
+  orders, tests/parallel/reorder_twins.py's ``TOKEN_ORDER_TWINS``) lands, plus 2 ulps; the loss plus
+  the bound of its sum of token losses.
 
 CP parity with the features on (cp=2, every backend) runs in tests/parallel/test_parity.py and
 tests/parallel/test_ulysses_parity.py.
@@ -24,19 +26,22 @@ from cptune.errors import CptuneError
 from cptune.models.head_loss import HeadLoss, check_head_loss_supported, logits_loss
 from cptune.models.offload import ActivationOffloader, enable_activation_offloading
 from cptune.models.tiled_mlp import decoder_mlps, enable_tiled_mlp, tiled_mlp
+from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_model, tiny_llama_config
 from tests import reorder
 from tests.numerics import (
-    assert_float64_rule,
+    assert_float64_twins_rule,
     assert_within,
     excess,
-    float64_excess,
     float64_logits_loss,
     float64_loss_sum,
+    float64_twins_excess,
     loss_sum_floor,
     relative_error,
     reorder_bound,
 )
+from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS
+from tests.token_orders import TWIN_ORDERS, assert_legal_twin, token_order
 
 VOCAB, TOKENS = 97, 40
 TARGETS = 2 * (TOKENS - 6)  # batch(): per row 5 prompt tokens and the last one have no target
@@ -78,19 +83,45 @@ def step(model, loss_fn=logits_loss):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def twin_steps(lora: bool, **config) -> list:
+    """``step`` of the model ``build`` gives, through each of ``TOKEN_ORDER_TWINS`` (cptune's masked SDPA, the tokens
+    in another order): the twins of the untiled fp32 run, the same function with attention's sums in other orders."""
+    from cptune.parallel.backends.attention import register_attention
+
+    register_attention()
+    kwargs, labels = batch()
+    steps = []
+    for twin in TOKEN_ORDER_TWINS:
+        backend = twin.backend(causal=True)
+        model = build(lora, **config)
+        model.set_attn_implementation(backend.attn_implementation)
+        sharded = backend.shard(TokenBatch(kwargs["input_ids"], kwargs["position_ids"], labels))
+        model.zero_grad(set_to_none=True)
+        loss, _ = logits_loss(model, sharded.model_kwargs, sharded.shift_labels)
+        loss.backward()
+        steps.append(
+            (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        )
+    return steps
+
+
 def float64_step(lora: bool, **config):
     """``step`` of the same model in float64, the loss too: the reference of the float64-reference rule."""
     return step(build(lora, **config).double(), float64_logits_loss)
 
 
-def assert_near_float64(got, reference, ref64, what: str) -> None:
-    """``got`` (loss, gradients) within the float64-reference rule, the fp32 run ``reference`` setting the scale.
+def assert_near_float64(got, references, ref64, what: str) -> None:
+    """``got`` (loss, gradients) within the twins rule, the fp32 run and its twins ``references`` setting the scale.
 
     The loss is a sum of TARGETS positive token losses: its floor is that sum's reorder bound.
     """
-    loss_errors = [relative_error(x[0], ref64[0]) for x in (got, reference)]
-    assert float64_excess(*loss_errors, floor=loss_sum_floor(TARGETS)) <= 1, (what, loss_errors)
-    assert_float64_rule(got[1], reference[1], ref64[1], what=what)
+    error, *reference_errors = (relative_error(x[0], ref64[0]) for x in (got, *references))
+    assert float64_twins_excess(error, reference_errors, loss_sum_floor(TARGETS)) <= 1, (
+        what,
+        error,
+        reference_errors,
+    )
+    assert_float64_twins_rule(got[1], [r[1] for r in references], ref64[1], what=what)
 
 
 @pytest.mark.parametrize(("lora", "chunk_bytes"), [(True, 4096), (False, 64 << 20)], ids=["lora", "full"])
@@ -144,7 +175,7 @@ def test_tiled_mlp_matches_untiled_up_to_summation_order(lora):
     tiled = step(model)
     # Float64 reference: the tiles add each weight's gradient in another order, and a BLAS may
     # round a product of 27 rows unlike one of 80.
-    assert_near_float64(tiled, untiled, float64_step(lora), "tiled MLP")
+    assert_near_float64(tiled, [untiled, *twin_steps(lora)], float64_step(lora), "tiled MLP")
     for hook in hooks:
         hook.remove()
     loss, grads = step(model)  # hooks off: the model computes as before, the same operations
@@ -234,7 +265,8 @@ def test_head_loss_matches_the_logits_loss(lora, targets, tied):
     chunked = step(model, head_loss)
     # Float64 reference: the chunks add the token losses in another order.
     ref64 = float64_step(lora, targets=targets, tie_word_embeddings=tied)
-    assert_near_float64(chunked, whole, ref64, "head loss")
+    twins = twin_steps(lora, targets=targets, tie_word_embeddings=tied)
+    assert_near_float64(chunked, [whole, *twins], ref64, "head loss")
     if targets and "lm_head" in targets:
         assert any("lm_head.lora_B" in n for n in whole[1])
 
@@ -256,14 +288,49 @@ def test_head_loss_never_holds_more_than_a_chunk_of_logits():
     handle.remove()
     targets = int((labels != -100).sum())  # 68: 22 chunks of 3 and one of 2, each run again in the backward
     assert sorted(rows) == sorted(2 * ([3] * (targets // 3) + [targets % 3]))
-    # Float64 reference: the same sums, token losses added per chunk, products of another shape.
+    # Twins rule: the same sums, token losses added per chunk, products of another shape; the whole loss and
+    # its 2 twins (the vocabulary in other orders) set the scale.
     head64 = copy.deepcopy(head).double()
     hidden64 = hidden.detach().double().requires_grad_()
     whole64 = float64_loss_sum(head64(hidden64), labels)
     (whole64_grad,) = torch.autograd.grad(whole64, hidden64)
-    loss_errors = [relative_error(x, whole64) for x in (small, whole)]
-    assert float64_excess(*loss_errors, floor=loss_sum_floor(targets)) <= 1, loss_errors
-    assert_float64_rule({"hidden": small_grad}, {"hidden": whole_grad}, {"hidden": whole64_grad})
+    twins = [vocabulary_twin(head, hidden, labels, order) for order in TWIN_ORDERS]
+    error, *reference_errors = (relative_error(x, whole64) for x in (small, whole, *(t[0] for t in twins)))
+    assert float64_twins_excess(error, reference_errors, loss_sum_floor(targets)) <= 1, (
+        error,
+        reference_errors,
+    )
+    references = [{"hidden": g} for g in (whole_grad, *(t[1] for t in twins))]
+    assert_float64_twins_rule({"hidden": small_grad}, references, {"hidden": whole64_grad})
+    for order, (twin_loss, twin_grad) in zip(TWIN_ORDERS, twins, strict=True):  # the twins are legal
+        twin64 = dict(
+            zip(("loss", "hidden"), vocabulary_twin(head64, hidden64, labels, order, True), strict=True)
+        )
+        ref64 = {"loss": whole64.detach(), "hidden": whole64_grad}
+        assert_legal_twin(
+            twin64, ref64, {"loss": twin_loss, "hidden": twin_grad}, {"loss": whole, "hidden": whole_grad}
+        )
+
+
+def vocabulary_twin(
+    head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, order: str, in_float64=False
+):
+    """``head_token_loss_sum`` of ``head`` and its gradient of ``hidden`` (``float64_loss_sum`` if ``in_float64``),
+    the vocabulary taken in ``order`` (tests/token_orders.py): the head's rows in that order and the labels renamed
+    to match, the same function with its sums over the vocabulary (the softmax's, the hidden gradient's) in
+    another order."""
+    from cptune.parallel.loss import head_token_loss_sum
+
+    vocabulary = token_order(VOCAB, order)
+    renamed = torch.where(labels == -100, labels, torch.argsort(vocabulary)[labels.clamp_min(0)])
+    weight = head.weight.detach()[vocabulary]
+    leaf = hidden.detach().requires_grad_()
+    if in_float64:
+        loss = float64_loss_sum(torch.nn.functional.linear(leaf, weight), renamed)
+    else:
+        loss = head_token_loss_sum(lambda h: torch.nn.functional.linear(h, weight), leaf, renamed, VOCAB)
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return loss.detach(), grad
 
 
 def test_head_loss_refuses_a_model_that_transforms_its_logits():
