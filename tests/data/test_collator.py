@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,7 +15,8 @@ from cptune.data.collator import PackedCollator
 from cptune.data.packing import pack_samples
 from cptune.labels import IGNORE_INDEX, document_starts, shift_labels_within_documents
 from devtools.tiny import build_tiny_model, tiny_llama_config
-from tests.numerics import float64_excess, loss_sum_floor
+from tests.numerics import float64_twins_excess, loss_sum_floor
+from tests.parallel.reorder_twins import TWINS
 
 
 def test_shift_labels_stop_at_document_ends() -> None:
@@ -78,6 +80,14 @@ def test_collator_without_position_ids_and_lengths() -> None:
         PackedCollator(pad_token_id=0, pad_to_sequence_len=True)
 
 
+#: The attentions of the reference and its twins: (implementation, context).
+TWIN_ATTENTIONS = (
+    ("sdpa", contextlib.nullcontext),
+    ("eager", contextlib.nullcontext),
+    ("sdpa", TWINS[1].context),
+)
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
     vocab = 97
@@ -101,14 +111,20 @@ def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
     batch = PackedCollator(pad_token_id=0, pad_to_multiple_of=8)(rows)
 
     @torch.no_grad()
-    def losses(model: torch.nn.Module) -> tuple[float, float, float]:
-        """The samples' loss summed one by one, in packed rows, and in packed rows without positions."""
+    def separate_loss(model: torch.nn.Module) -> float:
+        """The samples' loss summed one by one."""
         separate = 0.0
         for sample in samples:
             ids = torch.tensor([sample["input_ids"]])
             labels = torch.tensor([sample["labels"]])
             logits = model(input_ids=ids, use_cache=False).logits
             separate += summed_loss(logits[:, :-1], labels[:, 1:]).item()
+        return separate
+
+    @torch.no_grad()
+    def losses(model: torch.nn.Module) -> tuple[float, float, float]:
+        """The samples' loss summed one by one, in packed rows, and in packed rows without positions."""
+        separate = separate_loss(model)
         logits = model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
         ).logits
@@ -121,13 +137,22 @@ def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
 
     separate, packed, crossing = losses(model)
     separate64, _, _ = losses(copy.deepcopy(model).double())
+    # The reference's twins: the samples one by one through the other two of sdpa, eager attention and sdpa's
+    # math backend (tests/parallel/reorder_twins.py), the same function with attention's sums in other orders.
+    twins = []
+    for implementation, context in TWIN_ATTENTIONS:
+        if (implementation, context) != (attn_implementation, contextlib.nullcontext):
+            twin = copy.deepcopy(model)
+            twin.config._attn_implementation = implementation
+            with context():
+                twins.append(separate_loss(twin))
     targets = sum(sum(t != IGNORE_INDEX for t in s["labels"][1:]) for s in samples)
     assert int((batch["shift_labels"] != IGNORE_INDEX).sum()) == targets
 
     def excess(loss: float) -> float:
-        """Float64 reference: packed rows add the same token losses in other orders (tests/numerics.py)."""
-        error, reference_error = (abs(x - separate64) / separate64 for x in (loss, separate))
-        return float64_excess(error, reference_error, floor=loss_sum_floor(targets))
+        """Twins rule: packed rows add the same token losses in other orders (tests/numerics.py)."""
+        error, *reference_errors = (abs(x - separate64) / separate64 for x in (loss, separate, *twins))
+        return float64_twins_excess(error, reference_errors, floor=loss_sum_floor(targets))
 
     assert excess(packed) <= 1
     assert excess(crossing) > 1  # the check above can fail
