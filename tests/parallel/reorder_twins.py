@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -146,6 +147,20 @@ FP32_TWINS = (TWINS[1], TWINS[2])
 TOKEN_ORDER_TWINS = tuple(
     Twin(f"tokens-{order}", ATTENTION_NAME, False, contextlib.nullcontext, order) for order in TWIN_ORDERS
 )
+
+
+def sdpa_twin_runs(model: torch.nn.Module, run: Callable[[], Any]) -> list[Any]:
+    """``run()`` once through each twin of ``model``'s sdpa attention that needs no backend (:data:`TWINS`' eager
+    and sdpa-math: the same function, attention's sums in other orders); ``model`` set back to sdpa after."""
+    results = []
+    for twin in TWINS[:2]:
+        model.set_attn_implementation(twin.attn_implementation("sdpa"))
+        try:
+            with twin.context():
+                results.append(run())
+        finally:
+            model.set_attn_implementation("sdpa")
+    return results
 
 
 def fp32_twins(reference_attention: str) -> tuple[Twin, ...]:

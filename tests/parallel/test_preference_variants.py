@@ -30,7 +30,7 @@ from cptune.parallel.preference import (
 )
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.numerics import float64_twins_excess, float64_twins_excesses, relative_errors, reorder_bound
-from tests.parallel.reorder_twins import TWINS
+from tests.parallel.reorder_twins import sdpa_twin_runs
 from tests.parallel.test_preference import LORA, PAIRS, TRL_VERSION, adapter_copy
 
 HAS_TRL = importlib.util.find_spec("trl") is not None
@@ -138,23 +138,15 @@ def _trl_step(trainer, rows, names):
     return float(loss.detach()), {n: float(metrics[n]) for n in names}, grads
 
 
-#: The twins of TRL's fp32 step (tests/parallel/reorder_twins.py): transformers' eager attention, and sdpa's math
-#: backend, for the reference's sdpa; the same function, attention's sums in other orders. Not the batch's rows in
-#: other orders (tests/parallel/test_preference.py's twins): the SimPO case of one pair has one row.
-TRL_TWINS = (TWINS[0], TWINS[1])
-
-
 def _trl_twin_steps(trainer, rows, names):
-    """``_trl_step`` of TRL's fp32 trainer and of its twins (:data:`TRL_TWINS`), each ``(loss, metrics, grads)``."""
-    steps = [_trl_step(trainer, rows, names)]
-    for twin in TRL_TWINS:
-        trainer.model.set_attn_implementation(twin.attn_implementation("sdpa"))
-        try:
-            with twin.context():
-                steps.append(_trl_step(trainer, rows, names))
-        finally:
-            trainer.model.set_attn_implementation("sdpa")
-    return steps
+    """``_trl_step`` of TRL's fp32 trainer and of its twins, each ``(loss, metrics, grads)``: transformers' eager
+    attention and sdpa's math backend for the reference's sdpa (tests/parallel/reorder_twins.py's
+    ``sdpa_twin_runs``), the same function with attention's sums in other orders. Not the batch's rows in other
+    orders (tests/parallel/test_preference.py's twins): the SimPO case of one pair has one row."""
+    return [
+        _trl_step(trainer, rows, names),
+        *sdpa_twin_runs(trainer.model, lambda: _trl_step(trainer, rows, names)),
+    ]
 
 
 def _cptune_step(trainer, rows, tokenizer, loss):
@@ -215,7 +207,7 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
     The same tiny model, adapter weights and tokens (asserted). Tolerance, the twins rule (tests/numerics.py)
     as in the DPO comparison: TRL also runs in float64; cptune's fp32 loss, each metric and each LoRA gradient
     tensor land at most 32x as far from TRL's float64 value as the farthest of TRL's own fp32 run and its 2
-    twins (:data:`TRL_TWINS`), plus a floor (the reorder bound of the per-token means behind the value; 2 ulps
+    twins (``_trl_twin_steps``), plus a floor (the reorder bound of the per-token means behind the value; 2 ulps
     for gradients).
     """
     import trl
