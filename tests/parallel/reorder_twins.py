@@ -152,6 +152,7 @@ TOKEN_ORDER_TWINS = tuple(
 def sdpa_twin_runs(model: torch.nn.Module, run: Callable[[], Any]) -> list[Any]:
     """``run()`` once through each twin of ``model``'s sdpa attention that needs no backend (:data:`TWINS`' eager
     and sdpa-math: the same function, attention's sums in other orders); ``model`` set back to sdpa after."""
+    assert model.config._attn_implementation == "sdpa", "these are the twins of an sdpa reference"
     results = []
     for twin in TWINS[:2]:
         model.set_attn_implementation(twin.attn_implementation("sdpa"))

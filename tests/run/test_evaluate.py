@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from tests.collective_audit import EVAL_TOTALS
 from tests.conftest import REPO
 from tests.dist_utils import run_ranks
-from tests.numerics import float64_excess, loss_sum_floor, reorder_bound
+from tests.numerics import float64_twins_excess, loss_sum_floor, reorder_bound
+from tests.parallel.reorder_twins import sdpa_twin_runs
 
 WORKER = Path(__file__).with_name("eval_worker.py")
 TINY_LLAMA = REPO / "examples" / "tiny-llama"  # has a chat template, which the preference type renders with
@@ -65,6 +66,19 @@ def reference_loss(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return _mean_loss(model, rows)
+
+
+def twin_reference_losses(model_dir: Path, rows: list[dict]) -> list[float]:
+    """``reference_loss`` in fp32 through the 2 twins of the model's sdpa attention (eager, sdpa's math backend:
+    tests/parallel/reorder_twins.py), the same function with attention's sums in other orders."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [loss for loss, _ in sdpa_twin_runs(model, lambda: _mean_loss(model, rows))]
+
+
+def _mean_loss(model: torch.nn.Module, rows: list[dict]) -> tuple[float, int]:
     total, count = 0.0, 0
     with torch.no_grad():
         for row in rows:
@@ -123,13 +137,14 @@ def prepared_eval_rows(recipe_path: Path) -> list[dict]:
     return list(prepare_datasets(recipe, load_tokenizer(recipe)).eval)
 
 
-def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[str, float]:
+def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype, twins: bool = False):
     """DPO's eval loss and TRL's metrics (means over pairs), every evaluation pair's sides through the plain model.
 
     Each side (a document of the prepared row) is a row of its own in one right-padded batch (causal attention:
     the padding after a side never reaches it), with the adapter and with it disabled (the reference); the
     log-prob sums in float64. Also returns ``longest`` (the most targets of a side) and ``magnitude`` (the
-    largest |log-prob sum|), the floors' inputs.
+    largest |log-prob sum|), the floors' inputs. ``twins``: a list instead, the same through the 2 twins of the
+    model's sdpa attention after it (eager, sdpa's math backend: tests/parallel/reorder_twins.py).
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -151,11 +166,18 @@ def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[s
         losses = F.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
         return (-losses.sum(-1)).tolist()
 
-    with torch.no_grad():
-        policy = log_prob_sums()
-        with model.disable_adapter():
-            reference = log_prob_sums()
-    targets = (labels[:, 1:] != -100).sum(-1).tolist()
+    def metrics() -> dict[str, float]:
+        with torch.no_grad():
+            policy = log_prob_sums()
+            with model.disable_adapter():
+                reference = log_prob_sums()
+        return dpo_metrics(policy, reference, (labels[:, 1:] != -100).sum(-1).tolist())
+
+    return [metrics(), *sdpa_twin_runs(model, metrics)] if twins else metrics()
+
+
+def dpo_metrics(policy: list[float], reference: list[float], targets: list[int]) -> dict[str, float]:
+    """DPO's loss and TRL's metrics (means over pairs) of every side's log-prob sums, chosen then rejected."""
     sides = list(zip(policy, reference, targets, strict=True))
     totals = dict.fromkeys(("loss", *DPO_METRICS), 0.0)
     for (pc, rc, _), (pr, rr, _) in zip(sides[0::2], sides[1::2], strict=True):
@@ -182,13 +204,14 @@ def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype) -> dict[s
 
 
 def dpo_eval_failures(got: dict[str, list[dict]], adapter: Path, recipe: Path) -> dict[str, float]:
-    """Each DPO run's eval metrics on every rank against the cp=1 values by the float64-reference rule.
+    """Each DPO run's eval metrics on every rank against the cp=1 values by the twins rule (tests/numerics.py:
+    the cp=1 values through the plain model and through its 2 twins set the limit).
 
     Returns the runs and metrics over the rule's limit (empty: all within). Accuracy (a share of pairs)
     must be equal.
     """
     rows = prepared_eval_rows(recipe)
-    expected = dpo_reference(rows, adapter, torch.float32)
+    expected, *twins = dpo_reference(rows, adapter, torch.float32, twins=True)
     expected64 = dpo_reference(rows, adapter, torch.float64)
     assert 0 < expected["rewards/accuracies"] < 1 and abs(expected["rewards/margins"]) > 1e-3, expected
     print(f"dpo eval reference: {expected}")
@@ -207,7 +230,8 @@ def dpo_eval_failures(got: dict[str, list[dict]], adapter: Path, recipe: Path) -
                 scale = 1.0 if key.startswith("logps") else 2 * DPO_BETA
                 floor = reorder_bound(expected["longest"], scale * expected["magnitude"]) / abs(want64)
                 rel = abs(value - want64) / abs(want64)
-                excess = float64_excess(rel, abs(want - want64) / abs(want64), floor=floor)
+                twin_errors = [abs(x - want64) / abs(want64) for x in (want, *(t[key] for t in twins))]
+                excess = float64_twins_excess(rel, twin_errors, floor=floor)
                 worst[name] = max(worst.get(name, 0.0), excess)
                 if excess > 1:
                     failures[f"{name} {key}"] = excess
@@ -234,6 +258,7 @@ def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
     rows = write_eval_data(tmp_path / "eval.jsonl", len(AutoTokenizer.from_pretrained(tiny_model_dir)))
     expected, expected_tokens = reference_loss(tiny_model_dir, rows)
     expected64, _ = reference_loss(tiny_model_dir, rows, torch.float64)
+    twins = twin_reference_losses(tiny_model_dir, rows)
     recipes: dict[int, list[Path]] = {world: [] for world in LAUNCHES}
     for world, runs in LAUNCHES.items():
         for name, cp in runs:
@@ -286,10 +311,10 @@ def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
         for metrics in ranks:
             assert metrics["eval_tokens"] == expected_tokens, name
             assert math.isclose(metrics["eval_perplexity"], math.exp(metrics["eval_loss"]), rel_tol=1e-12)
-        # Float64 reference (tests/numerics.py): 16x as far from it as the fp32 reference, plus the
-        # reorder bound of the sum of the set's token losses.
+        # Twins rule (tests/numerics.py): 32x as far from float64 as the farthest of the fp32 reference and its 2
+        # twins, plus the reorder bound of the sum of the set's token losses.
         errors = [abs(m["eval_loss"] - expected64) / expected64 for m in ranks]
-        reference_error = abs(expected - expected64) / expected64
-        excess = float64_excess(max(errors), reference_error, floor=loss_sum_floor(expected_tokens))
+        reference_errors = [abs(x - expected64) / expected64 for x in (expected, *twins)]
+        excess = float64_twins_excess(max(errors), reference_errors, floor=loss_sum_floor(expected_tokens))
         assert excess <= 1, (name, ranks, expected, expected64)
     collective_audit.check(EVAL_TOTALS)
