@@ -10,7 +10,7 @@ suite is one of these kinds, and the test says which in a comment:
   within ``n·eps·Σ|terms|`` of each other. For a chain of sums (a matrix product, a backward pass)
   ``n`` is the sum of the lengths along the chain and ``Σ|terms|`` the same chain computed on
   absolute values (the first-order bound of a product of sums, Higham §3.5).
-- **float64 reference, twins** (:func:`assert_float64_twins_rule`, :func:`float64_twins_excess`): the
+- **float64 reference** (the twins rule: :func:`assert_float64_twins_rule`, :func:`float64_twins_excess`): the
   quantity is also computed in float64, and the fp32 reference again in at least 2 other legal orders
   (its twins: the same function with its sums in other orders). The path under test may land at most
   :data:`FP32_TWINS_FACTOR` times as far from float64 as the farthest of the reference and its twins,
@@ -24,12 +24,6 @@ suite is one of these kinds, and the test says which in a comment:
   transformers' eager attention and sdpa's math backend (``TWINS``), a batch's rows or a head's
   vocabulary in other orders; each twin checked to be the same function (tests/token_orders.py's
   ``assert_legal_twin``, tests/parallel/test_reorder_twins.py).
-- **float64 reference, one draw** (:func:`float64_excess`, :func:`assert_float64_rule`): the same with
-  the fp32 reference alone and :data:`SAME_BOUND_FACTOR`: a 4.0e-2 chance of a false failure per check
-  (:data:`FP32_TWINS_FACTOR`'s table, m = 1). Left only where the twins are not yet given (issue 26):
-  tests/data/test_collator.py, tests/run/test_evaluate.py and tests/run/test_inference.py (scalar
-  losses, whose floor, the reorder bound of their sum of token losses, sits far above a sum's realised
-  rounding), tests/run/test_train_fsdp.py and tests/run/test_resume.py (logits of a loaded model).
 - **reorder floor**: the same run computes the reference again in several legal orders (bf16
   parity: 3 twins, eager attention, sdpa's math backend and cptune's document attention against
   the reference's sdpa; tests/parallel/reorder_twins.py); the path under test may land a stated
@@ -55,22 +49,6 @@ from cptune.labels import IGNORE_INDEX
 EPS32 = torch.finfo(torch.float32).eps  # 2**-23
 EPS_BF16 = torch.finfo(torch.bfloat16).eps  # 2**-7
 
-#: The single-draw rule (:func:`float64_excess`), left to the checks the module docstring names; the twins rule
-#: (:data:`FP32_TWINS_FACTOR`) replaced it everywhere else.
-#:
-#: How much farther from float64 a path under test may land than the fp32 reference path does. The
-#: reference's own distance from float64 is one draw of its rounding, not a bound: on the same cases
-#: (tests/parallel/test_parity.py's DPO, SimPO and ORPO pairs, seeds 11 to 16) its median over the 28
-#: gradient tensors moves 4x with the seed alone (5.3e-7 to 2.2e-6), while the CP path's error, which
-#: adds the rounding of partial attention merged by LSE and of partial gradients all-reduced and divided
-#: by the world size, stays near 5e-6. A factor of 8 put one of those 12 seeds at 1.11x its limit and the
-#: next at 0.56x; 16 covers the seed-to-seed spread of the draw times the CP path's extra rounding, so a
-#: CPU that rounds the reference luckier than this one does not fail a correct run. Planted bugs land
-#: 1e3-1e6 times past a factor-8 limit (test_parity.py), so still 500x past this one. The sound fix is
-#: the bf16 check's: the reference computed in several legal orders, the limit from the farthest
-#: (:data:`FP32_TWINS_FACTOR`, which the parity checks, the kernel and backend tests and the TRL comparisons
-#: use).
-SAME_BOUND_FACTOR = 16.0
 #: How much farther from float64 a parity run may land than the farthest of the fp32 cp=1 reference and its
 #: reorder twins (tests/parallel/reorder_twins.py's ``FP32_TWINS``: sdpa's math backend and cptune's document
 #: attention, the reference's own sums in other orders; tests/parallel/test_parity.py's ``fp32_excesses``).
@@ -158,18 +136,11 @@ def relative_errors(got: Mapping[str, torch.Tensor], ref64: Mapping[str, torch.T
     return {name: relative_error(got[name], ref) for name, ref in ref64.items()}
 
 
-def float64_excess(error: float, reference_error: float, floor: float = ULP_FLOOR) -> float:
-    """How far a path under test lands from float64, against what the float64-reference rule allows.
-
-    ``error`` and ``reference_error``: the path under test's and the fp32 reference's relative
-    errors against the float64 reference. Above 1 is outside.
-    """
-    return error / (SAME_BOUND_FACTOR * reference_error + floor)
-
-
 def float64_twins_excess(error: float, reference_errors: Sequence[float], floor: float = ULP_FLOOR) -> float:
-    """:func:`float64_excess` against the farthest of the fp32 reference and its twins (``reference_errors``, each
-    one's relative error against float64), with :data:`FP32_TWINS_FACTOR`. Above 1 is outside."""
+    """How far a path under test lands from float64 (``error``, its relative error against the float64
+    reference), against what the twins rule allows: :data:`FP32_TWINS_FACTOR` times the farthest of the fp32
+    reference and its twins (``reference_errors``, each one's relative error against float64), plus ``floor``.
+    Above 1 is outside."""
     return error / (FP32_TWINS_FACTOR * max(reference_errors) + floor)
 
 
@@ -198,29 +169,6 @@ def assert_float64_twins_rule(
     )
     reference_errors = [relative_errors(r, ref64) for r in references]
     excesses = float64_twins_excesses(relative_errors(got, ref64), reference_errors, floor)
-    worst = max(excesses, key=excesses.get)
-    assert excesses[worst] <= 1, f"{what}: {worst} at {excesses[worst]:.3g} times the tolerance"
-
-
-def float64_excesses(
-    errors: Mapping[str, float], reference_errors: Mapping[str, float], floor: float = ULP_FLOOR
-) -> dict[str, float]:
-    """:func:`float64_excess` of every tensor."""
-    return {n: float64_excess(errors[n], reference_errors[n], floor) for n in reference_errors}
-
-
-def assert_float64_rule(
-    got: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    ref64: Mapping[str, torch.Tensor],
-    floor: float = ULP_FLOOR,
-    what: str = "",
-) -> None:
-    """Every tensor of ``got`` (the path under test) within the float64-reference rule.
-
-    ``reference`` is the fp32 reference path, ``ref64`` the same computed in float64.
-    """
-    excesses = float64_excesses(relative_errors(got, ref64), relative_errors(reference, ref64), floor)
     worst = max(excesses, key=excesses.get)
     assert excesses[worst] <= 1, f"{what}: {worst} at {excesses[worst]:.3g} times the tolerance"
 
