@@ -21,7 +21,7 @@ suite is one of these kinds, and the test says which in a comment:
   that land on float64 by luck (a scalar can): the bound of the last sum, or :data:`ULP_FLOOR`. The
   twins: the parity launches' (tests/parallel/reorder_twins.py's ``FP32_TWINS``), the tokens of an
   attention reference in other orders (tests/token_orders.py; ``TOKEN_ORDER_TWINS`` for a model),
-  transformers' eager attention and sdpa's math backend (``TWINS``), a batch's rows or a head's
+  sdpa's math backend and sdpa over the tokens reversed (``sdpa_twin_runs``), a batch's rows or a head's
   vocabulary in other orders; each twin checked to be the same function (tests/token_orders.py's
   ``assert_legal_twin``, tests/parallel/test_reorder_twins.py).
 - **reorder floor**: the same run computes the reference again in several legal orders (bf16

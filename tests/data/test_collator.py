@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
@@ -16,7 +15,7 @@ from cptune.data.packing import pack_samples
 from cptune.labels import IGNORE_INDEX, document_starts, shift_labels_within_documents
 from devtools.tiny import build_tiny_model, tiny_llama_config
 from tests.numerics import float64_twins_excess, loss_sum_floor
-from tests.parallel.reorder_twins import TWINS
+from tests.parallel.reorder_twins import sdpa_twin_runs
 
 
 def test_shift_labels_stop_at_document_ends() -> None:
@@ -80,14 +79,6 @@ def test_collator_without_position_ids_and_lengths() -> None:
         PackedCollator(pad_token_id=0, pad_to_sequence_len=True)
 
 
-#: The attentions of the reference and its twins: (implementation, context).
-TWIN_ATTENTIONS = (
-    ("sdpa", contextlib.nullcontext),
-    ("eager", contextlib.nullcontext),
-    ("sdpa", TWINS[1].context),
-)
-
-
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
     vocab = 97
@@ -137,15 +128,13 @@ def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
 
     separate, packed, crossing = losses(model)
     separate64, _, _ = losses(copy.deepcopy(model).double())
-    # The reference's twins: the samples one by one through the other two of sdpa, eager attention and sdpa's
-    # math backend (tests/parallel/reorder_twins.py), the same function with attention's sums in other orders.
-    twins = []
-    for implementation, context in TWIN_ATTENTIONS:
-        if (implementation, context) != (attn_implementation, contextlib.nullcontext):
-            twin = copy.deepcopy(model)
-            twin.config._attn_implementation = implementation
-            with context():
-                twins.append(separate_loss(twin))
+    # The reference's twins: the samples one by one through sdpa's math backend and sdpa over the tokens reversed
+    # (tests/parallel/reorder_twins.py's sdpa_twin_runs), the same function with attention's sums in other orders;
+    # for the eager reference plain sdpa instead of the math backend, which rounds as eager does on CPU.
+    twin = copy.deepcopy(model)
+    twin.config._attn_implementation = "sdpa"
+    math, reversed_tokens = sdpa_twin_runs(twin, lambda: separate_loss(twin))
+    twins = [math if attn_implementation == "sdpa" else separate_loss(twin), reversed_tokens]
     targets = sum(sum(t != IGNORE_INDEX for t in s["labels"][1:]) for s in samples)
     assert int((batch["shift_labels"] != IGNORE_INDEX).sum()) == targets
 

@@ -149,15 +149,57 @@ TOKEN_ORDER_TWINS = tuple(
 )
 
 
+#: transformers' sdpa attention over the tokens reversed (:func:`reversed_sdpa_forward`), registered by
+#: :func:`sdpa_twin_runs`.
+REVERSED_SDPA = "cptune_test_reversed_sdpa"
+
+
+def reversed_sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' ``sdpa_attention_forward`` with the tokens reversed (the mask following them; none given: the
+    causal mask a decoder's sdpa call implies) and the output put back: the same attention, its sums over keys and
+    (in the backward) over queries in another order. Tensors (batch, heads, tokens, head_dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    queries, keys = query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) and queries > 1
+        visible = torch.ones(queries, keys, dtype=torch.bool, device=query.device)
+        attention_mask = visible.tril(keys - queries) if causal else visible
+    q_order, k_order = token_order(queries, "reversed"), token_order(keys, "reversed")
+    mask = attention_mask[..., q_order, :][..., k_order]
+    kwargs.pop("is_causal", None)
+    out, weights = sdpa_attention_forward(
+        module,
+        query[:, :, q_order],
+        key[:, :, k_order],
+        value[:, :, k_order],
+        mask,
+        *args,
+        is_causal=False,
+        **kwargs,
+    )
+    return put_back(out, q_order, 1), weights
+
+
 def sdpa_twin_runs(model: torch.nn.Module, run: Callable[[], Any]) -> list[Any]:
-    """``run()`` once through each twin of ``model``'s sdpa attention that needs no backend (:data:`TWINS`' eager
-    and sdpa-math: the same function, attention's sums in other orders); ``model`` set back to sdpa after."""
+    """``run()`` once through each of 2 twins of ``model``'s sdpa attention that need no backend: sdpa's math backend
+    and sdpa over the tokens reversed (:data:`REVERSED_SDPA`), the same function with attention's sums in other
+    orders; ``model`` set back to sdpa after. Not transformers' eager attention: on CPU it rounds bit for bit as sdpa's
+    math backend does (measured on the tiny Llama), so it would be no draw of its own."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     assert model.config._attn_implementation == "sdpa", "these are the twins of an sdpa reference"
+    AttentionInterface.register(REVERSED_SDPA, reversed_sdpa_forward)
+    AttentionMaskInterface.register(REVERSED_SDPA, sdpa_mask)  # the masks transformers builds for sdpa
     results = []
-    for twin in TWINS[:2]:
-        model.set_attn_implementation(twin.attn_implementation("sdpa"))
+    for implementation, context in (
+        (TWINS[1].attn_implementation("sdpa"), TWINS[1].context),
+        (REVERSED_SDPA, contextlib.nullcontext),
+    ):
+        model.set_attn_implementation(implementation)
         try:
-            with twin.context():
+            with context():
                 results.append(run())
         finally:
             model.set_attn_implementation("sdpa")

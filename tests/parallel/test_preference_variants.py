@@ -139,8 +139,8 @@ def _trl_step(trainer, rows, names):
 
 
 def _trl_twin_steps(trainer, rows, names):
-    """``_trl_step`` of TRL's fp32 trainer and of its twins, each ``(loss, metrics, grads)``: transformers' eager
-    attention and sdpa's math backend for the reference's sdpa (tests/parallel/reorder_twins.py's
+    """``_trl_step`` of TRL's fp32 trainer and of its twins, each ``(loss, metrics, grads)``: sdpa's math
+    backend and sdpa over the tokens reversed for the reference's sdpa (tests/parallel/reorder_twins.py's
     ``sdpa_twin_runs``), the same function with attention's sums in other orders. Not the batch's rows in other
     orders (tests/parallel/test_preference.py's twins): the SimPO case of one pair has one row."""
     return [

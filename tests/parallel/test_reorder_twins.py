@@ -26,7 +26,7 @@ from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_gpt_oss, build_tiny_mistral, build_tiny_model, tiny_llama_config
 from tests.numerics import assert_float64_twins_rule
 from tests.parallel.masked_eager import MaskedEagerBackend
-from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS, TWINS, fp32_twins
+from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS, TWINS, fp32_twins, sdpa_twin_runs
 from tests.token_orders import assert_legal_twin
 
 VOCAB = 97
@@ -134,3 +134,31 @@ def test_every_fp32_twin_computes_the_reference_function_and_adds_in_another_ord
         got64 = twin_logits(model64, twin, batch, attention, causal)
         what = f"{reference_name} {twin.name}"
         assert_legal_twin({"logits": got64}, {"logits": ref64}, {"logits": got}, {"logits": reference}, what)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["rows", "padded-rows"])
+def test_the_sdpa_twins_compute_the_reference_function_and_add_in_other_orders(padded):
+    """``sdpa_twin_runs``' twins (sdpa's math backend, sdpa over the tokens reversed) of a plain sdpa model call, with
+    transformers' own masks (causal; causal and padding): each legal (``assert_legal_twin``), and the two twins not
+    bit-identical to each other either (each a draw of its own; eager attention was not: it rounds as the math
+    backend does)."""
+    model = BUILDERS["llama"]().float()
+    model.set_attn_implementation("sdpa")
+    model64 = copy.deepcopy(model).double()
+    ids = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(2))
+    kwargs = {"input_ids": ids}
+    if padded:
+        kwargs["attention_mask"] = (torch.arange(20) < torch.tensor([[20], [15], [9]])).long()
+    real = kwargs.get(
+        "attention_mask", torch.ones_like(ids)
+    ).bool()  # padded positions' logits are not compared
+    with torch.no_grad():
+        reference, ref64 = (m(**kwargs).logits[real] for m in (model, model64))
+        twins = sdpa_twin_runs(model, lambda: model(**kwargs).logits[real])
+        twins64 = sdpa_twin_runs(model64, lambda: model64(**kwargs).logits[real])
+    for name, twin, twin64 in zip(("sdpa-math", "tokens reversed"), twins, twins64, strict=True):
+        assert_legal_twin(
+            {"logits": twin64}, {"logits": ref64}, {"logits": twin}, {"logits": reference}, name
+        )
+    assert not torch.equal(*twins)
+    assert model.config._attn_implementation == "sdpa"

@@ -405,8 +405,8 @@ def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Pat
     """``loaded`` (the saved folder, in one plain process) gives the logits the sharded model computed.
 
     Twins rule (tests/numerics.py): the sharded model's logits may land 32x as far from the saved folder's in
-    float64 as the farthest of its own fp32 logits in one process and their 2 twins (eager attention, sdpa's
-    math backend: tests/parallel/reorder_twins.py) do.
+    float64 as the farthest of its own fp32 logits in one process and their 2 twins (sdpa's math backend, sdpa
+    over the tokens reversed: tests/parallel/reorder_twins.py) do.
     """
     from transformers import AutoTokenizer
 
