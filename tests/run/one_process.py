@@ -69,24 +69,33 @@ class OneProcessRuns:
     def __init__(self, root: Path, tiny_model_dir: Path, wanted: set[str]):
         self.root, self.tiny_model_dir, self.wanted = root, tiny_model_dir, wanted
         self.trained: set[str] = set()
+        self.failed: dict[str, str] = {}
         self.launches = 0
 
     def __getitem__(self, name: str) -> Path:
+        if name in self.failed:  # one launch trains them all: its failure is every test's that asked for them
+            pytest.fail(
+                f"the launch that trained the references {name!r} failed: {self.failed[name]}", pytrace=False
+            )
         if name not in self.trained:
             self._train(sorted({name} | (self.wanted - self.trained)))
         return self.root / name
 
     def _train(self, names: list[str]) -> None:
-        recipes = []
-        for name in names:
-            folder = self.root / name
-            folder.mkdir()
-            recipes += [str(path) for path in REFERENCES[name].write(folder, self.tiny_model_dir)]
         self.launches += 1
         launch = self.root / f"launch-{self.launches}"
-        # Outside the collective audit of the test that asks first (tests/collective_audit.py): the same
-        # launch whichever test that is. The default timeout is meant for one run.
-        with pytest.MonkeyPatch.context() as patch:
-            patch.delenv(AUDIT_VARIABLE, raising=False)
-            run_ranks(WORKER, 1, launch, *recipes, timeout=240 + 120 * len(recipes))
+        try:
+            recipes = []
+            for name in names:
+                folder = self.root / name
+                folder.mkdir()
+                recipes += [str(path) for path in REFERENCES[name].write(folder, self.tiny_model_dir)]
+            # Outside the collective audit of the test that asks first (tests/collective_audit.py): the same
+            # launch whichever test that is. The default timeout is meant for one run.
+            with pytest.MonkeyPatch.context() as patch:
+                patch.delenv(AUDIT_VARIABLE, raising=False)
+                run_ranks(WORKER, 1, launch, *recipes, timeout=240 + 120 * len(recipes))
+        except BaseException:
+            self.failed |= dict.fromkeys(names, f"see the first test that asked, and {launch / 'rank0.log'}")
+            raise
         self.trained |= set(names)
