@@ -70,6 +70,7 @@ class OneProcessRuns:
         self.root, self.tiny_model_dir, self.wanted = root, tiny_model_dir, wanted
         self.trained: set[str] = set()
         self.failed: dict[str, str] = {}
+        self.launched_in: dict[str, Path] = {}
         self.launches = 0
 
     def __getitem__(self, name: str) -> Path:
@@ -80,6 +81,11 @@ class OneProcessRuns:
         if name not in self.trained:
             self._train(sorted({name} | (self.wanted - self.trained)))
         return self.root / name
+
+    def log(self, name: str) -> str:
+        """What the launch that trained ``name`` logged (every run of that launch, one after the other)."""
+        self[name]
+        return (self.launched_in[name] / "rank0.log").read_text()
 
     def _train(self, names: list[str]) -> None:
         self.launches += 1
@@ -99,3 +105,4 @@ class OneProcessRuns:
             self.failed |= dict.fromkeys(names, f"see the first test that asked, and {launch / 'rank0.log'}")
             raise
         self.trained |= set(names)
+        self.launched_in |= dict.fromkeys(names, launch)
