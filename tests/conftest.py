@@ -61,32 +61,37 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), texts, seed=0)
 
 
+def lora_recipe(folder: Path, tiny_model_dir: Path, name: str = "recipe.yaml", **keys: Any) -> Path:
+    """Write a small LoRA recipe for the tiny model into ``folder``; keyword arguments override keys."""
+    recipe: dict[str, Any] = {
+        "base_model": str(tiny_model_dir),
+        # Axolotl's alpaca without its preamble: the rows the tiny model was trained on (type: alpaca's
+        # preamble is checked in tests/data and tests/axolotl).
+        "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
+        "dataset_prepared_path": str(folder / "prepared"),
+        "sequence_len": 128,
+        "sample_packing": True,
+        "adapter": "lora",
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "micro_batch_size": 2,
+        "max_steps": 4,
+        "learning_rate": 0.002,
+        "output_dir": str(folder / "out"),
+        "logging_steps": 1,
+    }
+    recipe.update(keys)
+    path = folder / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
 @pytest.fixture
 def write_recipe(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Path]:
-    """Write a small LoRA recipe for the tiny model into tmp_path; keyword arguments override keys."""
+    """Write a small LoRA recipe for the tiny model into tmp_path (:func:`lora_recipe`)."""
 
     def write(name: str = "recipe.yaml", **keys: Any) -> Path:
-        recipe: dict[str, Any] = {
-            "base_model": str(tiny_model_dir),
-            # Axolotl's alpaca without its preamble: the rows the tiny model was trained on (type: alpaca's
-            # preamble is checked in tests/data and tests/axolotl).
-            "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
-            "dataset_prepared_path": str(tmp_path / "prepared"),
-            "sequence_len": 128,
-            "sample_packing": True,
-            "adapter": "lora",
-            "lora_r": 8,
-            "lora_alpha": 16,
-            "micro_batch_size": 2,
-            "max_steps": 4,
-            "learning_rate": 0.002,
-            "output_dir": str(tmp_path / "out"),
-            "logging_steps": 1,
-        }
-        recipe.update(keys)
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(recipe))
-        return path
+        return lora_recipe(tmp_path, tiny_model_dir, name, **keys)
 
     return write
 

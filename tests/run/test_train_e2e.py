@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
-from tests.conftest import logged, logged_losses, max_rel_diff, run_cptune
+from tests.conftest import logged, logged_losses, lora_recipe, max_rel_diff
 from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
+from tests.run.one_process import one_process_reference
 from tests.run.test_resume import WORKER
+
+# The runs of the test below: SGD with gradient accumulation 2, LoRA with dropout, evaluated at the end.
+# 5 steps logged every 2: the last step is not a logging step, so the run's train_loss includes
+# a loss that the Trainer does not average over the ranks unless cptune logs the last step.
+COMMON = dict(
+    max_steps=5,
+    logging_steps=2,
+    optimizer="sgd",
+    learning_rate=0.05,
+    gradient_accumulation_steps=2,
+    lora_dropout=0.1,
+    val_set_size=5,  # 5 rows over 2 data-parallel groups: one group evaluates a filler row
+    eval_steps=5,
+)
+
+
+@one_process_reference("e2e", "test_cp4_and_dp2xcp2_match_cp1_step_by_step")
+def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The cp=1 run of :data:`COMMON`, into ``folder / "cp1"``."""
+    keys = {**COMMON, "context_parallel_size": 1, "output_dir": str(folder / "cp1")}
+    return [lora_recipe(folder, tiny_model_dir, "cp1.yaml", **keys)]
 
 
 @pytest.mark.distributed
-def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_model_dir, collective_audit):
+def test_cp4_and_dp2xcp2_match_cp1_step_by_step(
+    write_recipe, tmp_path, tiny_model_dir, collective_audit, one_process_runs
+):
     """ring-flash-attn, LoRA with dropout, through the Trainer: losses, gradient norms and eval loss.
 
     SGD with gradient accumulation 2: SGD's update is linear in the gradient, so a wrong
@@ -21,24 +47,10 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_mod
     every later loss; the gradient norm the Trainer logs shows it from the first step.
     AdamW would hide it (its update does not change when the gradient is scaled).
     ``lora_dropout: 0.1``: each rank must draw its slice of the masks cp=1 draws.
+    The cp=1 run trains in the session's one process of cp=1 references (tests/run/one_process.py).
     """
-    common = dict(
-        max_steps=5,
-        logging_steps=2,
-        optimizer="sgd",
-        learning_rate=0.05,
-        gradient_accumulation_steps=2,
-        lora_dropout=0.1,
-        val_set_size=5,  # 5 rows over 2 data-parallel groups: one group evaluates a filler row
-        eval_steps=5,
-    )
-    # 5 steps logged every 2: the last step is not a logging step, so the run's train_loss includes
-    # a loss that the Trainer does not average over the ranks unless cptune logs the last step.
-    recipe = write_recipe(**common)
-    cp1 = tmp_path / "cp1"
-    done = run_cptune("train", str(recipe), f"--output_dir={cp1}", "--context_parallel_size=1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
+    references = one_process_runs["e2e"]
+    cp1 = references / "cp1"
     # cp=4, and dp=2 groups of micro batch 1 (the rows the cp=1 run trains as micro batch 2): both
     # world size 4, so one launch of 4 processes trains them one after the other. `cptune train`'s
     # own launch of 4 processes is run by tests/run/test_train_torch_cp.py and test_deepspeed_e2e.py.
@@ -47,13 +59,19 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(write_recipe, tmp_path, tiny_mod
         "dp2xcp2": {"context_parallel_size": 2, "micro_batch_size": 1},
     }
     recipes = [
-        write_recipe(f"{name}.yaml", **common, **keys, output_dir=str(tmp_path / name))
+        write_recipe(
+            f"{name}.yaml",
+            **COMMON,
+            **keys,
+            output_dir=str(tmp_path / name),
+            dataset_prepared_path=str(references / "prepared"),  # the data the cp=1 run prepared
+        )
         for name, keys in layouts.items()
     ]
     run_ranks(WORKER, 4, tmp_path / "launch", *map(str, recipes))
     logs = {
-        name: {key: logged(tmp_path / name, key) for key in ("loss", "grad_norm", "eval_loss", "train_loss")}
-        for name in ("cp1", *layouts)
+        name: {key: logged(out, key) for key in ("loss", "grad_norm", "eval_loss", "train_loss")}
+        for name, out in {"cp1": cp1, **{name: tmp_path / name for name in layouts}}.items()
     }
     expected = logs["cp1"]
     # Logged after steps 1 (the first), 2, 4 and 5 (the last).
@@ -87,8 +105,6 @@ def assert_adapter_loads_with_peft(out, tiny_model_dir) -> None:
 
 @pytest.mark.distributed
 def test_train_reverts_every_patch_after_success_and_failure(write_recipe, tmp_path):
-    from pathlib import Path
-
     recipe = write_recipe(max_steps=1, context_parallel_size=2)
     worker = Path(__file__).with_name("revert_worker.py")
     results = run_ranks(worker, 2, tmp_path / "ranks", str(recipe), bitsandbytes=False)

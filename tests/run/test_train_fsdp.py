@@ -33,6 +33,7 @@ from tests.conftest import QUICKSTART_DATA, REPO, logged, logged_losses, max_rel
 from tests.dist_utils import run_ranks
 from tests.numerics import assert_float64_twins_rule, logged_tolerance
 from tests.parallel.reorder_twins import sdpa_twin_runs
+from tests.run.one_process import one_process_reference
 from tests.run.test_resume import WORKER, run_until_killed, step_logs
 
 MAX_STEPS, SAVE_STEPS = 4, 2
@@ -193,6 +194,16 @@ def full_runs(four_rank_runs):
     return root / "sharded", ranks["sharded"], references["sharded"]
 
 
+BF16_KEYS = {"adapter": "lora", "lora_r": 8, "bf16": True, "max_steps": 2}
+"""The bf16 LoRA run of :func:`two_rank_runs` (and of its one-process reference)."""
+
+
+@one_process_reference("fsdp-bf16", "test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights")
+def bf16_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The bf16 run of :func:`two_rank_runs` in one process, into ``folder / "reference"``."""
+    return [write_recipe(folder, tiny_model_dir, "reference", **BF16_KEYS, context_parallel_size=1)]
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory, tiny_model_dir):
     """The 2-process runs (cp=2, FSDP2 over both ranks) of this module, in one launch.
@@ -203,7 +214,7 @@ def two_rank_runs(tmp_path_factory, tiny_model_dir):
     """
     root = tmp_path_factory.mktemp("fsdp-2")
     uninterrupted = write_recipe(root, tiny_model_dir, "uninterrupted", save_steps=SAVE_STEPS)
-    bf16 = write_recipe(root, tiny_model_dir, "bf16", adapter="lora", lora_r=8, bf16=True, max_steps=2)
+    bf16 = write_recipe(root, tiny_model_dir, "bf16", **BF16_KEYS)
     simpo = root / "simpo.yaml"
     simpo.write_text(yaml.safe_dump(shipped_example(SIMPO_EXAMPLE, root, "simpo")))
     return root, train_in_one_launch(2, root / "launch", uninterrupted, bf16, simpo)
@@ -341,7 +352,7 @@ def test_lora_dp_shard2_cp2_equals_one_process_and_saves_the_adapter(four_rank_r
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_runs, tmp_path):
+def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_runs, one_process_runs):
     root, runs = two_rank_runs
     recipe, ranks = root / "bf16.yaml", runs["bf16"]
     for rank in ranks:
@@ -352,8 +363,14 @@ def test_lora_in_bf16_computes_in_bf16_and_keeps_fp32_adapter_weights(two_rank_r
     # computes in fp32. Measured: 1.4e-5 relative. The bf16 reorder floor: on a recipe like this
     # one, FSDP2 and plain DDP at cp=2 landed 1.3e-4 and 1.6e-4 from cp=1 (bf16 sums in another
     # order), and bf16 against fp32 at cp=1 8.7e-4, which the tolerance stays below.
-    reference = tmp_path / "reference"
-    succeeded(run_cptune("train", str(recipe), "--context_parallel_size=1", f"--output_dir={reference}"))
+    # The reference trains in the session's one process of cp=1 references (tests/run/one_process.py).
+    reference = one_process_runs["fsdp-bf16"] / "reference"
+    # The same recipe but for the layout and the folders.
+    layout = {"context_parallel_size": 1, "output_dir": None, "dataset_prepared_path": None}
+    reference_recipe = reference.with_suffix(".yaml")
+    assert (
+        yaml.safe_load(recipe.read_text()) | layout == yaml.safe_load(reference_recipe.read_text()) | layout
+    )
     expected = logged_losses(reference)
     diff = rel(ranks[0]["losses"][0], expected[0])
     print("bf16, FSDP2 cp=2 vs one process, first loss:", diff)
@@ -423,26 +440,47 @@ def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Pat
     assert_float64_twins_rule({"logits": got}, [{"logits": logits}, *twins], {"logits": logits64})
 
 
+# The offload test's runs: LoRA, SGD, one process.
+OFFLOAD_KEYS = {
+    "adapter": "lora",
+    "lora_r": 8,
+    "lora_alpha": 16,
+    "optimizer": "sgd",
+    "learning_rate": 0.05,
+    "context_parallel_size": 1,
+    "micro_batch_size": 2,
+}
+
+
+@one_process_reference(
+    "fsdp-plain", "test_offloaded_states_with_one_process_train_under_fsdp2_like_the_plain_run"
+)
+def plain_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The offload test's run without FSDP, into ``folder / "plain"``."""
+    return [write_recipe(folder, tiny_model_dir, "plain", fsdp_version=None, **OFFLOAD_KEYS)]
+
+
 @pytest.mark.distributed
-def test_offloaded_states_with_one_process_train_under_fsdp2_like_the_plain_run(tmp_path, tiny_model_dir):
+def test_offloaded_states_with_one_process_train_under_fsdp2_like_the_plain_run(
+    tmp_path, tiny_model_dir, one_process_runs
+):
     """fsdp_config.offload_params with one process: a launched rank shards over a mesh of one (the layout that
     keeps the base weights off a GPU), and trains as the plain one-process run does. On this CPU machine FSDP2
     has nothing to offload to, which the run says; on a GPU the same layout moves the states to host RAM.
     """
-    lora = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
-    keys = {**lora, "context_parallel_size": 1, "micro_batch_size": 2}
+    # The plain run trains in the session's one process of cp=1 references (tests/run/one_process.py).
+    plain = one_process_runs["fsdp-plain"] / "plain"
+    keys = {**OFFLOAD_KEYS, "dataset_prepared_path": str(plain.parent / "prepared")}  # the plain run's data
     offload = write_recipe(tmp_path, tiny_model_dir, "offload", fsdp_config={"offload_params": True}, **keys)
-    plain = write_recipe(tmp_path, tiny_model_dir, "plain", fsdp_version=None, **keys)
     offloaded = run_cptune("train", str(offload))
     succeeded(offloaded)
     assert "nothing to shard" not in offloaded.stderr
     # Said where the Trainer's FSDP2 arguments are built, which happens only for a sharded layout.
     assert "no GPU here, so the model states are in CPU memory already" in offloaded.stderr
-    succeeded(run_cptune("train", str(plain)))
-    expected = logged_losses(tmp_path / "plain")
+    expected = logged_losses(plain)
     assert len(expected) == MAX_STEPS and len(set(expected)) > 1
     diffs = {
-        key: max_rel_diff(logged(tmp_path / "offload", key), logged(tmp_path / "plain", key))
+        key: max_rel_diff(logged(tmp_path / "offload", key), logged(plain, key))
         for key in ("loss", "grad_norm")
     }
     print("one process, FSDP2 over a mesh of one vs plain:", diffs)

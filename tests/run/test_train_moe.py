@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded, write_short_run
-from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
-from tests.run.test_resume import WORKER
+from tests.run.one_process import one_process_reference
 
 
 def save_tiny_moe(folder, tiny_model_dir, family: str = "qwen3_moe"):
@@ -32,6 +33,7 @@ def save_tiny_moe(folder, tiny_model_dir, family: str = "qwen3_moe"):
 
 
 LOGGED = ("loss", "grad_norm", "router_aux_loss")
+FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def moe_recipe(root, moe, name: str, **keys):
@@ -63,24 +65,27 @@ MIXTRAL_KEYS = {
 }
 
 
+@one_process_reference("moe", "cp1_runs")
+def cp1_references(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The tiny Qwen3-MoE and Mixtral (saved into ``folder``) and their cp=1 runs' recipes."""
+    models = {family: save_tiny_moe(folder / family, tiny_model_dir, family) for family in FAMILIES}
+    return [
+        moe_recipe(folder, models["qwen3_moe"], "qwen3_moe-cp1", context_parallel_size=1),
+        moe_recipe(folder, models["mixtral"], "mixtral-cp1", context_parallel_size=1, **MIXTRAL_KEYS),
+    ]
+
+
 @pytest.fixture(scope="module")
-def cp1_runs(tmp_path_factory, tiny_model_dir):
-    """The cp=1 runs the tests below compare with, of the tiny Qwen3-MoE and of the tiny Mixtral, in one
-    launch of one process (tests/run/train_worker.py: start-up paid once, not per run).
+def cp1_runs(one_process_runs):
+    """The cp=1 runs the tests below compare with, of the tiny Qwen3-MoE and of the tiny Mixtral, in the
+    session's one process of cp=1 references (tests/run/one_process.py: start-up paid once, not per run).
 
     Returns (the folder of the runs, family -> model folder, family -> the cp=1 run's logs); the cp=2
     runs go into the same folder, so they read the data the cp=1 runs prepared.
     """
-    root = tmp_path_factory.mktemp("moe")
-    models = {
-        family: save_tiny_moe(root / family, tiny_model_dir, family) for family in ("qwen3_moe", "mixtral")
-    }
-    recipes = [
-        moe_recipe(root, models["qwen3_moe"], "qwen3_moe-cp1", context_parallel_size=1),
-        moe_recipe(root, models["mixtral"], "mixtral-cp1", context_parallel_size=1, **MIXTRAL_KEYS),
-    ]
-    run_ranks(WORKER, 1, root / "cp1-launch", *map(str, recipes))
-    return root, models, {family: moe_logs(root, f"{family}-cp1") for family in models}
+    root = one_process_runs["moe"]
+    models = {family: root / family for family in FAMILIES}
+    return root, models, {family: moe_logs(root, f"{family}-cp1") for family in FAMILIES}
 
 
 def assert_logs_match(got: dict, expected: dict) -> None:

@@ -19,11 +19,15 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 
+from cptune.config.loader import parse_override
 from tests.conftest import REPO, logged, max_rel_diff, run_cptune
 from tests.numerics import logged_tolerance
+from tests.run.one_process import one_process_reference
 
 BETA = 0.1  # examples/cpu/dpo.yaml's rl_beta
 KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")
@@ -41,30 +45,61 @@ STORED_SUMS_READ = re.compile(
 )
 
 
+DPO_EXAMPLE = REPO / "examples" / "cpu" / "dpo.yaml"
+# The runs of the test below, on top of the example.
+COMMON = [
+    "--adapter=null",
+    "--precompute_ref_log_probs=true",
+    "--optimizer=sgd",  # a wrong gradient scale shows as it is
+    "--learning_rate=0.05",
+    "--warmup_steps=0",
+    "--max_steps=4",
+    f"--val_set_size={HELD_OUT}",
+    "--eval_steps=2",
+]
+# The cp=1 run's first pass, on the model as loaded (a line of its own in the log).
+UNSHARDED_PASS = re.compile(r"the first pass over \d+ training rows runs$", re.MULTILINE)
+DPO_TEST = "test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_log_cp1s_numbers"
+
+
+@one_process_reference("dpo-precomputed", DPO_TEST)
+def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The example with :data:`COMMON` at cp=1, micro batch 2, as ``cptune train`` reads those flags, into
+    ``folder / "cp1"``; its data prepared in a folder of its own, so it runs its first pass."""
+    keys = yaml.safe_load(DPO_EXAMPLE.read_text())
+    keys |= {
+        "base_model": str(REPO / keys["base_model"]),
+        "datasets": [{**d, "path": str(REPO / d["path"])} for d in keys["datasets"]],
+        "dataset_prepared_path": str(folder / "prepared"),
+        "output_dir": str(folder / "cp1"),
+        **dict(map(parse_override, [*COMMON, "--context_parallel_size=1", "--micro_batch_size=2"])),
+    }
+    recipe = folder / "cp1.yaml"
+    recipe.write_text(yaml.safe_dump(keys))
+    return [recipe]
+
+
 @pytest.mark.distributed
-def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_log_cp1s_numbers(tmp_path):
+def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_log_cp1s_numbers(
+    tmp_path, one_process_runs
+):
+    # The cp=1 run trains in the session's one process of cp=1 references (tests/run/one_process.py); no run of
+    # that process shards its parameters, so none of its first passes runs on a sharded model.
+    references = one_process_runs["dpo-precomputed"]
+    reference_log = one_process_runs.log("dpo-precomputed")
+    assert UNSHARDED_PASS.search(reference_log), reference_log[-3000:]
+    assert not SHARDED_PASS.search(reference_log), reference_log[-3000:]
     # ZeRO-3 keeps parameters below stage3_param_persistence_threshold (1e5 elements by default, so all of
     # the tiny model's) whole on every rank; 0 partitions them all, as a real model's are.
     zero3 = tmp_path / "zero3.json"
     zero3.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    common = [
-        "--adapter=null",
-        "--precompute_ref_log_probs=true",
-        "--optimizer=sgd",  # a wrong gradient scale shows as it is
-        "--learning_rate=0.05",
-        "--warmup_steps=0",
-        "--max_steps=4",
-        f"--val_set_size={HELD_OUT}",
-        "--eval_steps=2",
-    ]
     runs = {
-        "cp1": ["--context_parallel_size=1", "--micro_batch_size=2"],
         # Two data-parallel groups of one row each train the rows cp=1 trains as micro batches of 2, every
         # weight split over the 4 ranks.
         "fsdp2": ["--fsdp_version=2", "--dp_shard_size=2", "--micro_batch_size=1", "--save_steps=2"],
         "zero3": [f"--deepspeed={zero3}", "--micro_batch_size=1", "--nproc-per-node", "4"],
     }
-    logs = {}
+    logs = {"cp1": dpo_logs(references / "cp1")}
     for name, extra in runs.items():
         out = tmp_path / name
         # Each run its own prepared data, so each runs its first pass (no other run's stored sums).
@@ -72,14 +107,11 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
         runs[name] = extra
         # 4 processes on a CI machine of 2 cores: DeepSpeed alone takes about a minute to start.
         done = run_cptune(
-            "train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *common, *extra, cwd=REPO, timeout=900
+            "train", "examples/cpu/dpo.yaml", f"--output_dir={out}", *COMMON, *extra, cwd=REPO, timeout=900
         )
         assert done.returncode == 0, done.stderr[-3000:]
         # With the parameters sharded the pass waits for the prepared model (all 4 ranks in each forward).
-        assert bool(SHARDED_PASS.search(done.stderr)) is (name in ("fsdp2", "zero3")), (
-            name,
-            done.stderr[-3000:],
-        )
+        assert SHARDED_PASS.search(done.stderr), (name, done.stderr[-3000:])
         logs[name] = dpo_logs(out)
     cp1 = logs["cp1"]
     assert len(cp1["loss"]) == 4 and len(set(cp1["loss"].values())) > 1
@@ -103,7 +135,7 @@ def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_lo
         "examples/cpu/dpo.yaml",
         "--resume",
         f"--output_dir={resumed}",
-        *common,
+        *COMMON,
         *runs["fsdp2"],
         cwd=REPO,
         timeout=900,

@@ -8,16 +8,39 @@ from pathlib import Path
 import pytest
 
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
-from tests.conftest import logged, max_rel_diff, run_cptune
+from tests.conftest import logged, lora_recipe, max_rel_diff, run_cptune
 from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
+from tests.run.one_process import one_process_reference
 
 REFUSAL_WORKER = Path(__file__).with_name("torch_refusal_worker.py")
 
 
+# The runs of the test below: a full fine-tune of unpacked rows, SGD with gradient accumulation 2.
+TORCH_KEYS = dict(
+    max_steps=4,
+    sample_packing=False,
+    cp_backend="torch",
+    adapter=None,
+    optimizer="sgd",
+    learning_rate=0.05,
+    gradient_accumulation_steps=2,
+    val_set_size=5,  # rows over 2 data-parallel groups: one evaluates a filler row
+    eval_steps=4,
+    save_steps=2,  # checkpoints are written under the collective audit too
+)
+
+
+@one_process_reference("torch-cp", "test_torch_dp2xcp2_and_fsdp2_full_finetune_match_cp1_step_by_step")
+def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The cp=1 run of :data:`TORCH_KEYS`, into ``folder / "cp1"``."""
+    keys = {**TORCH_KEYS, "context_parallel_size": 1, "output_dir": str(folder / "cp1")}
+    return [lora_recipe(folder, tiny_model_dir, "cp1.yaml", **keys)]
+
+
 @pytest.mark.distributed
 def test_torch_dp2xcp2_and_fsdp2_full_finetune_match_cp1_step_by_step(
-    write_recipe, tmp_path, collective_audit
+    write_recipe, tmp_path, collective_audit, one_process_runs
 ):
     """Full fine-tune with SGD and gradient accumulation 2: losses, gradient norms and eval loss equal cp=1's.
 
@@ -26,25 +49,17 @@ def test_torch_dp2xcp2_and_fsdp2_full_finetune_match_cp1_step_by_step(
     (plain DDP) train the rows cp=1 trains as micro batch 2; cp=2 with FSDP2 over both ranks
     trains cp=1's batches as they are. SGD, so a wrong gradient scale shows (see
     test_train_e2e.py). The torch backend's LoRA runs are in tests/parallel/test_parity.py.
+    The cp=1 run trains in the session's one process of cp=1 references (tests/run/one_process.py);
+    the CP runs are `cptune train`'s own launches.
     """
-    recipe = write_recipe(
-        max_steps=4,
-        sample_packing=False,
-        cp_backend="torch",
-        adapter=None,
-        optimizer="sgd",
-        learning_rate=0.05,
-        gradient_accumulation_steps=2,
-        val_set_size=5,  # rows over 2 data-parallel groups: one evaluates a filler row
-        eval_steps=4,
-        save_steps=2,  # checkpoints are written under the collective audit too
-    )
+    references = one_process_runs["torch-cp"]
+    # The data the cp=1 run prepared.
+    recipe = write_recipe(**TORCH_KEYS, dataset_prepared_path=str(references / "prepared"))
     runs = {
-        "cp1": ["--context_parallel_size=1"],
         "dp2xcp2": ["--context_parallel_size=2", "--micro_batch_size=1", "--nproc-per-node", "4"],
         "fsdp2-cp2": ["--context_parallel_size=2", "--fsdp_version=2"],
     }
-    logs = {}
+    logs = {"cp1": {key: logged(references / "cp1", key) for key in ("loss", "grad_norm", "eval_loss")}}
     for name, extra in runs.items():
         out = tmp_path / name
         done = run_cptune("train", str(recipe), f"--output_dir={out}", *extra)

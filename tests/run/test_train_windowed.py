@@ -5,8 +5,8 @@ cp=1; this runs the whole training path of ``cptune train``'s ranks (``cptune.ru
 preparing the data, the model checks, the trainer): the model checks accept the windowed models for
 ring-flash-attn and deepspeed (Ulysses), the trainer checks every windowed layer passed its window, and the
 logged losses and gradient norms (and gpt-oss's router loss) match. Process start-up dominates such short
-runs, so the recipes of each world size train one after the other in one launch
-(tests/axolotl/train_worker.py): the cp=1 references in one process, the cp=2 runs in two.
+runs, so the cp=2 runs train one after the other in one launch of two processes (tests/axolotl/train_worker.py),
+and the cp=1 references in the session's one process of cp=1 references (tests/run/one_process.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import pytest
 from tests.conftest import logged, max_rel_diff, write_short_run
 from tests.dist_utils import run_ranks
 from tests.numerics import logged_tolerance
+from tests.run.one_process import one_process_reference
 
 WORKER = Path(__file__).parents[1] / "axolotl" / "train_worker.py"
 WINDOW = 8  # keys a query sees; the quickstart rows pack documents of tens of tokens, most wider than it
+LORA = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8}
 
 
 def save_tiny(folder, tiny_model_dir, family: str):
@@ -46,9 +48,26 @@ def save_tiny(folder, tiny_model_dir, family: str):
     return folder
 
 
-def train_in_one_launch(tmp_path: Path, world_size: int, runs: dict[str, tuple[Path, dict]]) -> None:
-    """Train every run (name → model, recipe keys) one after the other in one launch of ``world_size`` processes."""
-    paths = [write_short_run(tmp_path, name, model, **keys) for name, (model, keys) in runs.items()]
+@one_process_reference("windowed", "test_windowed_models_train_at_cp2_as_at_cp1")
+def cp1_references(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """The tiny Mistral and gpt-oss (saved into ``folder``) and their cp=1 runs' recipes."""
+    mistral = save_tiny(folder / "mistral", tiny_model_dir, "mistral")
+    gpt_oss = save_tiny(folder / "gpt-oss", tiny_model_dir, "gpt_oss")
+    return [
+        write_short_run(folder, "mistral-cp1", mistral, **LORA),
+        write_short_run(folder, "gpt-oss-cp1", gpt_oss),
+    ]
+
+
+def train_in_one_launch(
+    tmp_path: Path, world_size: int, runs: dict[str, tuple[Path, dict]], prepared: Path
+) -> None:
+    """Train every run (name → model, recipe keys) one after the other in one launch of ``world_size`` processes,
+    with the data prepared in ``prepared``."""
+    paths = [
+        write_short_run(tmp_path, name, model, dataset_prepared_path=str(prepared), **keys)
+        for name, (model, keys) in runs.items()
+    ]
     with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1"}):
         ranks = run_ranks(
             WORKER, world_size, tmp_path / f"launch-{world_size}", *map(str, paths), timeout=600
@@ -57,26 +76,24 @@ def train_in_one_launch(tmp_path: Path, world_size: int, runs: dict[str, tuple[P
 
 
 @pytest.mark.distributed
-def test_windowed_models_train_at_cp2_as_at_cp1(tmp_path, tiny_model_dir):
+def test_windowed_models_train_at_cp2_as_at_cp1(tmp_path, one_process_runs):
     """Packed rows of 128 tokens, SGD with accumulation 2: loss and gradient norm of every step at cp=1, at cp=2
     with ring-flash-attn (varlen_llama3) and at cp=2 with deepspeed (Ulysses, cptune core attention). Mistral with
     LoRA; gpt-oss fully fine-tuned (its sinks train) on ring-flash-attn, its router loss logged too."""
-    mistral = save_tiny(tmp_path / "mistral", tiny_model_dir, "mistral")
-    gpt_oss = save_tiny(tmp_path / "gpt-oss", tiny_model_dir, "gpt_oss")
-    lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8}
+    references = one_process_runs["windowed"]  # the models, and their cp=1 runs (cp1_references)
+    mistral, gpt_oss = references / "mistral", references / "gpt-oss"
     ring, ulysses = {"context_parallel_size": 2}, {"context_parallel_size": 2, "cp_backend": "deepspeed"}
-    train_in_one_launch(tmp_path, 1, {"mistral-cp1": (mistral, lora), "gpt-oss-cp1": (gpt_oss, {})})
     # DeepSpeed last: its engine's process-wide state is restored after a run, but it is the odd one out.
     cp2 = {
-        "mistral-ring": (mistral, {**lora, **ring}),
+        "mistral-ring": (mistral, {**LORA, **ring}),
         "gpt-oss-ring": (gpt_oss, ring),
-        "mistral-ulysses": (mistral, {**lora, **ulysses}),
+        "mistral-ulysses": (mistral, {**LORA, **ulysses}),
     }
-    train_in_one_launch(tmp_path, 2, cp2)
+    train_in_one_launch(tmp_path, 2, cp2, prepared=references / "prepared")
     for name in cp2:
-        model = name.rsplit("-", 1)[0]  # the cp=1 reference: the same model's run in the first launch
+        model = name.rsplit("-", 1)[0]  # the cp=1 reference: the same model's run
         keys = ("loss", "grad_norm") + (("router_aux_loss",) if model == "gpt-oss" else ())
-        expected = {key: logged(tmp_path / f"{model}-cp1", key) for key in keys}
+        expected = {key: logged(references / f"{model}-cp1", key) for key in keys}
         got = {key: logged(tmp_path / name, key) for key in keys}
         assert sorted(expected["loss"]) == [1, 2, 3], expected
         diffs = {key: max_rel_diff(got[key], expected[key]) for key in keys}

@@ -87,8 +87,10 @@ def train_one(recipe_path: str, crash_step: int | None) -> dict:
     # A model sharded with FSDP2 gathers its weights in the forward: every rank takes part.
     if rank == 0 or trainer.is_fsdp_enabled:
         model = trainer.accelerator.unwrap_model(trainer.model)
-        # cptune's CP attention needs per-batch metadata; a plain forward uses sdpa on the whole input.
-        model.set_attn_implementation("sdpa")
+        # cptune's CP attention needs per-batch metadata; a plain forward uses sdpa on the whole input
+        # (eager where the model has no sdpa: gpt-oss, whose sinks sdpa cannot add).
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model.set_attn_implementation("sdpa" if base._supports_sdpa else "eager")
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=fixed_input_ids(trainer.processing_class)).logits
