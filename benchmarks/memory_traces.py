@@ -28,7 +28,7 @@ from benchmarks.memory_coefficients import (
 )
 
 
-def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, seed: int = 0) -> dict[str, int]:
+def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, seed: int = 0) -> dict[str, Any]:
     """Peak bytes of each phase of one traced training step, above the bytes allocated when it began."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -109,15 +109,20 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
     return phase_peaks(prof.profiler.kineto_results.events())
 
 
-def phase_peaks(events: Any) -> dict[str, int]:
-    """The peak of each phase (forward, loss, layer backward) from a step's allocator events and markers."""
-    memory, marks = [], []
+def phase_peaks(events: Any) -> dict[str, Any]:
+    """The peak of each phase (forward, loss, layer backward) from a step's allocator events and markers, and
+    under ``moments`` where each peak is (:func:`moment_at`): two traces whose peaks are the same moment
+    grow by the same bytes per token between them."""
+    memory, marks, ops = [], [], []
     for event in events:
         name = event.name()
-        if name == "[memory]" and str(event.device_type()).endswith("CPU"):
-            memory.append((event.start_ns(), event.nbytes()))
+        if name == "[memory]":
+            if str(event.device_type()).endswith("CPU"):
+                memory.append((event.start_ns(), event.nbytes()))
         elif name.startswith("cptune_bench::"):
             marks.append((event.start_ns(), name.removeprefix("cptune_bench::")))
+        elif name.startswith(("aten::", "autograd::engine::evaluate_function: ")):
+            ops.append((event.start_ns(), event.end_ns(), name))
     marks.sort()
     names = [name for _, name in marks]
     loss_at = names.index("loss")
@@ -125,12 +130,26 @@ def phase_peaks(events: Any) -> dict[str, int]:
     # The first layer recomputed in the backward; without gradient checkpointing, the backward marker.
     backward_start = next(i for i in range(loss_at, len(names)) if names[i] in ("layer", "backward"))
     bounds = (marks[forward_end][0], marks[backward_start][0])
-    level, peaks = 0, dict.fromkeys(PHASES, 0)
+    level, peaks, when_peaked = 0, dict.fromkeys(PHASES, 0), dict.fromkeys(PHASES, 0)
     for when, nbytes in sorted(memory):
         level += nbytes
         phase = "forward" if when <= bounds[0] else "loss" if when < bounds[1] else "backward"
-        peaks[phase] = max(peaks[phase], level)
-    return peaks
+        if level > peaks[phase]:
+            peaks[phase], when_peaked[phase] = level, when
+    return {**peaks, "moments": {phase: moment_at(ops, when_peaked[phase]) for phase in PHASES}}
+
+
+def moment_at(ops: list[tuple[int, int, str]], when: int) -> str:
+    """Where an allocation at ``when`` happened: the autograd nodes being run (the backward's, outermost
+    first), then the innermost aten op, e.g. ``_TiledMlpFunctionBackward > MulBackward0 > aten::mul``."""
+    around = sorted(((end - start, name) for start, end, name in ops if start <= when <= end), reverse=True)
+    nodes = [
+        n.removeprefix("autograd::engine::evaluate_function: ")
+        for _, n in around
+        if n.startswith("autograd::")
+    ]
+    op = [n for _, n in around if n.startswith("aten::")][-1:]
+    return " > ".join(nodes + op) or "-"
 
 
 def attention_backward_peaks(heads: int = 4, kv_heads: int = 1) -> dict[str, int]:

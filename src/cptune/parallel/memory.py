@@ -295,9 +295,14 @@ def _ceil_div(a: int, b: int) -> int:
 # They live in cptune.parallel.memory_fit. What the traces cannot show is listed below (GPU-only terms).
 LEGACY_NOTE = (
     "Not refitted yet (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
-    "that printed them was not kept): the fp32 rows with the tiled MLP. fp32-lora-everything's traces (in "
-    "docs/benchmarks/memory_traces.json) are one moment in every shape only from 8,192 tokens on, so it needs "
-    "8,192 and 16,384; fp32-full-everything is not traced yet (benchmarks/memory_coefficients.py)."
+    "that printed them was not kept): the fp32 rows with the tiled MLP. fp32 LoRA's traces are one moment in "
+    "every shape at 8,192 and 16,384 tokens and give a fit (benchmarks/memory_coefficients.py, FITTED_ROWS), "
+    "but its per-token constant, measured at head_dim 128, puts the tiny-model check in "
+    "tests/parallel/test_activation_memory.py (head_dim 16) 32% over its trace, so it waits for that constant "
+    "to follow head_dim. The fp32 full fine-tune's traces (2,048 to 16,384 tokens) are not one moment in "
+    "every shape at any two lengths: at 16,384 the MLP shape's layer backward peaks where the tiles' input "
+    "gradients are concatenated while the other shapes still peak in a tile's backward; it needs traces "
+    "beyond 16,384 tokens."
 )
 
 
