@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m devtools.torch_cp_stress [--iterations N] [--strategy allgather|alltoall ...] [--no-balance]
+    python -m devtools.torch_cp_stress [--iterations N] [--strategy allgather|alltoall ...] [--no-balance] [--jitter]
 
 starts two gloo processes (the launcher's environment, as ``cptune train`` gives its ranks) that run
 fixed query/key/value rows of several lengths through :class:`~cptune.parallel.backends.torch_cp.sharding.TorchCpBackend`'s
@@ -13,6 +13,11 @@ many sizes allocated and freed), so that a buffer freed while a gloo thread stil
 read after it was reused, changes a number or trips glibc's checks (run it with ``MALLOC_CHECK_=3``
 and ``MALLOC_PERTURB_``). Every iteration's output and gradients are compared bitwise with the
 first of the same length: the computation is deterministic, so any difference is corruption, not rounding.
+
+``--jitter`` makes each rank sleep a random 0-4 ms (its own seed) before and after most issues of
+the ring's collectives (all-gather, all-to-all) and waits on them, so that the two ranks, and a rank's
+main thread and gloo's threads, meet in orders a quiet machine never produces (issue 26's abort was
+seen only under load).
 
 Each rank prints one JSON line (iterations, mismatches, the first mismatching iteration); the
 command exits non-zero when a rank failed or saw a mismatch. A rank that dies of a signal prints
@@ -34,6 +39,7 @@ from datetime import timedelta
 # head_dim 16, micro_batch_size 2.
 BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 16
 COLLECTIVE_TIMEOUT_SECONDS = 300
+JITTER_PROBABILITY, JITTER_SECONDS = 0.6, 0.004
 ROW_LENGTHS = (512, 32, 44, 8, 128, 20)
 """Tokens per row (both ranks together), one per iteration in turn: a packed 512-token row, and the short
 padded rows of ``sample_packing: false`` (multiples of 2 × context_parallel_size, as the backend pads)."""
@@ -53,7 +59,34 @@ def churn(generator) -> None:
     gc.collect()
 
 
-def rank_main(iterations: int, strategies: list[str], balance: bool) -> dict:
+def add_jitter(seed: int) -> None:
+    """Random sleeps around the issue and the wait of every collective torch's ring attention makes."""
+    import random
+    import time
+
+    import torch.distributed._functional_collectives as ft_c
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    rng = random.Random(seed)
+
+    def jittered(call):
+        def sleep_around(*args, **kwargs):
+            if rng.random() < JITTER_PROBABILITY:
+                time.sleep(rng.random() * JITTER_SECONDS)
+            result = call(*args, **kwargs)
+            if rng.random() < JITTER_PROBABILITY:
+                time.sleep(rng.random() * JITTER_SECONDS)
+            return result
+
+        return sleep_around
+
+    # The ring's rotaters call these module attributes (torch 2.13 _attention.py:253-300).
+    ft_c.all_gather_single = jittered(ft_c.all_gather_single)
+    ft_c.permute_tensor = jittered(ft_c.permute_tensor)
+    _attention._maybe_wait = jittered(_attention._maybe_wait)
+
+
+def rank_main(iterations: int, strategies: list[str], balance: bool, jitter: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,6 +100,8 @@ def rank_main(iterations: int, strategies: list[str], balance: bool) -> dict:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
     generator = torch.Generator().manual_seed(1234 + rank)
+    if jitter:
+        add_jitter(seed=99 + rank)
 
     def inputs(tokens: int) -> list:
         local = tokens // 2
@@ -130,12 +165,13 @@ def main() -> None:
         help="repeatable (default: allgather)",
     )
     parser.add_argument("--no-balance", dest="balance", action="store_false")
+    parser.add_argument("--jitter", action="store_true", help="random sleeps around every collective")
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if not args.rank_process:
         sys.exit(launch(sys.argv[1:]))
     faulthandler.enable(all_threads=True)
-    report = rank_main(args.iterations, args.strategy or ["allgather"], args.balance)
+    report = rank_main(args.iterations, args.strategy or ["allgather"], args.balance, args.jitter)
     sys.stdout.write(json.dumps(report) + "\n")  # one write: the two ranks share the stdout
     sys.stdout.flush()
     sys.exit(1 if report["mismatches"] else 0)
