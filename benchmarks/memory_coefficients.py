@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 148 traces; the newer ones also say where each phase peaked);
+(docs/benchmarks/memory_traces.json; 164 traces; the newer ones also say where each phase peaked);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -11,8 +11,14 @@ test_memory_coefficients.py runs the same comparison, so CI notices a hand edit 
 **The model traced.** Llama-3.1-8B at an eighth of its width: hidden 512 = 4 query heads x 128, one KV
 head (GQA 4:1), MLP 3.5x (1,792), vocabulary 2,048, and three neighbours of that shape which move one
 width at a time (MLP, KV heads, hidden), so that a layer's per-token bytes split into
-``h·hidden + i·intermediate + kv·kv_width + token`` (:class:`cptune.parallel.memory.Widths`;
-``token`` holds what does not grow with a width at head_dim 128: the rotary tables, the labels). bf16
+``h·hidden + i·intermediate + kv·kv_width + token + d·head_dim`` (:class:`cptune.parallel.memory.Widths`;
+``token`` holds what grows with no width: the labels, a loss's scalars). ``d`` is the rotary tables, cos and
+sin of head_dim values per token in the compute dtype, held for the whole step: every shape above has
+head_dim 128, so they are in the fitted constant, and the fit moves them to their own stated term
+(:data:`ROTARY_TABLES`). Another shape, :data:`HEAD_DIM_SHAPE` (the base shape's hidden and KV widths at
+head_dim 64), traced for every fitted row at its lengths, checks it: per token its forward and loss hold
+exactly 2 x 64 x the dtype's bytes less than the base shape's, its layer backward that less 4 bytes per
+more query head (the attention's fp32 log-sum-exp; at head_dim 128 in the hidden term). bf16
 weights, the forward under bf16 autocast and the backward outside it (as accelerate runs bf16), LoRA
 r=16 on every linear layer in fp32 (peft's default) with cptune's ``lora-input-kept-under-autocast``
 patch (what ``cptune train`` applies), or a full fine-tune; gradient checkpointing; the chunked head
@@ -44,8 +50,7 @@ layer backward peaks where the MLP's weight gradients are summed over the tiles 
 grow with the tokens), its MLP shape's in the attention backward, so a slope across 2,048 mixes two
 moments; from 4,096 on the attention backward's is the peak in every shape (:func:`tiled_moments`). fp32
 LoRA with the tiled MLP between 8,192 and 16,384: below 8,192 its base shape's layer backward is above
-the MLP shape's and grows more slowly (two moments); from 8,192 on both are the same bytes (not adopted
-yet, FITTED_ROWS). The fp32 full fine-tune with the tiled MLP is traced from 2,048 to 16,384 tokens and
+the MLP shape's and grows more slowly (two moments); from 8,192 on both are the same bytes. The fp32 full fine-tune with the tiled MLP is traced from 2,048 to 16,384 tokens and
 not fitted: no two of those lengths are one moment in every shape (:data:`FITTED_ROWS`; each trace
 records where each phase peaked, :func:`peak_moments`). At 8,192 and 16,384 a tile holds the same tokens
 in every shape (``ceil(tokens / hidden)`` tiles: 512, or 745 at hidden 768), so what a tile holds cancels
@@ -76,6 +81,10 @@ SHAPES = {
     "hidden": {**BASE, "hidden_size": 768, "num_attention_heads": 6},
 }
 HEAD_DIM, VOCAB, CHUNK_TOKENS, LORA_RANK = 128, 2048, 512, 16
+# The rotary tables, cos and sin of head_dim values per token in the compute dtype, held for the whole step:
+# not fitted (every traced shape but HEAD_DIM_SHAPE has head_dim 128) but stated, and checked against the
+# traces at head_dim 64 (rotary_differences).
+ROTARY_TABLES = 2
 # From 2,048 tokens on, each phase's peak is the same moment at every length (the base shape with every
 # feature on: the same slope between 2,048, 4,096 and 8,192 tokens, to the byte); at 1,024 an MLP tile
 # still set it.
@@ -85,7 +94,10 @@ LONGEST_LENGTHS = (8192, 16384)
 DTYPE_BYTES = 2
 # The loss from logits is fitted against the vocabulary too: the base shape with twice its vocabulary.
 LOSS_SHAPES = ("base", "hidden", "vocab")
-TRACED_SHAPES = {**SHAPES, "vocab": {**BASE, "vocab_size": 2 * VOCAB}}
+# The rotary tables' share of the per-token constant: the base shape's hidden and KV widths at head_dim 64
+# (8 query heads, 2 KV heads), traced for every fitted row at its lengths.
+HEAD_DIM_SHAPE = {**BASE, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+TRACED_SHAPES = {**SHAPES, "vocab": {**BASE, "vocab_size": 2 * VOCAB}, "head_dim": HEAD_DIM_SHAPE}
 
 
 @dataclass(frozen=True)
@@ -175,6 +187,20 @@ CASES = [
         for name in ("lora-saved", "full-saved", "fp32-lora-saved", "fp32-full-saved")
         for shape in SHAPES
     ),
+    # Every fitted row at head_dim 64 (HEAD_DIM_SHAPE), at its lengths: the rotary tables' check.
+    *(
+        (name, "head_dim", 2)
+        for name in (
+            "lora",
+            "fp32-lora",
+            "full",
+            "lora-everything",
+            "fp32-full",
+            "lora-everything-norms",
+            "full-everything",
+            "fp32-lora-everything",
+        )
+    ),
 ]
 # The fitted rows: memory model key (precision, adapter, tiled MLP, recomputed norms) -> the setting traced.
 FITTED_ROWS = {
@@ -184,12 +210,12 @@ FITTED_ROWS = {
     ("mixed", "lora", True, True): "lora-everything-norms",
     ("mixed", "full", True, False): "full-everything",
     ("fp32", "lora", False, False): "fp32-lora",
-    # Not adopted yet: ("fp32", "lora", True, False) from "fp32-lora-everything", one moment in every shape
-    # between 8,192 and 16,384 tokens (LONGEST_LENGTHS; below 8,192 the base shape's layer backward is above
-    # the MLP shape's, 75.1 against 65.3 MB at 2,048 and 126.1 against 118.7 at 4,096, and the same at 8,192,
-    # 237.3 MB). Its fit (forward 23.99, 0, 8, 1040.05; loss 11.98, 0, 0, 1056.09; backward 36.01, 0, 8,
-    # 1316.09) puts tests/parallel/test_activation_memory.py's head_dim-16 check 32% over its trace: the
-    # per-token constant is measured at head_dim 128 (memory.LEGACY_NOTE).
+    # One moment in every shape between 8,192 and 16,384 tokens (LONGEST_LENGTHS; below 8,192 the base shape's
+    # layer backward is above the MLP shape's, 75.1 against 65.3 MB at 2,048 and 126.1 against 118.7 at 4,096,
+    # and the same at 8,192, 237.3 MB). Adopted once the rotary tables followed head_dim (ROTARY_TABLES): with
+    # them in the constant, at head_dim 128, tests/parallel/test_activation_memory.py's head_dim-16 check was
+    # 32% over its trace.
+    ("fp32", "lora", True, False): "fp32-lora-everything",
     ("fp32", "full", False, False): "fp32-full",
     # Not fitted: ("fp32", "full", True, False) from "fp32-full-everything" (traced at 2,048 to 16,384 tokens in
     # every shape, in the file): no two lengths are one moment in every shape. Its loss phase peaks in the
@@ -235,14 +261,35 @@ def slopes(traces: list[dict[str, Any]], setting: str, shape: str, layers: int) 
     return {phase: (long[phase] - short[phase]) / span for phase in PHASES}
 
 
-def widths_of(shape: dict[str, int]) -> tuple[int, int, int, int]:
-    """A shape's (hidden, intermediate, kv_width, 1): what :class:`Widths` multiplies."""
+def widths_of(shape: dict[str, int]) -> tuple[int, int, int, int, int]:
+    """A shape's (hidden, intermediate, kv_width, 1, head_dim): what :class:`Widths` multiplies."""
+    head_dim = shape.get("head_dim", HEAD_DIM)
     return (
         shape["hidden_size"],
         shape["intermediate_size"],
-        shape["num_key_value_heads"] * HEAD_DIM,
+        shape["num_key_value_heads"] * head_dim,
         1,
+        head_dim,
     )
+
+
+def rotary_bytes(setting: str) -> int:
+    """Bytes per token per unit of head_dim of the rotary tables (cos and sin in the compute dtype)."""
+    return ROTARY_TABLES * SETTINGS[setting].dtype_bytes
+
+
+def with_rotary(coefficients: list[float], rotary: int) -> list[float]:
+    """Coefficients fitted at head_dim 128 with the rotary tables' bytes moved from the constant to their own
+    term: (..., token) -> (..., token - 128·rotary, rotary)."""
+    *widths, token = coefficients
+    return rounded([*widths, token - HEAD_DIM * rotary, rotary])
+
+
+def rotary_differences(traces: list[dict[str, Any]], setting: str) -> dict[str, float]:
+    """Per phase, the base shape's slope less that of :data:`HEAD_DIM_SHAPE` (the same hidden and KV widths at
+    head_dim 64, twice the query heads): what head_dim 128 holds beyond head_dim 64 per token."""
+    base, narrow = (slopes(traces, setting, shape, 2) for shape in ("base", "head_dim"))
+    return {phase: base[phase] - narrow[phase] for phase in PHASES}
 
 
 def least_squares(rows: list[tuple[int, ...]], values: list[float]) -> list[float]:
@@ -290,10 +337,10 @@ def saved_terms(traces: list[dict[str, Any]], key: tuple[str, str], shape: str, 
     return row + kept / layers
 
 
-def logits_widths(shape: str) -> tuple[int, int, int]:
-    """A loss shape's (vocab, hidden, 1): what the loss from logits multiplies."""
+def logits_widths(shape: str) -> tuple[int, int, int, int]:
+    """A loss shape's (vocab, hidden, 1, head_dim): what the loss from logits multiplies."""
     traced = TRACED_SHAPES[shape]
-    return (traced.get("vocab_size", VOCAB), traced["hidden_size"], 1)
+    return (traced.get("vocab_size", VOCAB), traced["hidden_size"], 1, traced.get("head_dim", HEAD_DIM))
 
 
 def logits_terms(traces: list[dict[str, Any]], setting: str, shape: str, layers: int = 2) -> float:
@@ -387,27 +434,31 @@ def fit(traces: list[dict[str, Any]], attention: dict[str, int]) -> dict[str, An
             continue  # the memory model keeps its earlier row
         rows = rows_on_device if SETTINGS[setting].offload else 2
         terms = {shape: layer_terms(traces, setting, shape, 2, rows) for shape in SHAPES}
-        design = [widths_of(SHAPES[shape]) for shape in SHAPES]
+        design = [widths_of(SHAPES[shape])[:4] for shape in SHAPES]  # head_dim 128 in each: in the constant
         layers_fit["/".join(map(str, key))] = {
-            phase: rounded(least_squares(design, [terms[shape][phase] for shape in SHAPES]))
+            phase: with_rotary(
+                least_squares(design, [terms[shape][phase] for shape in SHAPES]), rotary_bytes(setting)
+            )
             for phase in PHASES
         }
-    saved_fit = {
-        "/".join(key): rounded(
+    saved_fit = {  # the rotary tables are held with and without gradient checkpointing: none in the difference
+        "/".join(key): with_rotary(
             least_squares(
-                [widths_of(SHAPES[shape]) for shape in SHAPES],
+                [widths_of(SHAPES[shape])[:4] for shape in SHAPES],
                 [saved_terms(traces, key, shape) for shape in SHAPES],
-            )
+            ),
+            0,
         )
         for key, (without, with_) in SAVED_ROWS.items()
         if {without, with_} <= traced
     }
     logits_fit = {
-        mode: rounded(
+        mode: with_rotary(
             least_squares(
-                [logits_widths(shape) for shape in LOSS_SHAPES],
+                [logits_widths(shape)[:3] for shape in LOSS_SHAPES],
                 [logits_terms(traces, setting, shape) for shape in LOSS_SHAPES],
-            )
+            ),
+            rotary_bytes(setting),
         )
         for mode, setting in LOGITS_ROWS.items()
         if setting in traced
@@ -449,14 +500,14 @@ def render_module(fitted: dict[str, Any], about: dict[str, Any]) -> str:
         "",
         "Written by ``python -m benchmarks.memory_coefficients fit`` from the traces in",
         f"docs/benchmarks/memory_traces.json ({about['date']}; {about['versions']}).",
-        "Each layer row is (h, i, kv, token): bytes per token per unit of hidden, intermediate and KV",
-        "width, and per token (see cptune.parallel.memory.Widths).",
+        "Each layer row is (h, i, kv, token, d): bytes per token per unit of hidden, intermediate and KV",
+        "width, per token, and per unit of head_dim (the rotary tables; see cptune.parallel.memory.Widths).",
         '"""',
         "",
         f"OFFLOAD_ROWS_ON_DEVICE = {fitted['offload_rows_on_device']}",
         "# Query-width rows per token the CPU attention backward holds beyond the q, k, v gradients",
         f"CPU_ATTENTION_BACKWARD_ROWS = {fitted['cpu_attention_backward_rows']!r}",
-        "# (precision, adapter, tiled MLP, recomputed norms) -> {phase: (h, i, kv, token)}",
+        "# (precision, adapter, tiled MLP, recomputed norms) -> {phase: (h, i, kv, token, d)}",
         "LAYERS = {",
     ]
     for key, row in fitted["layers"].items():
@@ -469,14 +520,14 @@ def render_module(fitted: dict[str, Any], about: dict[str, Any]) -> str:
     lines.append("}")
     lines += [
         "# Without gradient checkpointing, what one layer keeps for its backward:",
-        "# (precision, adapter) -> (h, i, kv, token)",
+        "# (precision, adapter) -> (h, i, kv, token, d)",
         "SAVED = {",
         *(
             f'    ("{k.split("/")[0]}", "{k.split("/")[1]}"): ({", ".join(map(repr, v))}),'
             for k, v in fitted["saved"].items()
         ),
         "}",
-        "# The loss from the model's fp32 logits, above the checkpoints: whole or chunked -> (vocab, hidden, token)",
+        "# The loss from the model's fp32 logits, above the checkpoints: whole or chunked -> (vocab, hidden, token, d)",
         "LOGITS_LOSS = {",
         *(f'    "{k}": ({", ".join(map(repr, v))}),' for k, v in fitted["logits_loss"].items()),
         "}",

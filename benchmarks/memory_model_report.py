@@ -83,6 +83,35 @@ def fp32_tiled_note(traces: list[dict[str, Any]]) -> str:
     )
 
 
+def rotary_note(traces: list[dict[str, Any]]) -> str:
+    """What the traces at head_dim 64 say of the rotary tables (every fitted row)."""
+    narrow = mc.TRACED_SHAPES["head_dim"]
+    differences = {setting: mc.rotary_differences(traces, setting) for setting in mc.FITTED_ROWS.values()}
+    by_bytes = {
+        b: sorted(
+            {
+                (d["forward"], d["loss"], d["backward"])
+                for s, d in differences.items()
+                if mc.rotary_bytes(s) == b
+            }
+        )
+        for b in sorted({mc.rotary_bytes(s) for s in differences})
+    }
+    said = "; ".join(
+        f"{'bf16' if b == 4 else 'fp32'}: " + ", ".join(f"{f:g}, {lo:g} and {bw:g}" for f, lo, bw in rows)
+        for b, rows in by_bytes.items()
+    )
+    return (
+        f"Checked on another shape, the base shape's hidden and KV widths at head_dim {narrow['head_dim']} "
+        f"({narrow['num_attention_heads']} query heads, {narrow['num_key_value_heads']} KV heads), every fitted row "
+        "at its lengths: per token the base shape's forward, loss and layer backward hold ("
+        + said
+        + " bytes) more, in every row: the tables' 2 x 64 x the dtype's bytes, exactly, and in the layer backward "
+        "16 bytes fewer, the attention's fp32 log-sum-exp of the 4 more query heads (4 bytes per head and token; "
+        "at head_dim 128 it is in the hidden term)"
+    )
+
+
 def render() -> list[str]:
     from benchmarks.gpu import predict
     from cptune.parallel import memory
@@ -137,10 +166,15 @@ def render() -> list[str]:
         "here has the lean one). The loss column above also holds the checkpoint rows and the last layer's "
         "output.",
         "",
-        "Fitted, bytes per token as `h·hidden + i·intermediate + kv·kv_width + token` (above the checkpoint rows; "
-        "the layer backward also above the incoming gradient and the residual stream's, two hidden rows):",
+        "Fitted, bytes per token as `h·hidden + i·intermediate + kv·kv_width + token + d·head_dim` (above the "
+        "checkpoint rows; the layer backward also above the incoming gradient and the residual stream's, two "
+        "hidden rows). `d` is stated, not fitted: the rotary tables, cos and sin of head_dim values per token in "
+        "the compute dtype (4 bytes per unit of head_dim in bf16, 8 in fp32), held for the whole step; every "
+        "fitting shape has head_dim 128, so the fit moves 128·d out of its constant. "
+        + rotary_note(traces)
+        + ":",
         "",
-        "| precision, adapter, tiled MLP, recomputed norms | forward (h, i, kv, token) | loss | layer backward |",
+        "| precision, adapter, tiled MLP, recomputed norms | forward (h, i, kv, token, d) | loss | layer backward |",
         "|---|---|---|---|",
     ]
     for key, row in fitted["layers"].items():
@@ -153,17 +187,18 @@ def render() -> list[str]:
         "and the loss from the model's fp32 logits above the checkpoints (fitted with mixed precision and LoRA; "
         "the model charges fp32 training the same; its logits are fp32 too, not traced so):",
         "",
-        "| precision, adapter | saved per layer (h, i, kv, token) |",
+        "| precision, adapter | saved per layer (h, i, kv, token, d) |",
         "|---|---|",
         *(
             f"| {key.replace('/', ', ')} | {', '.join(f'{x:g}' for x in row)} |"
             for key, row in fitted["saved"].items()
         ),
         "",
-        "| loss from logits | (vocab, hidden, token) | at Llama-3.1-8B's widths, KiB per token |",
+        "| loss from logits | (vocab, hidden, token, d) | at Llama-3.1-8B's widths, KiB per token |",
         "|---|---|---:|",
         *(
-            f"| {mode} | {', '.join(f'{x:g}' for x in row)} | {(row[0] * 128256 + row[1] * 4096 + row[2]) / 1024:.1f} |"
+            f"| {mode} | {', '.join(f'{x:g}' for x in row)} | "
+            f"{(row[0] * 128256 + row[1] * 4096 + row[2] + row[3] * 128) / 1024:.1f} |"
             for mode, row in fitted["logits_loss"].items()
         ),
         "",
@@ -192,6 +227,7 @@ def render() -> list[str]:
         + " and ".join(f"{t:,}" for t in mc.LONG_LENGTHS)
         + " tokens). The model adds the summed weight gradients to that peak (an upper bound). "
         + fp32_tiled_note(traces)
+        + "Its row is fitted there, since the rotary tables follow head_dim (above). "
         + memory.LEGACY_NOTE,
         "",
         "Not in the traces, so listed with their source: FlashAttention-2's backward keeps an fp32 dQ accumulator "

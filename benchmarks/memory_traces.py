@@ -44,8 +44,9 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
     from devtools.tiny import build_tiny_model, tiny_llama_config
 
     vocab = shape.get("vocab_size", VOCAB)
-    widths = {k: v for k, v in shape.items() if k != "vocab_size"}
-    config = tiny_llama_config(vocab, **widths, num_hidden_layers=layers, head_dim=HEAD_DIM)
+    widths = {k: v for k, v in shape.items() if k not in ("vocab_size", "head_dim")}
+    head_dim = shape.get("head_dim", HEAD_DIM)
+    config = tiny_llama_config(vocab, **widths, num_hidden_layers=layers, head_dim=head_dim)
     model = build_tiny_model(config, seed=seed)
     if not setting.fp32:
         model = model.to(torch.bfloat16)

@@ -40,12 +40,33 @@ def test_every_fitted_row_is_what_the_memory_model_uses():
 
 
 def test_the_rows_left_unfitted_are_the_ones_the_legacy_note_names():
-    """Every row but the fp32 rows with the tiled MLP is fitted, with what each layer keeps without gradient
-    checkpointing; LEGACY_NOTE names the two left and why."""
+    """Every row but the fp32 full fine-tune with the tiled MLP is fitted, with what each layer keeps without
+    gradient checkpointing; LEGACY_NOTE names the one left and why."""
     fitted = {key[:3] for key in memory_fit.LAYERS if not key[3]}
-    assert set(memory.LAYER_BYTES) - fitted == {("fp32", "lora", True), ("fp32", "full", True)}
+    assert set(memory.LAYER_BYTES) - fitted == {("fp32", "full", True)}
     assert set(memory_fit.SAVED) == {key[:2] for key in memory.LAYER_BYTES}
-    assert "the fp32 rows with the tiled MLP" in memory.LEGACY_NOTE
+    assert "the fp32 full fine-tune with the tiled MLP" in memory.LEGACY_NOTE
+
+
+def test_what_head_dim_128_holds_beyond_head_dim_64_is_the_rotary_tables(traces):
+    """Every fitted row traced at head_dim 64 with the base shape's hidden and KV widths (8 query heads, 2 KV
+    heads): per token, the forward and the loss hold 2 tables x 64 x the compute dtype's bytes less, exactly,
+    what ROTARY_TABLES states; the layer backward the same less 4 bytes per more query head (the attention's
+    fp32 log-sum-exp, one per head and token: in the hidden term at head_dim 128, as heads = hidden / 128).
+    Exact: the traces count bytes, and both slopes are taken between the same lengths."""
+    narrow = mc.TRACED_SHAPES["head_dim"]
+    assert (narrow["hidden_size"], narrow["num_key_value_heads"] * narrow["head_dim"]) == (
+        mc.BASE["hidden_size"],
+        mc.BASE["num_key_value_heads"] * mc.HEAD_DIM,
+    )
+    more_heads = narrow["num_attention_heads"] - mc.BASE["num_attention_heads"]
+    for setting in mc.FITTED_ROWS.values():
+        tables = mc.rotary_bytes(setting) * (mc.HEAD_DIM - narrow["head_dim"])
+        assert mc.rotary_differences(traces["traces"], setting) == {
+            "forward": tables,
+            "loss": tables,
+            "backward": tables - 4 * more_heads,
+        }, setting
 
 
 def test_offloading_leaves_two_checkpoint_rows_on_the_device(traces):
@@ -65,8 +86,9 @@ def test_offloading_leaves_two_checkpoint_rows_on_the_device(traces):
 
 
 def test_the_fit_reproduces_each_traced_shape(traces):
-    """Four shapes, four widths: the fitted widths give back each shape's per-token bytes (to the
-    coefficients' rounding to 0.01 byte per unit of width: at most 0.01 x the sum of the widths)."""
+    """Four shapes, four widths (and the rotary tables, stated): the fitted widths give back each shape's
+    per-token bytes (to the coefficients' rounding to 0.01 byte per unit of width: at most 0.01 x the sum of
+    the widths)."""
     fitted = mc.fit(traces["traces"], traces["attention_backward"])
     for key, setting in (
         (k, v) for k, v in mc.FITTED_ROWS.items() if "/".join(map(str, k)) in fitted["layers"]
@@ -82,8 +104,9 @@ def test_the_fit_reproduces_each_traced_shape(traces):
 
 
 def test_the_saved_and_logits_fits_reproduce_each_traced_shape(traces):
-    """As above for what a layer keeps without gradient checkpointing (four shapes, four widths) and the loss
-    from logits (three shapes: vocabulary, hidden, token), to the coefficients' rounding to 0.01 byte."""
+    """As above for what a layer keeps without gradient checkpointing (four shapes, four widths; no rotary
+    tables) and the loss from logits (three shapes: vocabulary, hidden, token; the rotary tables stated), to
+    the coefficients' rounding to 0.01 byte."""
     fitted = mc.fit(traces["traces"], traces["attention_backward"])
     for key in (key for key in mc.SAVED_ROWS if "/".join(key) in fitted["saved"]):
         row = fitted["saved"]["/".join(key)]

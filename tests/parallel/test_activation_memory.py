@@ -248,7 +248,14 @@ TOKENS = 2048
 
 
 def traced_peak(config: dict, mixed: bool, lora: bool, features: tuple[str, ...], chunk: int) -> int:
-    """The activation peak of one training step (forward + backward), above the state before it."""
+    """The activation peak of one training step (forward + backward), above the state before it.
+
+    As the memory model's traces run it (benchmarks/memory_traces.py): one CPU thread (torch's CPU attention
+    backward keeps buffers per thread that grow with the tokens: 0.8 MB more here at 2 threads), and for bf16
+    LoRA cptune's lora-input-kept-under-autocast patch, which ``cptune train`` applies."""
+    import contextlib
+    from types import SimpleNamespace
+
     from benchmarks.memtrace import AllocationTrace
     from peft import LoraConfig, get_peft_model
 
@@ -256,6 +263,8 @@ def traced_peak(config: dict, mixed: bool, lora: bool, features: tuple[str, ...]
     from cptune.models.offload import enable_activation_offloading
     from cptune.models.tiled_mlp import enable_tiled_mlp
     from cptune.parallel.loss import token_loss_sum
+    from cptune.patches.core import PatchSet
+    from cptune.patches.peft_patches import lora_input_cast_patch
     from devtools.tiny import build_tiny_model, tiny_llama_config
 
     model = build_tiny_model(tiny_llama_config(**config), seed=0)
@@ -292,9 +301,20 @@ def traced_peak(config: dict, mixed: bool, lora: bool, features: tuple[str, ...]
             loss = token_loss_sum(model(**kwargs, use_cache=False).logits, labels, chunk)
         loss.backward()
 
-    step()  # the gradients exist from here on: the traced step measures activations only
-    with AllocationTrace() as trace:
-        step()
+    recipe = SimpleNamespace(adapter="lora", bf16=True, fp16=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with (
+            PatchSet([lora_input_cast_patch()]).applied(recipe)
+            if lora and mixed
+            else contextlib.nullcontext()
+        ):
+            step()  # the gradients exist from here on: the traced step measures activations only
+            with AllocationTrace() as trace:
+                step()
+    finally:
+        torch.set_num_threads(threads)
     return trace.result.peak
 
 

@@ -282,8 +282,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 # --- activations -------------------------------------------------------------------------------
 #
-# Per-token bytes of one decoder layer, as ``h·hidden + i·intermediate + kv·(KV heads x head dim) + token``
-# for Llama-style layers (RMSNorm, GQA attention, SwiGLU MLP). "mixed" is bf16/fp16 training as the
+# Per-token bytes of one decoder layer, as ``h·hidden + i·intermediate + kv·(KV heads x head dim) + token
+# + d·head_dim`` (d: the rotary tables) for Llama-style layers (RMSNorm, GQA attention, SwiGLU MLP). "mixed" is bf16/fp16 training as the
 # Trainer runs it: weights in half precision, the forward under autocast, LoRA adapters in fp32
 # (peft's default) with cptune's lora-input-kept-under-autocast patch; "fp32" is everything in fp32.
 #
@@ -292,34 +292,41 @@ def _ceil_div(a: int, b: int) -> int:
 # with twice the vocabulary for the loss from logits) kept in docs/benchmarks/memory_traces.json: the
 # layers with gradient checkpointing and their head loss, what a layer keeps without it, the loss from
 # whole or chunked logits, a chunk in flight and the checkpoint rows offloading leaves on the device.
+# Every shape but one has head_dim 128; the rotary tables' bytes (cos and sin, head_dim values each per
+# token in the compute dtype) are a stated term, checked against another shape at head_dim 64.
 # They live in cptune.parallel.memory_fit. What the traces cannot show is listed below (GPU-only terms).
 LEGACY_NOTE = (
-    "Not refitted yet (the fits of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
-    "that printed them was not kept): the fp32 rows with the tiled MLP. fp32 LoRA's traces are one moment in "
-    "every shape at 8,192 and 16,384 tokens and give a fit (benchmarks/memory_coefficients.py, FITTED_ROWS), "
-    "but its per-token constant, measured at head_dim 128, puts the tiny-model check in "
-    "tests/parallel/test_activation_memory.py (head_dim 16) 32% over its trace, so it waits for that constant "
-    "to follow head_dim. The fp32 full fine-tune's traces (2,048 to 16,384 tokens) are not one moment in "
-    "every shape at any two lengths: at 16,384 the MLP shape's layer backward peaks where the tiles' input "
-    "gradients are concatenated while the other shapes still peak in a tile's backward; it needs traces "
-    "beyond 16,384 tokens."
+    "Not refitted yet (the fit of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
+    "that printed it was not kept): the fp32 full fine-tune with the tiled MLP. Its traces (2,048 to 16,384 "
+    "tokens) are not one moment in every shape at any two lengths: at 16,384 the MLP shape's layer backward "
+    "peaks where the tiles' input gradients are concatenated while the other shapes still peak in a tile's "
+    "backward; it needs traces beyond 16,384 tokens."
 )
 
 
 @dataclass(frozen=True)
 class Widths:
-    """Bytes per token as ``h·hidden + i·intermediate + kv·kv_width + token``.
+    """Bytes per token as ``h·hidden + i·intermediate + kv·kv_width + token + d·head_dim``.
 
-    ``token`` is what does not grow with a width (the rotary tables, the labels), measured at head_dim 128.
+    ``d`` is the rotary tables, cos and sin of ``head_dim`` values per token in the compute dtype, held for the
+    whole step (2 x its bytes; not fitted: the traces at head_dim 64 and 128 differ by exactly that,
+    benchmarks/memory_coefficients.py); ``token`` is what grows with no width (the labels, a loss's scalars).
     """
 
     h: float
     i: float = 0.0
     kv: float = 0.0
     token: float = 0.0
+    d: float = 0.0
 
     def per_token(self, shape: ModelShape) -> float:
-        return self.h * shape.hidden + self.i * shape.intermediate + self.kv * shape.kv_width + self.token
+        return (
+            self.h * shape.hidden
+            + self.i * shape.intermediate
+            + self.kv * shape.kv_width
+            + self.token
+            + self.d * shape.head_dim
+        )
 
 
 @dataclass(frozen=True)
@@ -353,9 +360,7 @@ LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
     ("mixed", "full", False): _fitted(("mixed", "full", False)),
     ("mixed", "full", True): _fitted(("mixed", "full", True)),
     ("fp32", "lora", False): _fitted(("fp32", "lora", False)),
-    ("fp32", "lora", True): _fitted(
-        ("fp32", "lora", True), LayerBytes(Widths(35.6, 0, 7.3), Widths(24, 0, 8), None, _LEGACY_HEAD_LOSS)
-    ),
+    ("fp32", "lora", True): _fitted(("fp32", "lora", True)),
     ("fp32", "full", False): _fitted(("fp32", "full", False)),
     ("fp32", "full", True): _fitted(
         ("fp32", "full", True), LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None, _LEGACY_HEAD_LOSS)
@@ -370,7 +375,7 @@ RECOMPUTED_NORMS_LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
 # Checkpointed layer inputs that activation offloading leaves on the device (fitted: the one being
 # recomputed and the one prefetched).
 OFFLOAD_ROWS_ON_DEVICE = memory_fit.OFFLOAD_ROWS_ON_DEVICE
-# The loss from the model's logits, per token above the checkpoints: (vocab, hidden, token) bytes, whole or
+# The loss from the model's logits, per token above the checkpoints: (vocab, hidden, token, head_dim) bytes, whole or
 # in chunks of LOSS_CHUNK_ELEMENTS (fitted with mixed precision, where accelerate upcasts the model's outputs;
 # charged to fp32 training too, whose logits are fp32 as well: not traced in fp32).
 LOGITS_LOSS_BYTES = memory_fit.LOGITS_LOSS
@@ -611,8 +616,8 @@ def _loss_bytes(shape: ModelShape, setup: ActivationSetup, tokens: int) -> float
 
 def _logits_loss(mode: str, shape: ModelShape) -> float:
     """Per-token bytes of the loss from whole or chunked logits."""
-    vocab, hidden, token = LOGITS_LOSS_BYTES[mode]
-    return vocab * shape.vocab + hidden * shape.hidden + token
+    vocab, hidden, token, rotary = LOGITS_LOSS_BYTES[mode]
+    return vocab * shape.vocab + hidden * shape.hidden + token + rotary * shape.head_dim
 
 
 def _chunk_bytes(kind: str, shape: ModelShape, elements: int) -> float:
