@@ -148,13 +148,8 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
     dp_shard=2 × cp=2, SGD, 4 steps.
     """
     root = tmp_path_factory.mktemp("fsdp-4")
-    example = yaml.safe_load(EXAMPLE.read_text())
     keys = {
-        **example,
-        "base_model": str(REPO / example["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
-        "dataset_prepared_path": str(root / "prepared"),
-        "output_dir": str(root / "sharded"),
+        **shipped_example(EXAMPLE, root, "sharded"),
         "max_steps": MAX_STEPS,
         "logging_steps": 1,
         "optimizer": "sgd",
