@@ -59,3 +59,10 @@ def test_a_failed_launch_fails_every_later_test_that_asks_with_a_pointer_to_it(
     for name in ("a", "b"):  # not a FileExistsError of a second launch into the same folders
         with pytest.raises(pytest.fail.Exception, match=rf"'{name}' failed: .*launch-1.rank0\.log"):
             runs[name]
+
+
+def test_references_asked_for_by_a_test_their_registration_does_not_name_are_refused(launches, tmp_path):
+    runs = OneProcessRuns(tmp_path, tmp_path / "tiny", {"a"})  # the test asking for b is not in needed_by
+    with pytest.raises(pytest.fail.Exception, match=r"'b'.*needed_by: \('test_b', 'fixture_b'\)"):
+        runs["b"]
+    assert launches == []
