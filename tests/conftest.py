@@ -86,6 +86,18 @@ def lora_recipe(folder: Path, tiny_model_dir: Path, name: str = "recipe.yaml", *
     return path
 
 
+def shipped_example(path: Path, root: Path, name: str) -> dict:
+    """The example recipe at ``path`` as shipped, its files found from anywhere, its outputs under ``root``."""
+    example = yaml.safe_load(path.read_text())
+    return {
+        **example,
+        "base_model": str(REPO / example["base_model"]),
+        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
+        "dataset_prepared_path": str(root / "prepared"),
+        "output_dir": str(root / name),
+    }
+
+
 @pytest.fixture
 def write_recipe(tmp_path: Path, tiny_model_dir: Path) -> Callable[..., Path]:
     """Write a small LoRA recipe for the tiny model into tmp_path (:func:`lora_recipe`)."""

@@ -50,6 +50,12 @@ def assert_legal_twin(
     differ by about 1e-14 of it, where a twin of another function (a mask off by a key, a token put back in the
     wrong place) differs by far more than fp32's rounding, and would widen the twins rule's limit enough to let
     bugs through. In fp32 the twin differs from the reference somewhere: a draw of the noise of its own.
+
+    Somewhere, not in every tensor, and on this CPU only: a tensor whose sums the order leaves alike (as the
+    kernel adds them) is no draw of its own, and its twins rule rests on one draw fewer. On this CPU the reversed
+    twin gives the reference's fp32 dq bit for bit in test_flash_attn_cpu's window-causal case (4 live keys a
+    query, which a kernel adding in pairs sums as (a+b)+(c+d) reversed or not), and the loss in
+    test_memory_features' reversed-vocabulary twin (a loss sits under its own floor, so that one costs nothing).
     """
     errors = relative_errors(twin64, ref64)
     assert max(errors.values()) <= EPS32, f"{what}: another function, relative errors {errors}"

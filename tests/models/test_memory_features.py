@@ -75,9 +75,10 @@ def batch(seed: int = 0):
     return {"input_ids": ids, "position_ids": torch.arange(TOKENS).expand(2, TOKENS)}, labels
 
 
-def step(model, loss_fn=logits_loss):
+def step(model, loss_fn=logits_loss, inputs: tuple[dict, torch.Tensor] | None = None):
+    """The loss and the gradients of one backward of ``inputs`` (model kwargs, shift labels; :func:`batch`'s)."""
     model.zero_grad(set_to_none=True)
-    kwargs, labels = batch()
+    kwargs, labels = batch() if inputs is None else inputs
     loss, _ = loss_fn(model, kwargs, labels)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -96,12 +97,7 @@ def twin_steps(lora: bool, **config) -> list:
         model = build(lora, **config)
         model.set_attn_implementation(backend.attn_implementation)
         sharded = backend.shard(TokenBatch(kwargs["input_ids"], kwargs["position_ids"], labels))
-        model.zero_grad(set_to_none=True)
-        loss, _ = logits_loss(model, sharded.model_kwargs, sharded.shift_labels)
-        loss.backward()
-        steps.append(
-            (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-        )
+        steps.append(step(model, inputs=(sharded.model_kwargs, sharded.shift_labels)))
     return steps
 
 

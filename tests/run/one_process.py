@@ -78,8 +78,16 @@ class OneProcessRuns:
             pytest.fail(
                 f"the launch that trained the references {name!r} failed: {self.failed[name]}", pytrace=False
             )
+        if (
+            name not in self.wanted
+        ):  # else it would train in a launch of its own, silently: a process start more
+            pytest.fail(
+                f"a test asked for the references {name!r}, but their registration names neither it nor its "
+                f"fixtures (needed_by: {REFERENCES[name].needed_by}): name it in one_process_reference",
+                pytrace=False,
+            )
         if name not in self.trained:
-            self._train(sorted({name} | (self.wanted - self.trained)))
+            self._train(sorted(self.wanted - self.trained))
         return self.root / name
 
     def log(self, name: str) -> str:

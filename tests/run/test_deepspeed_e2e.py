@@ -24,7 +24,7 @@ import yaml
 
 from cptune.config.loader import parse_override
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT
-from tests.conftest import REPO, logged, max_rel_diff, run_cptune
+from tests.conftest import REPO, logged, max_rel_diff, run_cptune, shipped_example
 from tests.numerics import logged_tolerance
 from tests.run.one_process import one_process_reference
 
@@ -54,12 +54,8 @@ COMMON = [
 )
 def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
     """The quickstart with :data:`COMMON` at cp=1, as ``cptune train`` reads those flags, into ``folder / "cp1"``."""
-    keys = yaml.safe_load(QUICKSTART.read_text())
-    keys |= {
-        "base_model": str(REPO / keys["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in keys["datasets"]],
-        "dataset_prepared_path": str(folder / "prepared"),
-        "output_dir": str(folder / "cp1"),
+    keys = {
+        **shipped_example(QUICKSTART, folder, "cp1"),
         **dict(map(parse_override, [*COMMON, "--context_parallel_size=1"])),
     }
     recipe = folder / "cp1.yaml"

@@ -29,7 +29,16 @@ from safetensors.torch import load_file
 
 from cptune.run.training.checkpoints import complete_checkpoints
 from tests.collective_audit import EVAL_TOTALS, STEP_TARGETS, THROUGHPUT, auditing
-from tests.conftest import QUICKSTART_DATA, REPO, logged, logged_losses, max_rel_diff, run_cptune, succeeded
+from tests.conftest import (
+    QUICKSTART_DATA,
+    REPO,
+    logged,
+    logged_losses,
+    max_rel_diff,
+    run_cptune,
+    shipped_example,
+    succeeded,
+)
 from tests.dist_utils import run_ranks
 from tests.numerics import assert_float64_twins_rule, logged_tolerance
 from tests.parallel.reorder_twins import sdpa_twin_runs
@@ -139,13 +148,8 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
     dp_shard=2 × cp=2, SGD, 4 steps.
     """
     root = tmp_path_factory.mktemp("fsdp-4")
-    example = yaml.safe_load(EXAMPLE.read_text())
     keys = {
-        **example,
-        "base_model": str(REPO / example["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
-        "dataset_prepared_path": str(root / "prepared"),
-        "output_dir": str(root / "sharded"),
+        **shipped_example(EXAMPLE, root, "sharded"),
         "max_steps": MAX_STEPS,
         "logging_steps": 1,
         "optimizer": "sgd",
@@ -218,18 +222,6 @@ def two_rank_runs(tmp_path_factory, tiny_model_dir):
     simpo = root / "simpo.yaml"
     simpo.write_text(yaml.safe_dump(shipped_example(SIMPO_EXAMPLE, root, "simpo")))
     return root, train_in_one_launch(2, root / "launch", uninterrupted, bf16, simpo)
-
-
-def shipped_example(path: Path, root: Path, name: str) -> dict:
-    """The example recipe at ``path`` as shipped, its files found from anywhere, its outputs under ``root``."""
-    example = yaml.safe_load(path.read_text())
-    return {
-        **example,
-        "base_model": str(REPO / example["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in example["datasets"]],
-        "dataset_prepared_path": str(root / "prepared"),
-        "output_dir": str(root / name),
-    }
 
 
 @pytest.mark.distributed

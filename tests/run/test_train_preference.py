@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cptune.config.loader import parse_override
-from tests.conftest import REPO, logged, max_rel_diff, run_cptune
+from tests.conftest import REPO, logged, max_rel_diff, run_cptune, shipped_example
 from tests.numerics import logged_tolerance
 from tests.run.one_process import one_process_reference
 
@@ -66,12 +66,8 @@ DPO_TEST = "test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_r
 def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
     """The example with :data:`COMMON` at cp=1, micro batch 2, as ``cptune train`` reads those flags, into
     ``folder / "cp1"``; its data prepared in a folder of its own, so it runs its first pass."""
-    keys = yaml.safe_load(DPO_EXAMPLE.read_text())
-    keys |= {
-        "base_model": str(REPO / keys["base_model"]),
-        "datasets": [{**d, "path": str(REPO / d["path"])} for d in keys["datasets"]],
-        "dataset_prepared_path": str(folder / "prepared"),
-        "output_dir": str(folder / "cp1"),
+    keys = {
+        **shipped_example(DPO_EXAMPLE, folder, "cp1"),
         **dict(map(parse_override, [*COMMON, "--context_parallel_size=1", "--micro_batch_size=2"])),
     }
     recipe = folder / "cp1.yaml"
