@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m devtools.gloo_status_race [--iterations N] [--threads T]
+    python -m devtools.gloo_status_race [--iterations N] [--one-worker]
 
 Two gloo ranks issue an all-gather (``funcol.all_gather_single``) and an all-to-all
 (``funcol.permute_tensor``) of a small tensor together and wait on both, ``N`` times: what the backward
@@ -16,14 +16,15 @@ aborts the rank with ``malloc(): unaligned tcache chunk detected`` (or a double 
 then loses the connection. helgrind reports the race (:mod:`devtools.race_check`: a worker's
 ``memmove`` in ``runLoop`` into a 20-byte block the other worker allocated in ``opTypeToString``).
 
-``--threads 1`` builds every gloo process group with one worker thread (``ProcessGroupGloo._Options``),
-so no two ``runLoop`` bodies run together. Prints each rank's line and the ranks' exit codes; a code
+``--one-worker`` applies cptune's fix, the patch ``gloo-one-worker-thread``
+(cptune/patches/torch_patches.py): every gloo process group gets one worker thread, so no two
+``runLoop`` bodies run together. Prints each rank's line and the ranks' exit codes; a code
 of -6 is the abort.
 
 The race needs a worker preempted inside a few instructions, so it is a matter of chance: on the
 2-core machine at load 10-17, launches of 20000 iterations with two OpenMP threads per rank
 (``OMP_NUM_THREADS=2``; the launcher's default is 1) aborted in 3 of 5; with one OpenMP thread,
-in none of 4 (140000 iterations); ``--threads 1`` ran 2 x 20000 iterations without an abort.
+in none of 4 (140000 iterations); with one worker thread (the same options the patch sets), 2 x 20000 iterations without an abort.
 """
 
 from __future__ import annotations
@@ -38,30 +39,16 @@ from datetime import timedelta
 TIMEOUT = timedelta(seconds=120)
 
 
-def one_worker_gloo(threads: int) -> None:
-    """Make torch build every gloo process group with ``threads`` worker threads."""
-    import torch.distributed.distributed_c10d as c10d
-
-    base = c10d.ProcessGroupGloo
-
-    class FewWorkersProcessGroupGloo(base):
-        def __init__(self, store, rank, size, timeout=TIMEOUT):
-            options = base._Options()
-            options._devices = [base.create_default_device()]
-            options._threads = threads
-            options._timeout = timeout
-            super().__init__(store, rank, size, options)
-
-    c10d.ProcessGroupGloo = FewWorkersProcessGroupGloo
-
-
-def rank_main(iterations: int, threads: int | None) -> None:
+def rank_main(iterations: int, one_worker: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    if threads is not None:
-        one_worker_gloo(threads)
+    from cptune.patches import PatchSet
+    from cptune.patches.torch_patches import gloo_one_worker_patch
+
+    if one_worker:  # cptune's fix, applied for the process's life
+        PatchSet([gloo_one_worker_patch()]).apply(None)
     dist.init_process_group("gloo", timeout=TIMEOUT)
     world = dist.group.WORLD
     workers = world._get_backend(torch.device("cpu")).options._threads
@@ -80,13 +67,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=20000)
     parser.add_argument(
-        "--threads", type=int, help="gloo worker threads per process group (torch's default: 2)"
+        "--one-worker",
+        action="store_true",
+        help="apply cptune's gloo-one-worker-thread patch (torch's default: 2 worker threads per group)",
     )
     parser.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_process:
         faulthandler.enable(all_threads=True)
-        rank_main(args.iterations, args.threads)
+        rank_main(args.iterations, args.one_worker)
         return
     from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
 

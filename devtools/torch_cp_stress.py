@@ -94,7 +94,11 @@ def rank_main(iterations: int, strategies: list[str], balance: bool, jitter: boo
     from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
     from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
     from cptune.patches.core import PatchSet, always
+    from cptune.patches.torch_patches import gloo_one_worker_patch
 
+    # As `cptune train` does before any process group exists: gloo groups with one worker thread (two
+    # corrupt the heap when collectives finish together: devtools/gloo_status_race.py).
+    PatchSet([gloo_one_worker_patch()]).apply(None)
     # A rank left waiting for a dead peer gives up instead of outliving the command.
     dist.init_process_group("gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_SECONDS))
     rank = dist.get_rank()

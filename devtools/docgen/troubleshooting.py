@@ -54,7 +54,13 @@ FAILURES = """\
   of each of its threads, innermost call first, then dies of the signal, which
   the launcher's last line reports (`-6 (SIGABRT)`, `-11 (SIGSEGV)`). Please
   include those stacks when you report the crash: they name the code that was
-  running. Tested by aborting a launched rank mid-command.
+  running. Tested by aborting a launched rank mid-command. One such abort is
+  known and avoided: torch 2.13's gloo process groups have two worker threads
+  that write the group's status string together, which corrupts the heap when
+  two collectives finish at once (as in `cp_backend: torch`'s ring on CPU, under
+  load). cptune builds every gloo group with one worker thread (the patch
+  `gloo-one-worker-thread`); code of your own that starts process groups outside
+  `cptune train` does not get it.
 - **A rank hangs** (alive, but never reaches the next collective). The other
   ranks fail when a collective has waited `ddp_timeout` seconds (default 1800);
   set it lower in the recipe for quicker failure on small runs. A rank that

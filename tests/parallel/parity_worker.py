@@ -71,6 +71,7 @@ from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
+from cptune.patches.torch_patches import gloo_one_worker_patch
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
@@ -641,6 +642,13 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
 
 
 def main() -> None:
+    # What `cptune train` applies before any process group exists: gloo groups with one worker thread (two
+    # corrupt the heap when collectives finish together, as torch CP's ring backward has them; issue 26).
+    with PatchSet([gloo_one_worker_patch()]).applied(None):
+        run_launch()
+
+
+def run_launch() -> None:
     out_dir, cp_size, cases = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     reorder.apply()  # CPTUNE_TEST_REORDER=1: other summation orders (tests/reorder.py)
     dist.init_process_group("gloo")

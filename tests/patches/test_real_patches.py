@@ -71,7 +71,7 @@ def _selected(recipe) -> list[str]:
 def test_ring_plan_matches_installed_versions():
     plan = build_patch_set(BACKENDS[RING.cp_backend], BACKENDS.values()).plan(RING)
     assert plan.ok, plan.describe()
-    assert len(plan.selected) == 5
+    assert len(plan.selected) == 6
     assert "torch-cp-cpu-sdpa-handlers" in [skipped.patch.name for skipped in plan.skipped]
 
 
@@ -79,7 +79,7 @@ def test_torch_plan_matches_installed_versions():
     plan = build_patch_set(BACKENDS[TORCH.cp_backend], BACKENDS.values()).plan(TORCH)
     assert plan.ok, plan.describe()
     assert [patch.name for patch in plan.selected][-1] == "torch-cp-cpu-sdpa-handlers"
-    assert len(plan.selected) == 6
+    assert len(plan.selected) == 7
 
 
 def test_import_compat_plan_matches_installed_versions():
@@ -98,7 +98,8 @@ def test_selection_by_backend():
         "accelerate-deepspeed-loader-cp-batches",
         "attention-registry-run-scope",
     ]
-    assert _selected(NO_CP) == []
+    # Every run's gloo groups get one worker thread (tests/patches/test_torch_patches.py); nothing else without CP.
+    assert _selected(NO_CP) == ["gloo-one-worker-thread"]
 
 
 def test_apply_then_revert_restores_identity():

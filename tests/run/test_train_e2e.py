@@ -68,7 +68,11 @@ def test_cp4_and_dp2xcp2_match_cp1_step_by_step(
         )
         for name, keys in layouts.items()
     ]
-    run_ranks(WORKER, 4, tmp_path / "launch", *map(str, recipes))
+    ranks = run_ranks(WORKER, 4, tmp_path / "launch", *map(str, recipes))
+    # Every gloo group of the runs (world, data-parallel, CP, the device mesh's) has one worker thread: two
+    # write a group's status string together and corrupt the heap (cptune/patches/torch_patches.py).
+    threads = [run["gloo_worker_threads"] for rank in ranks for run in rank["runs"]]
+    assert all(set(groups) == {1} for groups in threads) and max(map(len, threads)) >= 4, threads
     logs = {
         name: {key: logged(out, key) for key in ("loss", "grad_norm", "eval_loss", "train_loss")}
         for name, out in {"cp1": cp1, **{name: tmp_path / name for name in layouts}}.items()

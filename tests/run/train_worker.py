@@ -83,7 +83,7 @@ def train_one(recipe_path: str, crash_step: int | None) -> dict:
     trainer = built["trainer"]
     # Measured before the forward below: FSDP2 keeps the root's and the output layer's weights
     # gathered after a forward until the next backward.
-    report = {"losses": result.losses, **state_bytes(trainer)}
+    report = {"losses": result.losses, "gloo_worker_threads": gloo_worker_threads(), **state_bytes(trainer)}
     # A model sharded with FSDP2 gathers its weights in the forward: every rank takes part.
     if rank == 0 or trainer.is_fsdp_enabled:
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -97,6 +97,22 @@ def train_one(recipe_path: str, crash_step: int | None) -> dict:
         if rank == 0:
             torch.save(logits, Path(result.output_dir) / "logits.pt")
     return report
+
+
+def gloo_worker_threads() -> list[int]:
+    """The worker threads of each gloo process group this rank has (the world's, the device mesh's...).
+
+    cptune's run builds them with one (the patch ``gloo-one-worker-thread``): two workers of a group write
+    its status string together, issue 26's heap corruption.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    threads = []
+    for group in list(c10d._world.pg_map):
+        if torch.device("cpu") in group._device_types:
+            options = group._get_backend(torch.device("cpu")).options
+            threads.append(getattr(options, "_threads", None))  # None: not a gloo backend
+    return threads
 
 
 def state_bytes(trainer) -> dict[str, int]:

@@ -34,6 +34,7 @@ from cptune.patches.accelerate_patches import (
 from cptune.patches.core import IMPORT_TIME_LOG, ContextParallelWith, Patch, PatchSet, SplitsTensors
 from cptune.patches.deepspeed_patches import OnDeepSpeedEngine, deepspeed_engine_patches
 from cptune.patches.peft_patches import lora_input_cast_patch
+from cptune.patches.torch_patches import gloo_one_worker_patch
 from cptune.patches.transformers_patches import trainer_cp_inputs_patch
 from cptune.patches.zero_ring_patches import loader_shares_cp_batches_patch
 
@@ -77,6 +78,7 @@ def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) 
     under_zero = tuple(b.name for b in backends if b.runs_under_zero)
     on_deepspeed = OnDeepSpeedEngine(tuple(b.name for b in backends if b.runs_own_engine), under_zero)
     patches = [
+        gloo_one_worker_patch(),  # before any process group exists: every gloo group the run makes
         trainer_cp_inputs_patch(self_sharding),
         prepare_cp_patch(self_sharding, shards_itself=chosen.shards_inputs_itself),
         cp_context_guard_patch(self_sharding, guard=chosen.runtime().cp_context_guard),
