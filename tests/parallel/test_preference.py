@@ -378,7 +378,13 @@ def test_full_fine_tune_with_precomputed_reference_equals_trls_dpo_trainer_at_cp
     precompute_ref_log_probs first pass) equals TRL 1.16.0's DPOTrainer with ``precompute_ref_log_probs=True``:
     the loss, the metrics and the gradient of every weight, by the twins rule of the LoRA test above (TRL also
     run in float64; cptune's fp32 values at most 32x as far from it as the farthest of TRL's fp32 values and
-    its 2 twins', plus the reorder floor of the log-prob sums)."""
+    its 2 twins', plus the reorder floor of the log-prob sums).
+
+    One tensor is weaker than the rest: TRL's fused LM head (trl/kernels/chunked_logprob.py) projects and sums in
+    fp32 tiles whatever the model's dtype, so TRL's float64 run has ``lm_head.weight``'s gradient only to fp32
+    accuracy (its row-order twins differ there by about 6e-7 relative in float64, every other tensor by 2e-15).
+    That noise is in each fp32 path's distance from it, the limit's included: a looser check of that tensor,
+    not a false failure."""
     import trl
 
     assert trl.__version__ == TRL_VERSION, f"written against TRL {TRL_VERSION}, found {trl.__version__}"
