@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -77,15 +75,11 @@ def main() -> None:
         faulthandler.enable(all_threads=True)
         rank_main(args.iterations, args.one_worker)
         return
-    from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
+    from devtools.two_ranks import run_two_ranks
 
-    plan, port = LaunchPlan(nproc_per_node=2), free_port()
-    command = [sys.executable, "-m", "devtools.gloo_status_race", "--rank-process", *sys.argv[1:]]
-    procs = [
-        subprocess.Popen(command, env=child_environment(plan, rank, port, dict(os.environ)))
-        for rank in range(plan.nproc_per_node)
-    ]
-    codes = [proc.wait() for proc in procs]
+    codes = run_two_ranks(
+        [sys.executable, "-m", "devtools.gloo_status_race", "--rank-process", *sys.argv[1:]]
+    )
     print(f"exit codes {codes}")
     sys.exit(0 if all(code == 0 for code in codes) else 1)
 

@@ -34,7 +34,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from datetime import timedelta
@@ -104,7 +103,7 @@ def rank_loop(iterations: int, strategy: str) -> None:
 
 def launch(tool: str, iterations: int, strategy: str, log_dir: Path) -> int:
     """Both ranks under ``tool``; the exit code of the first that failed, else 0."""
-    from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
+    from devtools.two_ranks import run_two_ranks
 
     extra = ["--history-level=full", "--conflict-cache-size=2000000"] if tool == "helgrind" else []
     valgrind = [
@@ -121,14 +120,7 @@ def launch(tool: str, iterations: int, strategy: str, log_dir: Path) -> int:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    plan, port = LaunchPlan(nproc_per_node=2), free_port()
-    procs = [
-        subprocess.Popen(
-            [*valgrind, *rank, f"--strategy={strategy}"], cwd=REPO, env=child_environment(plan, r, port, env)
-        )
-        for r in range(plan.nproc_per_node)
-    ]
-    codes = [proc.wait() for proc in procs]
+    codes = run_two_ranks([*valgrind, *rank, f"--strategy={strategy}"], env=env, cwd=REPO)
     return next((code for code in codes if code), 0)
 
 

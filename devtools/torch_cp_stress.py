@@ -30,8 +30,6 @@ import argparse
 import faulthandler
 import gc
 import json
-import os
-import subprocess
 import sys
 from datetime import timedelta
 
@@ -145,17 +143,9 @@ def rank_main(iterations: int, strategies: list[str], balance: bool, jitter: boo
 
 
 def launch(argv: list[str]) -> int:
-    from cptune.run.launch.processes import LaunchPlan, child_environment, free_port
+    from devtools.two_ranks import run_two_ranks
 
-    plan, port = LaunchPlan(nproc_per_node=2), free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "devtools.torch_cp_stress", "--rank-process", *argv],
-            env=child_environment(plan, rank, port, dict(os.environ)),
-        )
-        for rank in range(plan.nproc_per_node)
-    ]
-    codes = [proc.wait() for proc in procs]
+    codes = run_two_ranks([sys.executable, "-m", "devtools.torch_cp_stress", "--rank-process", *argv])
     return 0 if all(code == 0 for code in codes) else 1
 
 
