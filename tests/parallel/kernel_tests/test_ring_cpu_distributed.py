@@ -240,30 +240,17 @@ def _import_ring_flash_attn():
 
 
 def _reference(q, k, v, dout, cu_seqlens, causal, dtype=None, order=None):
-    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients;
-    ``order``: a twin's (tests/token_orders.py), each document's tokens taken in that order and put back."""
+    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients: the kernels'
+    dense reference (dense_reference.py's ``varlen_reference``, q and k cut at the same boundaries); ``order``: a
+    twin's (tests/token_orders.py)."""
     import torch
 
-    from tests.token_orders import put_back, token_order
+    from tests.parallel.kernel_tests.dense_reference import varlen_reference
 
     dtype = dtype or torch.float64
-    q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
-    group = NHEADS // NHEADS_K
-    outs = []
-    for start, stop in itertools.pairwise(cu_seqlens):
-        tokens = token_order(stop - start, order)
-        qs, ks, vs = (
-            q[start:stop][tokens],
-            k[start:stop][tokens].repeat_interleave(group, 1),
-            v[start:stop][tokens].repeat_interleave(group, 1),
-        )
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * HEAD_DIM**-0.5
-        if causal:
-            scores = scores.masked_fill(tokens[None, :] > tokens[:, None], float("-inf"))
-        outs.append(put_back(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs), tokens, 0))
-    out = torch.cat(outs)
-    out.backward(dout.to(dtype))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    inputs = (t.to(dtype) for t in (q, k, v, dout))
+    out, _, grads = varlen_reference(*inputs, cu_seqlens, cu_seqlens, order, causal=causal)
+    return {"out": out, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
 
 def _gather(tensor, group, world):
