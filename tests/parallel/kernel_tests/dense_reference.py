@@ -12,18 +12,19 @@ import itertools
 
 import torch
 
-from tests.token_orders import put_back, token_order
+from tests.token_orders import put_back, take_features, token_order
 
 
 def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None, order=None):
     """softmax(q k^T * scale + mask) v in the inputs' dtype, dense (b, s, h, d); returns out and lse (b, h, s_q).
 
     ``order``: None, or one of tests/token_orders.py's ``TWIN_ORDERS``: the queries and keys taken in that order
-    (the mask following them) and the results put back, the same function with its sums in another order.
+    (the mask following them), and the head's features, and the results put back, the same function with its sums
+    in other orders.
     """
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     q_order, k_order = token_order(seqlen_q, order), token_order(seqlen_k, order)
-    q, k, v = q[:, q_order], k[:, k_order], v[:, k_order]
+    features, (q, k, v) = take_features(order, q[:, q_order], k[:, k_order], v[:, k_order])
     group = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -40,7 +41,7 @@ def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None, order=N
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: 0, not NaN
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return put_back(out, q_order, 1), put_back(lse, q_order, 2)
+    return put_back(put_back(out, q_order, 1), features, -1), put_back(lse, q_order, 2)
 
 
 def reference_with_grads(q, k, v, dout, order=None, **mask):

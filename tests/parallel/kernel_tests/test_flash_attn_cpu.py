@@ -29,7 +29,7 @@ from cptune.parallel.kernels.flash_attn_cpu import (
 )
 from tests.numerics import EPS_BF16, assert_float64_twins_rule, assert_within
 from tests.parallel.kernel_tests.dense_reference import reference_with_grads, varlen_reference
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin
+from tests.token_orders import TWIN_ORDERS, assert_distinct_draws, assert_legal_twin
 
 HEAD_DIM = 8
 
@@ -123,7 +123,8 @@ def test_dense_matches_reference_in_fp32(case):
 
 @pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
 def test_the_twin_orders_compute_the_reference_function_in_another_order(case):
-    """The fp32 references' twins (``fp32_references``) are legal: the same function, a noise of their own."""
+    """The fp32 references' twins (``fp32_references``) are legal: the same function, a noise of their own in every
+    tensor (``assert_distinct_draws``)."""
     case = dict(case)
     mask = {"causal": case.pop("causal"), "window": case.pop("window", (-1, -1))}
     q, k, v, dout = random_qkv(batch=2, **case)
@@ -133,10 +134,12 @@ def test_the_twin_orders_compute_the_reference_function_in_another_order(case):
         return {"out": out, "lse": lse[finite], **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
     ref64, ref32 = (named(*reference_with_grads(*t, **mask)) for t in ((q, k, v, dout), fp32(q, k, v, dout)))
+    twins32 = []
     for order in TWIN_ORDERS:
         twin64 = named(*reference_with_grads(q, k, v, dout, order, **mask))
-        twin32 = named(*reference_with_grads(*fp32(q, k, v, dout), order, **mask))
-        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
+        twins32.append(named(*reference_with_grads(*fp32(q, k, v, dout), order, **mask)))
+        assert_legal_twin(twin64, ref64, twins32[-1], ref32, what=order)
+    assert_distinct_draws([ref32, *twins32])
 
 
 def fp32(*tensors):
