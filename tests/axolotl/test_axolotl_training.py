@@ -166,7 +166,7 @@ def test_qlora_recipe_adapter_loads_in_peft_and_merges_into_the_dequantized_base
         expected, got = model(input_ids=ids).logits, standalone(input_ids=ids).logits
         expected64 = float64_twin(model)(input_ids=ids).logits  # the 4-bit base dequantized, in float64
     # Twins rule (tests/numerics.py): the merged model's fp32 logits within 32x the farthest distance from
-    # float64 of the adapter-on-4-bit model's and of its 2 twins' (sdpa's math backend, sdpa over the tokens reversed:
+    # float64 of the adapter-on-4-bit model's and of its 2 twins' (sdpa's math backend, sdpa over the tokens in a strided order:
     # tests/parallel/reorder_twins.py). Merged into the original, unquantized weights it was 0.05 off.
     with torch.no_grad():
         twins = sdpa_twin_runs(model, lambda: {"logits": model(input_ids=ids).logits})

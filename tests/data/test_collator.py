@@ -128,7 +128,7 @@ def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
 
     separate, packed, crossing = losses(model)
     separate64, _, _ = losses(copy.deepcopy(model).double())
-    # The reference's twins: the samples one by one through sdpa's math backend and sdpa over the tokens reversed
+    # The reference's twins: the samples one by one through sdpa's math backend and sdpa over the tokens in a strided order
     # (tests/parallel/reorder_twins.py's sdpa_twin_runs), the same function with attention's sums in other orders;
     # for the eager reference plain sdpa instead of the math backend, which rounds as eager does on CPU.
     twin = copy.deepcopy(model)

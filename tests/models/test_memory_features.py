@@ -41,7 +41,7 @@ from tests.numerics import (
     reorder_bound,
 )
 from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin, token_order
+from tests.token_orders import TWIN_ORDERS, assert_distinct_draws, assert_legal_twin, token_order
 
 VOCAB, TOKENS = 97, 40
 TARGETS = 2 * (TOKENS - 6)  # batch(): per row 5 prompt tokens and the last one have no target
@@ -298,6 +298,7 @@ def test_head_loss_never_holds_more_than_a_chunk_of_logits():
     )
     references = [{"hidden": g} for g in (whole_grad, *(t[1] for t in twins))]
     assert_float64_twins_rule({"hidden": small_grad}, references, {"hidden": whole64_grad})
+    assert_distinct_draws(references, "the hidden gradient's vocabulary twins")  # each a draw of its own
     for order, (twin_loss, twin_grad) in zip(TWIN_ORDERS, twins, strict=True):  # the twins are legal
         twin64 = dict(
             zip(("loss", "hidden"), vocabulary_twin(head64, hidden64, labels, order, True), strict=True)

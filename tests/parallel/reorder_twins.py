@@ -20,8 +20,8 @@ reference's attention, the one computation a CP backend splits besides the gradi
 
 The token-order twins (:data:`TOKEN_ORDER_TWINS`) serve a cp=1 reference without windows or sinks, causal
 or not, where the document twin is the path under test (tests/parallel/backends/test_local_documents.py):
-cptune's masked SDPA over each whole row with the row's tokens taken in another order (tests/token_orders.py)
-and the output put back, the mask following the tokens.
+cptune's masked SDPA over each whole row with the row's tokens and the head's features taken in another order
+(tests/token_orders.py) and the output put back, the mask following the tokens.
 
 Three twins, not one: the rule compares the CP run against the largest of them, and a CP run
 exactly as noisy as each twin lands beyond ``c`` times the largest of ``K`` independent draws far
@@ -49,7 +49,7 @@ from cptune.parallel.backends.base import ShardedInputs
 from cptune.parallel.backends.document_attention import DocumentAttention, RowDocuments
 from cptune.parallel.backends.local.sharding import LocalBackend, document_mask
 from cptune.parallel.shard import TokenBatch
-from tests.token_orders import TWIN_ORDERS, put_back, token_order
+from tests.token_orders import TWIN_ORDERS, put_back, take_features, token_order
 
 
 class DocumentTwinBackend(LocalBackend):
@@ -75,9 +75,9 @@ class DocumentTwinBackend(LocalBackend):
 
 
 class TokenOrderTwinBackend(LocalBackend):
-    """cp=1 over whole rows through cptune's masked SDPA, each row's tokens taken in ``order`` (tests/token_orders.py)
-    and the output put back: the masked reference's function (each document causal within itself, or not) with
-    attention's sums in another order. No sliding windows, no sinks."""
+    """cp=1 over whole rows through cptune's masked SDPA, each row's tokens and the head's features taken in ``order``
+    (tests/token_orders.py) and the output put back: the masked reference's function (each document causal within
+    itself, or not) with attention's sums in other orders. No sliding windows, no sinks."""
 
     def __init__(self, causal: bool, order: str) -> None:
         super().__init__(causal)
@@ -94,8 +94,9 @@ class TokenOrderTwinBackend(LocalBackend):
         mask = mask[..., tokens, :][..., tokens]
 
         def attend(q, k, v, scale):
-            out = sdpa_tokens_first(q[:, tokens], k[:, tokens], v[:, tokens], scale, attn_mask=mask)
-            return put_back(out, tokens, 1)
+            features, (q, k, v) = take_features(self.order, q[:, tokens], k[:, tokens], v[:, tokens])
+            out = sdpa_tokens_first(q, k, v, scale, attn_mask=mask)
+            return put_back(put_back(out, tokens, 1), features, -1)
 
         call = AttentionCall(attend=attend)
         return dataclasses.replace(
@@ -149,15 +150,19 @@ TOKEN_ORDER_TWINS = tuple(
 )
 
 
-#: transformers' sdpa attention over the tokens reversed (:func:`reversed_sdpa_forward`), registered by
-#: :func:`sdpa_twin_runs`.
-REVERSED_SDPA = "cptune_test_reversed_sdpa"
+#: transformers' sdpa attention over the tokens and the head's features in a strided order
+#: (:func:`reordered_sdpa_forward`), registered by :func:`sdpa_twin_runs`.
+REORDERED_SDPA = "cptune_test_reordered_sdpa"
+#: The order of :data:`REORDERED_SDPA`'s tokens and features (tests/token_orders.py): not a reversal, which a
+#: kernel adding in a symmetric tree undoes.
+SDPA_TWIN_ORDER = TWIN_ORDERS[0]
 
 
-def reversed_sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):
-    """transformers' ``sdpa_attention_forward`` with the tokens reversed (the mask following them; none given: the
-    causal mask a decoder's sdpa call implies) and the output put back: the same attention, its sums over keys and
-    (in the backward) over queries in another order. Tensors (batch, heads, tokens, head_dim)."""
+def reordered_sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):
+    """transformers' ``sdpa_attention_forward`` with the tokens (the mask following them; none given: the causal mask
+    a decoder's sdpa call implies) and the head's features in :data:`SDPA_TWIN_ORDER`, and the output put back: the
+    same attention, its sums over keys, over features and (in the backward) over queries in other orders. Tensors
+    (batch, heads, tokens, head_dim)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     queries, keys = query.shape[2], key.shape[2]
@@ -165,37 +170,31 @@ def reversed_sdpa_forward(module, query, key, value, attention_mask, *args, **kw
         causal = getattr(module, "is_causal", True) and queries > 1
         visible = torch.ones(queries, keys, dtype=torch.bool, device=query.device)
         attention_mask = visible.tril(keys - queries) if causal else visible
-    q_order, k_order = token_order(queries, "reversed"), token_order(keys, "reversed")
+    q_order, k_order = token_order(queries, SDPA_TWIN_ORDER), token_order(keys, SDPA_TWIN_ORDER)
     mask = attention_mask[..., q_order, :][..., k_order]
     kwargs.pop("is_causal", None)
-    out, weights = sdpa_attention_forward(
-        module,
-        query[:, :, q_order],
-        key[:, :, k_order],
-        value[:, :, k_order],
-        mask,
-        *args,
-        is_causal=False,
-        **kwargs,
+    features, (query, key, value) = take_features(
+        SDPA_TWIN_ORDER, query[:, :, q_order], key[:, :, k_order], value[:, :, k_order]
     )
-    return put_back(out, q_order, 1), weights
+    out, weights = sdpa_attention_forward(module, query, key, value, mask, *args, is_causal=False, **kwargs)
+    return put_back(put_back(out, q_order, 1), features, -1), weights
 
 
 def sdpa_twin_runs(model: torch.nn.Module, run: Callable[[], Any]) -> list[Any]:
     """``run()`` once through each of 2 twins of ``model``'s sdpa attention that need no backend: sdpa's math backend
-    and sdpa over the tokens reversed (:data:`REVERSED_SDPA`), the same function with attention's sums in other
+    and sdpa over the tokens in a strided order (:data:`REORDERED_SDPA`), the same function with attention's sums in other
     orders; ``model`` set back to sdpa after. Not transformers' eager attention: on CPU it rounds bit for bit as sdpa's
     math backend does (measured on the tiny Llama), so it would be no draw of its own."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     assert model.config._attn_implementation == "sdpa", "these are the twins of an sdpa reference"
-    AttentionInterface.register(REVERSED_SDPA, reversed_sdpa_forward)
-    AttentionMaskInterface.register(REVERSED_SDPA, sdpa_mask)  # the masks transformers builds for sdpa
+    AttentionInterface.register(REORDERED_SDPA, reordered_sdpa_forward)
+    AttentionMaskInterface.register(REORDERED_SDPA, sdpa_mask)  # the masks transformers builds for sdpa
     results = []
     for implementation, context in (
         (TWINS[1].attn_implementation("sdpa"), TWINS[1].context),
-        (REVERSED_SDPA, contextlib.nullcontext),
+        (REORDERED_SDPA, contextlib.nullcontext),
     ):
         model.set_attn_implementation(implementation)
         try:

@@ -33,7 +33,14 @@ from cptune.parallel.preference import (
 from cptune.parallel.shard import shard_contiguous, shard_zigzag
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.conftest import REPO
-from tests.numerics import EPS32, float64_twins_excess, float64_twins_excesses, relative_errors, reorder_bound
+from tests.numerics import (
+    EPS32,
+    draws_per_tensor,
+    float64_twins_excess,
+    float64_twins_excesses,
+    relative_errors,
+    reorder_bound,
+)
 from tests.token_orders import TWIN_ORDERS, token_order
 
 TRL_VERSION = "1.16.0"
@@ -251,7 +258,8 @@ def trl_twins_excesses(ours, twins32, trl64, longest: int, floor: float) -> dict
         if name != "rewards/accuracies"
     }
     twin_errors = [relative_errors(t[2], grads64) for t in twins32]
-    return excesses | float64_twins_excesses(relative_errors(grads, grads64), twin_errors)
+    draws = draws_per_tensor([t[2] for t in twins32])
+    return excesses | float64_twins_excesses(relative_errors(grads, grads64), twin_errors, draws=draws)
 
 
 @pytest.mark.skipif(not HAS_TRL, reason=f"TRL is a test-only dependency (pip install trl=={TRL_VERSION})")

@@ -29,7 +29,13 @@ from cptune.parallel.preference import (
     preference_step_loss,
 )
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
-from tests.numerics import float64_twins_excess, float64_twins_excesses, relative_errors, reorder_bound
+from tests.numerics import (
+    draws_per_tensor,
+    float64_twins_excess,
+    float64_twins_excesses,
+    relative_errors,
+    reorder_bound,
+)
 from tests.parallel.reorder_twins import sdpa_twin_runs
 from tests.parallel.test_preference import LORA, PAIRS, TRL_VERSION, adapter_copy
 
@@ -140,7 +146,7 @@ def _trl_step(trainer, rows, names):
 
 def _trl_twin_steps(trainer, rows, names):
     """``_trl_step`` of TRL's fp32 trainer and of its twins, each ``(loss, metrics, grads)``: sdpa's math
-    backend and sdpa over the tokens reversed for the reference's sdpa (tests/parallel/reorder_twins.py's
+    backend and sdpa over the tokens in a strided order for the reference's sdpa (tests/parallel/reorder_twins.py's
     ``sdpa_twin_runs``), the same function with attention's sums in other orders. Not the batch's rows in other
     orders (tests/parallel/test_preference.py's twins): the SimPO case of one pair has one row."""
     return [
@@ -233,7 +239,8 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
     scalars |= {n: (metrics[n], [t[1][n] for t in twins32], metrics64[n]) for n in names}
     excesses = _excesses(scalars, longest, lambda n: magnitude * (BETA if "rewards" in n else 1.0))
     twin_errors = [relative_errors(t[2], grads64) for t in twins32]
-    excesses |= float64_twins_excesses(relative_errors(grads, grads64), twin_errors)
+    draws = draws_per_tensor([t[2] for t in twins32])
+    excesses |= float64_twins_excesses(relative_errors(grads, grads64), twin_errors, draws=draws)
     worst = max(excesses, key=excesses.get)
     print(
         f"simpo pairs={pairs} cpo_alpha={cpo_alpha}: loss {loss:.9g} (TRL fp32 {twins32[0][0]:.9g}, "

@@ -27,7 +27,7 @@ from devtools.tiny import build_tiny_gpt_oss, build_tiny_mistral, build_tiny_mod
 from tests.numerics import assert_float64_twins_rule
 from tests.parallel.masked_eager import MaskedEagerBackend
 from tests.parallel.reorder_twins import TOKEN_ORDER_TWINS, TWINS, fp32_twins, sdpa_twin_runs
-from tests.token_orders import assert_legal_twin
+from tests.token_orders import assert_distinct_draws, assert_legal_twin
 
 VOCAB = 97
 # Two rows of 3 short documents, then a long one wider than Mistral's window of 5.
@@ -123,7 +123,8 @@ UNWINDOWED = ("llama-causal", "llama-bidirectional")
 def test_every_fp32_twin_computes_the_reference_function_and_adds_in_another_order(reference_name):
     """Each fp32 twin of a parity worker's fp32 reference (``fp32_twins``), and the token-order twins of a reference
     without windows: its logits in float64 within fp32's resolution of the float64 reference's, and in fp32 not
-    bit-identical to the reference's (a draw of the reorder noise; ``assert_legal_twin``)."""
+    bit-identical to the reference's (a draw of the reorder noise; ``assert_legal_twin``) nor to another twin's
+    (``assert_distinct_draws``)."""
     register_attention()
     build, attention, backend, causal = FP32_REFERENCES[reference_name]
     model = build().float()
@@ -135,19 +136,22 @@ def test_every_fp32_twin_computes_the_reference_function_and_adds_in_another_ord
     ref64 = logits(model64, local, batch)
     twins = fp32_twins(attention) + (TOKEN_ORDER_TWINS if reference_name in UNWINDOWED else ())
     assert twins, reference_name
+    draws = [{"logits": reference}]
     for twin in twins:
         got = twin_logits(model, twin, batch, attention, causal)
         got64 = twin_logits(model64, twin, batch, attention, causal)
         what = f"{reference_name} {twin.name}"
         assert_legal_twin({"logits": got64}, {"logits": ref64}, {"logits": got}, {"logits": reference}, what)
+        draws.append({"logits": got})
+    assert_distinct_draws(draws, reference_name)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["rows", "padded-rows"])
 def test_the_sdpa_twins_compute_the_reference_function_and_add_in_other_orders(padded):
-    """``sdpa_twin_runs``' twins (sdpa's math backend, sdpa over the tokens reversed) of a plain sdpa model call, with
-    transformers' own masks (causal; causal and padding): each legal (``assert_legal_twin``), and the two twins not
-    bit-identical to each other either (each a draw of its own; eager attention was not: it rounds as the math
-    backend does)."""
+    """``sdpa_twin_runs``' twins (sdpa's math backend, sdpa over the tokens in a strided order) of a plain sdpa model call, with
+    transformers' own masks (causal; causal and padding): each legal (``assert_legal_twin``), and the reference and
+    the two twins bit-identical to no other (``assert_distinct_draws``: each a draw of its own; eager attention was
+    not: it rounds as the math backend does)."""
     model = BUILDERS["llama"]().float()
     model.set_attn_implementation("sdpa")
     model64 = copy.deepcopy(model).double()
@@ -162,9 +166,9 @@ def test_the_sdpa_twins_compute_the_reference_function_and_add_in_other_orders(p
         reference, ref64 = (m(**kwargs).logits[real] for m in (model, model64))
         twins = sdpa_twin_runs(model, lambda: model(**kwargs).logits[real])
         twins64 = sdpa_twin_runs(model64, lambda: model64(**kwargs).logits[real])
-    for name, twin, twin64 in zip(("sdpa-math", "tokens reversed"), twins, twins64, strict=True):
+    for name, twin, twin64 in zip(("sdpa-math", "tokens strided"), twins, twins64, strict=True):
         assert_legal_twin(
             {"logits": twin64}, {"logits": ref64}, {"logits": twin}, {"logits": reference}, name
         )
-    assert not torch.equal(*twins)
+    assert_distinct_draws([{"logits": r} for r in (reference, *twins)], "sdpa twins")
     assert model.config._attn_implementation == "sdpa"

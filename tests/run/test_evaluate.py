@@ -70,7 +70,7 @@ def reference_loss(
 
 
 def twin_reference_losses(model_dir: Path, rows: list[dict]) -> list[float]:
-    """``reference_loss`` in fp32 through the 2 twins of the model's sdpa attention (sdpa's math backend, sdpa over the tokens reversed:
+    """``reference_loss`` in fp32 through the 2 twins of the model's sdpa attention (sdpa's math backend, sdpa over the tokens in a strided order:
     tests/parallel/reorder_twins.py), the same function with attention's sums in other orders."""
     from transformers import AutoModelForCausalLM
 
@@ -144,7 +144,7 @@ def dpo_reference(rows: list[dict], adapter: Path, dtype: torch.dtype, twins: bo
     the padding after a side never reaches it), with the adapter and with it disabled (the reference); the
     log-prob sums in float64. Also returns ``longest`` (the most targets of a side) and ``magnitude`` (the
     largest |log-prob sum|), the floors' inputs. ``twins``: a list instead, the same through the 2 twins of the
-    model's sdpa attention after it (sdpa's math backend, sdpa over the tokens reversed: tests/parallel/reorder_twins.py).
+    model's sdpa attention after it (sdpa's math backend, sdpa over the tokens in a strided order: tests/parallel/reorder_twins.py).
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -185,7 +185,7 @@ def test_saved_adapter_and_merged_model_give_the_trained_models_logits(reference
     )
     # Twins rule (tests/numerics.py): the cp=2 model's logits and the merged model's (merging changes the order
     # of the additions) within 32x of the farthest distance of the saved adapter's fp32 logits and their 2 twins
-    # (sdpa's math backend, sdpa over the tokens reversed: tests/parallel/reorder_twins.py).
+    # (sdpa's math backend, sdpa over the tokens in a strided order: tests/parallel/reorder_twins.py).
     for got in (trained, merged_logits):
         assert_float64_twins_rule({"logits": got}, [{"logits": loaded}, *twins], {"logits": loaded64})
     with torch.no_grad(), with_adapter.disable_adapter():

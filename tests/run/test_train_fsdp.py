@@ -415,7 +415,7 @@ def assert_gives_the_sharded_models_logits(loaded: torch.nn.Module, sharded: Pat
 
     Twins rule (tests/numerics.py): the sharded model's logits may land 32x as far from the saved folder's in
     float64 as the farthest of its own fp32 logits in one process and their 2 twins (sdpa's math backend, sdpa
-    over the tokens reversed: tests/parallel/reorder_twins.py) do.
+    over the tokens in a strided order: tests/parallel/reorder_twins.py) do.
     """
     from transformers import AutoTokenizer
 

@@ -20,21 +20,30 @@ from cptune.parallel.backends.document_attention import dense_attend, document_a
 from cptune.parallel.backends.local.sharding import document_mask
 from cptune.parallel.shard import TokenBatch
 from tests.numerics import assert_float64_twins_rule
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
+from tests.token_orders import (
+    TWIN_ORDERS,
+    assert_distinct_draws,
+    assert_legal_twin,
+    put_back,
+    take_features,
+    token_order,
+)
 
 PACKED_POSITIONS = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]])
 
 
 def masked(q, k, v, causal, order=None):
     """SDPA over each whole row of PACKED_POSITIONS with its documents' mask, (batch, tokens, heads, head_dim);
-    ``order``: a twin's (tests/token_orders.py), the tokens taken in that order and the output put back."""
+    ``order``: a twin's (tests/token_orders.py), the tokens and the head's features taken in that order and the
+    output put back."""
     mask = document_mask(PACKED_POSITIONS)
     if causal:
         mask = mask & torch.ones(11, 11, dtype=torch.bool).tril()
     tokens = token_order(11, order)
-    q, k, v, mask = q[:, :, tokens], k[:, :, tokens], v[:, :, tokens], mask[:, :, tokens][..., tokens]
+    features, (q, k, v) = take_features(order, q[:, :, tokens], k[:, :, tokens], v[:, :, tokens])
+    mask = mask[:, :, tokens][..., tokens]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
-    return put_back(out, tokens, 2).transpose(1, 2)
+    return put_back(put_back(out, tokens, 2), features, -1).transpose(1, 2)
 
 
 def with_grads(out, inputs):
@@ -68,7 +77,8 @@ def test_document_attention_equals_masked_attention_over_each_row(causal):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_masked_twins_compute_the_reference_function_in_another_order(causal):
-    """``masked``'s twins (tests/token_orders.py) are legal: the same function, a noise of their own."""
+    """``masked``'s twins (tests/token_orders.py) are legal: the same function, a noise of their own in every tensor
+    (``assert_distinct_draws``)."""
     torch.manual_seed(0)
     leaves64 = [torch.randn(2, n, 11, 8, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2)]
     leaves32 = [t.detach().float().requires_grad_() for t in leaves64]
@@ -76,6 +86,7 @@ def test_the_masked_twins_compute_the_reference_function_in_another_order(causal
     ref64, *twins64 = (with_grads(masked(*leaves64, causal, o), leaves64) for o in (None, *TWIN_ORDERS))
     for order, twin64, twin32 in zip(TWIN_ORDERS, twins64, twins32, strict=True):
         assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
+    assert_distinct_draws([ref32, *twins32])
 
 
 def test_document_attention_refuses_calls_without_metadata_or_with_a_mask():

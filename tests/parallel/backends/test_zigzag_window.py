@@ -21,7 +21,14 @@ from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, z
 from cptune.parallel.kernels import flash_attn_cpu
 from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
 from tests.numerics import assert_float64_twins_rule
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
+from tests.token_orders import (
+    TWIN_ORDERS,
+    assert_distinct_draws,
+    assert_legal_twin,
+    put_back,
+    take_features,
+    token_order,
+)
 
 KERNELS = (flash_attn_cpu._flash_attn_forward, flash_attn_cpu._flash_attn_backward)
 
@@ -90,13 +97,14 @@ def one_process_group() -> Iterator[None]:
 
 def dense(q, k, v, window, scale, order=None):
     """Windowed causal attention over the whole row (grouped-query heads), the reference; ``order``: a twin's
-    (tests/token_orders.py), the row's tokens taken in that order and the output put back."""
+    (tests/token_orders.py), the row's tokens and the head's features taken in that order and the output put back."""
     tokens = token_order(q.shape[1], order)
-    q, k, v = q[:, tokens], k[:, tokens], v[:, tokens]
+    features, (q, k, v) = take_features(order, q[:, tokens], k[:, tokens], v[:, tokens])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
     scores = scores.masked_fill(~sees(q.shape[1], window, tokens), float("-inf"))
     values = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    return put_back(torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values), tokens, 1)
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values)
+    return put_back(put_back(out, tokens, 1), features, -1)
 
 
 @pytest.mark.parametrize("window", [2, 3, 6, 9])  # 1: each query sees itself only, so dk is 0
@@ -138,15 +146,15 @@ def test_the_ring_of_one_rank_is_windowed_attention_forward_and_backward(window)
 def dense_with_sinks(q, k, v, sinks, window, scale, order=None):
     """gpt-oss's attention over the whole row: softmax over [windowed causal scores, the head's sink], the sink
     dropped from the output (transformers' ``modeling_gpt_oss.eager_attention_forward``); ``order``: a twin's
-    (tests/token_orders.py), the row's tokens taken in that order and the output put back."""
+    (tests/token_orders.py), the row's tokens and the head's features taken in that order and the output put back."""
     tokens = token_order(q.shape[1], order)
-    q, k, v = q[:, tokens], k[:, tokens], v[:, tokens]
+    features, (q, k, v) = take_features(order, q[:, tokens], k[:, tokens], v[:, tokens])
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
     scores = scores.masked_fill(~sees(q.shape[1], window, tokens), float("-inf"))
     sink = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
-    return put_back(out, tokens, 1)
+    return put_back(put_back(out, tokens, 1), features, -1)
 
 
 def dense_references(inputs, dout, window, scale):
@@ -215,10 +223,10 @@ def test_the_sink_goes_once_onto_the_zigzag_rings_merged_attention_forward_and_b
     assert_float64_twins_rule(got, references, ref64, what=f"window {window}")
 
 
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("window", [None, 2, 3])  # 2: 2 keys a query, alike in any order: the features tell
 def test_the_dense_twins_compute_the_reference_function_in_another_order(window):
     """The twins of ``dense`` and ``dense_with_sinks`` (tests/token_orders.py) are legal: the same function, a
-    noise of their own."""
+    noise of their own in every tensor (``assert_distinct_draws``)."""
     inputs, dout, scale = sink_inputs()
     for name, attend in {
         "dense": lambda q, k, v, s, o: dense(q, k, v, window, scale, o) + 0 * s.sum(),
@@ -231,6 +239,7 @@ def test_the_dense_twins_compute_the_reference_function_in_another_order(window)
         )
         for order, twin64, twin32 in zip(TWIN_ORDERS, twins[0::2], twins[1::2], strict=True):
             assert_legal_twin(twin64, ref64, twin32, ref32, what=f"{name} {order}")
+        assert_distinct_draws([ref32, *twins[1::2]], what=name)
 
 
 @pytest.mark.parametrize("window", [None, 6])

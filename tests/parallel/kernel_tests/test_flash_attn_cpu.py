@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import itertools
 import sys
 from collections.abc import Iterator
 
@@ -29,7 +28,8 @@ from cptune.parallel.kernels.flash_attn_cpu import (
     _flash_attn_varlen_forward,
 )
 from tests.numerics import EPS_BF16, assert_float64_twins_rule, assert_within
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin, put_back, token_order
+from tests.parallel.kernel_tests.dense_reference import reference_with_grads, varlen_reference
+from tests.token_orders import TWIN_ORDERS, assert_distinct_draws, assert_legal_twin
 
 HEAD_DIM = 8
 
@@ -43,49 +43,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def reference_attention(q, k, v, *, causal, window=(-1, -1), scale=None, order=None):
-    """softmax(q k^T * scale + mask) v in the inputs' dtype, dense (b, s, h, d); returns out and lse (b, h, s_q).
-
-    ``order``: None, or one of tests/token_orders.py's ``TWIN_ORDERS``: the queries and keys taken in that order
-    (the mask following them) and the results put back, the same function with its sums in another order.
-    """
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    q_order, k_order = token_order(seqlen_q, order), token_order(seqlen_k, order)
-    q, k, v = q[:, q_order], k[:, k_order], v[:, k_order]
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    diagonal = q_order[:, None] + seqlen_k - seqlen_q
-    key = k_order[None, :]
-    left, right = window[0], 0 if causal else window[1]
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
-    if left >= 0:
-        visible &= key >= diagonal - left
-    if right >= 0:
-        visible &= key <= diagonal + right
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: 0, not NaN
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return put_back(out, q_order, 1), put_back(lse, q_order, 2)
-
-
 def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, seed=0):
     generator = torch.Generator().manual_seed(seed)
     shapes = [(batch, seqlen_q, nheads, HEAD_DIM), *[(batch, seqlen_k, nheads_k, HEAD_DIM)] * 2]
     q, k, v = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
     dout = torch.randn(q.shape, generator=generator, dtype=torch.float64)
     return q, k, v, dout
-
-
-def reference_with_grads(q, k, v, dout, order=None, **mask):
-    """Reference out, lse and (dq, dk, dv) by autograd, in the inputs' dtype (float64 for the reference);
-    ``order``: a twin's token order (``reference_attention``)."""
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, lse = reference_attention(q, k, v, order=order, **mask)
-    out.backward(dout)
-    return out.detach(), lse.detach(), (q.grad, k.grad, v.grad)
 
 
 def fp32_references(q, k, v, dout, **mask):
@@ -160,7 +123,8 @@ def test_dense_matches_reference_in_fp32(case):
 
 @pytest.mark.parametrize("case", DENSE_CASES.values(), ids=DENSE_CASES.keys())
 def test_the_twin_orders_compute_the_reference_function_in_another_order(case):
-    """The fp32 references' twins (``fp32_references``) are legal: the same function, a noise of their own."""
+    """The fp32 references' twins (``fp32_references``) are legal: the same function, a noise of their own in every
+    tensor (``assert_distinct_draws``)."""
     case = dict(case)
     mask = {"causal": case.pop("causal"), "window": case.pop("window", (-1, -1))}
     q, k, v, dout = random_qkv(batch=2, **case)
@@ -170,10 +134,12 @@ def test_the_twin_orders_compute_the_reference_function_in_another_order(case):
         return {"out": out, "lse": lse[finite], **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
     ref64, ref32 = (named(*reference_with_grads(*t, **mask)) for t in ((q, k, v, dout), fp32(q, k, v, dout)))
+    twins32 = []
     for order in TWIN_ORDERS:
         twin64 = named(*reference_with_grads(q, k, v, dout, order, **mask))
-        twin32 = named(*reference_with_grads(*fp32(q, k, v, dout), order, **mask))
-        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
+        twins32.append(named(*reference_with_grads(*fp32(q, k, v, dout), order, **mask)))
+        assert_legal_twin(twin64, ref64, twins32[-1], ref32, what=order)
+    assert_distinct_draws([ref32, *twins32])
 
 
 def fp32(*tensors):
@@ -248,20 +214,6 @@ def run_varlen(q, k, v, dout, *, causal, window=(-1, -1), dq=None, dk=None, dv=N
     return out, lse, (dq, dk, dv), softmax_d
 
 
-def varlen_reference(q, k, v, dout, cu_q=VARLEN_Q, cu_k=VARLEN_K, order=None, **mask):
-    """Per-sequence dense reference, concatenated; lse as (h, total_q); ``order``: a twin's token order."""
-    outs, lses, grads = [], [], ([], [], [])
-    for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True):
-        out, lse, seq_grads = reference_with_grads(
-            q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1], order, **mask
-        )
-        outs.append(out[0])
-        lses.append(lse[0])
-        for acc, grad in zip(grads, seq_grads, strict=True):
-            acc.append(grad[0])
-    return torch.cat(outs), torch.cat(lses, dim=1), [torch.cat(g) for g in grads]
-
-
 @pytest.mark.parametrize(
     ("nheads_k", "mask"),
     [(2, {"causal": True}), (1, {"causal": False}), (4, {"causal": True, "window": (4, -1)})],
@@ -269,13 +221,15 @@ def varlen_reference(q, k, v, dout, cu_q=VARLEN_Q, cu_k=VARLEN_K, order=None, **
 )
 def test_varlen_matches_per_sequence_reference_in_fp32(nheads_k, mask):
     q, k, v, dout = (t[0] for t in random_qkv(1, VARLEN_Q[-1], VARLEN_K[-1], nheads=4, nheads_k=nheads_k))
-    ref_out, ref_lse, ref_grads = varlen_reference(q, k, v, dout, **mask)
+    ref_out, ref_lse, ref_grads = varlen_reference(q, k, v, dout, VARLEN_Q, VARLEN_K, **mask)
 
     got = run_varlen(*(t.float() for t in (q, k, v, dout)), **mask)
 
     assert got[1].shape == (4, VARLEN_Q[-1]) and got[1].dtype == torch.float32
     fp32 = [t.float() for t in (q, k, v, dout)]
-    references = [varlen_reference(*fp32, order=order, **mask) for order in (None, *TWIN_ORDERS)]
+    references = [
+        varlen_reference(*fp32, VARLEN_Q, VARLEN_K, order, **mask) for order in (None, *TWIN_ORDERS)
+    ]
     assert_varlen_near_float64(got, (ref_out, ref_lse, ref_grads), references, dout)
 
 

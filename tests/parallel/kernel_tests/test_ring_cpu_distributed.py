@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from tests import reorder
-from tests.numerics import float64_twins_excess
-from tests.token_orders import TWIN_ORDERS, assert_legal_twin
+from tests.numerics import draws_per_tensor, float64_twins_excess
+from tests.token_orders import TWIN_ORDERS, assert_distinct_draws, assert_legal_twin
 
 pytestmark = pytest.mark.distributed
 
@@ -83,13 +83,18 @@ def assert_within_fp32_rule(
     """An fp32 case's errors within the twins rule: plain fp32 attention in one process and its 2 twins set the scale."""
     mask = "dense" if "zigzag" in name else "causal=False" if "causal=False" in name else "causal=True"
     floors = [results[f"fp32-one-process {mask} order={order}"] for order in (None, *TWIN_ORDERS)]
-    excess = {key: float64_twins_excess(error, [f[key] for f in floors]) for key, error in errors.items()}
+    draws = results[f"fp32-one-process {mask} draws"]  # distinct fp32 references per tensor
+    excess = {
+        key: float64_twins_excess(error, [f[key] for f in floors], draws=int(draws[key]))
+        for key, error in errors.items()
+    }
     assert max(excess.values()) <= 1, f"{name}: {errors}, one process {floors}"
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_the_twin_orders_compute_the_reference_function_in_another_order(causal):
-    """The one-process references' twins (``_reference``'s ``order``) are legal: the same function, a noise of their own."""
+    """The one-process references' twins (``_reference``'s ``order``) are legal: the same function, a noise of their own
+    in every tensor (``assert_distinct_draws``)."""
     import torch
 
     generator = torch.Generator().manual_seed(1234)
@@ -97,10 +102,12 @@ def test_the_twin_orders_compute_the_reference_function_in_another_order(causal)
     qkvd = [torch.randn(shape, generator=generator) for shape in shapes]
     cu_seqlens = [0, *itertools.accumulate(SEQ_LENS)]
     ref64, ref32 = (_reference(*qkvd, cu_seqlens, causal, dtype) for dtype in (torch.float64, torch.float32))
+    twins32 = []
     for order in TWIN_ORDERS:
         twin64 = _reference(*qkvd, cu_seqlens, causal, torch.float64, order)
-        twin32 = _reference(*qkvd, cu_seqlens, causal, torch.float32, order)
-        assert_legal_twin(twin64, ref64, twin32, ref32, what=order)
+        twins32.append(_reference(*qkvd, cu_seqlens, causal, torch.float32, order))
+        assert_legal_twin(twin64, ref64, twins32[-1], ref32, what=order)
+    assert_distinct_draws([ref32, *twins32])
 
 
 def test_llama3_varlen_fp32_matches_single_process(results):
@@ -240,30 +247,17 @@ def _import_ring_flash_attn():
 
 
 def _reference(q, k, v, dout, cu_seqlens, causal, dtype=None, order=None):
-    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients;
-    ``order``: a twin's (tests/token_orders.py), each document's tokens taken in that order and put back."""
+    """Single-process attention per document in ``dtype`` (default float64), with autograd gradients: the kernels'
+    dense reference (dense_reference.py's ``varlen_reference``, q and k cut at the same boundaries); ``order``: a
+    twin's (tests/token_orders.py)."""
     import torch
 
-    from tests.token_orders import put_back, token_order
+    from tests.parallel.kernel_tests.dense_reference import varlen_reference
 
     dtype = dtype or torch.float64
-    q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
-    group = NHEADS // NHEADS_K
-    outs = []
-    for start, stop in itertools.pairwise(cu_seqlens):
-        tokens = token_order(stop - start, order)
-        qs, ks, vs = (
-            q[start:stop][tokens],
-            k[start:stop][tokens].repeat_interleave(group, 1),
-            v[start:stop][tokens].repeat_interleave(group, 1),
-        )
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * HEAD_DIM**-0.5
-        if causal:
-            scores = scores.masked_fill(tokens[None, :] > tokens[:, None], float("-inf"))
-        outs.append(put_back(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs), tokens, 0))
-    out = torch.cat(outs)
-    out.backward(dout.to(dtype))
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    inputs = (t.to(dtype) for t in (q, k, v, dout))
+    out, _, grads = varlen_reference(*inputs, cu_seqlens, cu_seqlens, order, causal=causal)
+    return {"out": out, **dict(zip(("dq", "dk", "dv"), grads, strict=True))}
 
 
 def _gather(tensor, group, world):
@@ -358,16 +352,18 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
             "cu_seqlens": [0, *itertools.accumulate(SEQ_LENS)],
         }
         qkvd = [data[name] for name in ("q", "k", "v", "dout")]
-        for causal in (True, False):
-            data[f"ref_causal={causal}"] = _reference(*qkvd, data["cu_seqlens"], causal)
-            for order in (None, *TWIN_ORDERS):
-                one_process = _reference(*qkvd, data["cu_seqlens"], causal, torch.float32, order)
-                errors = _errors(one_process, data[f"ref_causal={causal}"])
-                results[f"fp32-one-process causal={causal} order={order}"] = errors
-        data["ref_dense"] = _reference(*qkvd, [0, total], causal=True)
-        for order in (None, *TWIN_ORDERS):
-            one_process = _reference(*qkvd, [0, total], True, torch.float32, order)
-            results[f"fp32-one-process dense order={order}"] = _errors(one_process, data["ref_dense"])
+        for mask, cu_seqlens, causal in (
+            ("causal=True", data["cu_seqlens"], True),
+            ("causal=False", data["cu_seqlens"], False),
+            ("dense", [0, total], True),
+        ):
+            data[f"ref_{mask}"] = _reference(*qkvd, cu_seqlens, causal)
+            references = [
+                _reference(*qkvd, cu_seqlens, causal, torch.float32, o) for o in (None, *TWIN_ORDERS)
+            ]
+            for order, one_process in zip((None, *TWIN_ORDERS), references, strict=True):
+                results[f"fp32-one-process {mask} order={order}"] = _errors(one_process, data[f"ref_{mask}"])
+            results[f"fp32-one-process {mask} draws"] = draws_per_tensor(references)  # the twins rule's count
         # The bf16 reference sees the same rounded inputs, so only the kernels' rounding is measured.
         data["ref_dense_bf16"] = _reference(*(t.bfloat16() for t in qkvd), [0, total], causal=True)
 

@@ -27,7 +27,8 @@ from benchmarks.gpu.reference_ops import REFERENCE_OPS
 
 from cptune.parallel.kernels import dispatch, flash_attn_cpu, torch_flash
 from tests.numerics import assert_float64_twins_rule, assert_within, rounding_bound
-from tests.parallel.kernel_tests.test_flash_attn_cpu import fp32_references, varlen_reference
+from tests.parallel.kernel_tests.dense_reference import varlen_reference
+from tests.parallel.kernel_tests.test_flash_attn_cpu import fp32_references
 from tests.token_orders import TWIN_ORDERS
 
 HEAD_DIM = 8
@@ -160,7 +161,9 @@ def test_varlen_matches_reference_and_stand_ins(nheads_k, causal, window):
     assert_within(lse, ref_lse, rounding_bound(ref_lse), "lse")
     every = torch.ones_like(ref_lse, dtype=torch.bool)
     references = [
-        named(*varlen_reference(q, k, v, dout, order=order, causal=causal, window=window), every)
+        named(
+            *varlen_reference(q, k, v, dout, VARLEN_Q, VARLEN_K, order, causal=causal, window=window), every
+        )
         for order in (None, *TWIN_ORDERS)
     ]
     ref64 = named(ref_out, ref_lse, [leaf.grad for leaf in leaves], every)

@@ -16,7 +16,7 @@ import torch
 from cptune.parallel.kernels import varlen
 from cptune.parallel.kernels.varlen import _head_groups, varlen_attention
 from tests.numerics import assert_float64_twins_rule
-from tests.parallel.kernel_tests.test_flash_attn_cpu import varlen_reference
+from tests.parallel.kernel_tests.dense_reference import varlen_reference
 from tests.token_orders import TWIN_ORDERS
 
 CU_SEQLENS = torch.tensor([0, 7, 25, 40], dtype=torch.int32)
