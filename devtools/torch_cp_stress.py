@@ -10,8 +10,9 @@ attention with the CPU SDPA patch applied (the path of ``cp_backend: torch`` on 
 cptune's handlers, torch's ring templates, functional collectives on gloo), ``N`` times, backward
 included. Between iterations each rank collects garbage and churns the heap (tensors and bytes of
 many sizes allocated and freed), so that a buffer freed while a gloo thread still writes into it, or
-read after it was reused, changes a number or trips glibc's checks (run it with ``MALLOC_CHECK_=3``
-and ``MALLOC_PERTURB_``). Every iteration's output and gradients are compared bitwise with the
+read after it was reused, changes a number or trips glibc's checks (run it in the environment of
+:func:`devtools.heap_checks.heap_checks`: ``MALLOC_CHECK_=3`` needs ``libc_malloc_debug.so`` preloaded since
+glibc 2.34). Every iteration's output and gradients are compared bitwise with the
 first of the same length: the computation is deterministic, so any difference is corruption, not rounding.
 
 ``--jitter`` makes each rank sleep a random 0-4 ms (its own seed) before and after most issues of
