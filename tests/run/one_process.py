@@ -71,6 +71,7 @@ class OneProcessRuns:
         self.trained: set[str] = set()
         self.failed: dict[str, str] = {}
         self.launched_in: dict[str, Path] = {}
+        self.recipes: dict[str, list[Path]] = {}  # name -> its recipes, as the launch was given them
         self.launches = 0
 
     def __getitem__(self, name: str) -> Path:
@@ -90,20 +91,36 @@ class OneProcessRuns:
             self._train(sorted(self.wanted - self.trained))
         return self.root / name
 
-    def log(self, name: str) -> str:
-        """What the launch that trained ``name`` logged (every run of that launch, one after the other)."""
+    def run_logs(self, name: str) -> dict[Path, str]:
+        """Each of ``name``'s recipes -> what its run logged: its part of the launch's log, none of the other runs'.
+
+        The launch's log holds every run it trained; a test that looks for a line of its own run there could
+        find another run's.
+        """
         self[name]
-        return (self.launched_in[name] / "rank0.log").read_text()
+        from tests.run.train_worker import RUN_ENDS, RUN_STARTS  # the worker's module imports torch
+
+        log = (self.launched_in[name] / "rank0.log").read_text()
+        parts = {}
+        for recipe in self.recipes[name]:
+            starts, ends = (mark.format(recipe=recipe) + "\n" for mark in (RUN_STARTS, RUN_ENDS))
+            start = log.index(starts) + len(starts)
+            parts[recipe] = log[start : log.index(ends, start)]
+        return parts
+
+    def log(self, name: str) -> str:
+        """What ``name``'s runs logged, one after the other (not the other runs of their launch)."""
+        return "".join(self.run_logs(name).values())
 
     def _train(self, names: list[str]) -> None:
         self.launches += 1
         launch = self.root / f"launch-{self.launches}"
         try:
-            recipes = []
             for name in names:
                 folder = self.root / name
                 folder.mkdir()
-                recipes += [str(path) for path in REFERENCES[name].write(folder, self.tiny_model_dir)]
+                self.recipes[name] = list(REFERENCES[name].write(folder, self.tiny_model_dir))
+            recipes = [str(path) for name in names for path in self.recipes[name]]
             # Outside the collective audit of the test that asks first (tests/collective_audit.py): the same
             # launch whichever test that is. The default timeout is meant for one run.
             with pytest.MonkeyPatch.context() as patch:

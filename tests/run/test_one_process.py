@@ -11,6 +11,7 @@ import pytest
 from tests.collective_audit import VARIABLE as AUDIT_VARIABLE
 from tests.run import one_process
 from tests.run.one_process import OneProcessRuns, one_process_reference, wanted_by
+from tests.run.train_worker import RUN_ENDS, RUN_STARTS
 
 
 @pytest.fixture
@@ -28,6 +29,13 @@ def launches(monkeypatch) -> list[dict]:
 
     def run_ranks(worker, world_size, launch, *recipes, timeout):
         asked.append({"world_size": world_size, "recipes": recipes, "audit": os.environ.get(AUDIT_VARIABLE)})
+        # The worker's log: each run's part between its marks, the process's own lines around them.
+        parts = [
+            f"{RUN_STARTS.format(recipe=recipe)}\ntrained {Path(recipe).read_text()}\n{RUN_ENDS.format(recipe=recipe)}\n"
+            for recipe in recipes
+        ]
+        launch.mkdir()
+        (launch / "rank0.log").write_text("".join(["starting\n", *parts, "closing process groups\n"]))
 
     monkeypatch.setattr(one_process, "run_ranks", run_ranks)
     monkeypatch.setenv(AUDIT_VARIABLE, "audit-of-the-test-that-asks")
@@ -44,6 +52,14 @@ def test_the_selected_tests_references_train_in_one_launch_outside_the_audit(lau
     assert runs["b"] == tmp_path / "b" and runs["a"] == tmp_path / "a"
     recipes = [str(tmp_path / name / "recipe.yaml") for name in ("a", "b")]
     assert launches == [{"world_size": 1, "recipes": tuple(recipes), "audit": None}]
+
+
+def test_a_references_log_is_what_its_own_runs_logged_not_the_whole_launchs(launches, tmp_path):
+    # A test looking for a line its run logs must not find another run's line of the shared launch.
+    runs = OneProcessRuns(tmp_path, tmp_path / "tiny", {"a", "b"})
+    assert runs.log("b") == "trained b\n" and runs.log("a") == "trained a\n"
+    assert runs.run_logs("a") == {tmp_path / "a" / "recipe.yaml": "trained a\n"}
+    assert len(launches) == 1
 
 
 def test_a_failed_launch_fails_every_later_test_that_asks_with_a_pointer_to_it(

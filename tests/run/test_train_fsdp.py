@@ -60,7 +60,14 @@ EXAMPLES_TRAINED_HERE = (EXAMPLE, SIMPO_EXAMPLE)
 
 
 def write_recipe(root: Path, model_dir: Path, name: str, **keys) -> Path:
-    recipe = {
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe_keys(root, model_dir, name, **keys)))
+    return path
+
+
+def recipe_keys(root: Path, model_dir: Path, name: str, **keys) -> dict:
+    """The module's recipe of packed 128-token alpaca rows at cp=2 under FSDP2, into ``root / name``."""
+    return {
         "base_model": str(model_dir),
         "datasets": [{"path": str(QUICKSTART_DATA), "type": "alpaca_instruct.load_no_prompt"}],
         "dataset_prepared_path": str(root / "prepared"),
@@ -75,37 +82,6 @@ def write_recipe(root: Path, model_dir: Path, name: str, **keys) -> Path:
         "output_dir": str(root / name),
         **keys,
     }
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
-def one_process_references(launch_dir: Path, runs: dict[str, tuple[Path, Path]]) -> dict[str, Path]:
-    """Each recipe of ``runs`` (name -> (recipe, output_dir)) in one process, micro batch 2 holding both
-    data-parallel groups' rows; all of them in one launch of one process (start-up paid once).
-
-    Returns name -> output_dir.
-    """
-    launch_dir.mkdir(parents=True)
-    recipes = []
-    for name, (recipe, out) in runs.items():
-        keys = yaml.safe_load(recipe.read_text())
-        keys |= {
-            "context_parallel_size": 1,
-            "micro_batch_size": 2,
-            "dp_shard_size": None,
-            "output_dir": str(out),
-        }
-        recipes.append(launch_dir / f"{name}.yaml")
-        recipes[-1].write_text(yaml.safe_dump(keys))
-    run_ranks(WORKER, 1, launch_dir, *map(str, recipes))
-    said = (
-        (launch_dir / "rank0.log")
-        .read_text()
-        .count("fsdp_version: 2 with one process: there is nothing to shard")
-    )
-    assert said == len(runs), f"{said} of {len(runs)} runs said FSDP2 has nothing to shard"
-    return {name: out for name, (_, out) in runs.items()}
 
 
 def rel(a: float, b: float) -> float:
@@ -131,8 +107,40 @@ def train_in_one_launch(world_size: int, launch_dir: Path, *recipes: Path) -> di
     return {Path(name).name: [rank["runs"][i] for rank in ranks] for i, name in enumerate(names)}
 
 
+def four_rank_recipes(root: Path, tiny_model_dir: Path) -> dict[str, dict]:
+    """name -> the keys of a 4-process run (dp_shard=2 × cp=2) of :func:`four_rank_runs`, into ``root / name``."""
+    sharded = {
+        **shipped_example(EXAMPLE, root, "sharded"),
+        "max_steps": MAX_STEPS,
+        "logging_steps": 1,
+        "optimizer": "sgd",
+        "learning_rate": 0.05,
+        "warmup_steps": 0,
+        "val_set_size": 5,
+        "eval_steps": MAX_STEPS,
+    }
+    lora_keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
+    lora = recipe_keys(root, tiny_model_dir, "lora", gradient_accumulation_steps=2, **lora_keys)
+    return {"sharded": sharded, "lora": lora, "dpo": example_dpo_recipe(root)}
+
+
+ONE_PROCESS_LAYOUT = {"context_parallel_size": 1, "micro_batch_size": 2, "dp_shard_size": None}
+"""A 4-process run's recipe in one process: micro batch 2 holds both data-parallel groups' rows."""
+NOTHING_TO_SHARD = "fsdp_version: 2 with one process: there is nothing to shard"
+
+
+@one_process_reference("fsdp-4", "four_rank_runs")
+def four_rank_references(folder: Path, tiny_model_dir: Path) -> list[Path]:
+    """Each run of :func:`four_rank_recipes` in one process (:data:`ONE_PROCESS_LAYOUT`), into ``folder / name``."""
+    recipes = []
+    for name, keys in four_rank_recipes(folder, tiny_model_dir).items():
+        recipes.append(folder / f"{name}.yaml")
+        recipes[-1].write_text(yaml.safe_dump(keys | ONE_PROCESS_LAYOUT))
+    return recipes
+
+
 @pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory, tiny_model_dir):
+def four_rank_runs(tmp_path_factory, tiny_model_dir, one_process_runs):
     """The 4-process runs (dp_shard=2 × cp=2) of this module, in one launch, and their one-process references.
 
     ``sharded``: the CPU example's full fine-tune (SGD, 4 steps). Gradient accumulation 2
@@ -146,36 +154,28 @@ def four_rank_runs(tmp_path_factory, tiny_model_dir):
 
     ``dpo``: ``examples/cpu/dpo.yaml`` (DPO of a LoRA adapter, the reference the adapter disabled) at
     dp_shard=2 × cp=2, SGD, 4 steps.
+
+    Each one's reference is the same recipe in one process (:func:`four_rank_references`), trained in the
+    session's one process of cp=1 references (tests/run/one_process.py); the 4-process runs read the data
+    those runs prepared. Returns (the runs' folder, name -> its ranks' reports, name -> its reference's output_dir).
     """
+    references = one_process_runs["fsdp-4"]
+    for recipe, log in one_process_runs.run_logs("fsdp-4").items():
+        assert NOTHING_TO_SHARD in log, f"{recipe}: FSDP2 in one process did not say it has nothing to shard"
     root = tmp_path_factory.mktemp("fsdp-4")
-    keys = {
-        **shipped_example(EXAMPLE, root, "sharded"),
-        "max_steps": MAX_STEPS,
-        "logging_steps": 1,
-        "optimizer": "sgd",
-        "learning_rate": 0.05,
-        "warmup_steps": 0,
-        "val_set_size": 5,
-        "eval_steps": MAX_STEPS,
-    }
-    full = root / "sharded.yaml"
-    full.write_text(yaml.safe_dump(keys))
-    lora_keys = {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "optimizer": "sgd", "learning_rate": 0.05}
-    lora = write_recipe(root, tiny_model_dir, "lora", gradient_accumulation_steps=2, **lora_keys)
-    dpo = root / "dpo.yaml"
-    dpo.write_text(yaml.safe_dump(example_dpo_recipe(root)))
+    recipes = []
+    for name, keys in four_rank_recipes(root, tiny_model_dir).items():
+        keys["dataset_prepared_path"] = str(references / "prepared")
+        # The reference's recipe but for the layout and the output_dir.
+        reference = yaml.safe_load((references / f"{name}.yaml").read_text())
+        folders = {"output_dir": None}
+        assert keys | ONE_PROCESS_LAYOUT | folders == reference | folders, name
+        recipes.append(root / f"{name}.yaml")
+        recipes[-1].write_text(yaml.safe_dump(keys))
     with auditing(root / "collectives") as audit:
-        ranks = train_in_one_launch(4, root / "launch", full, lora, dpo)
+        ranks = train_in_one_launch(4, root / "launch", *recipes)
     audit.check(STEP_TARGETS, THROUGHPUT, EVAL_TOTALS)
-    references = one_process_references(
-        root / "reference-launch",
-        {
-            "sharded": (full, root / "reference"),
-            "lora": (lora, root / "lora-reference"),
-            "dpo": (dpo, root / "dpo-reference"),
-        },
-    )
-    return root, ranks, references
+    return root, ranks, {name: references / name for name in ranks}
 
 
 def example_dpo_recipe(root: Path) -> dict:

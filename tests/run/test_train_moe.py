@@ -109,7 +109,7 @@ def test_a_moe_models_router_loss_is_trained_and_logged_at_cp2_as_at_cp1(cp1_run
 
 @pytest.mark.distributed
 def test_a_mixtral_router_loss_with_the_torch_backend_and_the_chunked_loss_is_logged_at_cp2_as_at_cp1(
-    cp1_runs,
+    cp1_runs, cptune_in_process
 ):
     """A tiny Mixtral, unpacked rows one per micro batch (torch's CP attention takes no document mask, so padding
     would see real tokens: refused, cptune.parallel.router_padding), the chunked head loss on (``cut_cross_entropy``:
@@ -121,14 +121,16 @@ def test_a_mixtral_router_loss_with_the_torch_backend_and_the_chunked_loss_is_lo
     assert_logs_match(got, expected["mixtral"])
     padded = yaml.safe_load((root / "mixtral-cp2-torch.yaml").read_text()) | {"micro_batch_size": 2}
     (root / "mixtral-padded.yaml").write_text(yaml.safe_dump(padded))
-    done = run_cptune("validate", str(root / "mixtral-padded.yaml"))
+    done = cptune_in_process("validate", str(root / "mixtral-padded.yaml"))  # no process start: a refusal
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert "micro_batch_size: 2: the model adds a router load-balancing loss" in done.stderr, done.stderr
 
 
-@pytest.mark.distributed
-def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(tmp_path, tiny_model_dir):
-    """DPO's loss does not include the router loss yet: refused, not silently dropped."""
+def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(
+    tmp_path, tiny_model_dir, cptune_in_process
+):
+    """DPO's loss does not include the router loss yet: refused, not silently dropped (in this process: a
+    refusal before any weight loads needs no process start of its own)."""
     recipe = {
         "base_model": str(save_tiny_moe(tmp_path / "moe", tiny_model_dir)),
         "datasets": [
@@ -154,7 +156,7 @@ def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(tmp_
     path = tmp_path / "dpo.yaml"
     path.write_text(yaml.safe_dump(recipe))
     for command in ("validate", "train"):  # refused before any weight loads, by validate as by train
-        done = run_cptune(command, str(path))
+        done = cptune_in_process(command, str(path))
         assert done.returncode != 0
         assert (
             "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef 0.02)"

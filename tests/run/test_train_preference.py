@@ -79,8 +79,8 @@ def cp1_reference(folder: Path, tiny_model_dir: Path) -> list[Path]:
 def test_full_fine_tune_dpo_with_precomputed_reference_fsdp2_zero3_and_resume_log_cp1s_numbers(
     tmp_path, one_process_runs
 ):
-    # The cp=1 run trains in the session's one process of cp=1 references (tests/run/one_process.py); no run of
-    # that process shards its parameters, so none of its first passes runs on a sharded model.
+    # The cp=1 run trains in the session's one process of cp=1 references (tests/run/one_process.py); its log is
+    # its own part of that launch's log, so the first pass found there is its own, on the model as loaded.
     references = one_process_runs["dpo-precomputed"]
     reference_log = one_process_runs.log("dpo-precomputed")
     assert UNSHARDED_PASS.search(reference_log), reference_log[-3000:]

@@ -9,7 +9,7 @@ input, computed with the unwrapped model in a plain forward over the whole input
 every rank joins in when the model is sharded with FSDP2), to ``logits.pt`` in that
 recipe's output_dir. Each rank writes ``OUT_DIR/rank{r}.json``: ``{"runs": [report per
 recipe]}``; its log, ``OUT_DIR/rank{r}.log``, holds what the runs logged (rank 0 at INFO, as
-``cptune train``'s rank 0). With ``--crash-saving-step``, every rank kills itself with SIGKILL while the
+``cptune train``'s rank 0), each run's part between the lines :data:`RUN_STARTS` and :data:`RUN_ENDS`. With ``--crash-saving-step``, every rank kills itself with SIGKILL while the
 Trainer is writing checkpoint N (after the model files, before the optimizer state), like
 a machine that goes down mid-save.
 """
@@ -30,6 +30,9 @@ from cptune.run.training import train as train_module
 from cptune.run.training.distributed import close_process_groups, read_dist_env
 from cptune.run.training.unused_imports import leave_out_bitsandbytes
 
+# The lines around what a run logs (a test reads one run's part of a launch's log: tests/run/one_process.py).
+RUN_STARTS = "train_worker: training {recipe}"
+RUN_ENDS = "train_worker: trained {recipe}"
 FIXED_TEXT = "### Instruction:\nName a colour of the sea.\n\n### Response:\nBlue, green or grey."
 
 
@@ -50,9 +53,19 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     # ...and this process trains these recipes only.
     leave_out_bitsandbytes([load_recipe(recipe) for recipe in recipes])
-    reports = [train_one(recipe, crash_step) for recipe in recipes]
+    reports = []
+    for recipe in recipes:
+        mark(RUN_STARTS.format(recipe=recipe))
+        reports.append(train_one(recipe, crash_step))
+        mark(RUN_ENDS.format(recipe=recipe))
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps({"runs": reports}))
     close_process_groups()  # as cptune's own ranks end
+
+
+def mark(line: str) -> None:
+    """Write ``line`` to the log after everything the process wrote before it (stdout is block-buffered)."""
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)
 
 
 def train_one(recipe_path: str, crash_step: int | None) -> dict:
