@@ -127,7 +127,7 @@ def test_a_mixtral_router_loss_with_the_torch_backend_and_the_chunked_loss_is_lo
 
 
 def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(
-    tmp_path, tiny_model_dir, cptune_in_process
+    tmp_path, tiny_model_dir, cptune_in_process, monkeypatch
 ):
     """DPO's loss does not include the router loss yet: refused, not silently dropped (in this process: a
     refusal before any weight loads needs no process start of its own)."""
@@ -155,12 +155,21 @@ def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(
     }
     path = tmp_path / "dpo.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    from transformers import AutoModelForCausalLM
+
+    loaded = []  # the model's weights, were they loaded: the refusal must come first
+
+    def load(*args, **kwargs):
+        loaded.append(args)
+        raise AssertionError("the weights were loaded before the refusal")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
     for command in ("validate", "train"):  # refused before any weight loads, by validate as by train
         done = cptune_in_process(command, str(path))
+        assert not loaded, (command, done.stderr)
         assert done.returncode != 0
         assert (
             "rl: the model adds a router load-balancing loss (output_router_logits with router_aux_loss_coef 0.02)"
             in (done.stderr)
         ), (command, done.stderr)
         assert "Traceback" not in done.stderr
-        assert "Loading weights" not in done.stderr
