@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -46,6 +47,20 @@ def test_the_rows_left_unfitted_are_the_ones_the_legacy_note_names():
     assert set(memory.LAYER_BYTES) - fitted == {("fp32", "full", True)}
     assert set(memory_fit.SAVED) == {key[:2] for key in memory.LAYER_BYTES}
     assert "the fp32 full fine-tune with the tiled MLP" in memory.LEGACY_NOTE
+
+
+def test_the_features_page_quotes_the_memory_models_current_predictions():
+    """docs/benchmarks.md's memory features section quotes the memory model's predictions and their errors from
+    results.json, where they were computed when the section was measured or last refreshed: a refit of
+    memory_fit.py must refresh them too. Recomputed here from the committed measurements (no new process)."""
+    from benchmarks import features
+
+    results = json.loads((mc.REPO / "docs" / "benchmarks" / "results.json").read_text())
+    committed = results["sections"][features.NAME]["result"]
+    assert features.refresh(copy.deepcopy(committed)) == committed, (
+        "python -c 'from benchmarks.features import refresh_results; refresh_results()' && "
+        "python -m devtools.docgen"
+    )
 
 
 def test_what_head_dim_128_holds_beyond_head_dim_64_is_the_rotary_tables(traces):
