@@ -63,7 +63,16 @@ class _TiledMlpFunction(torch.autograd.Function):
         ctx.autocast = AutocastState.capture(x.device)
         ctx.save_for_backward(x, *params)
         ctx.rng_states = []
-        return _run_tiles(run, x, tiles, before_each=lambda: ctx.rng_states.append(_rng_state(x.device)))
+        outputs = []
+        for tile in x.tensor_split(tiles, dim=-2):
+            ctx.rng_states.append(_rng_state(x.device))
+            outputs.append(run(tile))
+        # The list beside its concatenation is one output more, also where gradient checkpointing recomputes
+        # this in the layer backward. An output allocated after the first tile and written tile by tile (the
+        # same bytes) holds it whole while the later tiles run instead: tried for issue 30, it lowered no
+        # traced peak (another moment is 0.17 MB below, benchmarks/memory_coefficients.py FITTED_ROWS) and
+        # raised the forward's peak at 2,048 tokens by up to one tile's output, which moved fitted rows.
+        return torch.cat(outputs, dim=-2)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor):
@@ -96,35 +105,6 @@ class _TiledMlpFunction(torch.autograd.Function):
         return (None, grad_x, None, None, *(next(summed) if need else None for need in needed))
 
 
-def _run_tiles(
-    run: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    tiles: int,
-    before_each: Callable[[], None] = lambda: None,
-) -> torch.Tensor:
-    """``run`` over ``tiles`` tiles of ``x``'s sequence dimension, each tile's output copied into one output.
-
-    The same bytes as ``torch.cat`` of the tiles' outputs, without the list of them beside the
-    concatenation: one output fewer (a row of the output's width per token) where the MLP holds most. It
-    counts in the backward too: gradient checkpointing recomputes the layer's forward, this included, to
-    reach the input the backward saved, and with the list and ``torch.cat`` the fp32 full fine-tune's
-    layer backward peaked there in a narrow-MLP shape (benchmarks/memory_coefficients.py). The output is
-    allocated once the first tile has run, where the list held only the tiles done: while the last tile
-    runs one tile's output more. That is less than the row saved whenever a tile's intermediates are
-    smaller than the whole output, as they are from a few tiles on.
-    """
-    out, start = None, 0
-    for tile in x.tensor_split(tiles, dim=-2):
-        before_each()
-        result = run(tile)
-        if out is None:
-            out = result.new_empty((*result.shape[:-2], x.shape[-2], result.shape[-1]))
-        out.narrow(-2, start, tile.shape[-2]).copy_(result)
-        start += tile.shape[-2]
-        del result  # before the next tile runs
-    return out
-
-
 def _accumulate_gathered(params: list, grads: list) -> None:
     """Hand ZeRO-3 partitioned parameters their gradients summed over the tiles, while they are gathered.
 
@@ -152,7 +132,7 @@ def tiled_mlp(
     """
     tiles = max(1, min(tiles, x.shape[-2]))
     if not torch.is_grad_enabled():
-        return _run_tiles(run, x, tiles)
+        return torch.cat([run(tile) for tile in x.tensor_split(tiles, dim=-2)], dim=-2)
     # ZeRO-3 partitioned parameters get their gradients from the backward itself (_accumulate_gathered).
     zero3 = partitioned(params)
     plain = [p for p in params if not is_partitioned(p)] if zero3 else params
