@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 164 traces; the newer ones also say where each phase peaked);
+(docs/benchmarks/memory_traces.json; 166 traces; the newer ones also say where each phase peaked);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -231,6 +231,10 @@ FITTED_ROWS = {
     # MLP's summed weight gradients) keep a tile's backward the peak of the base shape (26.7 KB per token +
     # 48.8 MB) below about 24,000 tokens if the base shape holds the MLP shape's bytes at that moment (at 8,192 it
     # holds under 90% of its peak outside the MLP): one moment in every shape needs 32,768 and 65,536 tokens.
+    # Traced so far at 32,768: the base and MLP shapes, both at the concatenation, the same bytes (941.3 MB;
+    # 312 and 296 CPU-s, 2.0 GB peak RSS each). That moment outside the MLP is the post-attention RMSNorm's
+    # backward (grad hooks on each module's output): in fp32 its MulBackward0 makes the norm weight's gradient
+    # terms for every token at once, which cptune.models.recomputed_norms leaves as it is in fp32.
 }
 # What a layer keeps without gradient checkpointing: (precision, adapter) -> (the setting without it, with it).
 SAVED_ROWS = {
