@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 166 traces; the newer ones also say where each phase peaked);
+(docs/benchmarks/memory_traces.json; 167 traces; the newer ones also say where each phase peaked);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -232,7 +232,8 @@ FITTED_ROWS = {
     # 48.8 MB) below about 24,000 tokens if the base shape holds the MLP shape's bytes at that moment (at 8,192 it
     # holds under 90% of its peak outside the MLP): one moment in every shape needs 32,768 and 65,536 tokens.
     # Traced so far at 32,768: the base and MLP shapes, both at the concatenation, the same bytes (941.3 MB;
-    # 312 and 296 CPU-s, 2.0 GB peak RSS each). That moment outside the MLP is the post-attention RMSNorm's
+    # 312 and 296 CPU-s, 2.0 GB peak RSS each); at 65,536 the base shape, there too (1,882.6 MB, 28.7 KB per
+    # token from 32,768; 1,162 CPU-s, 3.5 GB peak RSS). That moment outside the MLP is the post-attention RMSNorm's
     # backward (grad hooks on each module's output): in fp32 its MulBackward0 makes the norm weight's gradient
     # terms for every token at once, which cptune.models.recomputed_norms leaves as it is in fp32.
 }

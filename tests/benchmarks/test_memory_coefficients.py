@@ -210,7 +210,8 @@ def test_fp32_full_with_the_tiled_mlp_is_not_one_moment_at_its_longest_lengths(t
     assert moments["base"]["backward"][0] == moments["base"]["backward"][1]
     assert moments["mlp"]["backward"][0] != moments["mlp"]["backward"][1]
     assert moments["mlp"]["backward"][1] == "_TiledMlpFunctionBackward > aten::cat"
-    # Beyond its lengths, at 32,768 tokens, the base shape peaks there too, at the MLP shape's bytes.
+    # Beyond its lengths, at 32,768 tokens, the base shape peaks there too, at the MLP shape's bytes, and at
+    # 65,536 (traced in the base shape).
     longer = {
         t["shape"]: t
         for t in traces["traces"]
@@ -220,6 +221,12 @@ def test_fp32_full_with_the_tiled_mlp_is_not_one_moment_at_its_longest_lengths(t
     assert {longer[shape]["moments"]["backward"] for shape in ("base", "mlp")} == {
         "_TiledMlpFunctionBackward > aten::cat"
     }
+    longest = next(
+        t
+        for t in traces["traces"]
+        if (t["setting"], t["shape"], t["layers"], t["tokens"]) == ("fp32-full-everything", "base", 2, 65536)
+    )
+    assert longest["moments"]["backward"] == "_TiledMlpFunctionBackward > aten::cat"
     loss = [
         next(
             t["moments"]["loss"]

@@ -302,8 +302,9 @@ LEGACY_NOTE = (
     "peaks where the tiled MLP's forward, recomputed by gradient checkpointing, concatenates its tiles' "
     "outputs, and just below that (0.17 MB, as steep) outside the MLP, one fp32 row per token above a tile's "
     "backward, while the other shapes still peak in a tile's backward, whose fixed bytes keep it higher below "
-    "about 24,000 tokens. At 32,768 the base shape peaks at the concatenation too, at the MLP shape's bytes; "
-    "the KV and hidden shapes at 32,768 and every shape at 65,536 are still to trace."
+    "about 24,000 tokens. At 32,768 the base shape peaks at the concatenation too, at the MLP shape's bytes, "
+    "and at 65,536 (28.7 KB per token from 32,768); the KV and hidden shapes at 32,768 and 65,536 and the MLP "
+    "shape at 65,536 are still to trace."
 )
 
 
