@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 164 traces; the newer ones also say where each phase peaked);
+(docs/benchmarks/memory_traces.json; 167 traces; the newer ones also say where each phase peaked);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -221,8 +221,21 @@ FITTED_ROWS = {
     # every shape, in the file): no two lengths are one moment in every shape. Its loss phase peaks in the
     # loss's log-softmax backward at 2,048 and 4,096 and in the last layer's MLP backward from 8,192 on (base
     # shape; hidden shape from 4,096); its layer backward peaks in a tile's backward from 2,048 to 8,192 in
-    # every shape and at 16,384 in the base, KV and hidden shapes, but in the MLP shape at 16,384 where the
-    # tiles' input gradients are concatenated (27.3 KB per token from 8,192, against the base shape's 26.7).
+    # every shape and at 16,384 in the base, KV and hidden shapes, but in the MLP shape at 16,384 at the
+    # `torch.cat` of the tiles' outputs in _TiledMlpFunction.forward, which gradient checkpointing recomputes in
+    # the layer backward to reach the MLP's saved input (27.3 KB per token from 8,192, against the base shape's
+    # 26.7). Writing the tiles into one output instead (tried; the same bytes) removes that moment, one fp32 row
+    # per token, but not the peak: 0.17 MB below it at 16,384 the MLP shape peaks outside the MLP
+    # (`MulBackward0 > aten::mul`: 235.3 MB at 8,192, 470.5 at 16,384, 28.7 KB per token with 0.02 MB of fixed
+    # bytes), one fp32 row per token above a tile's backward. The tile's fixed bytes (its intermediates, the
+    # MLP's summed weight gradients) keep a tile's backward the peak of the base shape (26.7 KB per token +
+    # 48.8 MB) below about 24,000 tokens if the base shape holds the MLP shape's bytes at that moment (at 8,192 it
+    # holds under 90% of its peak outside the MLP): one moment in every shape needs 32,768 and 65,536 tokens.
+    # Traced so far at 32,768: the base and MLP shapes, both at the concatenation, the same bytes (941.3 MB;
+    # 312 and 296 CPU-s, 2.0 GB peak RSS each); at 65,536 the base shape, there too (1,882.6 MB, 28.7 KB per
+    # token from 32,768; 1,162 CPU-s, 3.5 GB peak RSS). That moment outside the MLP is the post-attention RMSNorm's
+    # backward (grad hooks on each module's output): in fp32 its MulBackward0 makes the norm weight's gradient
+    # terms for every token at once, which cptune.models.recomputed_norms leaves as it is in fp32.
 }
 # What a layer keeps without gradient checkpointing: (precision, adapter) -> (the setting without it, with it).
 SAVED_ROWS = {

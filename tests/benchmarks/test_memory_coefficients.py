@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -46,6 +47,20 @@ def test_the_rows_left_unfitted_are_the_ones_the_legacy_note_names():
     assert set(memory.LAYER_BYTES) - fitted == {("fp32", "full", True)}
     assert set(memory_fit.SAVED) == {key[:2] for key in memory.LAYER_BYTES}
     assert "the fp32 full fine-tune with the tiled MLP" in memory.LEGACY_NOTE
+
+
+def test_the_features_page_quotes_the_memory_models_current_predictions():
+    """docs/benchmarks.md's memory features section quotes the memory model's predictions and their errors from
+    results.json, where they were computed when the section was measured or last refreshed: a refit of
+    memory_fit.py must refresh them too. Recomputed here from the committed measurements (no new process)."""
+    from benchmarks import features
+
+    results = json.loads((mc.REPO / "docs" / "benchmarks" / "results.json").read_text())
+    committed = results["sections"][features.NAME]["result"]
+    assert features.refresh(copy.deepcopy(committed)) == committed, (
+        "python -c 'from benchmarks.features import refresh_results; refresh_results()' && "
+        "python -m devtools.docgen"
+    )
 
 
 def test_what_head_dim_128_holds_beyond_head_dim_64_is_the_rotary_tables(traces):
@@ -188,10 +203,30 @@ def test_fp32_lora_with_the_tiled_mlp_is_one_moment_in_every_shape_at_its_length
 
 def test_fp32_full_with_the_tiled_mlp_is_not_one_moment_at_its_longest_lengths(traces):
     """Why its row is still LEGACY_NOTE's: at 8,192 and 16,384 tokens the MLP shape's layer backward peaks at
-    two moments (the base shape's at one), and at 4,096 and 8,192 the base shape's loss phase does."""
+    two moments (the base shape's at one): at 16,384 in the tiled MLP's forward, which gradient checkpointing
+    recomputes in the layer backward, where it concatenates its tiles' outputs. At 4,096 and 8,192 the base
+    shape's loss phase peaks at two moments."""
     moments = mc.peak_moments(traces["traces"], "fp32-full-everything")
     assert moments["base"]["backward"][0] == moments["base"]["backward"][1]
     assert moments["mlp"]["backward"][0] != moments["mlp"]["backward"][1]
+    assert moments["mlp"]["backward"][1] == "_TiledMlpFunctionBackward > aten::cat"
+    # Beyond its lengths, at 32,768 tokens, the base shape peaks there too, at the MLP shape's bytes, and at
+    # 65,536 (traced in the base shape).
+    longer = {
+        t["shape"]: t
+        for t in traces["traces"]
+        if (t["setting"], t["layers"], t["tokens"]) == ("fp32-full-everything", 2, 32768)
+    }
+    assert longer["base"]["backward"] == longer["mlp"]["backward"]
+    assert {longer[shape]["moments"]["backward"] for shape in ("base", "mlp")} == {
+        "_TiledMlpFunctionBackward > aten::cat"
+    }
+    longest = next(
+        t
+        for t in traces["traces"]
+        if (t["setting"], t["shape"], t["layers"], t["tokens"]) == ("fp32-full-everything", "base", 2, 65536)
+    )
+    assert longest["moments"]["backward"] == "_TiledMlpFunctionBackward > aten::cat"
     loss = [
         next(
             t["moments"]["loss"]

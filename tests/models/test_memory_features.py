@@ -211,6 +211,15 @@ def test_tiled_mlp_replays_dropout_in_the_backward():
     torch.cat([mlp(tile) for tile in x.tensor_split(tiles, dim=-2)], dim=-2).square().sum().backward()
     redrawn = [x.grad] + [p.grad for p in params]
     assert min(excess(g, want, limit) for g, want, limit in zip(redrawn, reference, bound, strict=True)) > 1
+    # Each tile's output lands where its tokens are, with and without grad, in tiles of unequal sizes too
+    # (5 tiles of 12 tokens: 3, 3, 2, 2, 2): the same bytes as concatenating the tiles' outputs.
+    for count in (tiles, 5):
+        torch.manual_seed(3)
+        concatenated = torch.cat([mlp(tile) for tile in x.tensor_split(count, dim=-2)], dim=-2)
+        for grad in (True, False):
+            torch.manual_seed(3)
+            with torch.set_grad_enabled(grad):
+                assert torch.equal(tiled_mlp(mlp, x, count, params), concatenated), (count, grad)
 
 
 def absolute_gradients(mlp: torch.nn.Sequential, x: torch.Tensor, p: float) -> list[torch.Tensor]:

@@ -299,8 +299,12 @@ LEGACY_NOTE = (
     "Not refitted yet (the fit of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
     "that printed it was not kept): the fp32 full fine-tune with the tiled MLP. Its traces (2,048 to 16,384 "
     "tokens) are not one moment in every shape at any two lengths: at 16,384 the MLP shape's layer backward "
-    "peaks where the tiles' input gradients are concatenated while the other shapes still peak in a tile's "
-    "backward; it needs traces beyond 16,384 tokens."
+    "peaks where the tiled MLP's forward, recomputed by gradient checkpointing, concatenates its tiles' "
+    "outputs, and just below that (0.17 MB, as steep) outside the MLP, one fp32 row per token above a tile's "
+    "backward, while the other shapes still peak in a tile's backward, whose fixed bytes keep it higher below "
+    "about 24,000 tokens. At 32,768 the base shape peaks at the concatenation too, at the MLP shape's bytes, "
+    "and at 65,536 (28.7 KB per token from 32,768); the KV and hidden shapes at 32,768 and 65,536 and the MLP "
+    "shape at 65,536 are still to trace."
 )
 
 
