@@ -209,20 +209,73 @@ def collective_audit(tmp_path: Path):
         yield audit
 
 
+#: The progress bars a cptune command turns off where stderr is not a terminal (cptune.console's
+#: ``progress_bars_on_terminal_only``): module, whether its bars are on, how to turn them on or off. transformers'
+#: switch also sets the hub's, so it comes first.
+_PROGRESS_BARS = (
+    (
+        "transformers.utils.logging",
+        lambda m: m.is_progress_bar_enabled(),
+        "enable_progress_bar",
+        "disable_progress_bar",
+    ),
+    (
+        "huggingface_hub.utils",
+        lambda m: not m.are_progress_bars_disabled(),
+        "enable_progress_bars",
+        "disable_progress_bars",
+    ),
+    ("datasets", lambda m: m.is_progress_bar_enabled(), "enable_progress_bars", "disable_progress_bars"),
+)
+
+
+def in_process_state() -> dict[str, Any]:
+    """What a cptune command run in this process changes for the rest of it: the environment (``cptune train`` sets
+    the allocator's variable), the progress bars (off under pytest's captured stderr; a library not imported yet
+    counts as on, as a fresh import leaves them) and the ``cptune`` logger's level."""
+    import logging
+
+    bars = {
+        name: is_on(sys.modules[name]) if sys.modules.get(name) else True
+        for name, is_on, _, _ in _PROGRESS_BARS
+    }
+    return {
+        "environ": dict(os.environ),
+        "progress bars": bars,
+        "cptune log level": logging.getLogger("cptune").level,
+    }
+
+
+def restore_in_process_state(state: dict[str, Any]) -> None:
+    """Put back what :func:`in_process_state` read."""
+    import logging
+
+    os.environ.clear()
+    os.environ.update(state["environ"])
+    for name, _, enable, disable in _PROGRESS_BARS:
+        if sys.modules.get(name):
+            getattr(sys.modules[name], enable if state["progress bars"][name] else disable)()
+    logging.getLogger("cptune").setLevel(state["cptune log level"])
+
+
 @pytest.fixture
 def cptune_in_process(capsys, monkeypatch):
     """Run ``cptune ARGS`` through the console entry point in this process (no start-up cost).
 
-    Returns what :func:`run_cptune` returns: ``returncode``, ``stdout`` and ``stderr``.
+    Returns what :func:`run_cptune` returns: ``returncode``, ``stdout`` and ``stderr``. What the command leaves
+    changed for the rest of the process (:func:`in_process_state`: the environment, progress bars, log level, the
+    root logger's handlers) is put back after each run, as a command in a process of its own leaves nothing behind.
     """
     import logging
 
     from cptune.cli import main
 
     handlers = list(logging.root.handlers)
+    # For the test's length, not per run: a state the runs then find and leave alike.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        state = in_process_state()
         capsys.readouterr()
         code: int | str | None = 0
         try:
@@ -231,6 +284,7 @@ def cptune_in_process(capsys, monkeypatch):
             code = exited.code
         finally:
             logging.root.handlers[:] = handlers  # main() adds a handler bound to this test's stderr
+            restore_in_process_state(state)
         captured = capsys.readouterr()
         return subprocess.CompletedProcess(list(args), code or 0, captured.out, captured.err)
 

@@ -11,6 +11,7 @@ from tests.numerics import (
     FP32_TWINS_FACTOR,
     TWINS_FACTORS,
     assert_float64_twins_rule,
+    distinct_draws,
     float64_twins_excess,
 )
 from tests.token_orders import TWIN_ORDERS, token_order
@@ -65,6 +66,20 @@ def test_errors_alone_count_their_distinct_values():
     assert float64_twins_excess(error, [5e-7, 5e-7, 2.5e-7], floor) == error / (161 * 5e-7 + floor)
     assert float64_twins_excess(error, [5e-7, 5e-7, 2.5e-7], floor, draws=3) == error / (32 * 5e-7 + floor)
     assert float64_twins_excess(error, [5e-7] * 3, floor) == error / (2.6e4 * 5e-7 + floor)
+
+
+def test_draws_are_counted_at_the_values_own_precision():
+    """Errors are float64: two that differ below fp32's resolution are 2 draws, not 1 (which would take 161, not 32).
+    A NaN equals the NaN at its place in another draw; a reference whose error is NaN is refused, not passed over."""
+    error, floor = 5e-5, 2.4e-7
+    close = [5e-7, 5e-7 * (1 + 1e-9), 2.5e-7]
+    assert distinct_draws(close) == 3
+    assert float64_twins_excess(error, close, floor) == error / (32 * max(close) + floor)
+    with_nan = torch.tensor([1.0, float("nan"), 3.0])
+    assert distinct_draws([with_nan, with_nan.clone(), torch.tensor([1.0, float("nan"), 4.0])]) == 2
+    assert distinct_draws([torch.ones(2), torch.ones(1, 2)]) == 2  # another shape: another tensor
+    with pytest.raises(AssertionError, match="not finite"):
+        float64_twins_excess(error, [5e-7, float("nan"), 2.5e-7], floor)
 
 
 def neighbours(order: torch.Tensor) -> set[frozenset[int]]:

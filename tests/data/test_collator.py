@@ -133,8 +133,8 @@ def test_packed_loss_equals_separate_samples(attn_implementation: str) -> None:
     # for the eager reference plain sdpa instead of the math backend, which rounds as eager does on CPU.
     twin = copy.deepcopy(model)
     twin.config._attn_implementation = "sdpa"
-    math, reversed_tokens = sdpa_twin_runs(twin, lambda: separate_loss(twin))
-    twins = [math if attn_implementation == "sdpa" else separate_loss(twin), reversed_tokens]
+    math, strided_tokens = sdpa_twin_runs(twin, lambda: separate_loss(twin))
+    twins = [math if attn_implementation == "sdpa" else separate_loss(twin), strided_tokens]
     targets = sum(sum(t != IGNORE_INDEX for t in s["labels"][1:]) for s in samples)
     assert int((batch["shift_labels"] != IGNORE_INDEX).sum()) == targets
 

@@ -466,7 +466,8 @@ def run_case(case: dict, groups: Groups, kernels) -> dict:
     In fp32 the cp=1 reference also runs in float64 (``reference64``, the loss too), and again in fp32
     in the orders of reorder_twins.py's ``FP32_TWINS``, this rank's share of them (``twins_of_rank``):
     the parity check holds the CP path's distance from float64 against the farthest of the fp32
-    reference's and its twins' (tests/numerics.py's ``FP32_TWINS_FACTOR``).
+    reference's and its twins' (tests/numerics.py's ``FP32_TWINS_FACTOR``, or ``TWINS_FACTORS``' wider one
+    where fewer of them are distinct).
     In bf16 the cp=1 reference runs again in the orders of tests/parallel/reorder_twins.py's
     ``TWINS`` (eager attention, sdpa's math backend, document attention): the same computation
     with the attention's sums in other orders. How far they land from the first is the noise

@@ -7,7 +7,8 @@ reference computed from the same model, data and seeds. fp32 with varlen_llama3
 and with the torch backend: against the cp=1 reference computed in float64, the
 CP run's losses and gradients at most 32x as far from it as the farthest of the
 fp32 cp=1 reference and its 2 fp32 reorder twins, each twin computed on one rank
-(tests/numerics.py's ``FP32_TWINS_FACTOR``; ``fp32_excesses``). batch_zigzag runs in bf16
+(tests/numerics.py's ``FP32_TWINS_FACTOR``; wider where fewer of them are distinct, ``TWINS_FACTORS``;
+``fp32_excesses``). batch_zigzag runs in bf16
 (ring-flash-attn 0.1.8's zigzag backward is wrong in fp32), compared with a bf16
 reference within a multiple of the reorder floor measured in the same run (the cp=1
 reference computed again in 3 other legal orders: ``bf16_excesses``).
@@ -558,7 +559,9 @@ def fp32_excesses(r: dict) -> dict[str, float]:
     (``fp32_twins``: the same reference in other legal orders, tests/parallel/reorder_twins.py). Each
     step's loss may land at most :data:`~tests.numerics.FP32_TWINS_FACTOR` (32) times as far from the
     float64 reference's as that, plus the bound of the step's sum of token losses reordered; each step-0
-    gradient tensor (its max |error| over its max |float64 gradient|) as far, plus 2 ulps.
+    gradient tensor (its max |error| over its max |float64 gradient|) as far, plus 2 ulps. Counted from the
+    errors alone, the distinct values among those errors set the factor (:data:`~tests.numerics.TWINS_FACTORS`:
+    161 for 2, 2.6e4 for 1, as a loss whose twins round to the same fp32 value gets).
     """
     twins = r["fp32_twins"]
     excesses = {}

@@ -268,13 +268,13 @@ def test_loss_metrics_and_lora_gradients_equal_trls_dpo_trainer_at_cp1(loss_type
     """cptune's DPO (TRL's ``sigmoid``) and IPO against TRL 1.16.0's DPOTrainer on the same 4 pairs and reference.
 
     The same tiny model and adapter weights; TRL tokenizes the text itself and cptune's passthrough.default
-    gives the same tokens (asserted). TRL runs its own padded batch of 8 sequences; cptune packs the 4 pairs
-    into one row of 8 documents. Tolerance, the twins rule (tests/numerics.py): TRL also runs in float64;
-    cptune's fp32 loss, each metric and each LoRA gradient tensor land at most 32x as far from TRL's float64
-    value as the farthest of TRL's own fp32 run and its 2 twins (the batch's rows in other orders,
-    ``_trl_step``), plus a floor against those landing on float64 by luck: the reorder bound of the log-prob
-    sums behind the value (the longest sequence's targets, the magnitude of the sums times β, relative to the
-    value; 2 ulps for gradients).
+    gives the same tokens (asserted). TRL runs its own padded batch of 8 sequences; cptune packs the 4 pairs into
+    one row of 8 documents. Tolerance, the twins rule (tests/numerics.py): TRL also runs in float64; cptune's fp32
+    loss, each metric and each LoRA gradient tensor land at most 32x as far from TRL's float64 value as the farthest
+    of TRL's own fp32 run and its 2 twins (the batch's rows in other orders, ``_trl_step``; wider where fewer of
+    those are distinct, tests/numerics.py's ``TWINS_FACTORS``), plus a floor against those landing on float64 by
+    luck: the reorder bound of the log-prob sums behind the value (the longest sequence's targets, the magnitude of
+    the sums times β, relative to the value; 2 ulps for gradients).
     """
     import trl
 
@@ -386,7 +386,7 @@ def test_full_fine_tune_with_precomputed_reference_equals_trls_dpo_trainer_at_cp
     precompute_ref_log_probs first pass) equals TRL 1.16.0's DPOTrainer with ``precompute_ref_log_probs=True``:
     the loss, the metrics and the gradient of every weight, by the twins rule of the LoRA test above (TRL also
     run in float64; cptune's fp32 values at most 32x as far from it as the farthest of TRL's fp32 values and
-    its 2 twins', plus the reorder floor of the log-prob sums).
+    its 2 twins' (wider where fewer of those are distinct), plus the reorder floor of the log-prob sums).
 
     One tensor is weaker than the rest: TRL's fused LM head (trl/kernels/chunked_logprob.py) projects and sums in
     fp32 tiles whatever the model's dtype, so TRL's float64 run has ``lm_head.weight``'s gradient only to fp32

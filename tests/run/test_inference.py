@@ -175,7 +175,8 @@ def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
     assert result.tokens == trained
     # Twins rule (tests/numerics.py): the score may land 32x as far from the float64 sum as the farthest of the
     # model's own fp32 loss and its 2 twins (sdpa's math backend, sdpa over the tokens in a strided order: tests/parallel/reorder_twins.py)
-    # do, plus the reorder bound of the sum of its token losses.
+    # do (161x or 2.6e4x where only 2 or 1 of those are distinct: TWINS_FACTORS), plus the reorder bound of the
+    # sum of its token losses.
     error, *reference_errors = (
         abs(-x - float(loss64)) / float(loss64)
         for x in (result.log_likelihood, *(-float(loss) * trained for loss in losses))

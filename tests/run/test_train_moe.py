@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import QUICKSTART_DATA, logged, max_rel_diff, run_cptune, succeeded, write_short_run
+from tests.conftest import (
+    QUICKSTART_DATA,
+    in_process_state,
+    logged,
+    max_rel_diff,
+    run_cptune,
+    succeeded,
+    write_short_run,
+)
 from tests.numerics import logged_tolerance
 from tests.run.one_process import one_process_reference
 
@@ -164,6 +172,7 @@ def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(
         raise AssertionError("the weights were loaded before the refusal")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    before = in_process_state()
     for command in ("validate", "train"):  # refused before any weight loads, by validate as by train
         done = cptune_in_process(command, str(path))
         assert not loaded, (command, done.stderr)
@@ -173,3 +182,6 @@ def test_preference_training_of_a_moe_model_with_its_router_loss_is_refused(
             in (done.stderr)
         ), (command, done.stderr)
         assert "Traceback" not in done.stderr
+    # train got as far as setting the allocator's variable and turning the progress bars off (stderr is captured):
+    # the fixture puts them back, so that later tests of this pytest process see neither
+    assert in_process_state() == before

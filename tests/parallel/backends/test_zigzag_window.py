@@ -21,6 +21,7 @@ from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, z
 from cptune.parallel.kernels import flash_attn_cpu
 from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
 from tests.numerics import assert_float64_twins_rule
+from tests.parallel.kernel_tests.dense_reference import reference_attention
 from tests.token_orders import (
     TWIN_ORDERS,
     assert_distinct_draws,
@@ -96,15 +97,11 @@ def one_process_group() -> Iterator[None]:
 
 
 def dense(q, k, v, window, scale, order=None):
-    """Windowed causal attention over the whole row (grouped-query heads), the reference; ``order``: a twin's
+    """Windowed causal attention over the whole row (grouped-query heads; a query sees the ``window`` keys up to
+    itself, as :func:`sees`), the reference: dense_reference.py's ``reference_attention``; ``order``: a twin's
     (tests/token_orders.py), the row's tokens and the head's features taken in that order and the output put back."""
-    tokens = token_order(q.shape[1], order)
-    features, (q, k, v) = take_features(order, q[:, tokens], k[:, tokens], v[:, tokens])
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)) * scale
-    scores = scores.masked_fill(~sees(q.shape[1], window, tokens), float("-inf"))
-    values = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(dim=-1), values)
-    return put_back(put_back(out, tokens, 1), features, -1)
+    left = -1 if window is None else window - 1
+    return reference_attention(q, k, v, causal=True, window=(left, 0), scale=scale, order=order)[0]
 
 
 @pytest.mark.parametrize("window", [2, 3, 6, 9])  # 1: each query sees itself only, so dk is 0

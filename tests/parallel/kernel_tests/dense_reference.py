@@ -1,9 +1,10 @@
 """Dense attention computed the plain way, per sequence: the reference of the attention kernels' tests.
 
 The CPU flash-attn kernels (test_flash_attn_cpu.py), the adapter onto torch's flash ops (test_torch_flash.py), the
-varlen attention in groups of heads (test_varlen_head_groups.py) and ring-flash-attn's CP code on gloo
-(test_ring_cpu_distributed.py) are held against it: in float64 the reference, in fp32 the reference's draw and, in
-a twin's token order (tests/token_orders.py), its twins (tests/numerics.py's twins rule).
+varlen attention in groups of heads (test_varlen_head_groups.py), ring-flash-attn's CP code on gloo
+(test_ring_cpu_distributed.py) and the zigzag ring's windows (test_zigzag_window.py's ``dense``) are held against
+it: in float64 the reference, in fp32 the reference's draw and, in a twin's token order (tests/token_orders.py),
+its twins (tests/numerics.py's twins rule).
 """
 
 from __future__ import annotations
