@@ -21,7 +21,8 @@ suite is one of these kinds, and the test says which in a comment:
   for bit as the reference does is no draw of its own there, so the rule counts the distinct fp32 values
   of each quantity and takes the factor derived for that many draws (:data:`TWINS_FACTORS`): the same
   chance of a false failure on a CPU whose kernels undo a twin's order, a weaker check rather than a
-  random one. The floor covers references that land on float64 by luck (a scalar can): the bound of
+  random one. A scalar, whose orders can round alike, is counted by its orders instead
+  (:func:`float64_scalar_twins_excess`). The floor covers references that land on float64 by luck (a scalar can): the bound of
   the last sum, or :data:`ULP_FLOOR`. The twins: the parity launches' (tests/parallel/reorder_twins.py's
   ``FP32_TWINS``), an attention reference's tokens and head features in other orders
   (tests/token_orders.py's strided orders; ``TOKEN_ORDER_TWINS`` for a model), sdpa's math backend and
@@ -108,13 +109,16 @@ FP32_TWINS_FACTOR = 32.0
 #: every tensor the twins serve to 3 distinct draws on the CPU they run on (``assert_distinct_draws``), so a twin
 #: that stops being a draw is named there, and costs the rule's strength, not a false failure, meanwhile.
 #:
-#: Scalars are not held to 3 draws, and often have 1: a loss's three orders round to the same fp32 value. Its limit is
-#: then 2.6e4 times that value's own rounding error, which mostly the float64 value's place within the ulp sets
-#: (half an ulp, 6e-8 relative, gives a limit of 1.5e-3), so there the check is weaker by a varying amount, and its floor no longer matters:
-#: measured, 6 such scalar checks of tests/data/test_collator.py, tests/models/test_memory_features.py and
-#: tests/run/test_inference.py had factor terms of 1.9e-4 to 1.4e-3 against floors of 8.1e-6 (at 32: 2.3e-7 to 1.7e-6,
-#: under the floor).
+#: A scalar (a loss, a metric) is one value, whose distinct values undercount its draws: orders whose noise is below
+#: the value's resolution round to one fp32 value, as a loss's three orders often do, so equal values there are no sign
+#: of one draw, and counting them (2.6e4 for 1) made a loss's limit up to 1.5e-3, 200 times its floor (measured on 6
+#: scalar checks before :func:`float64_scalar_twins_excess`). A scalar is counted by its orders instead: the distinct
+#: draws its case's tensors show, or, where the twins are checked to reorder the tensors the value is computed from,
+#: their count.
 TWINS_FACTORS = {1: 2.6e4, 2: 161.0, 3: FP32_TWINS_FACTOR}
+#: The most rounding to fp32 moves a value, relative to it (half an ulp, the unit roundoff): a scalar's noise before its
+#: last rounding is within its error plus this (:func:`float64_scalar_twins_excess`).
+FP32_ROUNDOFF = EPS32 / 2
 #: Floor of a tensor's relative error (to its largest element): two ulps of that element, the
 #: resolution of the comparison itself, for a tensor the fp32 reference happens to get exactly.
 ULP_FLOOR = 2 * EPS32
@@ -209,9 +213,9 @@ def float64_twins_excess(
     Above 1 is outside.
 
     ``draws``: how many of the references are distinct (:func:`distinct_draws` of them), for a caller that has
-    them; by default the count of distinct ``reference_errors`` (exact for a scalar). A twin bit-identical to the
-    reference has its error, but two distinct tensors whose farthest elements land alike have equal errors too:
-    counted once, they widen the limit where it needed no widening, never the other way."""
+    them; by default the count of distinct ``reference_errors``. A twin bit-identical to the reference has its
+    error, but two distinct tensors whose farthest elements land alike have equal errors too: counted once, they
+    widen the limit where it needed no widening, never the other way. A scalar: :func:`float64_scalar_twins_excess`."""
     # A NaN would be passed over by max() wherever it is not first: a reference that is no number is broken.
     assert all(math.isfinite(e) for e in reference_errors), (
         f"a reference's error is not finite: {reference_errors}"
@@ -219,6 +223,23 @@ def float64_twins_excess(
     if draws is None:
         draws = distinct_draws([float(e) for e in reference_errors])
     return error / (twins_factor(draws) * max(reference_errors) + floor)
+
+
+def float64_scalar_twins_excess(
+    error: float, reference_errors: Sequence[float], floor: float, draws: int
+) -> float:
+    """:func:`float64_twins_excess` of one value (a loss, a metric), whose references' distinct values undercount their
+    draws (:data:`TWINS_FACTORS`' comment): ``draws`` is how many of the references are draws of their own, the
+    distinct draws the case's tensors show (:func:`draws_per_tensor`, the most of any tensor) or the references'
+    count where their twins are checked to reorder what the value is computed from. Each value is known to its
+    resolution only: the farthest reference's noise is within its error plus :data:`FP32_ROUNDOFF`, and the path's
+    own last rounding adds as much again, so the limit is ``factor · (farthest + u) + u + floor``."""
+    assert all(math.isfinite(e) for e in reference_errors), (
+        f"a reference's error is not finite: {reference_errors}"
+    )
+    assert 1 <= draws <= len(reference_errors), (draws, len(reference_errors))
+    limit = twins_factor(draws) * (max(reference_errors) + FP32_ROUNDOFF) + FP32_ROUNDOFF + floor
+    return error / limit
 
 
 def float64_twins_excesses(

@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from tests.numerics import (
+    EPS32,
+    FP32_ROUNDOFF,
     FP32_TWINS_FACTOR,
     TWINS_FACTORS,
     assert_float64_twins_rule,
     distinct_draws,
+    float64_scalar_twins_excess,
     float64_twins_excess,
 )
 from tests.token_orders import TWIN_ORDERS, token_order
@@ -61,11 +64,29 @@ def test_a_twin_equal_to_the_reference_is_no_draw_and_widens_the_rule():
 
 
 def test_errors_alone_count_their_distinct_values():
-    """Without the tensors the rule counts distinct errors (a scalar's exactly); a caller with them says how many."""
+    """Without the tensors the rule counts distinct errors; a caller with them says how many."""
     error, floor = 5e-5, 2.4e-7
     assert float64_twins_excess(error, [5e-7, 5e-7, 2.5e-7], floor) == error / (161 * 5e-7 + floor)
     assert float64_twins_excess(error, [5e-7, 5e-7, 2.5e-7], floor, draws=3) == error / (32 * 5e-7 + floor)
     assert float64_twins_excess(error, [5e-7] * 3, floor) == error / (2.6e4 * 5e-7 + floor)
+
+
+def test_a_scalar_is_counted_by_its_orders_at_its_resolution():
+    """A loss whose 3 orders round to one fp32 value is 3 draws known to within half an ulp each, not 1 draw: a
+    loss 1e-4 off, 12x its floor, fails; counted by its values (2.6e4 x 6e-8 = 1.6e-3) it would pass."""
+    rounding, floor, error = 6e-8, 8.1e-6, 1e-4  # rounding: where float64 fell within the fp32 value's ulp
+    u = FP32_ROUNDOFF
+    assert u == 2**-24
+    excess = float64_scalar_twins_excess(error, [rounding] * 3, floor, draws=3)
+    assert excess == error / (32 * (rounding + u) + u + floor) and excess > 1
+    assert float64_twins_excess(error, [rounding] * 3, floor) < 1  # what counting its values would allow
+    # 2 draws (a twin that reorders nothing, as gpt-oss's): 161; a correct loss a few ulps off passes.
+    assert float64_scalar_twins_excess(error, [rounding] * 3, floor, draws=2) == error / (
+        161 * (rounding + u) + u + floor
+    )
+    assert float64_scalar_twins_excess(4 * EPS32, [0.0] * 3, floor, draws=3) < 1
+    with pytest.raises(AssertionError):
+        float64_scalar_twins_excess(error, [rounding] * 2, floor, draws=3)  # more draws than references
 
 
 def test_draws_are_counted_at_the_values_own_precision():

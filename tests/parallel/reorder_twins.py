@@ -156,6 +156,10 @@ REORDERED_SDPA = "cptune_test_reordered_sdpa"
 #: The order of :data:`REORDERED_SDPA`'s tokens and features (tests/token_orders.py): not a reversal, which a
 #: kernel adding in a symmetric tree undoes.
 SDPA_TWIN_ORDER = TWIN_ORDERS[0]
+#: An sdpa reference and :func:`sdpa_twin_runs`' 2 twins are 3 draws of the logits (each distinct from the others:
+#: tests/parallel/test_reorder_twins.py), so of a loss or metric computed from them, whose 3 values can still round
+#: alike (tests/numerics.py's ``float64_scalar_twins_excess``).
+SDPA_TWIN_DRAWS = 3
 
 
 def reordered_sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):

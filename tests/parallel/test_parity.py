@@ -32,7 +32,13 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_ranks
-from tests.numerics import ULP_FLOOR, float64_twins_excess, loss_sum_floor
+from tests.numerics import (
+    ULP_FLOOR,
+    distinct_draws,
+    float64_scalar_twins_excess,
+    float64_twins_excess,
+    loss_sum_floor,
+)
 
 WORKER = Path(__file__).with_name("parity_worker.py")
 
@@ -560,23 +566,37 @@ def fp32_excesses(r: dict) -> dict[str, float]:
     step's loss may land at most :data:`~tests.numerics.FP32_TWINS_FACTOR` (32) times as far from the
     float64 reference's as that, plus the bound of the step's sum of token losses reordered; each step-0
     gradient tensor (its max |error| over its max |float64 gradient|) as far, plus 2 ulps. Counted from the
-    errors alone, the distinct values among those errors set the factor (:data:`~tests.numerics.TWINS_FACTORS`:
-    161 for 2, 2.6e4 for 1, as a loss whose twins round to the same fp32 value gets).
+    errors alone, the distinct values among a tensor's errors set its factor (:data:`~tests.numerics.TWINS_FACTORS`:
+    161 for 2, 2.6e4 for 1); a loss takes the most distinct draws any gradient tensor shows (:func:`case_draws`),
+    since its orders can round to one fp32 value (:func:`~tests.numerics.float64_scalar_twins_excess`).
     """
     twins = r["fp32_twins"]
+    draws = case_draws(r)
     excesses = {}
     # A preference case reports its loss's floor (the reorder bound of the log-prob sums behind it).
     floors = r.get("loss_floors") or [loss_sum_floor(targets) for targets in r["targets"]]
     losses = zip(r["cp_losses"], r["ref_losses"], r["ref64_losses"], floors, strict=True)
     for step, (cp, ref, ref64, floor) in enumerate(losses):
         references = [rel(ref, ref64)] + [rel(t["losses"][step], ref64) for t in twins]
-        excesses[f"loss at step {step}"] = float64_twins_excess(rel(cp, ref64), references, floor=floor)
+        excesses[f"loss at step {step}"] = float64_scalar_twins_excess(
+            rel(cp, ref64), references, floor, draws
+        )
     for tensor, error in r["ref_grad_errors"].items():
         references = [error] + [t["grad_errors"][tensor] for t in twins]
         excesses[f"gradient of {tensor}"] = float64_twins_excess(
             r["grad_errors"][tensor], references, ULP_FLOOR
         )
     return excesses
+
+
+def case_draws(r: dict) -> int:
+    """How many of one rank's fp32 reference and its twins are draws of their own: the most distinct values any
+    step-0 gradient tensor's errors take among them (a twin that reorders nothing, as sdpa's math backend does not
+    gpt-oss's eager attention, is the reference's draw again in every tensor)."""
+    return max(
+        distinct_draws([error] + [t["grad_errors"][tensor] for t in r["fp32_twins"]])
+        for tensor, error in r["ref_grad_errors"].items()
+    )
 
 
 def fp32_failures(r: dict) -> dict[str, float]:
@@ -659,7 +679,9 @@ def preference_metric_excesses(r: dict) -> dict[str, float]:
             excesses[name] = 0.0 if cp[name] == value else float("inf")
             continue
         errors = [rel(metrics[name], value) for metrics in references]
-        excesses[name] = float64_twins_excess(rel(cp[name], value), errors, floor=r["metric_floors"][name])
+        excesses[name] = float64_scalar_twins_excess(
+            rel(cp[name], value), errors, r["metric_floors"][name], case_draws(r)
+        )
     return excesses
 
 

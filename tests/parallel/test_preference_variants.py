@@ -31,7 +31,7 @@ from cptune.parallel.preference import (
 from devtools.tiny import GENERIC_CORPUS, build_tiny_model, build_tiny_tokenizer, tiny_llama_config
 from tests.numerics import (
     draws_per_tensor,
-    float64_twins_excess,
+    float64_scalar_twins_excess,
     float64_twins_excesses,
     relative_errors,
     reorder_bound,
@@ -179,9 +179,10 @@ def _cptune_step(trainer, rows, tokenizer, loss):
     return float(step.detach()), metrics, grads, int(batch.target_counts().max())
 
 
-def _excesses(scalars, longest, scale):
+def _excesses(scalars, longest, scale, draws: int):
     """The twins rule of tests/parallel/test_preference.py on each scalar (see the test's docstring); ``scalars``:
-    name -> (cptune's value, [TRL's fp32 value and its twins'], TRL's float64 value)."""
+    name -> (cptune's value, [TRL's fp32 value and its twins'], TRL's float64 value); ``draws``: the most distinct
+    draws of any gradient tensor among those runs (tests/numerics.py's ``float64_scalar_twins_excess``)."""
 
     def rel(a: float, b: float) -> float:
         return abs(a - b) / abs(b)
@@ -189,10 +190,11 @@ def _excesses(scalars, longest, scale):
     # Floor: the reorder bound of a per-token mean (Σ|terms| / n = |mean|, over the longest sequence's targets),
     # times the value's scale, relative to the value.
     return {
-        name: float64_twins_excess(
+        name: float64_scalar_twins_excess(
             rel(ours, ref64),
             [rel(ref32, ref64) for ref32 in refs32],
             reorder_bound(longest, scale(name)) / max(abs(ref64), 1e-30),
+            draws,
         )
         for name, (ours, refs32, ref64) in scalars.items()
         if name != "rewards/accuracies"
@@ -237,9 +239,11 @@ def test_simpo_loss_metrics_and_lora_gradients_equal_trls_cpo_trainer_at_cp1(pai
     magnitude = max(abs(metrics64["logps/chosen"]), abs(metrics64["logps/rejected"]))
     scalars = {"loss": (loss, [t[0] for t in twins32], loss64)}
     scalars |= {n: (metrics[n], [t[1][n] for t in twins32], metrics64[n]) for n in names}
-    excesses = _excesses(scalars, longest, lambda n: magnitude * (BETA if "rewards" in n else 1.0))
-    twin_errors = [relative_errors(t[2], grads64) for t in twins32]
     draws = draws_per_tensor([t[2] for t in twins32])
+    excesses = _excesses(
+        scalars, longest, lambda n: magnitude * (BETA if "rewards" in n else 1.0), max(draws.values())
+    )
+    twin_errors = [relative_errors(t[2], grads64) for t in twins32]
     excesses |= float64_twins_excesses(relative_errors(grads, grads64), twin_errors, draws=draws)
     worst = max(excesses, key=excesses.get)
     print(
@@ -284,8 +288,12 @@ def test_orpo_metrics_equal_trls_orpo_trainer_at_cp1():
     magnitude = max(abs(metrics64["logps/chosen"]), abs(metrics64["logps/rejected"]))
     # The log odds amplify a mean's error by at most 1/(1 - e^m) on each side (d/dm of m - log(1 - e^m)).
     amplify = 2 / (1 - math.exp(-magnitude))
+    draws = max(draws_per_tensor([t[2] for t in twins32]).values())
     excesses = _excesses(
-        scalars, longest, lambda n: magnitude * (1.0 if "logps" in n else BETA if "rewards" in n else amplify)
+        scalars,
+        longest,
+        lambda n: magnitude * (1.0 if "logps" in n else BETA if "rewards" in n else amplify),
+        draws,
     )
     worst = max(excesses, key=excesses.get)
     print(

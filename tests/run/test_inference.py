@@ -29,8 +29,8 @@ from cptune.run.commands.inference import (
 )
 from cptune.run.commands.weights import ModelSource
 from tests.conftest import QUICKSTART_DATA, REPO, succeeded
-from tests.numerics import float64_loss_sum, float64_twins_excess, loss_sum_floor
-from tests.parallel.reorder_twins import sdpa_twin_runs
+from tests.numerics import float64_loss_sum, float64_scalar_twins_excess, loss_sum_floor
+from tests.parallel.reorder_twins import SDPA_TWIN_DRAWS, sdpa_twin_runs
 
 ROWS = [json.loads(line) for line in QUICKSTART_DATA.read_text().splitlines() if line.strip()]
 PROMPTS = ROWS[::20]  # 30 training prompts, every task of the data among them
@@ -175,13 +175,13 @@ def test_score_is_the_training_loss_of_the_answer_and_sampling_follows_the_seed(
     assert result.tokens == trained
     # Twins rule (tests/numerics.py): the score may land 32x as far from the float64 sum as the farthest of the
     # model's own fp32 loss and its 2 twins (sdpa's math backend, sdpa over the tokens in a strided order: tests/parallel/reorder_twins.py)
-    # do (161x or 2.6e4x where only 2 or 1 of those are distinct: TWINS_FACTORS), plus the reorder bound of the
-    # sum of its token losses.
+    # do (SDPA_TWIN_DRAWS), each known to within its last rounding, plus the reorder bound of the sum of its token
+    # losses.
     error, *reference_errors = (
         abs(-x - float(loss64)) / float(loss64)
         for x in (result.log_likelihood, *(-float(loss) * trained for loss in losses))
     )
-    excess = float64_twins_excess(error, reference_errors, floor=loss_sum_floor(trained))
+    excess = float64_scalar_twins_excess(error, reference_errors, loss_sum_floor(trained), SDPA_TWIN_DRAWS)
     assert excess <= 1, (result.log_likelihood, error, reference_errors)
 
     sampled = [
