@@ -232,17 +232,28 @@ _PROGRESS_BARS = (
 def in_process_state() -> dict[str, Any]:
     """What a cptune command run in this process changes for the rest of it: the environment (``cptune train`` sets
     the allocator's variable), the progress bars (off under pytest's captured stderr; a library not imported yet
-    counts as on, as a fresh import leaves them) and the ``cptune`` logger's level."""
+    counts as on, as a fresh import leaves them), the ``cptune`` logger's level and the random generators a run
+    seeds (Python's, torch's CPU generator, numpy's)."""
     import logging
+    import random
+
+    import numpy as np
+    import torch
 
     bars = {
         name: is_on(sys.modules[name]) if sys.modules.get(name) else True
         for name, is_on, _, _ in _PROGRESS_BARS
     }
+    kind, keys, *rest = np.random.get_state(legacy=True)
     return {
         "environ": dict(os.environ),
         "progress bars": bars,
         "cptune log level": logging.getLogger("cptune").level,
+        # The random generators transformers' set_seed seeds (a run seeds them from its recipe), as bytes and tuples
+        # so that two states compare with ==.
+        "random": random.getstate(),
+        "torch rng": torch.get_rng_state().numpy().tobytes(),
+        "numpy rng": (kind, keys.tobytes(), *rest),
     }
 
 
@@ -256,6 +267,15 @@ def restore_in_process_state(state: dict[str, Any]) -> None:
         if sys.modules.get(name):
             getattr(sys.modules[name], enable if state["progress bars"][name] else disable)()
     logging.getLogger("cptune").setLevel(state["cptune log level"])
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["random"])
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch rng"]), dtype=torch.uint8))
+    kind, keys, *rest = state["numpy rng"]
+    np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32).copy(), *rest))
 
 
 @pytest.fixture
