@@ -231,13 +231,16 @@ def float64_scalar_twins_excess(
     """:func:`float64_twins_excess` of one value (a loss, a metric), whose references' distinct values undercount their
     draws (:data:`TWINS_FACTORS`' comment): ``draws`` is how many of the references are draws of their own, the
     distinct draws the case's tensors show (:func:`draws_per_tensor`, the most of any tensor) or the references'
-    count where their twins are checked to reorder what the value is computed from. Each value is known to its
+    count where their twins are checked to reorder what the value is computed from; more if more of the values
+    differ. Each value is known to its
     resolution only: the farthest reference's noise is within its error plus :data:`FP32_ROUNDOFF`, and the path's
     own last rounding adds as much again, so the limit is ``factor · (farthest + u) + u + floor``."""
     assert all(math.isfinite(e) for e in reference_errors), (
         f"a reference's error is not finite: {reference_errors}"
     )
     assert 1 <= draws <= len(reference_errors), (draws, len(reference_errors))
+    # Values that differ are draws of their own however the tensors count (a twin can reorder the value's sums only).
+    draws = max(draws, distinct_draws([float(e) for e in reference_errors]))
     limit = twins_factor(draws) * (max(reference_errors) + FP32_ROUNDOFF) + FP32_ROUNDOFF + floor
     return error / limit
 

@@ -85,6 +85,10 @@ def test_a_scalar_is_counted_by_its_orders_at_its_resolution():
         161 * (rounding + u) + u + floor
     )
     assert float64_scalar_twins_excess(4 * EPS32, [0.0] * 3, floor, draws=3) < 1
+    # Values that differ are draws of their own, whatever the caller's tensors showed.
+    assert float64_scalar_twins_excess(
+        error, [rounding, 2 * rounding, 3 * rounding], floor, draws=2
+    ) == error / (32 * (3 * rounding + u) + u + floor)
     with pytest.raises(AssertionError):
         float64_scalar_twins_excess(error, [rounding] * 2, floor, draws=3)  # more draws than references
 
