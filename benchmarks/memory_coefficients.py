@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.memory_coefficients trace`` traces one training step per case (below, with
 :mod:`benchmarks.memory_traces`) and writes the phase peaks to :data:`TRACES`
-(docs/benchmarks/memory_traces.json; 167 traces; the newer ones also say where each phase peaked);
+(docs/benchmarks/memory_traces.json; 174 traces; the newer ones also say where each phase peaked);
 ``python -m benchmarks.memory_coefficients fit`` fits the per-token coefficients from those traces and
 writes :data:`FITTED` (``cptune/parallel/memory_fit.py``, which :mod:`cptune.parallel.memory` reads).
 ``fit --check`` only says whether the module is what the traces give (tests/benchmarks/
@@ -50,11 +50,12 @@ layer backward peaks where the MLP's weight gradients are summed over the tiles 
 grow with the tokens), its MLP shape's in the attention backward, so a slope across 2,048 mixes two
 moments; from 4,096 on the attention backward's is the peak in every shape (:func:`tiled_moments`). fp32
 LoRA with the tiled MLP between 8,192 and 16,384: below 8,192 its base shape's layer backward is above
-the MLP shape's and grows more slowly (two moments); from 8,192 on both are the same bytes. The fp32 full fine-tune with the tiled MLP is traced from 2,048 to 16,384 tokens and
-not fitted: no two of those lengths are one moment in every shape (:data:`FITTED_ROWS`; each trace
-records where each phase peaked, :func:`peak_moments`). At 8,192 and 16,384 a tile holds the same tokens
-in every shape (``ceil(tokens / hidden)`` tiles: 512, or 745 at hidden 768), so what a tile holds cancels
-in the slope.
+the MLP shape's and grows more slowly (two moments); from 8,192 on both are the same bytes. The fp32 full
+fine-tune with the tiled MLP between 32,768 and 65,536: below that no two lengths are one moment in every
+shape (:data:`FITTED_ROWS`; each trace records where each phase peaked, :func:`peak_moments`). The shorter
+lengths that show why are traced too (:attr:`Setting.shorter`). At each setting's two lengths a tile holds
+the same tokens in every shape (``ceil(tokens / hidden)`` tiles: 512 tokens, or about 762 at hidden 768), so
+what a tile holds cancels in the slope.
 
 What the traces cannot show (GPU kernels' own buffers, the allocator's reserve) is listed in
 :mod:`cptune.parallel.memory` with its source.
@@ -91,6 +92,7 @@ ROTARY_TABLES = 2
 LENGTHS = (2048, 4096)
 LONG_LENGTHS = (4096, 8192)
 LONGEST_LENGTHS = (8192, 16384)
+FP32_FULL_TILED_LENGTHS = (32768, 65536)
 DTYPE_BYTES = 2
 # The loss from logits is fitted against the vocabulary too: the base shape with twice its vocabulary.
 LOSS_SHAPES = ("base", "hidden", "vocab")
@@ -114,6 +116,9 @@ class Setting:
     checkpointing: bool = True  # False: every layer keeps what its backward needs (the "saved" rows)
     loss: str = "head"  # "head": chunked head loss; "whole" / "chunked": from the model's fp32 logits
     lengths: tuple[int, int] = LENGTHS  # the two lengths its slopes are taken between
+    # Shorter lengths also traced in every shape of SHAPES, not fitted: where the phases peak below ``lengths``,
+    # the reason the slopes are taken there.
+    shorter: tuple[int, ...] = ()
 
     @property
     def dtype_bytes(self) -> int:
@@ -136,18 +141,30 @@ SETTINGS = {
     # The full fine-tune with the tiled MLP: from 4,096 tokens on its layer backward's peak is the attention
     # backward's in every shape; at 2,048 the base shape's was the MLP's weight gradients summed over the
     # tiles (a moment that does not grow with the tokens), the MLP shape's the attention's.
-    "full-everything": Setting(lora=False, offload=True, tiled=True, lengths=LONG_LENGTHS),
+    "full-everything": Setting(lora=False, offload=True, tiled=True, lengths=LONG_LENGTHS, shorter=(2048,)),
     # fp32 training: fp32 weights, no autocast, LoRA in fp32.
     "fp32-lora": Setting(lora=True, offload=False, tiled=False, autocast=False, fp32=True),
     # fp32 LoRA with the tiled MLP: below 8,192 tokens the base shape's layer backward peaks at another moment
     # than the MLP shape's (FITTED_ROWS); from 8,192 on at the same bytes in both.
     "fp32-lora-everything": Setting(
-        lora=True, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONGEST_LENGTHS
+        lora=True,
+        offload=True,
+        tiled=True,
+        autocast=False,
+        fp32=True,
+        lengths=LONGEST_LENGTHS,
+        shorter=LENGTHS,
     ),
     "fp32-full": Setting(lora=False, offload=False, tiled=False, autocast=False, fp32=True),
-    # fp32 full fine-tune with the tiled MLP, traced at 2,048 to 16,384 tokens, not fitted (FITTED_ROWS).
+    # fp32 full fine-tune with the tiled MLP: one moment in every shape from 32,768 tokens on (FITTED_ROWS).
     "fp32-full-everything": Setting(
-        lora=False, offload=True, tiled=True, autocast=False, fp32=True, lengths=LONGEST_LENGTHS
+        lora=False,
+        offload=True,
+        tiled=True,
+        autocast=False,
+        fp32=True,
+        lengths=FP32_FULL_TILED_LENGTHS,
+        shorter=(*LENGTHS, *LONGEST_LENGTHS),
     ),
     # Without gradient checkpointing: what a layer keeps for its backward (against the same with it).
     "lora-saved": Setting(lora=True, offload=False, tiled=False, checkpointing=False),
@@ -199,6 +216,7 @@ CASES = [
             "lora-everything-norms",
             "full-everything",
             "fp32-lora-everything",
+            "fp32-full-everything",
         )
     ),
 ]
@@ -217,25 +235,19 @@ FITTED_ROWS = {
     # 32% over its trace.
     ("fp32", "lora", True, False): "fp32-lora-everything",
     ("fp32", "full", False, False): "fp32-full",
-    # Not fitted: ("fp32", "full", True, False) from "fp32-full-everything" (traced at 2,048 to 16,384 tokens in
-    # every shape, in the file): no two lengths are one moment in every shape. Its loss phase peaks in the
-    # loss's log-softmax backward at 2,048 and 4,096 and in the last layer's MLP backward from 8,192 on (base
-    # shape; hidden shape from 4,096); its layer backward peaks in a tile's backward from 2,048 to 8,192 in
-    # every shape and at 16,384 in the base, KV and hidden shapes, but in the MLP shape at 16,384 at the
-    # `torch.cat` of the tiles' outputs in _TiledMlpFunction.forward, which gradient checkpointing recomputes in
-    # the layer backward to reach the MLP's saved input (27.3 KB per token from 8,192, against the base shape's
-    # 26.7). Writing the tiles into one output instead (tried; the same bytes) removes that moment, one fp32 row
-    # per token, but not the peak: 0.17 MB below it at 16,384 the MLP shape peaks outside the MLP
-    # (`MulBackward0 > aten::mul`: 235.3 MB at 8,192, 470.5 at 16,384, 28.7 KB per token with 0.02 MB of fixed
-    # bytes), one fp32 row per token above a tile's backward. The tile's fixed bytes (its intermediates, the
-    # MLP's summed weight gradients) keep a tile's backward the peak of the base shape (26.7 KB per token +
-    # 48.8 MB) below about 24,000 tokens if the base shape holds the MLP shape's bytes at that moment (at 8,192 it
-    # holds under 90% of its peak outside the MLP): one moment in every shape needs 32,768 and 65,536 tokens.
-    # Traced so far at 32,768: the base and MLP shapes, both at the concatenation, the same bytes (941.3 MB;
-    # 312 and 296 CPU-s, 2.0 GB peak RSS each); at 65,536 the base shape, there too (1,882.6 MB, 28.7 KB per
-    # token from 32,768; 1,162 CPU-s, 3.5 GB peak RSS). That moment outside the MLP is the post-attention RMSNorm's
-    # backward (grad hooks on each module's output): in fp32 its MulBackward0 makes the norm weight's gradient
-    # terms for every token at once, which cptune.models.recomputed_norms leaves as it is in fp32.
+    # One moment in every shape between 32,768 and 65,536 tokens (FP32_FULL_TILED_LENGTHS): the layer backward's
+    # peak is the `torch.cat` of the tiles' outputs in _TiledMlpFunction.forward, which gradient checkpointing
+    # runs again in the layer backward to reach the MLP's saved input, at the same bytes in the base and MLP
+    # shapes. Shorter, two moments (traced from 2,048 in every shape): the loss phase peaks in the loss's
+    # log-softmax backward at 2,048 and 4,096 and in the last layer's MLP backward from 8,192 on (base shape);
+    # the layer backward in a tile's backward up to 8,192 in every shape and at 16,384 in the base, KV and
+    # hidden shapes, whose fixed bytes (the tile's intermediates, the MLP's summed weight gradients) keep that
+    # moment the higher below about 23,700 tokens on the base shape's lines, while the MLP shape peaks at the
+    # concatenation from 16,384. Writing the tiles into one output instead (tried) removes that moment, one fp32
+    # row per token, but not the peak: 0.17 MB below it at 16,384 the post-attention RMSNorm's backward
+    # (`MulBackward0 > aten::mul`, the norm weight's gradient terms for every token at once, which
+    # cptune.models.recomputed_norms leaves as it is in fp32) grows as steeply.
+    ("fp32", "full", True, False): "fp32-full-everything",
 }
 # What a layer keeps without gradient checkpointing: (precision, adapter) -> (the setting without it, with it).
 SAVED_ROWS = {
@@ -247,6 +259,19 @@ SAVED_ROWS = {
 # The loss from the model's logits, whole or in chunks -> the setting traced (mixed precision, LoRA).
 LOGITS_ROWS = {"whole": "lora-whole-logits", "chunked": "lora-chunked-logits"}
 PHASES = ("forward", "loss", "backward")
+
+
+def planned_traces(cases: list[tuple[str, str, int]] = CASES) -> list[tuple[str, str, int, int]]:
+    """Every trace the fit and its checks read, as (setting, shape, layers, tokens): each case at its setting's
+    lengths, and a case of :data:`SHAPES` at 2 layers also at the setting's shorter lengths."""
+    return [
+        (name, shape, layers, tokens)
+        for name, shape, layers in cases
+        for tokens in (
+            *(SETTINGS[name].shorter if shape in SHAPES and layers == 2 else ()),
+            *SETTINGS[name].lengths,
+        )
+    ]
 
 
 # --- the fit (pure arithmetic on the traces) ----------------------------------------------------
@@ -401,10 +426,12 @@ def tiled_moments(
     }
 
 
-def peak_moments(traces: list[dict[str, Any]], setting: str) -> dict[str, dict[str, list[str | None]]]:
-    """Where each shape's phases peaked at the setting's two lengths (the trace's ``moments``; None in the
-    traces recorded before they were kept): shape -> phase -> [short, long]. A slope is one moment's where
-    both lengths name the same."""
+def peak_moments(
+    traces: list[dict[str, Any]], setting: str, lengths: tuple[int, ...] | None = None
+) -> dict[str, dict[str, list[str | None]]]:
+    """Where each shape's phases peaked at ``lengths`` (the setting's two by default; the trace's ``moments``, None
+    in the traces recorded before they were kept): shape -> phase -> [one per length]. A slope is one moment's
+    where both lengths name the same."""
     found = {
         (t["shape"], t["tokens"]): t.get("moments", {})
         for t in traces
@@ -412,7 +439,7 @@ def peak_moments(traces: list[dict[str, Any]], setting: str) -> dict[str, dict[s
     }
     return {
         shape: {
-            phase: [found[(shape, tokens)].get(phase) for tokens in SETTINGS[setting].lengths]
+            phase: [found[(shape, tokens)].get(phase) for tokens in lengths or SETTINGS[setting].lengths]
             for phase in PHASES
         }
         for shape in SHAPES

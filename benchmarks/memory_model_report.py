@@ -83,6 +83,43 @@ def fp32_tiled_note(traces: list[dict[str, Any]]) -> str:
     )
 
 
+def fp32_full_tiled_note(traces: list[dict[str, Any]]) -> str:
+    """Where the fp32 full fine-tune with the tiled MLP is one moment in every shape, and why not shorter."""
+    setting = "fp32-full-everything"
+    short, long = mc.SETTINGS[setting].lengths
+    before = mc.SETTINGS[setting].shorter[-1]
+    at = {(t["shape"], t["tokens"]): t for t in traces if t["setting"] == setting and t["layers"] == 2}
+    earlier = {shape: at[(shape, before)]["moments"]["backward"] for shape in mc.SHAPES}
+    cat = at[("base", short)]["moments"]["backward"]
+
+    def line(lengths: tuple[int, int]) -> tuple[float, float]:
+        """The base shape's layer backward peak between two lengths: (bytes per token, bytes at no token)."""
+        a, b = (at[("base", t)]["backward"] for t in lengths)
+        slope = (b - a) / (lengths[1] - lengths[0])
+        return slope, a - slope * lengths[0]
+
+    (slope, fixed), (tile_slope, tile_fixed) = line((short, long)), line(mc.LONGEST_LENGTHS)
+    crossing = (tile_fixed - fixed) / (slope - tile_slope)
+    return (
+        f"The fp32 full fine-tune with the tiled MLP is fitted between {short:,} and {long:,} tokens: there every "
+        f"shape's layer backward peaks at `{cat}`, the concatenation of the tiles' outputs in the tiled MLP's "
+        "forward, which gradient checkpointing runs again in the layer backward (base shape: "
+        + " and ".join(f"{at[('base', t)]['backward'] / 1e6:,.1f} MB" for t in (short, long))
+        + f", {slope:,.0f} bytes per token; the MLP shape at the same bytes), and each phase is one moment at both "
+        f"lengths in every shape. Not shorter: at {before:,} the MLP shape already peaks there, the "
+        + _series(s.replace("kv", "KV") for s in mc.SHAPES if s != "mlp" and earlier[s] != cat)
+        + f" shapes still in a tile's backward (`{earlier['base']}`), whose fixed bytes keep it the higher: on the "
+        f"base shape's lines (that moment's from {mc.LONGEST_LENGTHS[0]:,} and {mc.LONGEST_LENGTHS[1]:,} tokens, "
+        f"{tile_slope:,.0f} bytes per token and {tile_fixed / 1e6:.1f} MB), below {crossing:,.0f} tokens."
+    )
+
+
+def _series(words: Any) -> str:
+    """``a, b and c``."""
+    words = list(words)
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
+
+
 def rotary_note(traces: list[dict[str, Any]]) -> str:
     """What the traces at head_dim 64 say of the rotary tables (every fitted row)."""
     narrow = mc.TRACED_SHAPES["head_dim"]
@@ -114,7 +151,6 @@ def rotary_note(traces: list[dict[str, Any]]) -> str:
 
 def render() -> list[str]:
     from benchmarks.gpu import predict
-    from cptune.parallel import memory
 
     data = json.loads(mc.TRACES.read_text())
     traces, about = data["traces"], data["about"]
@@ -128,8 +164,10 @@ def render() -> list[str]:
         "LoRA r=16 on every linear layer in fp32, gradient checkpointing, the chunked head loss, at "
         f"{mc.LENGTHS[0]:,} and {mc.LENGTHS[1]:,} tokens; the same in fp32 (fp32 weights, no autocast), without "
         "gradient checkpointing, and with the loss from the model's fp32 logits, whole or in chunks of "
-        f"{mc.CHUNK_TOKENS} tokens (a fifth shape doubles the vocabulary); the full fine-tune with the tiled MLP at "
-        f"{mc.LONG_LENGTHS[0]:,} and {mc.LONG_LENGTHS[1]:,} tokens (below); "
+        f"{mc.CHUNK_TOKENS} tokens (a fifth shape doubles the vocabulary); with the tiled MLP, the full fine-tune at "
+        f"{mc.LONG_LENGTHS[0]:,} and {mc.LONG_LENGTHS[1]:,} tokens, fp32 LoRA at {mc.LONGEST_LENGTHS[0]:,} and "
+        f"{mc.LONGEST_LENGTHS[1]:,} and the fp32 full fine-tune at {mc.FP32_FULL_TILED_LENGTHS[0]:,} and "
+        f"{mc.FP32_FULL_TILED_LENGTHS[1]:,}, each also at the shorter lengths that show why (below); "
         "`python -m benchmarks.memory_coefficients fit` turns the "
         "phase peaks into the coefficients `cptune.parallel.memory` reads (`cptune/parallel/memory_fit.py`; a test "
         "checks that the module is the fit of the committed traces). Raw numbers: "
@@ -228,7 +266,7 @@ def render() -> list[str]:
         + " tokens). The model adds the summed weight gradients to that peak (an upper bound). "
         + fp32_tiled_note(traces)
         + "Its row is fitted there, since the rotary tables follow head_dim (above). "
-        + memory.LEGACY_NOTE,
+        + fp32_full_tiled_note(traces),
         "",
         "Not in the traces, so listed with their source: FlashAttention-2's backward keeps an fp32 dQ accumulator "
         "and, with GQA, dK and dV expanded to every query head (32 KiB per token for Llama-3.1-8B in bf16; "

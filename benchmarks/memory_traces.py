@@ -25,6 +25,7 @@ from benchmarks.memory_coefficients import (
     TRACES,
     VOCAB,
     Setting,
+    planned_traces,
 )
 
 
@@ -180,7 +181,8 @@ def attention_backward_peaks(heads: int = 4, kv_heads: int = 1) -> dict[str, int
 
 
 def trace_all(path: Path = TRACES, cases: list[tuple[str, str, int]] = CASES) -> None:
-    """Trace every case at both lengths and write the peaks (kept cases already in ``path`` are skipped)."""
+    """Trace every case at its lengths (:func:`~benchmarks.memory_coefficients.planned_traces`) and write the peaks
+    after each trace (traces already in ``path`` are kept and skipped)."""
     import peft
     import torch
     import transformers
@@ -190,10 +192,8 @@ def trace_all(path: Path = TRACES, cases: list[tuple[str, str, int]] = CASES) ->
     done = previous.get("traces", [])
     attention = previous.get("attention_backward") or attention_backward_peaks()
     have = {(t["setting"], t["shape"], t["layers"], t["tokens"]) for t in done}
-    for name, shape, layers in cases:
-        for tokens in SETTINGS[name].lengths:
-            if (name, shape, layers, tokens) in have:
-                continue
+    for name, shape, layers, tokens in planned_traces(cases):
+        if (name, shape, layers, tokens) not in have:
             peaks = trace(SETTINGS[name], TRACED_SHAPES[shape], layers, tokens)
             done.append({"setting": name, "shape": shape, "layers": layers, "tokens": tokens, **peaks})
             print(f"{name:>22} {shape:>6} L={layers} T={tokens}: {peaks}", flush=True)

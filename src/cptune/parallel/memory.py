@@ -295,17 +295,6 @@ def _ceil_div(a: int, b: int) -> int:
 # Every shape but one has head_dim 128; the rotary tables' bytes (cos and sin, head_dim values each per
 # token in the compute dtype) are a stated term, checked against another shape at head_dim 64.
 # They live in cptune.parallel.memory_fit. What the traces cannot show is listed below (GPU-only terms).
-LEGACY_NOTE = (
-    "Not refitted yet (the fit of 2026-11-23 on hidden-64 models, before the lean loss phase; the script "
-    "that printed it was not kept): the fp32 full fine-tune with the tiled MLP. Its traces (2,048 to 16,384 "
-    "tokens) are not one moment in every shape at any two lengths: at 16,384 the MLP shape's layer backward "
-    "peaks where the tiled MLP's forward, recomputed by gradient checkpointing, concatenates its tiles' "
-    "outputs, and just below that (0.17 MB, as steep) outside the MLP, one fp32 row per token above a tile's "
-    "backward, while the other shapes still peak in a tile's backward, whose fixed bytes keep it higher below "
-    "about 24,000 tokens. At 32,768 the base shape peaks at the concatenation too, at the MLP shape's bytes, "
-    "and at 65,536 (28.7 KB per token from 32,768); the KV and hidden shapes at 32,768 and 65,536 and the MLP "
-    "shape at 65,536 are still to trace."
-)
 
 
 @dataclass(frozen=True)
@@ -344,31 +333,20 @@ class LayerBytes:
     head_loss: Widths
 
 
-def _fitted(key: tuple[str, str, bool], legacy: LayerBytes | None = None, norms: bool = False) -> LayerBytes:
+def _fitted(key: tuple[str, str, bool], norms: bool = False) -> LayerBytes:
     """The fitted row of ``key`` (with the norms recomputed if ``norms``), untiled rows with what a layer keeps
-    without gradient checkpointing; ``legacy`` where no row is fitted (see :data:`LEGACY_NOTE`)."""
-    row = memory_fit.LAYERS.get((*key, norms))
-    if row is None:
-        assert legacy is not None, key
-        return legacy
+    without gradient checkpointing."""
+    row = memory_fit.LAYERS[(*key, norms)]
     saved = None if key[2] else Widths(*memory_fit.SAVED[key[:2]])
     return LayerBytes(Widths(*row["backward"]), Widths(*row["forward"]), saved, Widths(*row["loss"]))
 
 
-# (precision, adapter, tiled MLP) -> coefficients; a legacy row where none is fitted (see LEGACY_NOTE), with
-# the legacy head loss, 24 bytes per hidden unit.
-_LEGACY_HEAD_LOSS = Widths(24.0)
+# (precision, adapter, tiled MLP) -> coefficients, every one fitted.
 LAYER_BYTES: dict[tuple[str, str, bool], LayerBytes] = {
-    ("mixed", "lora", False): _fitted(("mixed", "lora", False)),
-    ("mixed", "lora", True): _fitted(("mixed", "lora", True)),
-    ("mixed", "full", False): _fitted(("mixed", "full", False)),
-    ("mixed", "full", True): _fitted(("mixed", "full", True)),
-    ("fp32", "lora", False): _fitted(("fp32", "lora", False)),
-    ("fp32", "lora", True): _fitted(("fp32", "lora", True)),
-    ("fp32", "full", False): _fitted(("fp32", "full", False)),
-    ("fp32", "full", True): _fitted(
-        ("fp32", "full", True), LayerBytes(Widths(32, 0, 8), Widths(18.7, 0, 13.3), None, _LEGACY_HEAD_LOSS)
-    ),
+    (precision, adapter, tiled): _fitted((precision, adapter, tiled))
+    for precision in ("mixed", "fp32")
+    for adapter in ("lora", "full")
+    for tiled in (False, True)
 }
 # The same with the decoder layers' norms recomputed (recompute_norms), where fitted. Elsewhere the model
 # keeps the row above: recomputing the norms only drops what they save (their fp32 input copies), so

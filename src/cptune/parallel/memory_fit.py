@@ -1,7 +1,7 @@
 """The activation memory model's fitted coefficients. Generated: do not edit.
 
 Written by ``python -m benchmarks.memory_coefficients fit`` from the traces in
-docs/benchmarks/memory_traces.json (2026-11-26; torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2).
+docs/benchmarks/memory_traces.json (2026-11-27; torch 2.13.0+cpu, transformers 5.23.0, peft 0.21.2).
 Each layer row is (h, i, kv, token, d): bytes per token per unit of hidden, intermediate and KV
 width, per token, and per unit of head_dim (the rotary tables; see cptune.parallel.memory.Widths).
 """
@@ -50,6 +50,11 @@ LAYERS = {
         "forward": (8.0, 12.0, 0.0, 0.0, 8.0),
         "loss": (8.0, 0.0, 0.0, 25.88, 8.0),
         "backward": (28.03, 24.0, 8.0, 8.0, 8.0),
+    },
+    ("fp32", "full", True, False): {
+        "forward": (19.99, 0.0, 8.0, 16.36, 8.0),
+        "loss": (7.97, 0.0, 0.0, 32.71, 8.0),
+        "backward": (35.99, 0.0, 8.0, 57.07, 8.0),
     },
 }
 # Without gradient checkpointing, what one layer keeps for its backward:
