@@ -22,8 +22,8 @@ suite is one of these kinds, and the test says which in a comment:
   of each quantity and takes the factor derived for that many draws (:data:`TWINS_FACTORS`): the same
   chance of a false failure on a CPU whose kernels undo a twin's order, a weaker check rather than a
   random one. A scalar, whose orders can round alike, is counted by its orders instead
-  (:func:`float64_scalar_twins_excess`). The floor covers references that land on float64 by luck (a scalar can): the bound of
-  the last sum, or :data:`ULP_FLOOR`. The twins: the parity launches' (tests/parallel/reorder_twins.py's
+  (:func:`float64_scalar_twins_excess`). The floor covers references that land on float64 by luck (a
+  scalar can): the bound of the last sum, or :data:`ULP_FLOOR`. The twins: the parity launches' (tests/parallel/reorder_twins.py's
   ``FP32_TWINS``), an attention reference's tokens and head features in other orders
   (tests/token_orders.py's strided orders; ``TOKEN_ORDER_TWINS`` for a model), sdpa's math backend and
   sdpa over the tokens and features in a strided order (``sdpa_twin_runs``), a batch's
@@ -216,13 +216,17 @@ def float64_twins_excess(
     them; by default the count of distinct ``reference_errors``. A twin bit-identical to the reference has its
     error, but two distinct tensors whose farthest elements land alike have equal errors too: counted once, they
     widen the limit where it needed no widening, never the other way. A scalar: :func:`float64_scalar_twins_excess`."""
-    # A NaN would be passed over by max() wherever it is not first: a reference that is no number is broken.
-    assert all(math.isfinite(e) for e in reference_errors), (
-        f"a reference's error is not finite: {reference_errors}"
-    )
+    _assert_finite(reference_errors)
     if draws is None:
         draws = distinct_draws([float(e) for e in reference_errors])
     return error / (twins_factor(draws) * max(reference_errors) + floor)
+
+
+def _assert_finite(reference_errors: Sequence[float]) -> None:
+    """A NaN would be passed over by max() wherever it is not first: a reference that is no number is broken."""
+    assert all(math.isfinite(e) for e in reference_errors), (
+        f"a reference's error is not finite: {reference_errors}"
+    )
 
 
 def float64_scalar_twins_excess(
@@ -232,14 +236,12 @@ def float64_scalar_twins_excess(
     draws (:data:`TWINS_FACTORS`' comment): ``draws`` is how many of the references are draws of their own, the
     distinct draws the case's tensors show (:func:`draws_per_tensor`, the most of any tensor) or the references'
     count where their twins are checked to reorder what the value is computed from; more if more of the values
-    differ. Each value is known to its
-    resolution only: the farthest reference's noise is within its error plus :data:`FP32_ROUNDOFF`, and the path's
-    own last rounding adds as much again, so the limit is ``factor · (farthest + u) + u + floor``."""
-    assert all(math.isfinite(e) for e in reference_errors), (
-        f"a reference's error is not finite: {reference_errors}"
-    )
+    differ. Each value is known to its resolution only: the farthest reference's noise is within its error plus
+    :data:`FP32_ROUNDOFF`, and the path's own last rounding adds as much again, so the limit is
+    ``factor · (farthest + u) + u + floor``."""
+    _assert_finite(reference_errors)
     assert 1 <= draws <= len(reference_errors), (draws, len(reference_errors))
-    # Values that differ are draws of their own however the tensors count (a twin can reorder the value's sums only).
+    # Values that differ are draws of their own, however the tensors count (a twin may reorder sums only the value has).
     draws = max(draws, distinct_draws([float(e) for e in reference_errors]))
     limit = twins_factor(draws) * (max(reference_errors) + FP32_ROUNDOFF) + FP32_ROUNDOFF + floor
     return error / limit
