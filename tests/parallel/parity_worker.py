@@ -306,17 +306,17 @@ def shard_with_tensor_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> None
     fully_shard(model, mesh=mesh["dp_shard_cp"])
 
 
-def make_backend(case: dict, groups: Groups, kernels):
-    if case.get("inject") in INJECTIONS:
-        kernels = INJECTIONS[case["inject"]](kernels)
-    if case.get("backend") == "torch":
-        return TorchCpBackend(
-            causal=case["causal"],
-            load_balance=case.get("load_balance", case["causal"]),
-            comm_strategy=case.get("comm", "allgather"),
-            cp_mesh=groups.cp_mesh,
-            pad_token_id=0,
-        )
+def _torch_backend(case: dict, groups: Groups, kernels) -> TorchCpBackend:
+    return TorchCpBackend(
+        causal=case["causal"],
+        load_balance=case.get("load_balance", case["causal"]),
+        comm_strategy=case.get("comm", "allgather"),
+        cp_mesh=groups.cp_mesh,
+        pad_token_id=0,
+    )
+
+
+def _ring_backend(case: dict, groups: Groups, kernels) -> RingFlashAttnBackend:
     return RingFlashAttnBackend(
         func=case.get("func", "varlen_llama3"),
         causal=case["causal"],
@@ -327,6 +327,17 @@ def make_backend(case: dict, groups: Groups, kernels):
         pad_token_id=0,
         kernels=kernels,
     )
+
+
+# A case's ``backend`` (ring-flash-attn unless it names one) -> how this worker builds it over its CP group; a
+# name not here fails instead of running another backend.
+BACKENDS = {"ring-flash-attn": _ring_backend, "torch": _torch_backend}
+
+
+def make_backend(case: dict, groups: Groups, kernels):
+    if case.get("inject") in INJECTIONS:
+        kernels = INJECTIONS[case["inject"]](kernels)
+    return BACKENDS[case.get("backend", "ring-flash-attn")](case, groups, kernels)
 
 
 def with_window(kernels: RingKernels) -> RingKernels:

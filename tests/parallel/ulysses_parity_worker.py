@@ -35,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -303,30 +304,31 @@ def case_result(reference: tuple, second: tuple | list, grads: dict, steps: list
     return result
 
 
-def cp_backend(case: dict, model: torch.nn.Module) -> object:
-    """The case's cptune backend over this rank's CP group (consecutive ranks, as accelerate's mesh)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+def _torch_backend(case: dict, model: torch.nn.Module, cp_mesh: Any) -> object:
     from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 
-    world, cp, causal = dist.get_world_size(), case["cp"], case.get("causal", True)
-    cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
-    if case.get("ring") == "torch":
-        return TorchCpBackend(
-            causal=causal, load_balance=causal, comm_strategy="allgather", cp_mesh=cp_mesh, pad_token_id=0
-        )
-    if case.get("ring") == "ring-flash-attn":
-        return RingFlashAttnBackend(
-            func="varlen_llama3",
-            causal=causal,
-            heads_k_stride=1,
-            cp_size=cp,
-            cp_rank=cp_mesh.get_local_rank(),
-            group=cp_mesh.get_group(),
-            pad_token_id=0,
-            kernels=load_ring_flash_attn(),
-        )
+    causal = case.get("causal", True)
+    return TorchCpBackend(
+        causal=causal, load_balance=causal, comm_strategy="allgather", cp_mesh=cp_mesh, pad_token_id=0
+    )
+
+
+def _ring_backend(case: dict, model: torch.nn.Module, cp_mesh: Any) -> object:
+    from cptune.parallel.backends.ring_flash_attn.sharding import RingFlashAttnBackend, load_ring_flash_attn
+
+    return RingFlashAttnBackend(
+        func="varlen_llama3",
+        causal=case.get("causal", True),
+        heads_k_stride=1,
+        cp_size=case["cp"],
+        cp_rank=cp_mesh.get_local_rank(),
+        group=cp_mesh.get_group(),
+        pad_token_id=0,
+        kernels=load_ring_flash_attn(),
+    )
+
+
+def _ulysses_backend(case: dict, model: torch.nn.Module, cp_mesh: Any) -> object:
     core = case.get("core", "cptune")
     # What the deepspeed backend's build does when the Trainer is built.
     install_ulysses_attention(
@@ -334,12 +336,26 @@ def cp_backend(case: dict, model: torch.nn.Module) -> object:
     )
     return DeepSpeedUlyssesBackend(
         core_attention=core,
-        causal=causal,
-        cp_size=cp,
+        causal=case.get("causal", True),
+        cp_size=case["cp"],
         cp_rank=cp_mesh.get_local_rank(),
         micro_batch_size=case["mbs"],
         pad_token_id=0,
     )
+
+
+# A case's ``ring`` (a ring backend on DeepSpeed's engine; none: Ulysses) -> how this worker builds it; a name not
+# here fails instead of running another backend.
+BACKENDS = {None: _ulysses_backend, "ring-flash-attn": _ring_backend, "torch": _torch_backend}
+
+
+def cp_backend(case: dict, model: torch.nn.Module) -> object:
+    """The case's cptune backend over this rank's CP group (consecutive ranks, as accelerate's mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, cp = dist.get_world_size(), case["cp"]
+    cp_mesh = init_device_mesh("cpu", (world // cp, cp), mesh_dim_names=("dp", "cp"))["cp"]
+    return BACKENDS[case.get("ring")](case, model, cp_mesh)
 
 
 def run_case(case: dict) -> dict:
