@@ -29,9 +29,11 @@ from transformers import PreTrainedTokenizerBase
 
 from cptune.config.data import DatasetConfig
 from cptune.config.recipe import Recipe
+from cptune.console import draws_progress_bars
 from cptune.data.cache import build_once, compute_fingerprint, is_built
 from cptune.data.formats import dataset_formatter, missing_columns_advice, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
+from cptune.data.progress import RowProgress
 from cptune.data.rows import count_tokens, tokenize_dataset
 from cptune.data.sources import ResolvedSource, load_source, resolve_source
 from cptune.data.stats import DatasetStats, PrepStats, SplitStats
@@ -104,7 +106,8 @@ def prepare_datasets(
     Args:
         recipe: The validated recipe.
         tokenizer: The model's tokenizer.
-        log: Receives progress lines (building, waiting for another process);
+        log: Receives progress lines (building, waiting for another process, and where no
+            progress bar is drawn, how far tokenizing has got: :mod:`cptune.data.progress`);
             default: this module's logger at INFO. The stats are not logged
             here: print ``result.stats.format()`` where it suits (rank 0).
 
@@ -120,7 +123,7 @@ def prepare_datasets(
 
     def build(folder: Path) -> None:
         log(f"Preparing data into {Path(recipe.dataset_prepared_path) / fingerprint}")
-        _build(recipe, tokenizer, sources, folder, fingerprint)
+        _build(recipe, tokenizer, sources, folder, fingerprint, log)
 
     path, built = build_once(recipe.dataset_prepared_path, fingerprint, build, log=log)
     return load_prepared(path, from_cache=not built)
@@ -172,6 +175,7 @@ def _tokenize_all(
     tokenizer: PreTrainedTokenizerBase,
     sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
     scratch: Path,
+    log: Callable[[str], None],
 ) -> tuple[pa.Table, pa.Table | None, list[DatasetStats], pa.Table]:
     tables: dict[str, list[pa.Table]] = {"datasets": [], "test_datasets": []}
     all_stats = []
@@ -194,6 +198,8 @@ def _tokenize_all(
             num_proc=recipe.dataset_processes,
             min_sample_len=recipe.min_sample_len,
             column_advice=missing_columns_advice(config, source.key),
+            # On a terminal datasets draws a bar; in a log a line now and then.
+            progress=None if draws_progress_bars() else RowProgress(source.label, len(rows), log=log),
         )
         tables[key].append(table)
         all_stats.append(stats)
@@ -243,11 +249,12 @@ def _build(
     sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
     folder: Path,
     fingerprint: str,
+    log: Callable[[str], None],
 ) -> None:
     started = time.perf_counter()
     scratch = folder / "scratch"
     scratch.mkdir()
-    train, test, dataset_stats, documents = _tokenize_all(recipe, tokenizer, sources, scratch)
+    train, test, dataset_stats, documents = _tokenize_all(recipe, tokenizer, sources, scratch, log)
     with (
         pa.OSFile(str(folder / _DOCUMENTS_FILE), "wb") as sink,
         pa.ipc.new_file(sink, documents.schema) as writer,

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cptune.data.formats import Formatter, RowProblem, Sample
+from cptune.data.progress import RowProgress
 from cptune.data.stats import DatasetStats
 from cptune.errors import DataError
 from cptune.labels import IGNORE_INDEX, trained_token_count
@@ -99,6 +100,7 @@ def tokenize_dataset(
     num_proc: int | None = None,
     min_sample_len: int | None = None,
     column_advice: str | None = None,
+    progress: RowProgress | None = None,
 ) -> tuple[pa.Table, DatasetStats, pa.Table]:
     """Turn the rows of one dataset into samples of at most ``sequence_len`` tokens.
 
@@ -116,6 +118,7 @@ def tokenize_dataset(
         num_proc: Worker processes; None or 1 for the current process.
         min_sample_len: Drop samples shorter than this many tokens (Axolotl's key); None keeps all.
         column_advice: What to do when a required column is missing (the end of the message).
+        progress: Told of each batch's rows (a log line now and then where no progress bar is drawn).
 
     Returns:
         An in-memory table with ``input_ids``, ``labels`` and ``position_ids``
@@ -136,6 +139,8 @@ def tokenize_dataset(
 
     def process(batch: Mapping[str, list[Any]], indices: list[int]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {name: [] for name in _FEATURES}
+        if progress is not None and indices:
+            progress.started(indices[0])
 
         def emit(
             sample: Sample | None, status: str, formatted_length: int = 0, document: bool = True
@@ -185,6 +190,8 @@ def tokenize_dataset(
                 emit(None, dropped, formatted)
                 continue
             emit(sample, status, formatted)
+        if progress is not None and indices:
+            progress.reached(indices[-1] + 1)
         return out
 
     mapped = dataset.map(
