@@ -44,6 +44,7 @@ def rank_main(iterations: int, one_worker: bool) -> None:
 
     from cptune.patches import PatchSet
     from cptune.patches.torch_patches import gloo_one_worker_patch
+    from cptune.run.training.distributed import close_process_groups
 
     if one_worker:  # cptune's fix, applied for the process's life
         PatchSet([gloo_one_worker_patch()]).apply(None)
@@ -58,7 +59,7 @@ def rank_main(iterations: int, one_worker: bool) -> None:
         rotated.wait()
     dist.barrier()
     print(f"rank {dist.get_rank()}: {iterations} iterations, {workers} gloo worker threads", flush=True)
-    dist.destroy_process_group()
+    close_process_groups()  # as cptune's own ranks end: no gloo thread left for shutdown
 
 
 def main() -> None:

@@ -65,6 +65,7 @@ def rank_loop(iterations: int, strategy: str) -> None:
 
     from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
     from cptune.patches.core import PatchSet, always
+    from cptune.run.training.distributed import close_process_groups
     from devtools.torch_cp_stress import BATCH, HEAD_DIM, HEADS, KV_HEADS, ROW_LENGTHS
 
     # The tools slow a rank down a hundredfold; its peer must not give up on it.
@@ -98,7 +99,7 @@ def rank_loop(iterations: int, strategy: str) -> None:
         for iteration in range(iterations):
             step(ROW_LENGTHS[iteration % len(ROW_LENGTHS)])
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_groups()  # as cptune's own ranks end: no gloo thread left for shutdown
 
 
 def launch(tool: str, iterations: int, strategy: str, log_dir: Path) -> int:

@@ -94,6 +94,7 @@ def rank_main(iterations: int, strategies: list[str], balance: bool, jitter: boo
     from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
     from cptune.patches.core import PatchSet, always
     from cptune.patches.torch_patches import gloo_one_worker_patch
+    from cptune.run.training.distributed import close_process_groups
 
     # As `cptune train` does before any process group exists: gloo groups with one worker thread (two
     # corrupt the heap when collectives finish together: devtools/gloo_status_race.py).
@@ -139,7 +140,7 @@ def rank_main(iterations: int, strategies: list[str], balance: bool, jitter: boo
             report["strategies"][strategy] = {"mismatches": mismatches, "first_mismatch": first_mismatch}
             report["mismatches"] += mismatches
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_groups()  # as cptune's own ranks end: no gloo thread left for shutdown
     return report
 
 

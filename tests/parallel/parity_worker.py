@@ -72,6 +72,7 @@ from cptune.parallel.shard import TokenBatch
 from cptune.parallel.tensor_parallel import apply_tensor_parallel
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.torch_patches import gloo_one_worker_patch
+from cptune.run.training.distributed import close_process_groups
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
@@ -687,7 +688,7 @@ def run_launch() -> None:
             for case in cases
         }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ from cptune.parallel.router_loss import RouterBalance
 from cptune.parallel.shard import TokenBatch
 from cptune.patches.core import ContextParallelWith, PatchSet
 from cptune.patches.deepspeed_patches import skip_shm_op_build_patch
+from cptune.run.training.distributed import close_process_groups
 from cptune.run.training.micro_loss import training_loss
 from cptune.run.training.trainer import RouterLossLog
 from devtools.tiny import (
@@ -496,7 +497,7 @@ def main() -> None:
             else:
                 results[case["name"]] = run_case(case)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from cptune.config.loader import load_recipe
 from cptune.run.training.deepspeed_state import snapshot
-from cptune.run.training.distributed import read_dist_env
+from cptune.run.training.distributed import close_process_groups, read_dist_env
 from cptune.run.training.train import train
 from tests.parallel.zero3_partition import whole_parameters
 
@@ -52,6 +52,7 @@ def main() -> None:
             **partitioning.seen,
         }
     (out_dir / f"rank{read_dist_env().rank}.json").write_text(json.dumps(runs))
+    close_process_groups()  # as cptune's own ranks end
 
 
 if __name__ == "__main__":

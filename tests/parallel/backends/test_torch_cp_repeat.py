@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,16 @@ import pytest
 from devtools.heap_checks import heap_checks
 from devtools.torch_cp_stress import ROW_LENGTHS
 from tests.conftest import REPO
+
+# Where a dying process starts to say why: Python's fatal error (faulthandler's dump follows), the C++
+# runtime's terminate, glibc's heap checks.
+CRASH_START = re.compile(r"Fatal Python error|terminate called|malloc\(\)|free\(\)|double free|corrupted")
+
+
+def crash_excerpts(stderr: str, width: int = 1500) -> str:
+    """What a failed launch's ranks said as they died (the two ranks share stderr), then its last lines."""
+    starts = [found.start() for found in CRASH_START.finditer(stderr)]
+    return "\n[...]\n".join([*(stderr[start : start + width] for start in starts[:4]), stderr[-width:]])
 
 
 @pytest.mark.distributed
@@ -51,7 +62,7 @@ def test_repeated_ring_attention_steps_reproduce_every_bit():
         timeout=300,
     )
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0, (reports, done.stderr[-3000:])
+    assert done.returncode == 0, (reports, crash_excerpts(done.stderr))
     assert sorted(report["rank"] for report in reports) == [0, 1]
     for report in reports:
         assert report["iterations"] == iterations and report["mismatches"] == 0, report

@@ -334,6 +334,8 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from cptune.run.training.distributed import close_process_groups
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
@@ -416,7 +418,7 @@ def _worker(rank: int, world_size: int, store: str, result_path: str) -> None:
                 table.setdefault(name, {})[key] = value
             Path(result_path).write_text(json.dumps(table, indent=1))
     finally:
-        dist.destroy_process_group()
+        close_process_groups()  # as cptune's own ranks end
 
 
 def _launch(out_dir: Path) -> None:
