@@ -71,7 +71,7 @@ def build(
     config = tiny_llama_config(**(shape or SHAPE))
     model = build_tiny_model(config, seed=seed).to(torch.bfloat16)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))

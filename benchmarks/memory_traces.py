@@ -53,7 +53,7 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
         model = model.to(torch.bfloat16)
     model.config.use_cache = False
     if setting.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if setting.lora:
         from peft import LoraConfig, get_peft_model
 

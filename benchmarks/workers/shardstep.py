@@ -149,7 +149,7 @@ class ShardedStep:
         model.set_attn_implementation(setup.plan.attn_implementation)
         model.config.use_cache = False
         if recipe.resolved_gradient_checkpointing:  # as cptune.models.loading.load_model
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(recipe.seed)
         self.model = apply_lora(model, recipe)
         # The recipe's memory features, and the loss in chunks of this many logits (a benchmark may

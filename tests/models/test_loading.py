@@ -80,3 +80,20 @@ def test_an_override_of_a_field_the_config_lacks_is_refused(tiny_model_dir):
         CptuneError, match=r"overrides_of_model_config: LlamaConfig has no field 'output_router_logits'"
     ):
         model_config(recipe)
+
+
+def test_gradient_checkpointing_is_turned_on_without_a_deprecation_warning(tiny_model_dir):
+    """transformers 5.23 renamed gradient_checkpointing_enable (a FutureWarning in every rank's log of a
+    recipe that checkpoints); cptune calls activation_checkpointing_enable, as non-reentrant as before."""
+    import warnings
+
+    recipe = validate_recipe(
+        {"base_model": str(tiny_model_dir), "datasets": [{"path": "d.jsonl"}], "gradient_checkpointing": True}
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_model(recipe, "sdpa")
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    for layer in model.model.layers:
+        assert layer.gradient_checkpointing
+        assert layer._gradient_checkpointing_func.keywords == {"use_reentrant": False}

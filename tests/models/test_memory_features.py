@@ -59,7 +59,7 @@ def build(
         model = model.to(dtype)
     model.config.use_cache = False
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         from peft import LoraConfig, get_peft_model
 

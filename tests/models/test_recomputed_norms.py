@@ -195,7 +195,7 @@ def test_qwen3s_per_head_query_and_key_norms_are_recomputed_too():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1)
             model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
         return model
 

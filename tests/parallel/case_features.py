@@ -25,7 +25,7 @@ def install_case_features(model: torch.nn.Module, case: dict) -> ShardLoss:
     if not features:
         return logits_loss
     if features.get("offload"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     names = [name for name in ("offload", "tiles", "norms", "head_loss") if features.get(name)]
     recipe = SimpleNamespace(
         offloads_activations=bool(features.get("offload")),

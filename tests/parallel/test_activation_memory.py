@@ -271,7 +271,7 @@ def traced_peak(config: dict, mixed: bool, lora: bool, features: tuple[str, ...]
     if mixed:
         model.to(torch.bfloat16)
     model.config.use_cache = False
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))

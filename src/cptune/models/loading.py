@@ -255,7 +255,7 @@ def load_model(
 
         keep_cpu_layers_differentiable(model)
     if recipe.resolved_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

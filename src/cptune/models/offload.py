@@ -281,7 +281,7 @@ def enable_activation_offloading(model: torch.nn.Module, two_level: bool = False
     """Make every checkpointed layer of ``model`` offload its inputs (gradient checkpointing must be on).
 
     transformers' checkpointed layers call their ``_gradient_checkpointing_func`` (set by
-    ``gradient_checkpointing_enable``); it becomes the offloader for every layer that checkpoints.
+    ``activation_checkpointing_enable``); it becomes the offloader for every layer that checkpoints.
     ``two_level``: offload every second layer's input and regenerate the others (see the module).
 
     Raises:
