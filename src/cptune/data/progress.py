@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class RowProgress:
-    """Called after each batch with the index of the next row; logs a line when enough time has passed.
+    """Told where each batch of rows starts and ends; logs a line when enough time has passed.
 
     Args:
         label: Names the dataset: ``datasets[0] (data/train.jsonl)``.
@@ -50,9 +50,8 @@ class RowProgress:
         self.clock = clock
         self.log = log
         self._parent = os.getpid()
-        self._start: tuple[int, int, float] | None = (
-            None  # (pid, first row, time) of this process's first batch
-        )
+        # (pid, first row, time) of this process's first batch: a worker process starts its own clock.
+        self._start: tuple[int, int, float] | None = None
         self._last = 0.0
 
     def started(self, first_row: int) -> None:
