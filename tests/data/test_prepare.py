@@ -293,3 +293,40 @@ def test_concurrent_processes_prepare_once(
     assert sorted(r["from_cache"] for r in results) == [False, True]
     assert results[0]["digest"] == results[1]["digest"]
     assert not list(root.glob(".tmp-*"))
+
+
+def test_the_stats_lines_write_counts_with_thousands_separators() -> None:
+    from cptune.data.stats import DatasetStats, PrepStats, SplitStats
+
+    stats = PrepStats(
+        datasets=[
+            DatasetStats(
+                label="datasets[0] (big.jsonl)",
+                rows_in=1_200_000,
+                rows_out=1_187_654,
+                skipped={"field 'output' is empty": 1_234},
+                dropped_too_long=11_112,
+                tokens=3_456_789_012,
+                trained_tokens=1_234_567_890,
+            )
+        ],
+        train=SplitStats(
+            samples=1_187_654,
+            rows=105_500,
+            tokens=3_456_789_012,
+            trained_tokens=1_234_567_890,
+            packing_efficiency=0.9994,
+        ),
+        eval=None,
+        sequence_len=32768,
+        sample_packing=True,
+        seconds=812.34,
+        fingerprint="0123456789abcdef",
+    )
+    assert stats.format().splitlines() == [
+        "Data 0123456789ab (prepared in 812.3 s), sequence_len 32768:",
+        "  datasets[0] (big.jsonl): 1,200,000 rows -> 1,187,654 samples, 3,456,789,012 tokens "
+        "(1,234,567,890 trained); 11,112 too long (dropped), 1,234 skipped: field 'output' is empty",
+        "  train: 1,187,654 samples, 3,456,789,012 tokens (1,234,567,890 trained) packed into 105,500 rows, "
+        "efficiency 99.9%",
+    ]

@@ -117,12 +117,13 @@ class PrepStats:
         )
 
     def format(self) -> str:
-        """A few lines for the console: per dataset, then per split."""
+        """A few lines for the console: per dataset, then per split (counts with thousands separators, as the
+        tokenizing progress lines write them)."""
         origin = "loaded from cache" if self.from_cache else f"prepared in {self.seconds:.1f} s"
         lines = [f"Data {self.fingerprint[:12]} ({origin}), sequence_len {self.sequence_len}:"]
         for d in self.datasets:
             dropped = [
-                f"{count} {what}"
+                f"{count:,} {what}"
                 for what, count in (
                     ("too long (dropped)", d.dropped_too_long),
                     ("truncated", d.truncated),
@@ -132,21 +133,22 @@ class PrepStats:
                 )
                 if count
             ]
-            dropped += [f"{count} skipped: {reason}" for reason, count in sorted(d.skipped.items())]
+            dropped += [f"{count:,} skipped: {reason}" for reason, count in sorted(d.skipped.items())]
             tail = f"; {', '.join(dropped)}" if dropped else ""
             lines.append(
-                f"  {d.label}: {d.rows_in} rows -> {d.rows_out} samples, {d.tokens} tokens "
-                f"({d.trained_tokens} trained){tail}"
+                f"  {d.label}: {d.rows_in:,} rows -> {d.rows_out:,} samples, {d.tokens:,} tokens "
+                f"({d.trained_tokens:,} trained){tail}"
             )
         for name, split in (("train", self.train), ("eval", self.eval)):
             if split is None:
                 continue
             packed = (
-                f" packed into {split.rows} rows, efficiency {split.packing_efficiency:.1%}"
+                f" packed into {split.rows:,} rows, efficiency {split.packing_efficiency:.1%}"
                 if self.sample_packing
                 else f", fill {split.packing_efficiency:.1%} of sequence_len"
             )
             lines.append(
-                f"  {name}: {split.samples} samples, {split.tokens} tokens ({split.trained_tokens} trained){packed}"
+                f"  {name}: {split.samples:,} samples, {split.tokens:,} tokens ({split.trained_tokens:,} trained)"
+                f"{packed}"
             )
         return "\n".join(lines)
