@@ -94,7 +94,7 @@ def test_each_worker_reports_its_own_part_by_the_rows_global_index(
     assert reports == [(1000, 0), (1250, 0), (2250, 1250), (2500, 1250)]
 
 
-def test_prepare_logs_tokenizing_progress_only_where_no_bar_is_drawn(
+def test_prepare_logs_reading_and_tokenizing_progress_only_where_no_bar_is_drawn(
     monkeypatch, tmp_path: Path, tokenizer: PreTrainedTokenizerFast
 ):
     data = tmp_path / "train.jsonl"
@@ -113,12 +113,12 @@ def test_prepare_logs_tokenizing_progress_only_where_no_bar_is_drawn(
         )
         lines: list[str] = []
         prepare.prepare_datasets(recipe, tokenizer, log=lines.append)
-        return [line for line in lines if "tokenized up to row" in line]
+        return [line for line in lines if line.startswith("datasets[0]")]
 
-    (logged,) = prepared_lines(on_terminal=False, folder="log")
+    read, tokenized = prepared_lines(on_terminal=False, folder="log")
+    label = re.escape(f"datasets[0] ({data})")
+    assert re.fullmatch(rf"{label}: 30 rows read in \d+\.\d s; tokenizing", read), read
     assert re.fullmatch(
-        rf"datasets\[0\] \({re.escape(str(data))}\): tokenized up to row 30 of 30 \(100%\), [\d,]+ rows/s, "
-        r"about 0 s left",
-        logged,
-    ), logged
+        rf"{label}: tokenized up to row 30 of 30 \(100%\), [\d,]+ rows/s, about 0 s left", tokenized
+    ), tokenized
     assert prepared_lines(on_terminal=True, folder="terminal") == []

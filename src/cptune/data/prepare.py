@@ -180,8 +180,14 @@ def _tokenize_all(
     tables: dict[str, list[pa.Table]] = {"datasets": [], "test_datasets": []}
     all_stats = []
     documents = []
+    in_a_log = not draws_progress_bars()  # no bars: lines say how far reading and tokenizing have got
     for index, (key, config, source) in enumerate(sources):
+        started = time.perf_counter()
         rows = load_source(source, config, cache_dir=scratch / "sources", num_proc=recipe.dataset_processes)
+        if in_a_log:
+            log(
+                f"{source.label}: {len(rows):,} rows read in {time.perf_counter() - started:.1f} s; tokenizing"
+            )
         formatter = dataset_formatter(recipe, config, tokenizer, source.label)
         # Completion rows are cut into sequence_len pieces, as Axolotl's completion type does.
         chunk = config.row_format == "completion"
@@ -198,8 +204,7 @@ def _tokenize_all(
             num_proc=recipe.dataset_processes,
             min_sample_len=recipe.min_sample_len,
             column_advice=missing_columns_advice(config, source.key),
-            # On a terminal datasets draws a bar; in a log a line now and then.
-            progress=None if draws_progress_bars() else RowProgress(source.label, len(rows), log=log),
+            progress=RowProgress(source.label, len(rows), log=log) if in_a_log else None,
         )
         tables[key].append(table)
         all_stats.append(stats)
