@@ -107,7 +107,8 @@ def prepare_datasets(
         recipe: The validated recipe.
         tokenizer: The model's tokenizer.
         log: Receives progress lines (building, waiting for another process, and where no
-            progress bar is drawn, how far tokenizing has got: :mod:`cptune.data.progress`);
+            progress bar is drawn, each dataset read and how far tokenizing has got:
+            :mod:`cptune.data.progress`);
             default: this module's logger at INFO. The stats are not logged
             here: print ``result.stats.format()`` where it suits (rank 0).
 
