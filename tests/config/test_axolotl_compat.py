@@ -298,3 +298,16 @@ def test_validate_notes_where_the_data_is_trained_differently():
     notes = axolotl_notes(validate_recipe({**MINIMAL, "shuffle_merged_datasets": True}))
     assert any("shuffle_merged_datasets: true adds no shuffle" in n for n in notes)
     assert not axolotl_notes(validate_recipe({**MINIMAL, "shuffle_merged_datasets": False}))
+
+
+@pytest.mark.parametrize(
+    ("keys", "workers"),
+    [
+        ({}, None),
+        ({"dataset_num_proc": 8}, 8),
+        ({"dataset_processes": 4}, 4),
+        ({"dataset_num_proc": 4, "dataset_processes": 4}, 4),
+    ],
+)
+def test_axolotls_dataset_num_proc_sets_the_tokenization_workers(keys, workers):
+    assert validate_recipe({**MINIMAL, **keys}).resolved_dataset_processes == workers

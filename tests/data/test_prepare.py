@@ -330,3 +330,27 @@ def test_the_stats_lines_write_counts_with_thousands_separators() -> None:
         "  train: 1,187,654 samples, 3,456,789,012 tokens (1,234,567,890 trained) packed into 105,500 rows, "
         "efficiency 99.9%",
     ]
+
+
+def test_axolotls_dataset_num_proc_reaches_reading_and_tokenizing(
+    make_recipe: MakeRecipe,
+    data: dict[str, str],
+    tokenizer: PreTrainedTokenizerFast,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    recipe = make_recipe([{"path": data["alpaca"], "type": "alpaca"}], dataset_num_proc=3)
+    asked: dict[str, Any] = {}
+    load, tokenize = prepare_module.load_source, prepare_module.tokenize_dataset
+
+    def loading(*args: Any, num_proc: Any, **kwargs: Any) -> Any:
+        asked["read"] = num_proc
+        return load(*args, num_proc=None, **kwargs)  # in this process: the test starts no workers
+
+    def tokenizing(*args: Any, num_proc: Any, **kwargs: Any) -> Any:
+        asked["tokenize"] = num_proc
+        return tokenize(*args, num_proc=None, **kwargs)
+
+    monkeypatch.setattr(prepare_module, "load_source", loading)
+    monkeypatch.setattr(prepare_module, "tokenize_dataset", tokenizing)
+    prepare_datasets(recipe, tokenizer, log=quiet)
+    assert asked == {"read": 3, "tokenize": 3}

@@ -316,6 +316,14 @@ ENTRIES: tuple[Entry, ...] = (
         "alone.",
     ),
     Entry(
+        "dataset-num-proc-disagrees",
+        SECTION,
+        "dataset_num_proc that disagrees with dataset_processes",
+        "dataset_num_proc: is 8 but dataset_processes is 2; they are the same setting, set dataset_processes only.",
+        "`dataset_num_proc` is Axolotl's newer name for `dataset_processes` (the tokenization workers): set "
+        "`dataset_processes` alone, or keep the Axolotl key by itself.",
+    ),
+    Entry(
         "deepspeed-with-fsdp",
         SECTION,
         "deepspeed (ZeRO) together with fsdp_version",

@@ -64,6 +64,11 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
         )
 
     @property
+    def resolved_dataset_processes(self) -> int | None:
+        """Tokenization workers: dataset_processes, or Axolotl's dataset_num_proc (None: this process)."""
+        return self.dataset_processes if self.dataset_processes is not None else self.dataset_num_proc
+
+    @property
     def default_process_count(self) -> int:
         """Processes to start on one node when the command line does not say (``--nproc-per-node``)."""
         group = self.resolved_dp_replicate_size * self.context_parallel_size * self.tensor_parallel_size

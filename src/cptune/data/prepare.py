@@ -184,7 +184,9 @@ def _tokenize_all(
     in_a_log = not draws_progress_bars()  # no bars: lines say how far reading and tokenizing have got
     for index, (key, config, source) in enumerate(sources):
         started = time.perf_counter()
-        rows = load_source(source, config, cache_dir=scratch / "sources", num_proc=recipe.dataset_processes)
+        rows = load_source(
+            source, config, cache_dir=scratch / "sources", num_proc=recipe.resolved_dataset_processes
+        )
         if in_a_log:
             log(
                 f"{source.label}: {len(rows):,} rows read in {time.perf_counter() - started:.1f} s; tokenizing"
@@ -202,7 +204,7 @@ def _tokenize_all(
             excess_length_strategy="chunk" if chunk else recipe.excess_length_strategy,
             skip_invalid_rows=recipe.skip_invalid_rows,
             scratch_dir=scratch,
-            num_proc=recipe.dataset_processes,
+            num_proc=recipe.resolved_dataset_processes,
             min_sample_len=recipe.min_sample_len,
             column_advice=missing_columns_advice(config, source.key),
             progress=RowProgress(source.label, len(rows), log=log) if in_a_log else None,

@@ -190,6 +190,10 @@ CASES: tuple[Case, ...] = (
         keys={"bfloat16": True},
     ),
     Case(
+        "dataset-num-proc-disagrees",
+        keys={"dataset_num_proc": 8, "dataset_processes": 2},
+    ),
+    Case(
         "deepspeed-with-fsdp",
         keys={"context_parallel_size": 2, "deepspeed": "zero3.json", "fsdp_version": 2},
     ),

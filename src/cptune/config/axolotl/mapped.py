@@ -57,6 +57,9 @@ class AxolotlKeys(BaseModel):
         description="Stop training when the logged loss stays above this for loss_watchdog_patience logs.",
     )
     loss_watchdog_patience: int = Field(3, ge=1, description="Logs in a row above loss_watchdog_threshold.")
+    dataset_num_proc: int | None = Field(
+        None, ge=1, description="The same as dataset_processes (Axolotl's newer name): tokenization workers."
+    )
     min_sample_len: int | None = Field(
         None, ge=1, description="Drop samples shorter than this many tokens (counted in the data report)."
     )

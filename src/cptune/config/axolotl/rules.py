@@ -25,6 +25,7 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     - `gradient_checkpointing_kwargs` may only say `use_reentrant: false`.
     - `evals_per_epoch` and `eval_steps` together are refused, and so are `saves_per_epoch` and `save_steps`.
     - `bfloat16` must agree with `bf16`, and `float16` with `fp16`.
+    - `dataset_num_proc` must agree with `dataset_processes` where both are set.
     - `model_type` is `AutoModelForCausalLM` or a `...ForCausalLM` class (checked against the model's config
       when the model is checked).
     - `plugins` may list Axolotl's `CutCrossEntropyPlugin` and `LigerPlugin` (both map onto cptune's chunked
@@ -57,6 +58,12 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
                 axolotl,
                 f"is {value} but {ours} is {getattr(r, ours)}; they are the same setting, set {ours} only.",
             )
+    if None not in (r.dataset_num_proc, r.dataset_processes) and r.dataset_num_proc != r.dataset_processes:
+        yield (
+            "dataset_num_proc",
+            f"is {r.dataset_num_proc} but dataset_processes is {r.dataset_processes}; they are the same setting, "
+            "set dataset_processes only.",
+        )
     if r.model_type is not None and not r.model_type.endswith("ForCausalLM"):
         yield (
             "model_type",
