@@ -55,3 +55,16 @@ def test_no_pinned_memory_and_no_progress_bar_off_a_terminal(write_recipe, monke
     assert args.use_cpu is False  # DeepSpeed's engine: the Trainer does not know it runs on CPU
     assert args.dataloader_pin_memory is False
     assert args.disable_tqdm is True
+
+
+def test_adams_betas_and_epsilon_reach_the_optimizer(write_recipe):
+    from transformers import Trainer
+
+    recipe = load_recipe(write_recipe(adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6))
+    args = training_arguments(RunPlan.build(recipe, 1), DistEnv())
+    optimizer, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert optimizer.__name__ == "AdamW"
+    assert (kwargs["betas"], kwargs["eps"]) == ((0.8, 0.95), 1e-6)
+    # Unset, they are the Trainer's own defaults.
+    default = training_arguments(RunPlan.build(load_recipe(write_recipe("default.yaml")), 1), DistEnv())
+    assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon) == (0.9, 0.999, 1e-8)

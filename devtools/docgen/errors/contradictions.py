@@ -24,6 +24,15 @@ ENTRIES: tuple[Entry, ...] = (
         "Keep one of them.",
     ),
     Entry(
+        "adam-keys-without-adam",
+        SECTION,
+        "adam_beta1, adam_beta2 or adam_epsilon with an optimizer that does not use them",
+        "adam_beta2: optimizer sgd does not use Adam's betas or epsilon, so adam_beta2 would change nothing",
+        "SGD, Adagrad, RMSprop, Adafactor, LOMO and GrokAdamW take no Adam betas or epsilon (the Trainer passes "
+        "them to the Adam-family optimizers only). Remove the keys, or pick an Adam-family optimizer "
+        "(`adamw_torch`, `adamw_8bit`, ...).",
+    ),
+    Entry(
         "eval-without-data",
         SECTION,
         "eval_steps without evaluation data",

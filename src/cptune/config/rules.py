@@ -38,6 +38,27 @@ def _warmup(r: Recipe) -> Iterator[tuple[str, str]]:
         yield "warmup_ratio", "set either warmup_steps or warmup_ratio, not both."
 
 
+# The Trainer's optimizers that take no Adam betas or epsilon: transformers 5.23's trainer_optimizer.py builds them
+# without its adam_kwargs (_get_sgd, _get_adagrad, _get_rmsprop, _get_adafactor, _get_lomo_optimizer,
+# _get_grokadamw), so adam_beta1/adam_beta2/adam_epsilon would change nothing.
+_WITHOUT_ADAM_ARGUMENTS = ("sgd", "adagrad", "rmsprop", "adafactor", "lomo", "adalomo", "grokadamw")
+
+
+def _optimizer(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Optimizer.
+
+    - `adam_beta1`, `adam_beta2` or `adam_epsilon` with an optimizer that does not use them (`sgd`, `adagrad`,
+      `rmsprop`, `adafactor`, `lomo`, `adalomo`, `grokadamw`) is refused: they would change nothing.
+    """
+    if r.optimizer in _WITHOUT_ADAM_ARGUMENTS:
+        for key in r.adam_arguments:
+            yield (
+                key,
+                f"optimizer {r.optimizer} does not use Adam's betas or epsilon, so {key} would change nothing; "
+                "remove it, or pick an Adam-family optimizer (adamw_torch, adamw_8bit, ...).",
+            )
+
+
 def _evaluation(r: Recipe) -> Iterator[tuple[str, str]]:
     """Evaluation data.
 
@@ -374,6 +395,7 @@ def _chat_template(r: Recipe) -> Iterator[tuple[str, str]]:
 RULES: tuple[Rule, ...] = (
     _precision,
     _warmup,
+    _optimizer,
     _evaluation,
     _output,
     _context_parallel,

@@ -238,11 +238,26 @@ class OptimizerKeys(BaseModel):
     optim_target_modules: tuple[str, ...] | None = Field(
         None, description="Modules GaLore/APOLLO optimizers project (the Trainer's optim_target_modules)."
     )
+    adam_beta1: float | None = Field(
+        None, ge=0, lt=1, description="Adam's first-moment decay (the Trainer's adam_beta1; default 0.9)."
+    )
+    adam_beta2: float | None = Field(
+        None, ge=0, lt=1, description="Adam's second-moment decay (the Trainer's adam_beta2; default 0.999)."
+    )
+    adam_epsilon: float | None = Field(
+        None, gt=0, description="Adam's epsilon (the Trainer's adam_epsilon; default 1e-8)."
+    )
 
     @field_validator("optim_target_modules", mode="before")
     @classmethod
     def _many_optim_target_modules(cls, value: Any) -> Any:
         return one_or_many(value)
+
+    @property
+    def adam_arguments(self) -> dict[str, float]:
+        """The Adam keys the recipe sets, as the Trainer's arguments (those left out keep the Trainer's defaults)."""
+        keys = ("adam_beta1", "adam_beta2", "adam_epsilon")
+        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
 
     @property
     def resolved_optim_args(self) -> str | None:

@@ -15,6 +15,10 @@ CASES: tuple[Case, ...] = (
         keys={"warmup_steps": 10, "warmup_ratio": 0.1},
     ),
     Case(
+        "adam-keys-without-adam",
+        keys={"optimizer": "sgd", "adam_beta2": 0.95},
+    ),
+    Case(
         "eval-without-data",
         keys={"eval_steps": 5},
     ),

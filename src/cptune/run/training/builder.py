@@ -60,6 +60,7 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
         warmup_steps=warmup,
         weight_decay=recipe.weight_decay,
         max_grad_norm=recipe.max_grad_norm,
+        **recipe.adam_arguments,
         seed=recipe.seed,
         data_seed=recipe.seed,
         bf16=recipe.bf16 is True or (recipe.bf16 == "auto" and torch.cuda.is_available()),

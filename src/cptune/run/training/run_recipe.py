@@ -50,6 +50,9 @@ RUN_SHAPING_KEYS = (
     "warmup_ratio",
     "optimizer",
     "optim_args",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
     "weight_decay",
     "max_grad_norm",
     # batch
