@@ -68,3 +68,47 @@ def test_adams_betas_and_epsilon_reach_the_optimizer(write_recipe):
     # Unset, they are the Trainer's own defaults.
     default = training_arguments(RunPlan.build(load_recipe(write_recipe("default.yaml")), 1), DistEnv())
     assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon) == (0.9, 0.999, 1e-8)
+
+
+def test_axolotls_cosine_min_lr_ratio_ends_the_cosine_at_that_share_of_the_peak(write_recipe):
+    """The Trainer's cosine_with_min_lr gives, step by step, the factor Axolotl's get_cosine_schedule_with_min_lr
+    computes (axolotl/utils/schedulers.py): linear warmup, then (1 - ratio) * 0.5 * (1 + cos(pi * progress)) + ratio."""
+    import math
+
+    import torch
+    from transformers import get_scheduler
+
+    ratio, warmup, steps = 0.1, 2, 10
+    recipe = load_recipe(
+        write_recipe(lr_scheduler="cosine", cosine_min_lr_ratio=ratio, warmup_steps=warmup, max_steps=steps)
+    )
+    args = training_arguments(RunPlan.build(recipe, 1), DistEnv())
+    assert (args.lr_scheduler_type, args.lr_scheduler_kwargs) == (
+        "cosine_with_min_lr",
+        {"min_lr_rate": ratio},
+    )
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=steps,
+        scheduler_specific_kwargs=args.lr_scheduler_kwargs,
+    )
+
+    def axolotls(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        progress = (step - warmup) / (steps - warmup)
+        return (1 - ratio) * (0.5 * (1.0 + math.cos(math.pi * progress))) + ratio
+
+    factors = []
+    for _ in range(steps + 1):
+        factors.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert factors == [axolotls(step) for step in range(steps + 1)]
+    assert factors[-1] == ratio
+    # Without it, the plain cosine to 0.
+    plain = training_arguments(RunPlan.build(load_recipe(write_recipe("plain.yaml")), 1), DistEnv())
+    assert (plain.lr_scheduler_type, plain.lr_scheduler_kwargs) == ("cosine", {})

@@ -325,6 +325,15 @@ ENTRIES: tuple[Entry, ...] = (
         "alone.",
     ),
     Entry(
+        "cosine-min-lr-ratio-without-cosine",
+        SECTION,
+        "cosine_min_lr_ratio with another lr_scheduler than cosine",
+        "cosine_min_lr_ratio: shapes the cosine schedule's end, but lr_scheduler is linear; set lr_scheduler: "
+        "cosine or remove it.",
+        "Axolotl's `cosine_min_lr_ratio` ends the cosine schedule at that share of `learning_rate`; other "
+        "schedules have no such end. Set `lr_scheduler: cosine` (its default in cptune), or remove the key.",
+    ),
+    Entry(
         "dataset-num-proc-disagrees",
         SECTION,
         "dataset_num_proc that disagrees with dataset_processes",

@@ -64,6 +64,15 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
         )
 
     @property
+    def resolved_lr_scheduler(self) -> tuple[str, dict[str, float]]:
+        """The Trainer's lr_scheduler_type and lr_scheduler_kwargs: lr_scheduler, or with Axolotl's
+        cosine_min_lr_ratio the cosine that ends at that share of the peak (``cosine_with_min_lr``, whose
+        factor ``cos_part * (1 - ratio) + ratio`` is Axolotl's ``(1 - ratio) * cos_part + ratio``)."""
+        if self.cosine_min_lr_ratio is not None and self.lr_scheduler == "cosine":
+            return "cosine_with_min_lr", {"min_lr_rate": self.cosine_min_lr_ratio}
+        return self.lr_scheduler, {}
+
+    @property
     def resolved_dataset_processes(self) -> int | None:
         """Tokenization workers: dataset_processes, or Axolotl's dataset_num_proc (None: this process)."""
         return self.dataset_processes if self.dataset_processes is not None else self.dataset_num_proc

@@ -194,6 +194,10 @@ CASES: tuple[Case, ...] = (
         keys={"bfloat16": True},
     ),
     Case(
+        "cosine-min-lr-ratio-without-cosine",
+        keys={"lr_scheduler": "linear", "cosine_min_lr_ratio": 0.1},
+    ),
+    Case(
         "dataset-num-proc-disagrees",
         keys={"dataset_num_proc": 8, "dataset_processes": 2},
     ),

@@ -57,6 +57,13 @@ class AxolotlKeys(BaseModel):
         description="Stop training when the logged loss stays above this for loss_watchdog_patience logs.",
     )
     loss_watchdog_patience: int = Field(3, ge=1, description="Logs in a row above loss_watchdog_threshold.")
+    cosine_min_lr_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="With lr_scheduler: cosine, decay to this share of learning_rate instead of 0 (the Trainer's "
+        "cosine_with_min_lr, Axolotl's schedule to the same values).",
+    )
     dataset_num_proc: int | None = Field(
         None, ge=1, description="The same as dataset_processes (Axolotl's newer name): tokenization workers."
     )

@@ -26,6 +26,7 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     - `evals_per_epoch` and `eval_steps` together are refused, and so are `saves_per_epoch` and `save_steps`.
     - `bfloat16` must agree with `bf16`, and `float16` with `fp16`.
     - `dataset_num_proc` must agree with `dataset_processes` where both are set.
+    - `cosine_min_lr_ratio` needs `lr_scheduler: cosine`.
     - `model_type` is `AutoModelForCausalLM` or a `...ForCausalLM` class (checked against the model's config
       when the model is checked).
     - `plugins` may list Axolotl's `CutCrossEntropyPlugin` and `LigerPlugin` (both map onto cptune's chunked
@@ -63,6 +64,12 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
             "dataset_num_proc",
             f"is {r.dataset_num_proc} but dataset_processes is {r.dataset_processes}; they are the same setting, "
             "set dataset_processes only.",
+        )
+    if r.cosine_min_lr_ratio is not None and r.lr_scheduler != "cosine":
+        yield (
+            "cosine_min_lr_ratio",
+            f"shapes the cosine schedule's end, but lr_scheduler is {r.lr_scheduler}; set lr_scheduler: cosine or "
+            "remove it.",
         )
     if r.model_type is not None and not r.model_type.endswith("ForCausalLM"):
         yield (

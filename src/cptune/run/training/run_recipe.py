@@ -46,6 +46,7 @@ RUN_SHAPING_KEYS = (
     "num_epochs",
     "learning_rate",
     "lr_scheduler",
+    "cosine_min_lr_ratio",
     "warmup_steps",
     "warmup_ratio",
     "optimizer",
