@@ -157,9 +157,8 @@ def test_the_two_loss_plugins_map_onto_the_chunked_loss_and_others_are_refused_o
     found = problems(
         {**MINIMAL, "plugins": plugins, "liger_rope": True, "liger_fused_linear_cross_entropy": True}
     )
-    assert set(found) == {"plugins[2]", "plugins[3]", "liger_rope"}
+    assert set(found) == {"plugins[2]", "plugins[3]"}
     assert found["plugins[2]"].startswith("'my.Plugin': cptune runs no Axolotl plugins; remove it.")
-    assert "Liger kernels" in found["liger_rope"]
     mapped = validate_recipe({**MINIMAL, "plugins": plugins[:2], "liger_fused_linear_cross_entropy": True})
     assert mapped.resolved_head_loss
     assert validate_recipe({**MINIMAL, "plugins": plugins[:1]}).resolved_head_loss
@@ -311,3 +310,19 @@ def test_validate_notes_where_the_data_is_trained_differently():
 )
 def test_axolotls_dataset_num_proc_sets_the_tokenization_workers(keys, workers):
     assert validate_recipe({**MINIMAL, **keys}).resolved_dataset_processes == workers
+
+
+def test_ligers_layer_switches_run_the_models_own_layers_with_a_note():
+    """LigerPlugin's kernels compute the layers they replace; cptune runs those layers and says so."""
+    switches = {
+        "liger_rope": True,
+        "liger_rms_norm": True,
+        "liger_glu_activation": True,
+        "liger_layer_norm": False,
+    }
+    recipe = validate_recipe({**MINIMAL, "plugins": ["axolotl.integrations.liger.LigerPlugin"], **switches})
+    assert not recipe.resolved_head_loss  # LigerPlugin alone does not turn the chunked loss on
+    (note,) = [n for n in axolotl_notes(recipe) if n.startswith("liger_")]
+    assert note.startswith(
+        "liger_rope, liger_rms_norm, liger_glu_activation: cptune runs the model's own layers"
+    )

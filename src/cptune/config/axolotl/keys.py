@@ -13,7 +13,6 @@ _QUANTIZED = "GPTQ-quantized models are not supported; use load_in_4bit with ada
 _ATTENTION = "cptune chooses the attention implementation from cp_backend; remove it."
 _HUB = "pushing to the Hugging Face Hub is not supported; upload output_dir yourself."
 _KERNELS = "fused kernels from Axolotl's integrations are not supported; remove it."
-_LIGER = "Liger kernels (Axolotl's LigerPlugin) are not available in cptune; remove it."
 _MLFLOW = (
     "MLflow logging is not supported (cptune does not install MLflow, a heavy dependency); use W&B "
     "(wandb_project, wandb_mode: offline works without network) or report_to: tensorboard."
@@ -40,11 +39,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "unsloth_lora_mlp": _KERNELS,
     "unsloth_lora_qkv": _KERNELS,
     "unsloth_lora_o": _KERNELS,
-    "liger_rope": _LIGER,
-    "liger_rms_norm": _LIGER,
-    "liger_layer_norm": _LIGER,
-    "liger_glu_activation": _LIGER,
-    "liger_cross_entropy": _LIGER,
     "use_mlflow": _MLFLOW,
     "mlflow_tracking_uri": _MLFLOW,
     "mlflow_experiment_name": _MLFLOW,

@@ -99,6 +99,33 @@ class AxolotlKeys(BaseModel):
         description="Accepted: cptune runs peft's LoRA embedding layer, the same result without Axolotl's fused "
         "kernel.",
     )
+    # Liger's layer kernels (LigerPlugin's switches) compute the layers they replace, fused; cptune runs the layers.
+    liger_rope: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own rotary embedding (the same function as Liger's).",
+    )
+    liger_rms_norm: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own RMSNorm (the same function as Liger's fused kernel; "
+        "recompute_norms saves the activation memory it saves).",
+    )
+    liger_rms_norm_gated: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own gated RMSNorm (the same function as Liger's).",
+    )
+    liger_layer_norm: bool | None = Field(
+        None, description="Accepted: cptune runs the model's own LayerNorm (the same function as Liger's)."
+    )
+    liger_glu_activation: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own gated MLP (the same function as Liger's fused SwiGLU/"
+        "GeGLU; tiled_mlp bounds its activation memory).",
+    )
+    liger_cross_entropy: bool | None = Field(
+        None,
+        description="Accepted: cptune computes the loss itself (the same token mean; for the chunked loss that "
+        "never builds the logits, set cut_cross_entropy or liger_fused_linear_cross_entropy).",
+    )
     fused_attn_kernel: bool | None = Field(
         None,
         description="Accepted: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention, the "

@@ -6,6 +6,14 @@ from cptune.config.axolotl.fsdp1 import HYBRID, RESHARD, written
 from cptune.config.recipe import Recipe
 
 _LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
+_LIGER_LAYER_KEYS = (
+    "liger_rope",
+    "liger_rms_norm",
+    "liger_rms_norm_gated",
+    "liger_layer_norm",
+    "liger_glu_activation",
+    "liger_cross_entropy",
+)
 
 
 def axolotl_notes(r: Recipe) -> list[str]:
@@ -53,6 +61,12 @@ def axolotl_notes(r: Recipe) -> list[str]:
         notes.append(
             f"{', '.join(kernels)}: cptune runs peft's LoRA layers: the same result, without Axolotl's fused "
             "kernels." + ("" if r.is_lora else " (They apply to LoRA adapters only, in Axolotl too.)")
+        )
+    liger = [k for k in _LIGER_LAYER_KEYS if getattr(r, k)]
+    if liger:
+        notes.append(
+            f"{', '.join(liger)}: cptune runs the model's own layers and its own loss: the same functions, without "
+            "Liger's fused kernels (recompute_norms, tiled_mlp and cut_cross_entropy are cptune's memory savers)."
         )
     if r.fused_attn_kernel:
         notes.append(
