@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import itertools
 import sys
 from collections.abc import Iterator
 
@@ -27,7 +28,7 @@ from cptune.parallel.kernels.flash_attn_cpu import (
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
 )
-from tests.numerics import EPS_BF16, assert_float64_twins_rule, assert_within
+from tests.numerics import EPS_BF16, assert_float64_twins_rule, assert_within, reorder_bound
 from tests.parallel.kernel_tests.dense_reference import reference_with_grads, varlen_reference
 from tests.token_orders import TWIN_ORDERS, assert_distinct_draws, assert_legal_twin
 
@@ -154,6 +155,41 @@ def test_rows_without_keys_give_zero_output_and_minus_inf_lse():
     assert torch.isfinite(lse[:, :, 6:]).all()
     assert all(torch.isfinite(grad).all() for grad in grads)
     assert torch.all(grads[0][:, :6] == 0)
+
+
+def qkv_with_large_scores(nheads_k: int, seqlen: int, offset: float = 1000.0):
+    """fp32 q, k, v (``seqlen`` tokens, 4 query heads; v all ones) whose scores are ``offset`` plus O(1) on every
+    query row: every key carries the same first feature, every query one near ``offset / (scale * that)``."""
+    q, k, _, _ = (t[0].float() for t in random_qkv(1, seqlen, seqlen, nheads=4, nheads_k=nheads_k, seed=3))
+    shared = offset**0.5 * HEAD_DIM**0.25  # q_0 * k_0 * scale = offset on average
+    k[..., 0] = shared
+    q[..., 0] += shared
+    return q, k, torch.ones_like(k)
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_each_row_of_weights_sums_to_one_when_the_scores_are_large(layout):
+    """Attention over values all 1 returns 1: each query's weights sum to 1, however large its scores.
+
+    Bound: the kernel divides the sum of a row's weights times 1 by the sum of the same weights: two sums of the
+    same ``keys`` terms, each within ``γ_keys`` of their exact sum, and one division (``u``), so within
+    ``reorder_bound(keys + 1, 1)``. With the scores near 1000, weights ``exp(score - lse)`` (the kernel before)
+    would put lse's rounding, half an ulp of 1000 (3e-5), into every output of the row.
+    """
+    seqlen, keys = VARLEN_K[-1], max(b - a for a, b in itertools.pairwise(VARLEN_K))
+    q, k, v = qkv_with_large_scores(nheads_k=2, seqlen=seqlen)
+    common = {"dropout_p": 0.0, "softmax_scale": HEAD_DIM**-0.5, "causal": False}
+    if layout == "dense":
+        keys = seqlen
+        out, lse, _, _ = _flash_attn_forward(
+            q[None], k[None], v[None], window_size_left=-1, window_size_right=-1, softcap=0.0,
+            alibi_slopes=None, return_softmax=False, **common,
+        )  # fmt: skip
+    else:
+        cu = torch.tensor(VARLEN_K, dtype=torch.int32)
+        out, lse, _, _ = _flash_attn_varlen_forward(q, k, v, cu, cu, keys, keys, **common)
+    assert lse.min() > 900  # the case this test is about: |lse| in the hundreds
+    assert_within(out, torch.ones_like(out), reorder_bound(keys + 1, 1.0), f"{layout} out of values all 1")
 
 
 def assert_bf16_is_fp32_rounded_once(bf16, fp32) -> None:

@@ -37,9 +37,19 @@ def attend_forward(
     lse = q.new_full((batch, nheads, seqlen_q), float("-inf"), dtype=torch.float32)
     for rows, keys, visible in _blocks(q, k, left, right):
         scores = _scores(_grouped(q_scaled[:, rows], k), k[:, keys], visible)
-        blk_lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - _dead_rows_to_inf(blk_lse)[..., None])
-        blk_out = torch.einsum("bkgqs,bskd->bqkgd", probs, v[:, keys])
+        # Each row divided by its own sum of weights, as softmax and flash-attn's forward normalise it: its
+        # weights sum to 1 within the rounding of two sums. Weights exp(scores - lse) would carry lse's rounding
+        # (half an ulp of |lse|, not of 1) into the whole row as one scale error, to which some models' gradients
+        # are far more sensitive than to independent roundings (test_parity.py's window-gemma3-packed-causal-lora).
+        row_max = scores.amax(dim=-1, keepdim=True)
+        # A row without keys: max 0, so its weights are exp(-inf) = 0 and its total 0. A row with keys: total >= 1
+        # (its largest weight is exp(0)).
+        row_max = row_max.masked_fill(~torch.isfinite(row_max), 0.0)
+        weights = torch.exp(scores - row_max)
+        total = weights.sum(dim=-1)
+        blk_out = torch.einsum("bkgqs,bskd->bqkgd", weights, v[:, keys])
+        blk_out = blk_out / total.clamp_min(1.0).permute(0, 3, 1, 2)[..., None]  # a row without keys keeps 0
+        blk_lse = row_max[..., 0] + torch.log(total)  # log(0) = -inf on a row without keys
         out[:, rows] = blk_out.reshape(batch, -1, nheads, headdim)
         lse[:, :, rows] = blk_lse.reshape(batch, nheads, -1).float()
     return out, lse
