@@ -20,7 +20,7 @@ from cptune.parallel.backends.ring_flash_attn.zigzag_blocks import chunk_block, 
 from cptune.parallel.backends.ring_flash_attn.zigzag_window import ZigzagRing, zigzag_window_attention
 from cptune.parallel.kernels import flash_attn_cpu
 from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
-from tests.numerics import assert_float64_twins_rule
+from tests.numerics import assert_float64_twins_rule, reorder_bound
 from tests.parallel.kernel_tests.dense_reference import reference_attention
 from tests.token_orders import (
     TWIN_ORDERS,
@@ -83,6 +83,26 @@ def test_merging_into_rows_that_have_seen_no_key_gives_the_blocks_attention():
     merge_block(out, lse, slice(1, 3), block_out, block_lse)
     assert torch.equal(out[:, 1:], block_out) and torch.equal(lse[:, :, 1:], block_lse)
     assert torch.equal(out[:, :1], torch.zeros(1, 1, 2, 4)) and torch.isinf(lse[:, :, :1]).all()
+
+
+def test_merged_rows_of_values_all_1_stay_1_when_the_lse_is_large():
+    """Blocks whose outputs are all 1 merge into 1: the two shares of each merge add up to 1, however large the lse.
+
+    Bound: each merge takes a share ``a / (a + b)`` of the running row and ``b / (a + b)`` of the block (one
+    addition, two divisions: within 3u of exact, so within ``reorder_bound(3, 1)`` of shares that add up to 1),
+    then adds the two products (two multiplications, one addition: ``reorder_bound(3, 1)``); over ``merges``
+    merges the errors add, ``reorder_bound(6 * merges, 1)``. Shares ``exp(lse - logaddexp(...))`` (the merge
+    before) would miss 1 by the rounding of the new lse, half an ulp of 1000 (3e-5), at every merge.
+    """
+    generator = torch.Generator().manual_seed(0)
+    merges, rows, heads = 8, 64, 4
+    out, lse = torch.zeros(1, rows, heads, 16), torch.full((1, heads, rows), float("-inf"))
+    for _ in range(merges):
+        block_lse = 1000 + 5 * torch.randn(1, heads, rows, generator=generator)
+        merge_block(out, lse, slice(0, rows), torch.ones(1, rows, heads, 16), block_lse)
+    assert lse.min() > 900
+    excess = ((out - 1).abs() / reorder_bound(6 * merges, 1.0)).max()
+    assert excess <= 1, f"merged rows of values all 1 are {excess:.3g}x the bound away from 1"
 
 
 @contextlib.contextmanager

@@ -74,8 +74,17 @@ def merge_block(
     """
     old = lse[:, :, rows]
     block_lse = block_lse.to(lse.dtype)
-    new = torch.logaddexp(old, block_lse)  # -inf + x = x: a row's first block needs no special case
-    keep = torch.exp(old - new).transpose(1, 2).unsqueeze(-1).to(out.dtype)
-    take = torch.exp(block_lse - new).transpose(1, 2).unsqueeze(-1).to(out.dtype)
-    out[:, rows] = keep * out[:, rows] + take * block_out.to(out.dtype)
-    lse[:, :, rows] = new
+    # The two shares divided by their own sum, so that they add up to 1 within a few roundings of 1. Shares
+    # exp(old - new) and exp(block_lse - new) from the rounded new = logaddexp(old, block_lse) would miss 1 by
+    # new's rounding (half an ulp of |new|, 3e-5 at |lse| near 1000): one scale error of the whole row, the kind
+    # the forward kernel no longer makes either (cptune.parallel.kernels.blockwise.attend_forward).
+    top = torch.maximum(old, block_lse)  # finite: block_lse is
+    keep = torch.exp(old - top)  # 0 where the row has seen no key yet (old = -inf)
+    take = torch.exp(block_lse - top)
+    total = keep + take  # >= 1: one of the two is exp(0)
+
+    def share(weight: torch.Tensor) -> torch.Tensor:
+        return (weight / total).transpose(1, 2).unsqueeze(-1).to(out.dtype)
+
+    out[:, rows] = share(keep) * out[:, rows] + share(take) * block_out.to(out.dtype)
+    lse[:, :, rows] = top + torch.log(total)
