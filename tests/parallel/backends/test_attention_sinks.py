@@ -30,7 +30,7 @@ from cptune.parallel.backends.document_attention import (
     register_document_attention,
 )
 from cptune.parallel.backends.local.sharding import LocalBackend
-from cptune.parallel.kernels.sinks import attention_with_sinks
+from cptune.parallel.kernels.sinks import attention_with_sinks, with_sinks
 from cptune.parallel.kernels.varlen import varlen_attention
 from cptune.parallel.shard import TokenBatch
 from devtools.tiny import build_tiny_gpt_oss
@@ -366,3 +366,28 @@ def test_cp1_trains_gpt_oss_through_the_document_attention_with_its_windows_and_
     assert_within(got, expected, limit, "cp=1 document attention")
     check_layers_served(sharded.call, 2, windowed=1)
     assert sharded.call.sink_layers_served == 2
+
+
+def test_the_sinks_share_of_a_row_is_the_sigmoid_of_its_lse_less_the_sink_when_both_are_large():
+    """``with_sinks`` scales each row by σ(lse - s), computed in fp32 from the fp32 lse and sink, against float64.
+
+    Bound, relative: the difference ``x = lse - s`` rounds once (``|x|·u``, which moves σ by at most that much
+    relatively), ``exp`` is within 1 ulp (``2u``, torch's vectorised exp) of the exp of the rounded ``-x``, which
+    moves it by ``|x|·u`` more; ``1 + exp`` and the division round once each, the product with the output once:
+    ``(2|x| + 5)·u``. The share from ``exp(lse - logaddexp(lse, s))`` (before) would carry the rounding of the
+    rounded log-sum-exp near 1000, half an ulp of 1000 (3e-5), into every output of the row.
+    """
+    generator = torch.Generator().manual_seed(0)
+    heads, tokens = 4, 256
+    lse = 1000 + 5 * torch.randn(heads, tokens, generator=generator)
+    sinks = 1000 + 5 * torch.randn(heads, generator=generator)
+    out = torch.ones(tokens, heads, 8)
+    got, lse_sink = with_sinks(out, lse, sinks)
+    x = lse.double() - sinks.double()[:, None]
+    want = torch.sigmoid(x).transpose(0, 1)[..., None].expand(tokens, heads, 8)
+    u = torch.finfo(torch.float32).eps / 2
+    bound = ((2 * x.abs() + 5) * u).transpose(0, 1)[..., None] * want
+    assert lse.min() > 900
+    excess = float(((got.double() - want).abs() / bound).max())
+    assert excess <= 1, f"the sink's share is {excess:.3g}x the bound away from float64's"
+    assert torch.equal(lse_sink, torch.logaddexp(lse, sinks[:, None]))

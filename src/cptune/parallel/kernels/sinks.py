@@ -56,7 +56,9 @@ def with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
     """
     sinks = sinks.to(lse.dtype)[:, None]
     lse_sink = torch.logaddexp(lse, sinks)
-    kept = torch.exp(lse - lse_sink)  # σ(lse - s): the share of the softmax the keys keep
+    # σ(lse - s), the share of the softmax the keys keep, from the difference itself: exp(lse - lse_sink) would
+    # carry lse_sink's rounding (half an ulp of |lse_sink|) into the whole row as one scale error. σ(-inf) = 0.
+    kept = torch.sigmoid(lse - sinks)
     compute = torch.promote_types(out.dtype, kept.dtype)
     kept = kept.transpose(-1, -2)[..., None].to(compute)
     return (out.to(compute) * kept).to(out.dtype), lse_sink
