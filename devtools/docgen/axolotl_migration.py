@@ -95,9 +95,10 @@ what to do, and notes keys that it accepts with a meaning of its own.
 - **Tensor parallelism** (`tensor_parallel_size`) splits each weight by the model's own
   transformers plan, next to CP and FSDP2, for full fine-tunes with `cp_backend: ring-flash-attn`;
   other combinations are refused with the reason.
-- **Plugins and kernels**: `CutCrossEntropyPlugin` and `LigerPlugin` become cptune's chunked loss,
-  and `lora_*_kernel` runs peft's LoRA layers (validate notes each); other plugins and the `liger_*`
-  switches are refused one line each.
+- **Plugins and kernels**: `CutCrossEntropyPlugin` and `LigerPlugin` become cptune's chunked loss;
+  `lora_*_kernel` runs peft's LoRA layers, and the `liger_*` layer switches (`liger_rope`,
+  `liger_rms_norm`, `liger_glu_activation`, ...) the model's own layers: the same functions without the
+  fused kernels (validate notes each). Other plugins are refused one line each.
 
 ## What cptune does with the keys of Axolotl's examples
 
