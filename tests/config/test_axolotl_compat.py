@@ -326,3 +326,22 @@ def test_ligers_layer_switches_run_the_models_own_layers_with_a_note():
     assert note.startswith(
         "liger_rope, liger_rms_norm, liger_glu_activation: cptune runs the model's own layers"
     )
+
+
+def test_reentrant_checkpointing_runs_as_cptunes_non_reentrant_with_a_note():
+    recipe = validate_recipe(
+        {**MINIMAL, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    )
+    (note,) = [n for n in axolotl_notes(recipe) if n.startswith("gradient_checkpointing_kwargs")]
+    assert "use_reentrant: true runs as use_reentrant: false" in note
+    assert not [
+        n
+        for n in axolotl_notes(
+            validate_recipe({**MINIMAL, "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+        )
+        if n.startswith("gradient_checkpointing_kwargs")
+    ]
+    found = problems(
+        {**MINIMAL, "gradient_checkpointing_kwargs": {"use_reentrant": True, "preserve_rng_state": False}}
+    )
+    assert "keep only use_reentrant or remove it" in found["gradient_checkpointing_kwargs"]

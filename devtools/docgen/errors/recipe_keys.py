@@ -166,9 +166,11 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "reentrant-checkpointing",
         SECTION,
-        "gradient_checkpointing_kwargs other than use_reentrant: false",
-        "cptune checkpoints with use_reentrant: false only",
-        "Write `use_reentrant: false` (what cptune does anyway) or remove `gradient_checkpointing_kwargs`.",
+        "gradient_checkpointing_kwargs other than use_reentrant",
+        "cptune checkpoints with use_reentrant: false and no other argument",
+        "Keep only `use_reentrant` (`true` runs as `false`, what cptune does: the same gradients up to "
+        "summation order) or remove "
+        "`gradient_checkpointing_kwargs`.",
     ),
     Entry(
         "model-type-not-causal",

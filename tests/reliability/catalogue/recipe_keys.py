@@ -92,7 +92,7 @@ CASES: tuple[Case, ...] = (
     ),
     Case(
         "reentrant-checkpointing",
-        keys={"gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        keys={"gradient_checkpointing_kwargs": {"use_reentrant": False, "preserve_rng_state": False}},
     ),
     Case(
         "model-type-not-causal",

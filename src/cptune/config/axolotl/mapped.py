@@ -38,7 +38,9 @@ class AxolotlKeys(BaseModel):
     )
     sdp_attention: bool | None = Field(None, description="Accepted like attn_implementation: sdpa.")
     gradient_checkpointing_kwargs: dict[str, Any] | None = Field(
-        None, description="Only `use_reentrant: false`, which is what cptune does."
+        None,
+        description="Only `use_reentrant`: cptune checkpoints with use_reentrant: false (true runs so too: the "
+        "same gradients up to summation order; validate notes it).",
     )
     evals_per_epoch: int | None = Field(
         None, ge=0, description="Evaluations per epoch (needs evaluation data; instead of eval_steps)."

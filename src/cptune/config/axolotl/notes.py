@@ -27,6 +27,12 @@ def axolotl_notes(r: Recipe) -> list[str]:
             "cp_backend's (ring-flash-attn runs flash-attn's kernels when installed; deepspeed its "
             "ulysses_attn_implementation)."
         )
+    if (r.gradient_checkpointing_kwargs or {}).get("use_reentrant") is True:
+        notes.append(
+            "gradient_checkpointing_kwargs: use_reentrant: true runs as use_reentrant: false, cptune's only "
+            "checkpointing (the reentrant variant recomputes without the step's CP metadata): the same gradients "
+            "up to summation order."
+        )
     if r.tokenizer_type not in (None, "AutoTokenizer"):
         notes.append(
             f"tokenizer_type: {r.tokenizer_type} is not used: cptune loads the tokenizer class that the tokenizer "

@@ -22,7 +22,7 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
 
     - `attn_implementation` is one of `flash_attention_2`, `flash_attention_3` or `sdpa` (cptune picks the
       attention from `cp_backend`; eager, flex and others are refused).
-    - `gradient_checkpointing_kwargs` may only say `use_reentrant: false`.
+    - `gradient_checkpointing_kwargs` may only set `use_reentrant` (`true` runs as `false`, noted).
     - `evals_per_epoch` and `eval_steps` together are refused, and so are `saves_per_epoch` and `save_steps`.
     - `bfloat16` must agree with `bf16`, and `float16` with `fp16`.
     - `dataset_num_proc` must agree with `dataset_processes` where both are set.
@@ -40,11 +40,12 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
             "(flash-attn kernels for ring-flash-attn, SDPA otherwise). Use flash_attention_2 or sdpa, or remove it.",
         )
     kwargs = r.gradient_checkpointing_kwargs
-    if kwargs is not None and dict(kwargs) not in ({}, {"use_reentrant": False}):
+    if kwargs is not None and dict(kwargs) not in ({}, {"use_reentrant": False}, {"use_reentrant": True}):
         yield (
             "gradient_checkpointing_kwargs",
-            f"{dict(kwargs)} is not supported: cptune checkpoints with use_reentrant: false only (the reentrant "
-            "variant recomputes without the step's CP metadata); write use_reentrant: false or remove it.",
+            f"{dict(kwargs)} is not supported: cptune checkpoints with use_reentrant: false and no other "
+            "argument (the reentrant variant recomputes without the step's CP metadata; use_reentrant: true is "
+            "run so too); keep only use_reentrant or remove it.",
         )
     for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
         if getattr(r, per_epoch) is not None and getattr(r, steps) is not None:
