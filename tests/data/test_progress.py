@@ -7,37 +7,21 @@ import itertools
 import re
 from pathlib import Path
 
-import datasets
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 import cptune.data.prepare as prepare
 import cptune.data.progress as progress
-from cptune.config.data import DatasetConfig
 from cptune.config.loader import validate_recipe
-from cptune.data.formats import build_formatter, required_columns
 from cptune.data.progress import RowProgress
-from cptune.data.rows import tokenize_dataset
+from tests.data.test_rows import GOOD, LABEL, run_with_documents
 
-LABEL = "datasets[0] (data/train.jsonl)"
-GOOD = {"instruction": "Say hi.", "input": "", "output": "Hi."}
 ROWS = 2500  # three of datasets' batches of 1000 rows: 0-999, 1000-1999, 2000-2499
 
 
 def tokenize(tokenizer, tmp_path: Path, row_progress: RowProgress, num_proc: int | None = None):
-    config = DatasetConfig(path="data/train.jsonl", type="alpaca")
-    return tokenize_dataset(
-        datasets.Dataset.from_list([GOOD] * ROWS),
-        build_formatter(config, tokenizer, train_on_inputs=False, chat_template=None, label=LABEL),
-        label=LABEL,
-        key="datasets[0]",
-        required=required_columns(config),
-        sequence_len=256,
-        excess_length_strategy="drop",
-        skip_invalid_rows=False,
-        scratch_dir=tmp_path,
-        num_proc=num_proc,
-        progress=row_progress,
+    return run_with_documents(
+        tokenizer, [GOOD] * ROWS, tmp_path, num_proc=num_proc, progress=row_progress, type="alpaca"
     )
 
 

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from cptune.config.data import DatasetConfig
 from cptune.data.formats import build_formatter, missing_columns_advice, required_columns
+from cptune.data.progress import RowProgress
 from cptune.data.rows import CHUNKED_TEXT_LIMIT, count_tokens, tokenize_dataset
 from cptune.errors import DataError
 from cptune.labels import trained_token_count
@@ -33,6 +34,7 @@ def run_with_documents(
     strategy: str = "drop",
     skip: bool = False,
     num_proc: int | None = None,
+    progress: RowProgress | None = None,
     **config: Any,
 ):
     dataset_config = DatasetConfig(path="data/train.jsonl", **config)
@@ -47,6 +49,7 @@ def run_with_documents(
         skip_invalid_rows=skip,
         scratch_dir=tmp_path,
         num_proc=num_proc,
+        progress=progress,
     )
 
 

@@ -44,6 +44,7 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
     elif recipe.warmup_ratio is not None:
         warmup = recipe.warmup_ratio
     eval_steps, save_steps = recipe.resolved_eval_steps, recipe.resolved_save_steps
+    scheduler, scheduler_kwargs = recipe.resolved_lr_scheduler
     on_cpu = not torch.cuda.is_available()
     return TrainingArguments(
         output_dir=recipe.output_dir,
@@ -56,8 +57,8 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
         optim=recipe.optimizer,
         optim_args=recipe.resolved_optim_args,
         optim_target_modules=list(recipe.optim_target_modules) if recipe.optim_target_modules else None,
-        lr_scheduler_type=recipe.resolved_lr_scheduler[0],
-        lr_scheduler_kwargs=recipe.resolved_lr_scheduler[1],
+        lr_scheduler_type=scheduler,
+        lr_scheduler_kwargs=scheduler_kwargs,
         warmup_steps=warmup,
         weight_decay=recipe.weight_decay,
         max_grad_norm=recipe.max_grad_norm,
