@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.memtrace import traced_allocations
+
 SHAPE = {
     "vocab_size": 2048,
     "hidden_size": 512,
@@ -100,17 +102,15 @@ def measure(tokens: int, seed: int = 0, chunk_tokens: int = CHUNK_TOKENS) -> Los
     step()  # the gradients exist from here on: the traced step allocates activations only
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    return phase_of(tokens, prof.profiler.kineto_results.events())
+    return phase_of(tokens, prof.profiler.kineto_results)
 
 
-def phase_of(tokens: int, events: Any) -> LossPhase:
+def phase_of(tokens: int, result: Any) -> LossPhase:
     """The loss phase of one traced step from its allocator events and markers."""
-    memory, marks = [], []
-    for event in events:
+    memory, marks = traced_allocations(result), []
+    for event in result.events():
         name = event.name()
-        if name == "[memory]" and str(event.device_type()).endswith("CPU"):
-            memory.append((event.start_ns(), event.nbytes()))
-        elif name in (LAYER_START, LAYER_END, LOSS_FORWARD_END):
+        if name in (LAYER_START, LAYER_END, LOSS_FORWARD_END):
             marks.append((event.start_ns(), name))
     marks.sort()
     names = [name for _, name in marks]

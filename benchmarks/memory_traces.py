@@ -108,20 +108,19 @@ def trace(setting: Setting, shape: dict[str, int], layers: int, tokens: int, see
         step()  # the gradients exist from here on: the traced step allocates activations only
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
-    return phase_peaks(prof.profiler.kineto_results.events())
+    return phase_peaks(prof.profiler.kineto_results)
 
 
-def phase_peaks(events: Any) -> dict[str, Any]:
+def phase_peaks(result: Any) -> dict[str, Any]:
     """The peak of each phase (forward, loss, layer backward) from a step's allocator events and markers, and
     under ``moments`` where each peak is (:func:`moment_at`): two traces whose peaks are the same moment
     grow by the same bytes per token between them."""
-    memory, marks, ops = [], [], []
-    for event in events:
+    from benchmarks.memtrace import traced_allocations
+
+    memory, marks, ops = traced_allocations(result), [], []
+    for event in result.events():
         name = event.name()
-        if name == "[memory]":
-            if str(event.device_type()).endswith("CPU"):
-                memory.append((event.start_ns(), event.nbytes()))
-        elif name.startswith("cptune_bench::"):
+        if name.startswith("cptune_bench::"):
             marks.append((event.start_ns(), name.removeprefix("cptune_bench::")))
         elif name.startswith(("aten::", "autograd::engine::evaluate_function: ")):
             ops.append((event.start_ns(), event.end_ns(), name))

@@ -6,9 +6,9 @@ torch's CPU allocator (``c10::ProfiledCPUMemoryReporter``): every tensor storage
 including the scratch tensors kernels allocate internally. Replaying those events
 in time order gives the exact number of bytes allocated since tracing began at
 every moment, and so the peak. Blocks allocated before tracing are not counted
-(their frees are ignored by the reporter), so the peak is *above the state at the
-start*: start with the model, gradients and optimizer state already allocated and
-the peak is the step's activation memory.
+(their frees are ignored: :func:`traced_allocations`), so the peak is *above the
+state at the start*: start with the model, gradients and optimizer state already
+allocated and the peak is the step's activation memory.
 
 The same trace splits the peak by where it happens: inside an attention kernel
 (the ops named in :data:`KERNEL_OPS`, or calls wrapped by :class:`KernelClock`)
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation as _AllocationFields
 from torch.profiler import ProfilerActivity, profile, record_function
 
 KERNEL_LABEL = "cptune_bench::attention_kernel"
@@ -82,21 +83,44 @@ class AllocationTrace:
     def __exit__(self, *exc: Any) -> None:
         self._profile.__exit__(*exc)
         if exc[0] is None:
-            events = self._profile.profiler.kineto_results.events()
-            self.result = replay(*split_events(events))
+            self.result = replay(*split_events(self._profile.profiler.kineto_results))
 
 
-def split_events(events: Iterable[Any]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(time, bytes) of CPU allocations (+) and frees (-), and (start, end) of attention-kernel calls."""
-    memory, kernels = [], []
-    for event in events:
-        name = event.name()
-        if name == "[memory]":
-            if str(event.device_type()).endswith("CPU"):
-                memory.append((event.start_ns(), event.nbytes()))
-        elif name in KERNEL_OPS:
-            kernels.append((event.start_ns(), event.end_ns()))
-    return memory, kernels
+def split_events(result: Any) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(time, bytes) of CPU allocations (+) and frees (-) (:func:`traced_allocations`), and (start, end)
+    of attention-kernel calls, from a profiler's results (``profile(...).profiler.kineto_results``)."""
+    kernels = [(e.start_ns(), e.end_ns()) for e in result.events() if e.name() in KERNEL_OPS]
+    return traced_allocations(result), kernels
+
+
+def traced_allocations(result: Any) -> list[tuple[int, int]]:
+    """(time, signed bytes) of the CPU allocations made while tracing, and of the frees of those blocks.
+
+    The free of a block allocated before tracing began is left out. The profiler's own ``[memory]``
+    events do not do that: torch's CPU reporter remembers the size of every block allocated while
+    *any* memory profiling was on, so a block an earlier trace in the process allocated, freed during
+    this one (a garbage collection, a cache dropped), showed up as a negative allocation and lowered
+    the measured peak by its size. The profiler's allocation records carry the block's address, so
+    each free is matched to an allocation seen in this trace.
+    """
+    records = []
+    stack = list(result.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if isinstance(fields, _AllocationFields) and fields.device.type == "cpu":
+            records.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+    records.sort(key=lambda record: record[0])
+    live: dict[int, int] = {}
+    memory = []
+    for when, address, nbytes in records:
+        if nbytes > 0:
+            live[address] = nbytes
+            memory.append((when, nbytes))
+        elif live.pop(address, None) is not None:
+            memory.append((when, nbytes))
+    return memory
 
 
 def replay(memory: list[tuple[int, int]], kernels: list[tuple[int, int]]) -> TraceResult:

@@ -67,7 +67,7 @@ def step_peak(
         step()  # the gradients exist from here on: the traced step allocates activations only
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             loss = step()
-    peak = replay(*split_events(prof.profiler.kineto_results.events())).peak
+    peak = replay(*split_events(prof.profiler.kineto_results)).peak
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return peak, loss, grads
 
