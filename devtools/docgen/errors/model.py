@@ -155,6 +155,20 @@ ENTRIES: tuple[Entry, ...] = (
         "See the model table in choosing-a-backend.md.",
     ),
     Entry(
+        "model-stateful-layers-packed",
+        SECTION,
+        "Sample packing with a model that has linear-attention, Mamba or convolution layers",
+        "sample_packing: base_model qwen3_5_text has layers of type ['linear_attention'], which carry a state "
+        "from each token to the next across a whole row",
+        "Packed samples are kept apart by `position_ids` restarting at each sample, which attention layers turn "
+        "into a mask. transformers runs a recurrent layer (Qwen3-Next's and Qwen3.5's gated delta rule, "
+        "Mamba beside attention in Falcon-H1, LFM2's short convolutions) over the whole row, so each sample "
+        "would be trained on the ones packed before it, silently. Set `sample_packing: false` (one sample per "
+        "row, padded at its end, which a recurrent layer never reads back) or use a model with attention "
+        "layers only. Refused at any `context_parallel_size`; with context parallelism such models are "
+        "refused anyway (their recurrent layers would see only a slice of each row).",
+    ),
+    Entry(
         "model-attention-softcapping",
         SECTION,
         "A model that soft-caps its attention logits (Gemma 2) with context parallelism",

@@ -7,6 +7,7 @@ from tests.reliability.catalogue.setups import (
     _bloom_model,
     _dropout_model,
     _hidden_dropout_model,
+    _linear_attention_model,
     _llama_like,
     _lora_model_dir_missing,
     _model_not_causal_lm,
@@ -96,6 +97,11 @@ CASES: tuple[Case, ...] = (
         "model-sliding-window",
         keys={"context_parallel_size": 2, "cp_backend": "torch", "sample_packing": False},
         setup=_sliding_window_model,
+    ),
+    Case(
+        "model-stateful-layers-packed",
+        keys={"sample_packing": True},
+        setup=_linear_attention_model,
     ),
     Case(
         "model-attention-softcapping",

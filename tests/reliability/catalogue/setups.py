@@ -341,6 +341,20 @@ def _sliding_window_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "mistral-windowed", _llama_like(ws, "MistralConfig", sliding_window=16))
 
 
+def _linear_attention_model(ws: Workspace) -> dict[str, Any]:
+    config = _llama_like(
+        ws,
+        "Qwen3_5TextConfig",
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=2,
+        linear_num_key_heads=1,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
+    return _saved_model(ws, "qwen3_5", config)
+
+
 def _softcapping_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "gemma2", _llama_like(ws, "Gemma2Config", head_dim=16))
 

@@ -244,6 +244,30 @@ def windowed_layer_types(config: Any) -> list[str]:
     return [SLIDING_ATTENTION] if getattr(config, "sliding_window", None) else []
 
 
+# layer_types entries of layers that mix no tokens (NemotronH's MLP and mixture-of-experts layers, and the
+# dense/sparse MLP kinds some configs list).
+_NON_MIXING_LAYER_TYPES = frozenset({"mlp", "moe", "dense", "sparse"})
+
+
+def stateful_layer_types(config: Any) -> list[str]:
+    """The kinds of ``config``'s layers that mix tokens other than by attention.
+
+    A kind in ``layer_types`` is taken to attend when its name ends in ``attention`` (full, sliding,
+    chunked...), except ``linear_attention``, transformers' name for recurrent layers (Qwen3-Next's and
+    Qwen3.5's gated delta rule, Mamba); a kind that mixes no tokens (``mlp``, ``moe``) is left out. The
+    rest (``linear_attention``, ``hybrid``: attention beside a Mamba mixer in Falcon-H1 and Zamba2,
+    ``conv``: LFM2's short convolutions, and kinds cptune does not know) carry a state from each token
+    to the next that no attention mask or ``position_ids`` restarts.
+    """
+    kinds = set(getattr(config, "layer_types", None) or ())
+    return sorted(
+        kind
+        for kind in kinds
+        if (kind == "linear_attention" or not kind.endswith("attention"))
+        and kind not in _NON_MIXING_LAYER_TYPES
+    )
+
+
 def count_windowed_layers(config: Any) -> int:
     """How many of ``config``'s attention layers are sliding-window layers (what a forward must pass a window)."""
     layer_types = getattr(config, "layer_types", None)

@@ -14,6 +14,7 @@ from cptune.parallel.backends.attention import (
     check_attention_features,
     check_full_attention,
     register_attention,
+    stateful_layer_types,
 )
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
 from cptune.parallel.layout import ParallelDims
@@ -22,7 +23,14 @@ from cptune.parallel.tensor_parallel import check_tensor_parallel_model
 if TYPE_CHECKING:
     from cptune.config.recipe import Recipe
 
-__all__ = ["BackendPlan", "check_hidden_dropout", "check_model_config", "check_router_jitter", "plan_backend"]
+__all__ = [
+    "BackendPlan",
+    "check_hidden_dropout",
+    "check_model_config",
+    "check_packing_layers",
+    "check_router_jitter",
+    "plan_backend",
+]
 
 
 def plan_backend(
@@ -91,12 +99,35 @@ def check_router_jitter(cp_size: int, config: Any) -> None:
         )
 
 
+def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
+    """Refuse sample packing for a model with layers that carry a state from token to token.
+
+    Packed samples are kept apart by ``position_ids`` restarting at each sample: attention layers turn them
+    into a mask (or cptune's attention into document bounds), but transformers runs a linear-attention,
+    Mamba or convolution layer over the whole packed row, so each sample would start from the state the
+    samples before it left (measured on a two-layer Qwen3.5: the second sample's logits move by 0.08).
+    """
+    if not recipe.sample_packing:
+        return
+    kinds = stateful_layer_types(text_config)
+    if kinds:
+        model = getattr(text_config, "model_type", None) or type(text_config).__name__
+        raise CptuneError(
+            f"sample_packing: base_model {model} has layers of type {kinds}, which carry a state from each "
+            "token to the next across a whole row (linear attention, state-space or convolution layers); "
+            "transformers does not restart them at each packed sample, so every sample would be trained on "
+            "the ones packed before it. Set sample_packing: false (one sample per row, padded), or use a "
+            "model with attention layers only."
+        )
+
+
 def check_model_config(
     backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None
 ) -> None:
     """Refuse a model whose attention ``backend`` (the one of this layout) cannot split (before loading weights)."""
     text = config.get_text_config()
     check_tensor_parallel_model(config, model_class, dims.tp_size)
+    check_packing_layers(recipe, text)
     if not dims.cp_enabled and recipe.causal:
         # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
         # serve it (local.runtime.attends_by_document): nothing to refuse
