@@ -163,6 +163,11 @@ FOOTER = """
   ([concepts](concepts.md#the-router-loss-of-a-mixture-of-experts-model)).
 - **Evaluation is split like training**, and `eval_loss` is the token mean over the whole
   evaluation set.
+- **Warmup is what the recipe says.** Without `warmup_steps` or `warmup_ratio` cptune does not warm
+  up; Axolotl then warms up for 3% of its estimate of the steps, at most 100 (and turns a
+  `warmup_steps: 1` into 2). `warmup_ratio` gives `ceil(ratio x steps)` warmup steps (transformers'
+  rounding), where Axolotl rounds `ratio x` its estimate down. Set `warmup_steps` for the same
+  schedule in both.
 - **`ring_attn_func: batch_ring` is not available**: `varlen_llama3` (default) handles packed and
   unpacked rows with any `micro_batch_size`; `batch_zigzag` balances causal work on unpacked rows.
 - **FSDP1 recipes run with FSDP2**: there is no FSDP1 in cptune, so the FSDP1-only settings do
