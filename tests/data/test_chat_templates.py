@@ -46,6 +46,8 @@ DOCUMENTED = {
     "mistral_v3_tekken": "<s>[INST]SYS\n\nU1[/INST]A1</s>[INST]U2[/INST]A2</s>",
     "gemma": "<s><start_of_turn>user\nSYS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
     "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\nA2<end_of_turn>\n",
+    "gemma3": "<s><start_of_turn>user\nSYS\n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+    "<start_of_turn>user\nU2<end_of_turn>\n<start_of_turn>model\nA2<end_of_turn>\n",
     "phi_3": "<s><|system|>\nSYS<|end|>\n<|user|>\nU1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nU2<|end|>\n"
     "<|assistant|>\nA2<|end|>\n",
 }
@@ -58,6 +60,7 @@ GENERATION_PROMPT = {
     "mistral_v2v3": "[/INST]",
     "mistral_v3_tekken": "[/INST]",
     "gemma": "<start_of_turn>model\n",
+    "gemma3": "<start_of_turn>model\n",
     "phi_3": "<|assistant|>\n",
 }
 # Each family's end-of-turn token, for eot_tokens (Mistral's turns end with eos, the default).
@@ -67,6 +70,7 @@ END_OF_TURN = {
     "qwen3": "<|im_end|>",
     "llama3": "<|eot_id|>",
     "gemma": "<end_of_turn>",
+    "gemma3": "<end_of_turn>",
     "phi_3": "<|end|>",
 }
 # What each template trains of CHAT with the family's marker tokens added as special tokens and its
@@ -82,6 +86,7 @@ TRAINED = {
     "mistral_v2v3": ["It is 4.</s>", "Yes, I am.</s>"],
     "mistral_v3_tekken": ["It is 4.</s>", "Yes, I am.</s>"],
     "gemma": ["It is 4.<end_of_turn>", "Yes, I am.<end_of_turn>"],
+    "gemma3": ["It is 4.<end_of_turn>", "Yes, I am.<end_of_turn>"],
     "phi_3": ["It is 4.<|end|>", "Yes, I am.<|end|>"],
 }
 
@@ -128,6 +133,20 @@ def test_template_renders_the_documented_format(tokenizer: PreTrainedTokenizerFa
         CONVERSATION[:2], chat_template=TEMPLATES[name], tokenize=False, add_generation_prompt=True
     )
     assert prompt.endswith(GENERATION_PROMPT[name])
+
+
+def test_gemma3_keeps_the_system_message_as_written_and_trims_each_content(tokenizer: PreTrainedTokenizerFast):
+    """Gemma 3's own template (and Axolotl's gemma3): the system message and its blank line go before the first
+    turn's content untrimmed, the content itself is trimmed. cptune's gemma trims the two together."""
+    spaced = [
+        {"role": "system", "content": " SYS "},
+        {"role": "user", "content": "  U1\n"},
+        {"role": "assistant", "content": " A1 "},
+    ]
+    gemma3 = tokenizer.apply_chat_template(spaced, chat_template=TEMPLATES["gemma3"], tokenize=False)
+    assert gemma3 == "<s><start_of_turn>user\n SYS \n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+    gemma = tokenizer.apply_chat_template(spaced, chat_template=TEMPLATES["gemma"], tokenize=False)
+    assert gemma.startswith("<s><start_of_turn>user\nSYS \n\n  U1<end_of_turn>")
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

@@ -70,6 +70,7 @@ BUILT_IN_CHAT_TEMPLATES = (
     "mistral_v2v3",
     "mistral_v3_tekken",
     "gemma",
+    "gemma3",
     "phi_3",
 )
 """Axolotl's chat template names that cptune renders with its own templates (:mod:`cptune.data.chat_templates`)."""

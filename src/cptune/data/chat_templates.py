@@ -102,6 +102,17 @@ GEMMA = (
 )
 """Gemma: ``<start_of_turn>{user|model}\\n{content}<end_of_turn>\\n`` per turn after bos."""
 
+GEMMA3 = (
+    "{{- bos_token -}}" + _SYSTEM_INTO_FIRST_USER + "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{%- set prefix = (system + '\\n\\n') if system is not none and loop.first else '' -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + prefix + (message['content'] | trim) + '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif -%}"
+)
+"""Gemma 3: Gemma's turns, with the system message as written (untrimmed) and a blank line before the first
+turn's trimmed content, as Gemma 3's own template and Axolotl's ``gemma3`` write it."""
+
 PHI_3 = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
@@ -170,6 +181,7 @@ TEMPLATES: dict[str, str] = {
     "mistral_v2v3": MISTRAL_V2V3,
     "mistral_v3_tekken": MISTRAL_V3_TEKKEN,
     "gemma": GEMMA,
+    "gemma3": GEMMA3,
     "phi_3": PHI_3,
 }
 """Template text by Axolotl's name (``chat_template: llama3``)."""
@@ -183,6 +195,7 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "mistral_v2v3": ("[INST]", "[/INST]"),
     "mistral_v3_tekken": ("[INST]", "[/INST]"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi_3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
 }
 """The marker tokens each format writes besides bos and eos."""
