@@ -135,7 +135,9 @@ def test_template_renders_the_documented_format(tokenizer: PreTrainedTokenizerFa
     assert prompt.endswith(GENERATION_PROMPT[name])
 
 
-def test_gemma3_keeps_the_system_message_as_written_and_trims_each_content(tokenizer: PreTrainedTokenizerFast):
+def test_gemma3_keeps_the_system_message_as_written_and_trims_each_content(
+    tokenizer: PreTrainedTokenizerFast,
+):
     """Gemma 3's own template (and Axolotl's gemma3): the system message and its blank line go before the first
     turn's content untrimmed, the content itself is trimmed. cptune's gemma trims the two together."""
     spaced = [
@@ -144,7 +146,9 @@ def test_gemma3_keeps_the_system_message_as_written_and_trims_each_content(token
         {"role": "assistant", "content": " A1 "},
     ]
     gemma3 = tokenizer.apply_chat_template(spaced, chat_template=TEMPLATES["gemma3"], tokenize=False)
-    assert gemma3 == "<s><start_of_turn>user\n SYS \n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+    assert (
+        gemma3 == "<s><start_of_turn>user\n SYS \n\nU1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n"
+    )
     gemma = tokenizer.apply_chat_template(spaced, chat_template=TEMPLATES["gemma"], tokenize=False)
     assert gemma.startswith("<s><start_of_turn>user\nSYS \n\n  U1<end_of_turn>")
 
