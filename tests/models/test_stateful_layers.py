@@ -1,8 +1,9 @@
-"""Models with layers that carry a state from token to token (linear attention, Mamba, convolutions).
+"""Models whose layers would not see a packed sample as they see it alone.
 
 Packed samples are kept apart by position_ids restarting at each sample; transformers turns them into
-attention masks, but runs the other layers over the whole row. cptune refuses sample packing for such
-models instead of training every sample on the ones packed before it.
+attention masks, but runs layers that carry a state from token to token (linear attention, Mamba,
+convolutions) over the whole row, and Llama 4 scales its NoPE layers' queries by the token's place in the
+row. cptune refuses sample packing for such models instead of training a sample unlike itself alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import transformers
 
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.attention import stateful_layer_types
+from cptune.parallel.backends.attention import row_position_temperature, stateful_layer_types
 from cptune.run.plan import RunPlan
 
 SMALL = {
@@ -93,3 +94,55 @@ def test_sample_packing_with_a_stateful_model_is_refused_and_one_sample_per_row_
     ), str(refused.value)
     assert "Set sample_packing: false" in str(refused.value)
     RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)
+
+
+def llama4_config(floor_scale: int) -> transformers.PretrainedConfig:
+    """A two-layer Llama 4 text model whose second layer has no rotary embedding (a NoPE layer)."""
+    return transformers.Llama4TextConfig(
+        **SMALL,
+        intermediate_size_mlp=64,
+        num_local_experts=1,
+        attention_chunk_size=64,
+        no_rope_layers=[1, 0],
+        floor_scale=floor_scale,
+        attn_scale=1.0,
+    )
+
+
+def second_sample_gap(config: transformers.PretrainedConfig) -> float:
+    """The largest logit difference of a sample packed after 6 tokens of another from the same sample alone."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
+        packed_ids = torch.cat([first, second], 1)
+        positions = torch.cat([torch.arange(6), torch.arange(9)])[None]
+        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 6:]
+    return float((packed - alone).abs().max())
+
+
+def test_llama4_scales_a_packed_sample_by_its_place_in_the_row():
+    """With rows shorter than floor_scale every scale is 1 and packing is exact (to fp32 rounding, about 1e-7);
+    with floor_scale 4 the packed sample's NoPE queries are scaled by its place in the row (7.6e-4 here)."""
+    assert second_sample_gap(llama4_config(floor_scale=8192)) < 1e-5
+    assert second_sample_gap(llama4_config(floor_scale=4)) > 1e-4
+
+
+def test_sample_packing_of_rows_that_reach_floor_scale_is_refused_for_llama4(write_recipe):
+    config = llama4_config(floor_scale=128)
+    assert row_position_temperature(config) == 128
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    plan = RunPlan.build(load_recipe(write_recipe(sample_packing=True, sequence_len=128)), 1)
+    with pytest.raises(CptuneError) as refused:
+        plan.check_model(config, model_class)
+    assert str(refused.value).startswith(
+        "sample_packing: base_model llama4_text scales the queries of its layers without rotary embeddings by "
+        "each token's place in the row, in steps of floor_scale: 128 tokens"
+    ), str(refused.value)
+    shorter = RunPlan.build(load_recipe(write_recipe(sample_packing=True, sequence_len=127)), 1)
+    shorter.check_model(config, model_class)  # every scale is 1 in rows below floor_scale
+    every_layer_rotary = llama4_config(floor_scale=128)
+    every_layer_rotary.no_rope_layers = [1, 1]
+    assert row_position_temperature(every_layer_rotary) is None
+    plan.check_model(every_layer_rotary, model_class)

@@ -169,6 +169,18 @@ ENTRIES: tuple[Entry, ...] = (
         "refused anyway (their recurrent layers would see only a slice of each row).",
     ),
     Entry(
+        "model-temperature-packed",
+        SECTION,
+        "Sample packing with Llama 4 rows of floor_scale tokens or more",
+        "sample_packing: base_model llama4_text scales the queries of its layers without rotary embeddings by "
+        "each token's place in the row",
+        "Llama 4's layers without rotary embeddings multiply their queries by a temperature that grows every "
+        "`floor_scale` tokens (8192 by default, `attn_temperature_tuning`), counted from the start of the row "
+        "in transformers, not from the start of the sample. A sample packed after others would be scaled as it "
+        "is not alone. Set `sample_packing: false`, a `sequence_len` below `floor_scale`, or "
+        "`attn_temperature_tuning: false` in `overrides_of_model_config` (which changes the model).",
+    ),
+    Entry(
         "model-attention-softcapping",
         SECTION,
         "A model that soft-caps its attention logits (Gemma 2) with context parallelism",

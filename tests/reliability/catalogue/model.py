@@ -8,6 +8,7 @@ from tests.reliability.catalogue.setups import (
     _dropout_model,
     _hidden_dropout_model,
     _linear_attention_model,
+    _llama4_temperature_model,
     _llama_like,
     _lora_model_dir_missing,
     _model_not_causal_lm,
@@ -102,6 +103,11 @@ CASES: tuple[Case, ...] = (
         "model-stateful-layers-packed",
         keys={"sample_packing": True},
         setup=_linear_attention_model,
+    ),
+    Case(
+        "model-temperature-packed",
+        keys={"sample_packing": True},
+        setup=_llama4_temperature_model,
     ),
     Case(
         "model-attention-softcapping",

@@ -355,6 +355,19 @@ def _linear_attention_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "qwen3_5", config)
 
 
+def _llama4_temperature_model(ws: Workspace) -> dict[str, Any]:
+    config = _llama_like(
+        ws,
+        "Llama4TextConfig",
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=1,
+        no_rope_layers=[1, 0],
+        floor_scale=16,
+    )
+    return _saved_model(ws, "llama4", config)
+
+
 def _softcapping_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "gemma2", _llama_like(ws, "Gemma2Config", head_dim=16))
 

@@ -268,6 +268,21 @@ def stateful_layer_types(config: Any) -> list[str]:
     )
 
 
+def row_position_temperature(config: Any) -> int | None:
+    """``floor_scale`` where ``config``'s layers without rotary embeddings scale their queries by the token's place.
+
+    Llama 4's ``attn_temperature_tuning`` multiplies the queries of its NoPE layers (``no_rope_layers`` entry 0)
+    by ``1 + attn_scale * log1p(floor((i + 1) / floor_scale))``, where ``i`` counts the tokens of the whole row
+    (transformers 5.23, ``Llama4TextAttention``), not of the sample: a sample packed at an offset, or a slice
+    of a row on a context-parallel rank, is scaled as it would not be alone. None where nothing is scaled.
+    """
+    if not getattr(config, "attn_temperature_tuning", False):
+        return None
+    if 0 not in (getattr(config, "no_rope_layers", None) or ()):
+        return None
+    return int(getattr(config, "floor_scale", 0)) or None
+
+
 def count_windowed_layers(config: Any) -> int:
     """How many of ``config``'s attention layers are sliding-window layers (what a forward must pass a window)."""
     layer_types = getattr(config, "layer_types", None)

@@ -14,6 +14,7 @@ from cptune.parallel.backends.attention import (
     check_attention_features,
     check_full_attention,
     register_attention,
+    row_position_temperature,
     stateful_layer_types,
 )
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
@@ -100,18 +101,30 @@ def check_router_jitter(cp_size: int, config: Any) -> None:
 
 
 def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
-    """Refuse sample packing for a model with layers that carry a state from token to token.
+    """Refuse sample packing for a model whose layers would not see each packed sample as it is alone.
 
     Packed samples are kept apart by ``position_ids`` restarting at each sample: attention layers turn them
-    into a mask (or cptune's attention into document bounds), but transformers runs a linear-attention,
-    Mamba or convolution layer over the whole packed row, so each sample would start from the state the
-    samples before it left (measured on a two-layer Qwen3.5: the second sample's logits move by 6e-3, tests/models/test_stateful_layers.py).
+    into a mask (or cptune's attention into document bounds). Two things escape that. transformers runs a
+    linear-attention, Mamba or convolution layer over the whole packed row, so each sample would start from
+    the state the samples before it left (on a two-layer Qwen3.5 the second sample's logits move by 6e-3,
+    tests/models/test_stateful_layers.py). And Llama 4 scales its NoPE layers' queries by the token's place
+    in the row (:func:`row_position_temperature`), which differs from its place in its sample once rows
+    reach ``floor_scale`` tokens.
     """
     if not recipe.sample_packing:
         return
+    model = getattr(text_config, "model_type", None) or type(text_config).__name__
+    floor = row_position_temperature(text_config)
+    if floor is not None and recipe.sequence_len >= floor:
+        raise CptuneError(
+            f"sample_packing: base_model {model} scales the queries of its layers without rotary embeddings by "
+            f"each token's place in the row, in steps of floor_scale: {floor} tokens (attn_temperature_tuning), "
+            f"not by its place in its sample, so with sequence_len: {recipe.sequence_len} a sample packed after "
+            f"others would be scaled unlike the same sample alone. Set sample_packing: false, a sequence_len "
+            f"below {floor}, or attn_temperature_tuning: false in overrides_of_model_config."
+        )
     kinds = stateful_layer_types(text_config)
     if kinds:
-        model = getattr(text_config, "model_type", None) or type(text_config).__name__
         raise CptuneError(
             f"sample_packing: base_model {model} has layers of type {kinds}, which carry a state from each "
             "token to the next across a whole row (linear attention, state-space or convolution layers); "
