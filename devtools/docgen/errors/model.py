@@ -155,6 +155,21 @@ ENTRIES: tuple[Entry, ...] = (
         "See the model table in choosing-a-backend.md.",
     ),
     Entry(
+        "model-packed-without-attention-interface",
+        SECTION,
+        "Sample packing with an older model that does not route attention through the AttentionInterface",
+        "sample_packing: base_model BloomForCausalLM does not route its attention through transformers' "
+        "AttentionInterface, so neither cptune's attention nor transformers' masks from position_ids keep its "
+        "packed samples apart",
+        "Packed samples are kept apart by `position_ids` restarting at each sample: cptune's attention attends "
+        "each sample within itself, and transformers' masks (`masking_utils`) split the row by sample, for "
+        "models that route attention through transformers' `AttentionInterface`. Older models (Bloom, Falcon, "
+        "MPT, GPT-J ...) build one causal mask over the whole row, so each packed sample would attend to the "
+        "ones before it. Set `sample_packing: false` (one sample per row), or use a model that routes its "
+        "attention (Llama, Qwen2/3, Mistral, Gemma 3 ...). With `context_parallel_size` above 1 such models are "
+        "refused anyway.",
+    ),
+    Entry(
         "model-stateful-layers-packed",
         SECTION,
         "Sample packing with a model that has linear-attention, Mamba or convolution layers",

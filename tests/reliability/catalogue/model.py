@@ -100,6 +100,11 @@ CASES: tuple[Case, ...] = (
         setup=_sliding_window_model,
     ),
     Case(
+        "model-packed-without-attention-interface",
+        keys={"sample_packing": True},
+        setup=_bloom_model,
+    ),
+    Case(
         "model-stateful-layers-packed",
         keys={"sample_packing": True},
         setup=_linear_attention_model,

@@ -29,6 +29,7 @@ __all__ = [
     "check_hidden_dropout",
     "check_model_config",
     "check_packing_layers",
+    "check_packing_masks",
     "check_router_jitter",
     "plan_backend",
 ]
@@ -107,7 +108,7 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
     into a mask (or cptune's attention into document bounds). Two things escape that. transformers runs a
     linear-attention, Mamba or convolution layer over the whole packed row, so each sample would start from
     the state the samples before it left (on a two-layer Qwen3.5 the second sample's logits move by 6e-3,
-    tests/models/test_stateful_layers.py). And Llama 4 scales its NoPE layers' queries by the token's place
+    tests/models/test_packed_models.py). And Llama 4 scales its NoPE layers' queries by the token's place
     in the row (:func:`row_position_temperature`), which differs from its place in its sample once rows
     reach ``floor_scale`` tokens.
     """
@@ -134,6 +135,29 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
         )
 
 
+def check_packing_masks(recipe: Recipe, model_class: type | None) -> None:
+    """Refuse sample packing at cp=1 for a model whose attention transformers' masks would not split by sample.
+
+    A model that routes its attention through transformers' ``AttentionInterface`` builds its masks with
+    ``masking_utils``, which turns ``position_ids`` restarting at each sample into a mask per sample (or
+    cptune's document attention replaces it). The older models that do not (Bloom, Falcon, MPT) build their
+    own causal masks over the whole row: their packed samples attend to each other (a sample packed after 6
+    tokens of another: its logits move by 3e-3 on a tiny Bloom, 0.2 on a tiny Falcon). The check is by class:
+    GPT-J, whose own masks do read position_ids, is refused too. A model class cptune cannot see (remote
+    code) is not checked.
+    """
+    if not recipe.sample_packing or model_class is None:
+        return
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise CptuneError(
+            f"sample_packing: base_model {model_class.__name__} does not route its attention through "
+            "transformers' AttentionInterface, so neither cptune's attention nor transformers' masks from "
+            "position_ids keep its packed samples apart: every packed sample would be trained on the ones "
+            "packed before it. Set sample_packing: false (one sample per row, padded), or use a model that "
+            "does (e.g. Llama, Qwen2/3, Mistral, Gemma 3)."
+        )
+
+
 def check_model_config(
     backend: BackendPolicy, recipe: Recipe, dims: ParallelDims, config: Any, model_class: type | None
 ) -> None:
@@ -143,7 +167,8 @@ def check_model_config(
     check_packing_layers(recipe, text)
     if not dims.cp_enabled and recipe.causal:
         # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
-        # serve it (local.runtime.attends_by_document): nothing to refuse
+        # serve it (local.runtime.attends_by_document): only packing needs transformers' masks
+        check_packing_masks(recipe, model_class)
         return
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.

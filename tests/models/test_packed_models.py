@@ -1,9 +1,10 @@
 """Models whose layers would not see a packed sample as they see it alone.
 
 Packed samples are kept apart by position_ids restarting at each sample; transformers turns them into
-attention masks, but runs layers that carry a state from token to token (linear attention, Mamba,
-convolutions) over the whole row, and Llama 4 scales its NoPE layers' queries by the token's place in the
-row. cptune refuses sample packing for such models instead of training a sample unlike itself alone.
+attention masks for the models that route attention through its AttentionInterface, but not for older
+models (Bloom, Falcon, MPT), it runs layers that carry a state from token to token (linear attention,
+Mamba, convolutions) over the whole row, and Llama 4 scales its NoPE layers' queries by the token's place
+in the row. cptune refuses sample packing for such models instead of training a sample unlike itself alone.
 """
 
 from __future__ import annotations
@@ -146,3 +147,36 @@ def test_sample_packing_of_rows_that_reach_floor_scale_is_refused_for_llama4(wri
     every_layer_rotary.no_rope_layers = [1, 1]
     assert row_position_temperature(every_layer_rotary) is None
     plan.check_model(every_layer_rotary, model_class)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2),
+        transformers.FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2),
+    ],
+    ids=["bloom", "falcon"],
+)
+def test_packing_is_refused_for_a_model_whose_own_masks_let_packed_samples_attend_to_each_other(
+    config, write_recipe
+):
+    """Without cptune's attention (not through the AttentionInterface) transformers' own mask is the row's."""
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    assert not getattr(model_class, "_supports_attention_backend", False)
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
+        packed_ids = torch.cat([first, second], 1)
+        positions = torch.cat([torch.arange(6), torch.arange(9)])[None]
+        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 6:]
+    assert (packed - alone).abs().max() > 1e-3  # 3e-3 (Bloom), 0.2 (Falcon); rounding is about 1e-7
+    with pytest.raises(CptuneError) as refused:
+        RunPlan.build(load_recipe(write_recipe(sample_packing=True)), 1).check_model(config, model_class)
+    assert str(refused.value).startswith(
+        f"sample_packing: base_model {model_class.__name__} does not route its attention through transformers' "
+        "AttentionInterface, so neither cptune's attention nor transformers' masks from position_ids keep its "
+        "packed samples apart"
+    ), str(refused.value)
+    RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)
