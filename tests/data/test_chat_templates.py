@@ -37,6 +37,8 @@ DOCUMENTED = {
     # Qwen3: the last turn opens an (empty) thinking block; earlier assistant turns show their answer only.
     "qwen3": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n",
+    "qwen3_5": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
+    "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n",
     "llama3": "<s><|start_header_id|>system<|end_header_id|>\n\nSYS<|eot_id|><|start_header_id|>user"
     "<|end_header_id|>\n\nU1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|>"
     "<|start_header_id|>user<|end_header_id|>\n\nU2<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
@@ -55,6 +57,7 @@ GENERATION_PROMPT = {
     "chatml": "<|im_start|>assistant\n",
     "qwen_25": "<|im_start|>assistant\n",
     "qwen3": "<|im_start|>assistant\n",
+    "qwen3_5": "<|im_start|>assistant\n<think>\n\n",
     "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
     "mistral_v1": " [/INST]",
     "mistral_v2v3": "[/INST]",
@@ -68,6 +71,7 @@ END_OF_TURN = {
     "chatml": "<|im_end|>",
     "qwen_25": "<|im_end|>",
     "qwen3": "<|im_end|>",
+    "qwen3_5": "<|im_end|>",
     "llama3": "<|eot_id|>",
     "gemma": "<end_of_turn>",
     "gemma3": "<end_of_turn>",
@@ -81,6 +85,7 @@ TRAINED = {
     "chatml": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen_25": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen3": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
+    "qwen3_5": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "llama3": ["It is 4.<|eot_id|>", "Yes, I am.<|eot_id|>"],
     "mistral_v1": ["It is 4.</s>", "Yes, I am.</s>"],
     "mistral_v2v3": ["It is 4.</s>", "Yes, I am.</s>"],
@@ -233,8 +238,10 @@ QWEN3_THINKING = (
 )
 
 
-def test_qwen3_shows_reasoning_after_the_last_user_query_only(tokenizer: PreTrainedTokenizerFast):
-    qwen3 = TEMPLATES["qwen3"]
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_qwen3_shows_reasoning_after_the_last_user_query_only(tokenizer: PreTrainedTokenizerFast, name: str):
+    """Qwen3.5 writes the turns of a text chat as Qwen3 does (Axolotl's qwen3_5 template too)."""
+    qwen3 = TEMPLATES[name]
     assert tokenizer.apply_chat_template(THINKING, chat_template=qwen3, tokenize=False) == QWEN3_THINKING
     # Alone, the first exchange ends the conversation, so its reasoning is shown: Qwen3's format is not
     # prefix-stable. With the whole conversation in view the part renders as it does in the whole.
@@ -253,11 +260,12 @@ def test_qwen3_shows_reasoning_after_the_last_user_query_only(tokenizer: PreTrai
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
 def test_qwen3_trains_every_assistant_turn_as_the_whole_conversation_renders_it(
-    tokenizer: PreTrainedTokenizerFast,
+    tokenizer: PreTrainedTokenizerFast, name: str
 ):
     marked = with_markers(tokenizer)
-    sample = build(marked, "qwen3")({"messages": THINKING})
+    sample = build(marked, name)({"messages": THINKING})
     assert marked.decode(sample.input_ids) == QWEN3_THINKING
     # The content is what differs from the message rendered with a placeholder content and no reasoning
     # (Axolotl's rule): the last turn opens a thinking block either way, so its "<think>\n" is not trained.
@@ -273,7 +281,7 @@ def test_qwen3_trains_every_assistant_turn_as_the_whole_conversation_renders_it(
         {"role": "tool", "content": "12 C"},
         {"role": "assistant", "content": "Rain, 12 C.", "reasoning_content": "Both came back."},
     ]
-    sample = build(marked, "qwen3")({"messages": tools})
+    sample = build(marked, name)({"messages": tools})
     assert marked.decode(sample.input_ids) == (
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nCall the tool.\n</think>\n\nLet me look.<|im_end|>\n"

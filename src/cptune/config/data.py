@@ -66,6 +66,7 @@ BUILT_IN_CHAT_TEMPLATES = (
     "llama3",
     "qwen_25",
     "qwen3",
+    "qwen3_5",
     "mistral_v1",
     "mistral_v2v3",
     "mistral_v3_tekken",

@@ -126,7 +126,7 @@ PHI_3 = (
 # shown only after the last user query, and the conversation's last turn always opens a thinking block. The
 # formatter renders the parts of a conversation with the whole of it in view (``all_messages``), so a turn
 # renders the same in every part; without it (generation) the messages are the whole conversation.
-QWEN3 = (
+_QWEN3_TURNS = (
     "{%- set whole = all_messages if all_messages is defined else messages -%}"
     "{%- set last = whole | length - 1 -%}"
     # The last query: the last user message that is not a tool response (the whole conversation's last
@@ -163,8 +163,11 @@ QWEN3 = (
     "+ message['role']) }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif -%}"
+)
+_THINKING_OFF = "enable_thinking is defined and enable_thinking is false"
+QWEN3 = (
+    _QWEN3_TURNS + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if " + _THINKING_OFF + " %}{{ '<think>\n\n</think>\n\n' }}{% endif -%}"
     "{%- endif -%}"
 )
 """Qwen3: ChatML without bos or default system message; an assistant turn after the last user query shows its
@@ -172,10 +175,19 @@ reasoning as ``<think>\n{reasoning}\n</think>\n\n{answer}`` (the conversation's 
 block when it has none), earlier turns their answer only. ``enable_thinking: false`` closes an empty thinking
 block in the generation prompt."""
 
+QWEN3_5 = (
+    _QWEN3_TURNS + "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+    "{%- if " + _THINKING_OFF + " %}{{ '<think>\n\n</think>\n\n' }}{% else %}{{ '<think>\n\n' }}{% endif -%}"
+    "{%- endif -%}"
+)
+"""Qwen3.5 (text): Qwen3's turns (as Axolotl's qwen3_5 template writes chats of text); its generation prompt
+opens a thinking block, ``<think>\n\n``, closed empty with ``enable_thinking: false``."""
+
 TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
     "qwen_25": QWEN_25,
     "qwen3": QWEN3,
+    "qwen3_5": QWEN3_5,
     "llama3": LLAMA3,
     "mistral_v1": MISTRAL_V1,
     "mistral_v2v3": MISTRAL_V2V3,
@@ -190,6 +202,7 @@ MARKERS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "qwen_25": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+    "qwen3_5": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "mistral_v1": ("[INST]", "[/INST]"),
     "mistral_v2v3": ("[INST]", "[/INST]"),
