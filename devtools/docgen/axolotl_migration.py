@@ -36,8 +36,8 @@ DIFFERENCES: dict[str, str] = {
     "chat_template": "built in (cptune's own renderings of each family's format): "
     f"{', '.join(BUILT_IN_CHAT_TEMPLATES)}; also tokenizer_default and jinja. Other names are refused. qwen3 "
     "and qwen3_5 render every turn as it stands in the whole conversation (reasoning shown after the last user "
-    "query only, as Qwen3's template does) and train those tokens; qwen3_5 renders text only (no images or "
-    "tools) and its generation prompt opens a thinking block.",
+    "query only, as Qwen3's template does) and train those tokens; qwen3_5 renders text only (no images, no tool "
+    "definitions) and its generation prompt opens a thinking block.",
     "deepspeed": "at context_parallel_size > 1: ZeRO for every cp_backend (Ulysses, or ring-flash-attn / torch CP "
     "under DeepSpeed's engine, each CP group sharing a batch); at cp=1 refused (use fsdp_version: 2). The "
     "optimizer and scheduler come from the recipe.",
