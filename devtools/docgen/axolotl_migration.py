@@ -159,8 +159,9 @@ FOOTER = """
   refused when the recipe is validated, not trained. So is packing for a model whose layers do not
   see a packed sample as they see it alone, checked from its config before loading: older models
   whose attention does not go through transformers' `AttentionInterface` (Bloom, Falcon, MPT),
-  models with linear-attention, Mamba or convolution layers (Qwen3.5, Qwen3-Next, Falcon-H1, LFM2),
-  and Llama 4 with rows of `floor_scale` (8192) tokens or more.
+  models with Mamba or convolution layers (Falcon-H1, Jamba, LFM2), and Llama 4 with rows of
+  `floor_scale` (8192) tokens or more. Qwen3.5's and Qwen3-Next's linear-attention layers run each
+  packed sample on its own.
 - **A mixture-of-experts model's router loss** (`overrides_of_model_config` with
   `output_router_logits: true` and a `router_aux_loss_coef`) is averaged over the micro batches and
   data-parallel groups of a step; the Hugging Face Trainer (transformers 5.23) adds it once per micro

@@ -82,19 +82,106 @@ def test_stateful_layer_types_are_the_kinds_that_mix_tokens_other_than_by_attent
     assert stateful_layer_types(config) == kinds, layer_types
 
 
+def lfm2_config() -> transformers.PretrainedConfig:
+    """A two-layer LFM2: a short-convolution layer, then a full-attention layer."""
+    return transformers.Lfm2Config(
+        **{k: v for k, v in SMALL.items() if k != "head_dim"}, layer_types=["conv", "full_attention"]
+    )
+
+
 def test_sample_packing_with_a_stateful_model_is_refused_and_one_sample_per_row_is_not(write_recipe):
     """Refused where every launch checks the model (the launcher's preflight, and each rank before loading)."""
-    config = qwen3_5_config()
+    config = lfm2_config()
     model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     packed = RunPlan.build(load_recipe(write_recipe(sample_packing=True)), 1)
     with pytest.raises(CptuneError) as refused:
         packed.check_model(config, model_class)
     assert str(refused.value).startswith(
-        "sample_packing: base_model qwen3_5_text has layers of type ['linear_attention'], which carry a state "
+        "sample_packing: base_model lfm2 has layers of type ['conv'], which carry a state "
         "from each token to the next across a whole row"
     ), str(refused.value)
     assert "Set sample_packing: false" in str(refused.value)
     RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)
+    # Qwen3.5's linear-attention layers run sample by sample (cptune.models.document_recurrence): not refused.
+    qwen = qwen3_5_config()
+    packed.check_model(qwen, transformers.AutoModelForCausalLM._model_mapping[type(qwen)])
+
+
+def weighted_sum(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """A loss that weighs every logit (fixed random weights): its gradient reaches every parameter."""
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed), dtype=logits.dtype)
+    return (logits * weights).sum()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_qwen3_5_runs_each_packed_sample_as_it_runs_alone_forward_and_backward(checkpointing):
+    """Two packed rows of three samples each, against each sample alone, in float64; with gradient
+    checkpointing, the backward's recomputation (without the decoder layer's hooks) runs per sample too.
+
+    Bounds: logits to float64 rounding of matrix products over other row lengths (eps 2.2e-16 x a hidden
+    size of 32 x values below 10: 1e-13); parameter gradients to float32 rounding (Qwen3.5's RMSNorm and
+    its delta rule compute in float32 in a float64 model) of sums over the 21 tokens taken in another order
+    (1.2e-7 x 21 of the largest gradient)."""
+    from cptune.models.document_recurrence import enable_document_recurrence
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(qwen3_5_config()).double()
+    if checkpointing:
+        model.train()  # transformers checkpoints in training only (the model has no dropout)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    lengths = [[7, 5, 9], [4, 12, 5]]
+    rows = [[torch.randint(0, 64, (1, n)) for n in row] for row in lengths]
+
+    alone, total = [], 0
+    for r, row in enumerate(rows):
+        for i, ids in enumerate(row):
+            logits = model(
+                input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False
+            ).logits
+            alone.append(logits.detach())
+            total = total + weighted_sum(logits, 10 * r + i)
+    total.backward()
+    reference = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    hooks = enable_document_recurrence(model)
+    assert len(hooks) == 1  # the one linear-attention layer
+    input_ids = torch.cat([torch.cat(row, 1) for row in rows])
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    total, k = 0, 0
+    for r, row in enumerate(lengths):
+        start = 0
+        for i, n in enumerate(row):
+            part = logits[r : r + 1, start : start + n]
+            assert (part - alone[k]).abs().max() <= 1e-13
+            total, k, start = total + weighted_sum(part, 10 * r + i), k + 1, start + n
+    total.backward()
+    for name, p in model.named_parameters():
+        bound = 1.2e-7 * 21 * reference[name].abs().max()
+        assert (p.grad - reference[name]).abs().max() <= bound, name
+
+    for hook in hooks:  # without the hooks the linear-attention layer runs across the samples
+        hook.remove()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    assert (logits[0:1, 7:12] - alone[1]).abs().max() > 1e-3
+
+
+def test_a_packed_qwen3_5_run_loads_with_its_layers_run_per_sample_and_an_unpacked_one_without(tmp_path):
+    """cptune's model loading installs the hooks exactly when the recipe packs."""
+    from cptune.config.recipe import Recipe
+    from cptune.models.loading import load_model
+
+    folder = tmp_path / "qwen3_5"
+    transformers.AutoModelForCausalLM.from_config(qwen3_5_config()).save_pretrained(folder)
+    for packing, hooks in ((True, 1), (False, 0)):
+        recipe = Recipe.model_validate(
+            {"base_model": str(folder), "datasets": [{"path": "d.jsonl"}], "sample_packing": packing}
+        )
+        model = load_model(recipe, "sdpa")
+        mixer = model.model.layers[0].linear_attn
+        assert len(mixer._forward_hooks) == hooks
 
 
 def llama4_config(floor_scale: int) -> transformers.PretrainedConfig:

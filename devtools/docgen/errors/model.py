@@ -172,16 +172,17 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         "model-stateful-layers-packed",
         SECTION,
-        "Sample packing with a model that has linear-attention, Mamba or convolution layers",
-        "sample_packing: base_model qwen3_5_text has layers of type ['linear_attention'], which carry a state "
-        "from each token to the next across a whole row",
+        "Sample packing with a model that has Mamba or convolution layers",
+        "sample_packing: base_model lfm2 has layers of type ['conv'], which carry a state from each token to "
+        "the next across a whole row",
         "Packed samples are kept apart by `position_ids` restarting at each sample, which attention layers turn "
-        "into a mask. transformers runs a recurrent layer (Qwen3-Next's and Qwen3.5's gated delta rule, "
-        "Mamba beside attention in Falcon-H1, LFM2's short convolutions) over the whole row, so each sample "
-        "would be trained on the ones packed before it, silently. Set `sample_packing: false` (one sample per "
-        "row, padded at its end, which a recurrent layer never reads back) or use a model with attention "
-        "layers only. Refused at any `context_parallel_size`; with context parallelism such models are "
-        "refused anyway (their recurrent layers would see only a slice of each row).",
+        "into a mask. transformers runs a recurrent layer (Mamba beside attention in Falcon-H1, Jamba or "
+        "Nemotron-H, LFM2's short convolutions) over the whole row, so each sample would be trained on the ones "
+        "packed before it, silently. Set `sample_packing: false` (one sample per row, padded at its end, which a "
+        "recurrent layer never reads back) or use a model with attention layers only. Qwen3.5's and "
+        "Qwen3-Next's linear-attention layers are not refused: cptune runs them sample by sample. Refused at "
+        "any `context_parallel_size`; with context parallelism such models are refused anyway (their recurrent "
+        "layers would see only a slice of each row).",
     ),
     Entry(
         "model-temperature-packed",

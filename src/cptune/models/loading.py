@@ -256,6 +256,12 @@ def load_model(
         keep_cpu_layers_differentiable(model)
     if recipe.resolved_gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    from cptune.parallel.backends.attention import runs_samples_apart
+
+    if recipe.sample_packing and runs_samples_apart(model.config.get_text_config()):
+        from cptune.models.document_recurrence import enable_document_recurrence
+
+        enable_document_recurrence(model)
     return model
 
 

@@ -7,7 +7,6 @@ from tests.reliability.catalogue.setups import (
     _bloom_model,
     _dropout_model,
     _hidden_dropout_model,
-    _linear_attention_model,
     _llama4_temperature_model,
     _llama_like,
     _lora_model_dir_missing,
@@ -16,6 +15,7 @@ from tests.reliability.catalogue.setups import (
     _model_with_truncated_weights,
     _model_without_weights,
     _saved_model,
+    _short_convolution_model,
     _sinks_model,
     _sliding_window_model,
     _softcapping_model,
@@ -107,7 +107,7 @@ CASES: tuple[Case, ...] = (
     Case(
         "model-stateful-layers-packed",
         keys={"sample_packing": True},
-        setup=_linear_attention_model,
+        setup=_short_convolution_model,
     ),
     Case(
         "model-temperature-packed",

@@ -341,18 +341,8 @@ def _sliding_window_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "mistral-windowed", _llama_like(ws, "MistralConfig", sliding_window=16))
 
 
-def _linear_attention_model(ws: Workspace) -> dict[str, Any]:
-    config = _llama_like(
-        ws,
-        "Qwen3_5TextConfig",
-        head_dim=16,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_value_heads=2,
-        linear_num_key_heads=1,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-    )
-    return _saved_model(ws, "qwen3_5", config)
+def _short_convolution_model(ws: Workspace) -> dict[str, Any]:
+    return _saved_model(ws, "lfm2", _llama_like(ws, "Lfm2Config", layer_types=["conv", "full_attention"]))
 
 
 def _llama4_temperature_model(ws: Workspace) -> dict[str, Any]:

@@ -268,6 +268,22 @@ def stateful_layer_types(config: Any) -> list[str]:
     )
 
 
+PER_SAMPLE_RECURRENCE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""transformers model types (of the text config) whose linear-attention layers cptune runs sample by sample on
+packed rows (:mod:`cptune.models.document_recurrence`); their full-attention layers build their masks from
+``position_ids`` (``masking_utils``), though their classes do not use the ``AttentionInterface``."""
+
+
+def runs_samples_apart(config: Any) -> bool:
+    """Whether cptune runs every layer of ``config`` (a text config) on each packed sample as on the sample alone
+    although some carry a state from token to token: Qwen3.5 and Qwen3-Next, full and linear attention only."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    return getattr(config, "model_type", None) in PER_SAMPLE_RECURRENCE and kinds <= {
+        "full_attention",
+        "linear_attention",
+    }
+
+
 def row_position_temperature(config: Any) -> int | None:
     """``floor_scale`` where ``config``'s layers without rotary embeddings scale their queries by the token's place.
 

@@ -15,6 +15,7 @@ from cptune.parallel.backends.attention import (
     check_full_attention,
     register_attention,
     row_position_temperature,
+    runs_samples_apart,
     stateful_layer_types,
 )
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
@@ -125,7 +126,7 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
             f"below {floor}, or attn_temperature_tuning: false in overrides_of_model_config."
         )
     kinds = stateful_layer_types(text_config)
-    if kinds:
+    if kinds and not runs_samples_apart(text_config):
         raise CptuneError(
             f"sample_packing: base_model {model} has layers of type {kinds}, which carry a state from each "
             "token to the next across a whole row (linear attention, state-space or convolution layers); "
@@ -135,7 +136,7 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
         )
 
 
-def check_packing_masks(recipe: Recipe, model_class: type | None) -> None:
+def check_packing_masks(recipe: Recipe, text_config: Any, model_class: type | None) -> None:
     """Refuse sample packing at cp=1 for a model whose attention transformers' masks would not split by sample.
 
     A model that routes its attention through transformers' ``AttentionInterface`` builds its masks with
@@ -143,10 +144,11 @@ def check_packing_masks(recipe: Recipe, model_class: type | None) -> None:
     cptune's document attention replaces it). The older models that do not (Bloom, Falcon, MPT) build their
     own causal masks over the whole row: their packed samples attend to each other (a sample packed after 6
     tokens of another: its logits move by 3e-3 on a tiny Bloom, 0.2 on a tiny Falcon). The check is by class:
-    GPT-J, whose own masks do read position_ids, is refused too. A model class cptune cannot see (remote
+    GPT-J, whose own masks do read position_ids, is refused too; Qwen3.5 and Qwen3-Next, whose masks do and
+    whose linear-attention layers cptune runs per sample, are not. A model class cptune cannot see (remote
     code) is not checked.
     """
-    if not recipe.sample_packing or model_class is None:
+    if not recipe.sample_packing or model_class is None or runs_samples_apart(text_config):
         return
     if not getattr(model_class, "_supports_attention_backend", False):
         raise CptuneError(
@@ -168,7 +170,7 @@ def check_model_config(
     if not dims.cp_enabled and recipe.causal:
         # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
         # serve it (local.runtime.attends_by_document): only packing needs transformers' masks
-        check_packing_masks(recipe, model_class)
+        check_packing_masks(recipe, text, model_class)
         return
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
