@@ -82,3 +82,19 @@ def test_the_same_key_with_and_without_prefix_is_refused():
         "'fsdp_offload_params' and 'offload_params' are the same key (with and without the fsdp_ prefix); "
         "keep one of them."
     )
+
+
+def test_the_fsdp_version_inside_fsdp_config_is_axolotls_second_place_for_it():
+    """Axolotl reads fsdp_config.version (or fsdp_version) when the top level has none (13 of its examples)."""
+    for key in ("version", "fsdp_version"):
+        recipe = validate_recipe({**MINIMAL, "fsdp_config": {key: 2, "offload_params": True}})
+        assert recipe.is_fsdp and recipe.fsdp_config.offload_params
+        same = validate_recipe({**MINIMAL, "fsdp_version": 2, "fsdp_config": {key: 2}})
+        assert same.is_fsdp
+    found = problems({**MINIMAL, "fsdp_version": 2, "fsdp_config": {"version": 1}})
+    assert found["fsdp_config.version"].endswith(
+        "it differs from fsdp_version at the top level of the recipe; keep one of them."
+    )
+    assert problems({**MINIMAL, "fsdp_config": {"version": 1}})["fsdp_version"].startswith(
+        "FSDP1 is not supported"
+    )

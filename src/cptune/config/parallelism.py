@@ -130,6 +130,20 @@ class ShardingKeys(BaseModel):
         "heads, MLP columns) and see the same tokens; full fine-tunes with cp_backend: ring-flash-attn.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_in_fsdp_config(cls, data: Any) -> Any:
+        # Axolotl also reads the FSDP version from fsdp_config (version, or fsdp_version) when the recipe's
+        # top level has none. The same version in both places is accepted too; one that differs stays in
+        # fsdp_config, where it is refused (cptune.config.axolotl.keys).
+        if not isinstance(data, dict) or not isinstance(data.get("fsdp_config"), dict):
+            return data
+        section = dict(data["fsdp_config"])
+        for key in ("version", "fsdp_version"):
+            if key in section and (data.get("fsdp_version") is None or data["fsdp_version"] == section[key]):
+                data = {**data, "fsdp_version": section.pop(key)}
+        return {**data, "fsdp_config": section}
+
     @property
     def is_fsdp(self) -> bool:
         """FSDP2 sharding of the model states is asked for (it takes effect with more than one process)."""

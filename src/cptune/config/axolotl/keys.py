@@ -83,7 +83,7 @@ UNSUPPORTED_FSDP_KEYS: dict[str, str] = {
     "backward_prefetch": _FSDP1_ONLY,
     "forward_prefetch": _FSDP1_ONLY,
     "min_num_params": "size-based wrapping is not supported: every decoder layer is its own FSDP unit; remove it.",
-    "version": "set fsdp_version at the top level of the recipe.",
+    "version": "it differs from fsdp_version at the top level of the recipe; keep one of them.",
     "activation_checkpointing_reentrant": "cptune's gradient checkpointing is non-reentrant; remove it.",
 }
 """Keys Axolotl or accelerate accept inside ``fsdp_config`` that cptune does not (after a leading ``fsdp_``)."""
