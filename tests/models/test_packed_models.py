@@ -15,7 +15,12 @@ import transformers
 
 from cptune.config.loader import load_recipe
 from cptune.errors import CptuneError
-from cptune.parallel.backends.attention import row_position_temperature, stateful_layer_types
+from cptune.parallel.backends.attention import (
+    PACKED_MASKS_FROM_POSITION_IDS,
+    row_position_temperature,
+    stateful_layer_types,
+    windowed_layer_types,
+)
 from cptune.run.plan import RunPlan
 
 SMALL = {
@@ -265,5 +270,74 @@ def test_packing_is_refused_for_a_model_whose_own_masks_let_packed_samples_atten
         f"sample_packing: base_model {model_class.__name__} does not route its attention through transformers' "
         "AttentionInterface, so neither cptune's attention nor transformers' masks from position_ids keep its "
         "packed samples apart"
+    ), str(refused.value)
+    RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)
+
+
+# Tiny configs of the model types cptune leaves to transformers' masks with packing at cp=1: every layer kind of
+# the type, two layers, windows of 4 tokens (shorter than the samples below).
+_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "sliding_window": 4,
+    "attention_chunk_size": 4,
+    "moe_intermediate_size": 32,
+    "num_experts": 2,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+}
+_TINY_EXTRA = {
+    "gemma3n_text": {
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 64,
+        "laurel_rank": 4,
+        "activation_sparsity_pattern": [0.0, 0.0],
+        "intermediate_size": [64, 64],
+    },
+    "gemma4_text": {"global_head_dim": 16, "num_global_key_value_heads": 1},
+    "phi3": {"pad_token_id": 0},
+    "qwen2": {"use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+    """A two-layer model of ``model_type`` whose windowed (or chunked) layers alternate with its full ones."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    fields = {k: v for k, v in _TINY.items() if k in defaults or k == "sliding_window"}
+    kinds = list(dict.fromkeys(defaults.get("layer_types") or []))
+    if kinds:
+        fields["layer_types"] = (kinds * 2)[:2] if len(kinds) > 1 else kinds * 2
+    return config_class(**{**fields, **_TINY_EXTRA.get(model_type, {})})
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKED_MASKS_FROM_POSITION_IDS))
+def test_each_model_type_left_to_transformers_masks_keeps_packed_samples_apart(model_type):
+    """The types cptune lets pack at cp=1 through transformers' own masks; afmoe, whose masks ignore
+    position_ids, is the counter-example. Bound: float32 rounding of sums over a hidden size of 32 of values
+    below 3 (1.2e-7 x 32 x 3 = 1.2e-5) against a sample packed after 6 tokens of another."""
+    config = tiny_config(model_type)
+    text = config.get_text_config()
+    assert text.model_type == model_type and windowed_layer_types(text), windowed_layer_types(text)
+    assert second_sample_gap(config) <= 1.2e-5
+
+
+def test_a_windowed_model_whose_masks_ignore_position_ids_is_refused_to_pack_at_cp1(write_recipe):
+    config = tiny_config("afmoe")
+    assert second_sample_gap(config) > 1e-2  # its packed samples attend to each other
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    with pytest.raises(CptuneError) as refused:
+        RunPlan.build(load_recipe(write_recipe(sample_packing=True)), 1).check_model(config, model_class)
+    assert str(refused.value).startswith(
+        "sample_packing: base_model afmoe has attention layers of type ['sliding_attention'], which at "
+        "context_parallel_size: 1 transformers computes with masks of its own"
     ), str(refused.value)
     RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)

@@ -170,6 +170,20 @@ ENTRIES: tuple[Entry, ...] = (
         "refused anyway.",
     ),
     Entry(
+        "model-packed-masks-unchecked",
+        SECTION,
+        "Sample packing at context_parallel_size 1 with a windowed model cptune has not checked",
+        "sample_packing: base_model afmoe has attention layers of type ['sliding_attention'], which at "
+        "context_parallel_size: 1 transformers computes with masks of its own",
+        "At `context_parallel_size: 1` cptune leaves sliding-window and chunked attention layers to "
+        "transformers' `sdpa`, whose masks keep packed samples apart only where the model's code builds them "
+        "from `position_ids`. cptune lets the model types it has checked pack (Gemma 3, Gemma 3n, Gemma 4, "
+        "Mistral, Ministral, Mixtral, Qwen2, Phi-3, Starcoder2, Cohere 2, Olmo 3, EXAONE 4, Llama 4 text and a "
+        "few more; `PACKED_MASKS_FROM_POSITION_IDS` in `cptune/parallel/backends/attention.py`); AfMoE builds "
+        "its masks without them, so its packed samples attend to each other. Set `sample_packing: false`, or "
+        "train with `context_parallel_size: 2` or more, where cptune's attention keeps the samples apart.",
+    ),
+    Entry(
         "model-stateful-layers-packed",
         SECTION,
         "Sample packing with a model that has Mamba or convolution layers",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tests.reliability.catalogue.framework import DELETE, Case
 from tests.reliability.catalogue.setups import (
+    _afmoe_model,
     _bloom_model,
     _dropout_model,
     _hidden_dropout_model,
@@ -103,6 +104,11 @@ CASES: tuple[Case, ...] = (
         "model-packed-without-attention-interface",
         keys={"sample_packing": True},
         setup=_bloom_model,
+    ),
+    Case(
+        "model-packed-masks-unchecked",
+        keys={"sample_packing": True},
+        setup=_afmoe_model,
     ),
     Case(
         "model-stateful-layers-packed",

@@ -358,6 +358,20 @@ def _llama4_temperature_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "llama4", config)
 
 
+def _afmoe_model(ws: Workspace) -> dict[str, Any]:
+    config = _llama_like(
+        ws,
+        "AfmoeConfig",
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        moe_intermediate_size=32,
+        num_experts=2,
+        num_experts_per_tok=1,
+    )
+    return _saved_model(ws, "afmoe", config)
+
+
 def _softcapping_model(ws: Workspace) -> dict[str, Any]:
     return _saved_model(ws, "gemma2", _llama_like(ws, "Gemma2Config", head_dim=16))
 

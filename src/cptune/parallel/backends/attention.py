@@ -268,6 +268,34 @@ def stateful_layer_types(config: Any) -> list[str]:
     )
 
 
+PACKED_MASKS_FROM_POSITION_IDS = frozenset(
+    {
+        "beam",
+        "cohere2",
+        "cohere2_moe",
+        "cwm",
+        "exaone4",
+        "exaone_moe",
+        "gemma3_text",
+        "gemma3n_text",
+        "gemma4_text",
+        "kolibri1",
+        "llama4_text",
+        "ministral",
+        "mistral",
+        "mixtral",
+        "olmo3",
+        "phi3",
+        "qwen2",
+        "starcoder2",
+    }
+)
+"""transformers model types (of the text config) with sliding-window or chunked layers whose code (transformers
+5.23) builds its attention masks from ``position_ids``, so that a packed row through transformers' own attention
+keeps its samples apart: cptune leaves such layers to transformers' ``sdpa`` at context_parallel_size 1. Each is
+checked on a tiny model (tests/models/test_packed_models.py); afmoe, for one, builds its masks without
+``position_ids``. Types without an ``sdpa`` path in transformers (Gemma 2, VaultGemma) cannot run there at all."""
+
 PER_SAMPLE_RECURRENCE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 """transformers model types (of the text config) whose linear-attention layers cptune runs sample by sample on
 packed rows (:mod:`cptune.models.document_recurrence`); their full-attention layers build their masks from

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 from cptune.errors import CptuneError
 from cptune.parallel.backends.attention import (
     ATTENTION_NAME,
+    PACKED_MASKS_FROM_POSITION_IDS,
     check_attention_features,
     check_full_attention,
     register_attention,
     row_position_temperature,
     runs_samples_apart,
     stateful_layer_types,
+    windowed_layer_types,
 )
 from cptune.parallel.backends.spec import BackendPlan, BackendPolicy
 from cptune.parallel.layout import ParallelDims
@@ -136,8 +138,13 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
         )
 
 
-def check_packing_masks(recipe: Recipe, text_config: Any, model_class: type | None) -> None:
+def check_packing_masks(recipe: Recipe, config: Any, model_class: type | None) -> None:
     """Refuse sample packing at cp=1 for a model whose attention transformers' masks would not split by sample.
+
+    Two cases: a model class without the ``AttentionInterface`` (below), and a model with sliding-window or
+    other non-full layers, which cptune leaves to transformers' masks at cp=1 (:func:`.local.runtime.attends_by_document`)
+    unless its type is one checked to build them from ``position_ids``
+    (:data:`~cptune.parallel.backends.attention.PACKED_MASKS_FROM_POSITION_IDS`; afmoe does not).
 
     A model that routes its attention through transformers' ``AttentionInterface`` builds its masks with
     ``masking_utils``, which turns ``position_ids`` restarting at each sample into a mask per sample (or
@@ -148,6 +155,7 @@ def check_packing_masks(recipe: Recipe, text_config: Any, model_class: type | No
     whose linear-attention layers cptune runs per sample, are not. A model class cptune cannot see (remote
     code) is not checked.
     """
+    text_config = config.get_text_config()
     if not recipe.sample_packing or model_class is None or runs_samples_apart(text_config):
         return
     if not getattr(model_class, "_supports_attention_backend", False):
@@ -157,6 +165,19 @@ def check_packing_masks(recipe: Recipe, text_config: Any, model_class: type | No
             "position_ids keep its packed samples apart: every packed sample would be trained on the ones "
             "packed before it. Set sample_packing: false (one sample per row, padded), or use a model that "
             "does (e.g. Llama, Qwen2/3, Mistral, Gemma 3)."
+        )
+    from cptune.parallel.backends.local.runtime import attends_by_document
+
+    kinds = windowed_layer_types(text_config)
+    model = getattr(text_config, "model_type", None)
+    if kinds and not attends_by_document(recipe, config) and model not in PACKED_MASKS_FROM_POSITION_IDS:
+        raise CptuneError(
+            f"sample_packing: base_model {model} has attention layers of type {kinds}, which at "
+            "context_parallel_size: 1 transformers computes with masks of its own, and cptune has not checked "
+            f"that transformers' code for {model} builds them from position_ids (where each packed sample "
+            "begins): its packed samples could attend to each other. Set sample_packing: false (one sample "
+            "per row, padded), or train with context_parallel_size: 2 or more, where cptune's attention keeps "
+            "the samples apart."
         )
 
 
@@ -170,7 +191,7 @@ def check_model_config(
     if not dims.cp_enabled and recipe.causal:
         # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
         # serve it (local.runtime.attends_by_document): only packing needs transformers' masks
-        check_packing_masks(recipe, text, model_class)
+        check_packing_masks(recipe, config, model_class)
         return
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
