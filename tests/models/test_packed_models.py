@@ -204,8 +204,14 @@ def llama4_config(floor_scale: int) -> transformers.PretrainedConfig:
 
 def second_sample_gap(config: transformers.PretrainedConfig) -> float:
     """The largest logit difference of a sample packed after 6 tokens of another from the same sample alone."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    from cptune.parallel.backends.local.runtime import transformers_attention
+
+    torch.manual_seed(
+        0
+    )  # transformers' attention as cptune runs it at cp=1: sdpa, or eager where there is none
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=transformers_attention(config)
+    ).eval()
     first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
     with torch.no_grad():
         alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
@@ -341,3 +347,13 @@ def test_a_windowed_model_whose_masks_ignore_position_ids_is_refused_to_pack_at_
         "context_parallel_size: 1 transformers computes with masks of its own"
     ), str(refused.value)
     RunPlan.build(load_recipe(write_recipe(sample_packing=False)), 1).check_model(config, model_class)
+
+
+def test_a_model_without_an_sdpa_path_runs_transformers_eager_attention_at_cp1():
+    """Gemma 2 has no sdpa in transformers 5.23: loading it with sdpa fails, so cp=1 takes eager."""
+    from cptune.parallel.backends.local.runtime import transformers_attention
+
+    assert transformers_attention(tiny_config("gemma2")) == "eager"
+    assert transformers_attention(tiny_config("mistral")) == "sdpa"
+    with pytest.raises(ValueError, match="does not support an attention implementation through"):
+        transformers.AutoModelForCausalLM.from_config(tiny_config("gemma2"), attn_implementation="sdpa")

@@ -276,11 +276,16 @@ PACKED_MASKS_FROM_POSITION_IDS = frozenset(
         "cwm",
         "exaone4",
         "exaone_moe",
+        "flint",
+        "gemma2",
         "gemma3_text",
         "gemma3n_text",
         "gemma4_text",
+        "granite_swa",
+        "granitemoe_swa",
         "kolibri1",
         "llama4_text",
+        "mimo_v2_flash",
         "ministral",
         "mistral",
         "mixtral",
@@ -288,13 +293,14 @@ PACKED_MASKS_FROM_POSITION_IDS = frozenset(
         "phi3",
         "qwen2",
         "starcoder2",
+        "vaultgemma",
     }
 )
 """transformers model types (of the text config) with sliding-window or chunked layers whose code (transformers
 5.23) builds its attention masks from ``position_ids``, so that a packed row through transformers' own attention
-keeps its samples apart: cptune leaves such layers to transformers' ``sdpa`` at context_parallel_size 1. Each is
-checked on a tiny model (tests/models/test_packed_models.py); afmoe, for one, builds its masks without
-``position_ids``. Types without an ``sdpa`` path in transformers (Gemma 2, VaultGemma) cannot run there at all."""
+keeps its samples apart: cptune leaves such layers to transformers at context_parallel_size 1 (``sdpa``, or
+``eager`` for Gemma 2 and the others without an sdpa path). Each is checked on a tiny model
+(tests/models/test_packed_models.py); afmoe, for one, builds its masks without ``position_ids``."""
 
 PER_SAMPLE_RECURRENCE = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 """transformers model types (of the text config) whose linear-attention layers cptune runs sample by sample on

@@ -37,6 +37,7 @@ class LocalRuntime:
             causal=recipe.causal,
             documents=attends_by_document(recipe, model_config),
             kv_heads_per_call=recipe.attention_kv_heads_per_call,
+            transformers_attention=transformers_attention(model_config),
         )
         return BackendPlan(local.attn_implementation, lambda accelerator, model: local)
 
@@ -45,6 +46,18 @@ class LocalRuntime:
 
     def import_patches(self) -> Sequence[Patch]:
         return ()
+
+
+def transformers_attention(model_config: Any) -> str:
+    """transformers' attention for a cp=1 run that leaves attention to the model: ``sdpa``, or ``eager`` where the
+    model's class has no sdpa path (Gemma 2, VaultGemma in transformers 5.23; eager keeps a tokens x tokens matrix
+    of attention weights per head)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(model_config), None)
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
+    return "sdpa"
 
 
 def attends_by_document(recipe: Recipe, model_config: Any) -> bool:

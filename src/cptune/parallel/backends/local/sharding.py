@@ -39,18 +39,28 @@ class LocalBackend(SameBatchForEveryCpRank):
         causal: Causal attention within each document; otherwise bidirectional.
         documents: Attend document by document (no ``tokens x tokens`` mask); otherwise through a mask.
         kv_heads_per_call: KV heads per FlashAttention-2 call of the document attention (None: all).
+        transformers_attention: transformers' implementation for causal attention without ``documents``:
+            ``sdpa``, or ``eager`` for a model without an sdpa path (Gemma 2 in transformers 5.23).
     """
 
-    def __init__(self, causal: bool, *, documents: bool = False, kv_heads_per_call: int | None = None):
+    def __init__(
+        self,
+        causal: bool,
+        *,
+        documents: bool = False,
+        kv_heads_per_call: int | None = None,
+        transformers_attention: str = "sdpa",
+    ):
         self.causal = causal
         self.documents = documents
         self.kv_heads_per_call = kv_heads_per_call
-        self.attn_implementation = "sdpa" if causal and not documents else ATTENTION_NAME
+        self.transformers_path = causal and not documents
+        self.attn_implementation = transformers_attention if self.transformers_path else ATTENTION_NAME
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
         coords = full_coords(batch.shape, batch.input_ids.device)
-        if self.attn_implementation == "sdpa":
+        if self.transformers_path:
             return ShardedInputs(
                 model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None, coords=coords
             )
