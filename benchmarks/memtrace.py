@@ -104,17 +104,17 @@ def traced_allocations(result: Any) -> list[tuple[int, int]]:
     each free is matched to an allocation seen in this trace.
     """
     records = []
-    stack = list(result.experimental_event_tree())
-    while stack:
+    stack = list(reversed(result.experimental_event_tree()))
+    while stack:  # in the tree's order (depth first, children in order), which breaks ties of time below
         node = stack.pop()
-        stack.extend(node.children)
+        stack.extend(reversed(node.children))
         fields = node.extra_fields
         if isinstance(fields, _AllocationFields) and fields.device.type == "cpu":
-            records.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-    records.sort(key=lambda record: record[0])
+            records.append((node.start_time_ns, len(records), fields.ptr, fields.alloc_size))
+    records.sort(key=lambda record: record[:2])
     live: dict[int, int] = {}
     memory = []
-    for when, address, nbytes in records:
+    for when, _, address, nbytes in records:
         if nbytes > 0:
             live[address] = nbytes
             memory.append((when, nbytes))

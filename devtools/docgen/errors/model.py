@@ -180,8 +180,9 @@ ENTRIES: tuple[Entry, ...] = (
         "from `position_ids`. cptune lets the model types it has checked pack (Gemma 3, Gemma 3n, Gemma 4, "
         "Mistral, Ministral, Mixtral, Qwen2, Phi-3, Starcoder2, Cohere 2, Olmo 3, EXAONE 4, Llama 4 text and a "
         "few more; `PACKED_MASKS_FROM_POSITION_IDS` in `cptune/parallel/backends/attention.py`); AfMoE builds "
-        "its masks without them, so its packed samples attend to each other. Set `sample_packing: false`, or "
-        "train with `context_parallel_size: 2` or more, where cptune's attention keeps the samples apart.",
+        "its masks without them, so its packed samples attend to each other. Set `sample_packing: false`; for "
+        "sliding windows, `context_parallel_size: 2` or more with `cp_backend: ring-flash-attn` "
+        "(`ring_attn_func: varlen_llama3`) keeps the samples apart in cptune's own attention.",
     ),
     Entry(
         "model-stateful-layers-packed",

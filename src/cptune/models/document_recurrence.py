@@ -9,25 +9,22 @@ run each sample of a packed row on its own, from a zero state, as the sample wou
 It is installed with module hooks, not a change to the model's source (as :mod:`cptune.models.tiled_mlp`):
 
 * a forward pre-hook on each decoder layer that has a linear-attention mixer reads the layer's
-  ``position_ids`` and keeps the samples' bounds for the call that follows (a packed row's samples
-  restart their positions; :func:`cptune.labels.document_starts`);
-* a forward pre-hook on the mixer hands its own ``forward`` the first token of each row only (so the
-  whole-row computation does next to no work) and keeps the input;
+  ``position_ids`` (a packed row's samples restart their positions; :func:`cptune.labels.document_starts`)
+  and adds the samples' bounds to the keyword arguments the layer hands its mixer;
+* a forward pre-hook on the mixer takes them out and hands the mixer's own ``forward`` the first token of
+  each row only (so the whole-row computation does next to no work), keeping the input;
 * the mixer's forward hook replaces that result by the mixer's ``forward`` run on each sample of each
   row, concatenated back in place.
 
-The bounds stay on the hook from one call of the decoder layer to the next: gradient checkpointing
-recomputes the layer's ``forward`` in the backward without the layer's own hooks (transformers 5.23
-checkpoints ``forward``, not ``__call__``) but with its mixer's, which then find the bounds of the forward
-they recompute. A row
-that holds one sample, a call without ``position_ids``, or one with a cache (generation) passes through
-unchanged. The mixer's submodules are called as usual, so peft's LoRA layers on its projections work
+A row that holds one sample, a call without ``position_ids``, or one with a cache (generation) passes
+through unchanged. The mixer's submodules are called as usual, so peft's LoRA layers on its projections work
 unchanged. Exactness: each sample's output is the mixer's output on that sample alone, computed by the
 same code (tests/models/test_packed_models.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -39,41 +36,65 @@ MIXER = "linear_attn"
 are :data:`cptune.parallel.backends.attention.PER_SAMPLE_RECURRENCE`)."""
 
 
-class DocumentRecurrence:
-    """The hooks that run one decoder layer's linear-attention mixer sample by sample."""
+BOUNDS_KWARG = "cptune_sample_bounds"
+"""The keyword that carries a packed batch's sample bounds from a decoder layer's call to its mixer's."""
 
-    def __init__(self, layer: torch.nn.Module):
+
+class _BoundsOf:
+    """The sample bounds of the last ``position_ids`` tensor asked about: every layer of a forward gets the same
+    tensor, so its bounds are read (one device-to-host copy) once per forward, not once per layer."""
+
+    def __init__(self) -> None:
+        self._tensor: weakref.ref[torch.Tensor] | None = None
+        self._bounds: list[list[tuple[int, int]]] = []
+
+    def __call__(self, position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+        if self._tensor is None or self._tensor() is not position_ids:
+            self._tensor, self._bounds = weakref.ref(position_ids), sample_bounds(position_ids)
+        return self._bounds
+
+
+class DocumentRecurrence:
+    """The hooks that run one decoder layer's linear-attention mixer sample by sample.
+
+    The decoder layer's pre-hook adds the bounds to the layer's keyword arguments, which the layer hands on to
+    its mixer, so they travel with the call; gradient checkpointing keeps them with the arguments it
+    recomputes the layer's ``forward`` from (transformers 5.23 checkpoints ``forward``, not ``__call__``, so
+    the layer's hooks do not run again, its mixer's do). The mixer's pre-hook takes them out of the call.
+    """
+
+    def __init__(self, layer: torch.nn.Module, bounds_of: _BoundsOf):
         self.mixer: torch.nn.Module = getattr(layer, MIXER)
-        self._bounds: list[list[tuple[int, int]]] | None = (
-            None  # from the decoder layer, for its mixer's call
-        )
-        self._hidden: torch.Tensor | None = None  # the mixer's input, kept for its forward hook
-        self._row_bounds: list[list[tuple[int, int]]] = []
-        self._kwargs: dict[str, Any] = {}
+        self._bounds_of = bounds_of
+        # Between the mixer's pre-hook and its forward hook (one call): its input and the samples' bounds.
+        self._call: tuple[torch.Tensor, list[list[tuple[int, int]]]] | None = None
         self.handles = [
-            layer.register_forward_pre_hook(self._read_bounds, with_kwargs=True),
+            layer.register_forward_pre_hook(self._add_bounds, with_kwargs=True),
             self.mixer.register_forward_pre_hook(self._keep_input, with_kwargs=True),
-            self.mixer.register_forward_hook(self._run_samples, with_kwargs=True),
+            self.mixer.register_forward_hook(self._run_samples),
         ]
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
-    def _read_bounds(self, layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def _add_bounds(self, layer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         position_ids = kwargs.get("position_ids")
-        self._bounds = None
         if position_ids is None or kwargs.get("past_key_values") is not None:
-            return
-        bounds = sample_bounds(position_ids)
-        if any(len(row) > 1 for row in bounds):
-            self._bounds = bounds
+            return None
+        bounds = self._bounds_of(position_ids)
+        if not any(len(row) > 1 for row in bounds):
+            return None  # one sample per row: the mixer's own computation is the sample's
+        return args, {**kwargs, BOUNDS_KWARG: bounds}
 
     def _keep_input(self, mixer: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
-        bounds = self._bounds
-        if bounds is None or kwargs.get("cache_params") is not None:
-            self._hidden = None
+        self._call = None
+        if BOUNDS_KWARG not in kwargs:
             return None
+        kwargs = dict(kwargs)
+        bounds = kwargs.pop(BOUNDS_KWARG)
+        if kwargs.get("cache_params") is not None:
+            return args, kwargs
         if args:  # transformers' decoder layers pass every argument by keyword
             raise RuntimeError(
                 "cptune runs a linear-attention layer's samples apart only when it is called by keyword"
@@ -84,25 +105,22 @@ class DocumentRecurrence:
                 f"{len(bounds)} rows of position_ids for {hidden.shape[0]} rows of hidden states in a "
                 "linear-attention layer; cptune runs its samples apart from the decoder layer's position_ids"
             )
-        self._hidden, self._row_bounds = hidden, bounds
-        self._kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
+        self._call = (hidden, bounds)
         return args, {**kwargs, "hidden_states": hidden[:, :1], "attention_mask": None}
 
-    def _run_samples(self, mixer: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
-        hidden, self._hidden = self._hidden, None
-        if hidden is None:
+    def _run_samples(self, mixer: torch.nn.Module, args: tuple, output: Any) -> Any:
+        call, self._call = self._call, None
+        if call is None:
             return None
+        hidden, bounds = call
         forward = type(mixer).forward
-        rows = []
-        for row, bounds in enumerate(self._row_bounds):
-            pieces = [
-                forward(
-                    mixer, hidden_states=hidden[row : row + 1, start:end], attention_mask=None, **self._kwargs
-                )
-                for start, end in bounds
-            ]
-            rows.append(torch.cat(pieces, dim=1))
-        self._kwargs, self._row_bounds = {}, []
+        # Each sample alone, as its own batch of one row: no cache, no padding mask, no whole-row arguments.
+        rows = [
+            torch.cat(
+                [forward(mixer, hidden_states=hidden[row : row + 1, start:end]) for start, end in spans], 1
+            )
+            for row, spans in enumerate(bounds)
+        ]
         return torch.cat(rows, dim=0)
 
 
@@ -119,8 +137,9 @@ def sample_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
 
 def enable_document_recurrence(model: torch.nn.Module) -> list[DocumentRecurrence]:
     """Run every linear-attention mixer of ``model`` sample by sample on packed rows; returns the hooks."""
+    bounds_of = _BoundsOf()
     return [
-        DocumentRecurrence(module)
+        DocumentRecurrence(module, bounds_of)
         for module in model.modules()
         if isinstance(getattr(module, MIXER, None), torch.nn.Module)
     ]

@@ -204,12 +204,14 @@ def override_config(config: Any, overrides: dict[str, Any]) -> None:
 
 
 def load_model(
-    recipe: Recipe, attn_implementation: str, path: str | None = None, *, local_rank: int = 0
+    recipe: Recipe, attn_implementation: str | None, path: str | None = None, *, local_rank: int = 0
 ) -> Any:
     """The base model (or the full model saved at ``path``) in the recipe's dtype and attention.
 
-    A base model is quantized as the recipe says (load_in_4bit, load_in_8bit); ``local_rank`` picks
-    the GPU a quantized copy goes to.
+    ``attn_implementation`` None: transformers' own attention, ``sdpa`` or ``eager`` where the model has
+    no sdpa path (:func:`cptune.parallel.backends.local.runtime.transformers_attention`). A base model is
+    quantized as the recipe says (load_in_4bit, load_in_8bit); ``local_rank`` picks the GPU a quantized
+    copy goes to.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -219,6 +221,10 @@ def load_model(
     source = path or recipe.base_model
     revision = None if path else recipe.model_revision
     config = model_config(recipe, path)
+    if attn_implementation is None:
+        from cptune.parallel.backends.local.runtime import transformers_attention
+
+        attn_implementation = transformers_attention(config)
     quantized = {}
     if path is None and recipe.is_quantized:
         quantized = {

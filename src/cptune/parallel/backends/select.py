@@ -176,8 +176,8 @@ def check_packing_masks(recipe: Recipe, config: Any, model_class: type | None) -
             "context_parallel_size: 1 transformers computes with masks of its own, and cptune has not checked "
             f"that transformers' code for {model} builds them from position_ids (where each packed sample "
             "begins): its packed samples could attend to each other. Set sample_packing: false (one sample "
-            "per row, padded), or train with context_parallel_size: 2 or more, where cptune's attention keeps "
-            "the samples apart."
+            "per row, padded); for sliding windows, context_parallel_size: 2 or more with cp_backend: "
+            "ring-flash-attn (ring_attn_func: varlen_llama3) also keeps the samples apart, in cptune's attention."
         )
 
 

@@ -147,11 +147,7 @@ def load_inference_model(recipe: Recipe, source: ModelSource, tokenizer: Any) ->
 
     ``tokenizer`` is the recipe's (with the tokens it adds, whose embeddings training grew).
     """
-    from cptune.models.loading import model_config
-    from cptune.parallel.backends.local.runtime import transformers_attention
-
-    path = str(source.path) if source.kind == "full" else None
-    model = load_source_model(recipe, source, transformers_attention(model_config(recipe, path)), tokenizer)
+    model = load_source_model(recipe, source, None, tokenizer)  # transformers' own attention
     # Training turned the KV cache off (see load_model); generation wants it.
     model.config.use_cache = True
     if not recipe.causal:

@@ -73,8 +73,9 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=recipe.trust_remote_code)
     else:
         tokenizer = load_tokenizer(recipe)
-    # The default attention implementation: the saved model must not name cptune's CP attention.
-    base = load_model(recipe, "sdpa")
+    # transformers' own attention (sdpa, or eager where the model has none): the saved model must not name
+    # cptune's CP attention.
+    base = load_model(recipe, None)
     if recipe.is_quantized:
         # The adapter was trained on the quantized weights: merge it into those, dequantized, so the
         # merged model computes what the trained one did (not into the original weights).

@@ -104,7 +104,7 @@ def _check_weights(path: Path, config_name: str, names: tuple[str, ...] | None) 
 def load_source_model(
     recipe: Recipe,
     source: ModelSource,
-    attn_implementation: str,
+    attn_implementation: str | None,
     tokenizer: Any,
     *,
     check_model: Callable[[Any, type], None] | None = None,

@@ -54,13 +54,15 @@ class LocalBackend(SameBatchForEveryCpRank):
         self.causal = causal
         self.documents = documents
         self.kv_heads_per_call = kv_heads_per_call
-        self.transformers_path = causal and not documents
-        self.attn_implementation = transformers_attention if self.transformers_path else ATTENTION_NAME
+        self.uses_transformers_attention = causal and not documents
+        self.attn_implementation = (
+            transformers_attention if self.uses_transformers_attention else ATTENTION_NAME
+        )
 
     def shard(self, batch: TokenBatch) -> ShardedInputs:
         kwargs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
         coords = full_coords(batch.shape, batch.input_ids.device)
-        if self.transformers_path:
+        if self.uses_transformers_attention:
             return ShardedInputs(
                 model_kwargs=kwargs, shift_labels=batch.shift_labels, call=None, coords=coords
             )
