@@ -68,6 +68,24 @@ PER_SAMPLE = {
 }
 
 
+def second_sample_gap(config: transformers.PretrainedConfig) -> float:
+    """The largest logit difference of a sample packed after 6 tokens of another from the same sample alone."""
+    from cptune.parallel.backends.local.runtime import transformers_attention
+
+    torch.manual_seed(0)
+    # transformers' attention as cptune runs it at cp=1: sdpa, or eager where there is none.
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=transformers_attention(config)
+    ).eval()
+    first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
+        packed_ids = torch.cat([first, second], 1)
+        positions = torch.cat([torch.arange(6), torch.arange(9)])[None]
+        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 6:]
+    return float((packed - alone).abs().max())
+
+
 def test_transformers_carries_a_linear_attention_state_across_packed_samples():
     """Why packing is refused: the second sample of a packed row is not computed as it is alone.
 
@@ -75,15 +93,7 @@ def test_transformers_carries_a_linear_attention_state_across_packed_samples():
     restart at 0 into a mask per sample: a Llama is exact here to fp32 rounding, about 1e-7); the
     linear-attention layer does not. The gap is the first sample's state (6e-3 for this seed), far above
     rounding; if transformers ever restarts these layers at each sample, this fails and the refusal can go."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(qwen3_5_config()).eval()
-    first, second = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 5))
-    with torch.no_grad():
-        alone = model(input_ids=second, position_ids=torch.arange(5)[None], use_cache=False).logits
-        packed_ids = torch.cat([first, second], 1)
-        positions = torch.cat([torch.arange(7), torch.arange(5)])[None]
-        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 7:]
-    assert (packed - alone).abs().max() > 10 * ROUNDING
+    assert second_sample_gap(qwen3_5_config()) > 10 * ROUNDING
 
 
 @pytest.mark.parametrize(
@@ -101,9 +111,8 @@ def test_transformers_carries_a_linear_attention_state_across_packed_samples():
 )
 def test_stateful_layer_types_are_the_kinds_that_mix_tokens_other_than_by_attention(config, kinds):
     layer_types = getattr(config, "layer_types", None)
-    if (
-        kinds is None
-    ):  # NemotronH: its Mamba layers count, its MLP and mixture-of-experts layers mix no tokens
+    if kinds is None:
+        # NemotronH: its Mamba layers count, its MLP and mixture-of-experts layers mix no tokens.
         assert {"mlp", "moe", "linear_attention"} <= set(layer_types)
         kinds = ["linear_attention"]
     assert stateful_layer_types(config) == kinds, layer_types
@@ -235,25 +244,6 @@ def llama4_config(floor_scale: int) -> transformers.PretrainedConfig:
     )
 
 
-def second_sample_gap(config: transformers.PretrainedConfig) -> float:
-    """The largest logit difference of a sample packed after 6 tokens of another from the same sample alone."""
-    from cptune.parallel.backends.local.runtime import transformers_attention
-
-    torch.manual_seed(
-        0
-    )  # transformers' attention as cptune runs it at cp=1: sdpa, or eager where there is none
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=transformers_attention(config)
-    ).eval()
-    first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
-    with torch.no_grad():
-        alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
-        packed_ids = torch.cat([first, second], 1)
-        positions = torch.cat([torch.arange(6), torch.arange(9)])[None]
-        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 6:]
-    return float((packed - alone).abs().max())
-
-
 def test_llama4_scales_a_packed_sample_by_its_place_in_the_row():
     """With rows shorter than floor_scale every scale is 1 and packing is exact, to float32 rounding of sums over
     a hidden size of 32 of values below 3 (ROUNDING); with floor_scale 4 the packed sample's NoPE queries are
@@ -295,15 +285,7 @@ def test_packing_is_refused_for_a_model_whose_own_masks_let_packed_samples_atten
     """Without cptune's attention (not through the AttentionInterface) transformers' own mask is the row's."""
     model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     assert not getattr(model_class, "_supports_attention_backend", False)
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-    first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
-    with torch.no_grad():
-        alone = model(input_ids=second, position_ids=torch.arange(9)[None], use_cache=False).logits
-        packed_ids = torch.cat([first, second], 1)
-        positions = torch.cat([torch.arange(6), torch.arange(9)])[None]
-        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[:, 6:]
-    assert (packed - alone).abs().max() > 10 * ROUNDING  # 3e-3 (Bloom), 0.2 (Falcon)
+    assert second_sample_gap(config) > 10 * ROUNDING  # 3e-3 (Bloom), 0.2 (Falcon)
     with pytest.raises(CptuneError) as refused:
         RunPlan.build(load_recipe(write_recipe(sample_packing=True)), 1).check_model(config, model_class)
     assert str(refused.value).startswith(

@@ -62,6 +62,7 @@ from cptune.parallel.backends.ring_flash_attn.sharding import (
     RingKernels,
     load_ring_flash_attn,
 )
+from cptune.parallel.backends.table import BACKENDS as BACKEND_TABLE
 from cptune.parallel.backends.torch_cp.patches import torch_cp_cpu_sdpa_patch
 from cptune.parallel.backends.torch_cp.sharding import TorchCpBackend
 from cptune.parallel.dropout import use_exact_lora_dropout
@@ -674,7 +675,9 @@ def run_launch() -> None:
     tp_sizes = sorted({c["tp"] for c in cases if c.get("tp")})
     assert len(tp_sizes) <= 1, "one tensor-parallel size per launch"
     tp_groups = tensor_parallel_groups(world, cp_size, tp_sizes[0]) if tp_sizes else None
-    kernels = load_ring_flash_attn() if any(c.get("backend") != "torch" for c in cases) else None
+    # ring-flash-attn's kernels where a case's backend runs on them (its runtime names the library).
+    needs_ring = any(BACKEND_TABLE[c.get("backend", "ring-flash-attn")].runtime().library for c in cases)
+    kernels = load_ring_flash_attn() if needs_ring else None
     register_attention()
     # What `cptune train` applies for cp_backend: torch (the CPU SDPA op's CP handlers).
     torch_patches = PatchSet([torch_cp_cpu_sdpa_patch(ContextParallelWith(("torch",)))])
