@@ -94,3 +94,18 @@ def test_a_rule_reading_a_required_key_the_user_got_wrong_stays_silent(monkeypat
     with pytest.raises(RecipeError) as raised:
         validate_recipe({"datasets": [{"path": "d.jsonl"}], "lora_r": 0})
     assert [p.key for p in raised.value.problems] == ["base_model", "lora_r"]
+
+
+def test_a_failing_recipe_reaches_the_rules_with_its_keys_where_the_recipe_reads_them():
+    """Axolotl's FSDP2 recipes put the version in fsdp_config (12 of its examples): the recipe lifts it to
+    the top level before typing fsdp_config, so the rebuilt recipe must too. It once reached the rules
+    as an untyped dict, and validation ended in an AttributeError instead of the recipe's problems."""
+    fsdp2 = {**MINIMAL, "fsdp_config": {"fsdp_version": 2, "sharding_strategy": "NO_SHARD"}}
+    with pytest.raises(RecipeError) as raised:
+        validate_recipe({**fsdp2, "typo_key": 1})
+    found = {p.key: p.message for p in raised.value.problems}
+    assert set(found) == {"typo_key", "fsdp_config.sharding_strategy"}
+    assert "plain data parallelism" in found["fsdp_config.sharding_strategy"]
+    with pytest.raises(RecipeError) as raised:  # the same problems as when nothing else is wrong
+        validate_recipe(fsdp2)
+    assert [p.key for p in raised.value.problems] == ["fsdp_config.sharding_strategy"]

@@ -375,10 +375,12 @@ def _partial_recipe(data: Mapping[str, Any], broken: set[str]) -> Recipe | None:
     Values are taken as written: they passed field validation, so they mean what
     the validated value would mean for the rules' purposes.
     """
+    data = _keys_as_the_recipe_reads_them(data)
     values: dict[str, Any] = {}
     for name, info in Recipe.model_fields.items():
-        if name in data and name not in broken:
-            values[name] = _typed(info.annotation, data[name])
+        typed = _typed(info.annotation, data[name]) if name in data and name not in broken else _UNTYPED
+        if typed is not _UNTYPED:
+            values[name] = typed
         elif not info.is_required():
             values[name] = info.get_default(call_default_factory=True)
     try:
@@ -387,12 +389,32 @@ def _partial_recipe(data: Mapping[str, Any], broken: set[str]) -> Recipe | None:
         return None
 
 
+def _keys_as_the_recipe_reads_them(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` after the recipe's own rewriting of keys (its model-level "before" validators).
+
+    They move keys between sections (``fsdp_config.fsdp_version`` to the top level) and imply others
+    (``fsdp`` sets ``fsdp_version: 2``), so a field's value is only its type after them. pydantic runs
+    the last defined first; so does this.
+    """
+    validators = Recipe.__pydantic_decorators__.model_validators.values()
+    for validator in reversed([v for v in validators if v.info.mode == "before"]):
+        try:
+            data = validator.func(data)
+        except (ValueError, TypeError):  # reported by the full validation already
+            continue
+    return data
+
+
+_UNTYPED = object()
+
+
 def _typed(annotation: Any, value: Any) -> Any:
-    """``value`` as its field's type (nested sections become their models), so rules can read it."""
+    """``value`` as its field's type (nested sections become their models), so rules can read it;
+    ``_UNTYPED`` when it is not (the field's default stands in: rules read typed values only)."""
     try:
         return TypeAdapter(annotation).validate_python(value)
     except ValidationError:
-        return value
+        return _UNTYPED
 
 
 def _unique(problems: list[RecipeProblem]) -> list[RecipeProblem]:
