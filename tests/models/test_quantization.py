@@ -110,11 +110,11 @@ def test_new_tokens_grow_the_embeddings_and_need_training_with_lora(tiny_model_d
     check_new_token_training(pad_only, *load_tokenizer_with_additions(pad_only), meta_model(pad_only, config))
 
     model = load_model(trained, "sdpa")
-    fit_embeddings(model, tokenizer, seed=3)
+    fit_embeddings(model, tokenizer, trained)
     rows = model.get_input_embeddings().weight.detach().clone()
     assert rows.shape[0] == len(tokenizer) == config.vocab_size + 2
     again = load_model(trained, "sdpa")
-    fit_embeddings(again, tokenizer, seed=3)
+    fit_embeddings(again, tokenizer, trained)
     assert torch.equal(again.get_input_embeddings().weight, rows)  # every rank grows the same rows
     wrapped = apply_lora(model, trained)
     saved = {n for n, p in wrapped.named_parameters() if p.requires_grad and "modules_to_save" in n}

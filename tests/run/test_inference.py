@@ -226,7 +226,7 @@ def test_an_adapter_trained_with_new_tokens_loads_with_its_grown_embeddings(
     tokenizer = load_tokenizer(recipe)
     model = load_model(recipe, "sdpa")
     rows = model.get_input_embeddings().num_embeddings
-    fit_embeddings(model, tokenizer, recipe.seed)  # what training does before the adapter goes on
+    fit_embeddings(model, tokenizer, recipe)  # what training does before the adapter goes on
     adapter = tmp_path / "adapter"
     apply_lora(model, recipe).save_pretrained(adapter)
 
@@ -236,6 +236,42 @@ def test_an_adapter_trained_with_new_tokens_loads_with_its_grown_embeddings(
         prompt="What is a <fact>?", echo=_quiet, options=GenerationOptions(max_new_tokens=2)
     )
     assert len(answer.output_ids) <= 2
+
+
+def test_a_run_with_embeddings_padded_to_32x_saves_merges_and_loads_them(
+    write_recipe, tmp_path, cptune_in_process, one_thread
+):
+    """resize_token_embeddings_to_32x with LoRA and no lora_modules_to_save: peft saves both embeddings whole
+    with the adapter (their rows are no longer the base model's), and inference and merge-lora pad the base
+    model the same way before the adapter goes on (peft refuses a base of other shapes)."""
+    from safetensors import safe_open
+
+    path = write_recipe(resize_token_embeddings_to_32x=True, max_steps=1)
+    done = cptune_in_process("train", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    recipe = load_recipe(path)
+    tokens = len(load_tokenizer(recipe))
+    rows = -(-tokens // 32) * 32
+    assert rows > tokens
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as saved:
+        head = saved.get_tensor("base_model.model.lm_head.weight")
+        embed = saved.get_tensor("base_model.model.model.embed_tokens.weight")
+    assert head.shape[0] == embed.shape[0] == rows
+
+    adapter = InferenceSession(recipe)
+    assert torch.equal(adapter.model.get_output_embeddings().weight, head)
+    assert torch.equal(adapter.model.get_input_embeddings().weight, embed)
+    (answer,) = adapter.run(prompt="Say hello.", echo=_quiet, options=GenerationOptions(max_new_tokens=2))
+    assert 1 <= len(answer.output_ids) <= 2
+
+    merged = tmp_path / "merged"
+    done = cptune_in_process("merge-lora", str(path), "--out", str(merged))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((merged / "config.json").read_text())["vocab_size"] == rows
+    full = InferenceSession(recipe, checkpoint=merged)
+    assert torch.equal(full.model.get_output_embeddings().weight, head)
+    (answer,) = full.run(prompt="Say hello.", echo=_quiet, options=GenerationOptions(max_new_tokens=2))
+    assert 1 <= len(answer.output_ids) <= 2
 
 
 def test_prompts_use_the_recipes_chat_template_jinja_and_eot_tokens():

@@ -85,6 +85,16 @@ def test_the_saved_recipe_holds_the_overrides_and_a_resume_applies_them_again(wr
     assert check_resumed_recipe(fresh, None) == []
 
 
+def test_a_resume_refuses_embeddings_of_other_rows(write_recipe, tmp_path):
+    """resize_token_embeddings_to_32x shapes the model: the checkpoint's embeddings would not fit the other rows."""
+    save_run_recipe(load_recipe(write_recipe()))
+    checkpoint = fake_checkpoint(tmp_path / "out")
+    edited = write_recipe(resize_token_embeddings_to_32x=True)
+    recipe, _ = resumed_recipe(load_recipe(edited, ["--resume_from_checkpoint=true"]), edited, [])
+    with pytest.raises(CptuneError, match="  - resize_token_embeddings_to_32x: false in the run, true now"):
+        check_resumed_recipe(recipe, checkpoint)
+
+
 def test_the_runs_overrides_that_no_longer_fit_the_recipe_file_are_named(write_recipe, tmp_path):
     path = write_recipe()
     save_run_recipe(load_recipe(path, ["--datasets.0.split=train"]), ["--datasets.1.split=train"])

@@ -16,6 +16,16 @@ def test_ddp_timeout_reaches_the_trainer(write_recipe):
     assert training_arguments(RunPlan.build(default, 1), DistEnv()).ddp_timeout == 1800
 
 
+def test_ddp_find_unused_parameters_reaches_the_trainer(write_recipe):
+    """Off unless the recipe asks (left unset, the Trainer would choose, and search for most models)."""
+    for value in (True, False):
+        recipe = load_recipe(write_recipe(ddp_find_unused_parameters=value))
+        assert training_arguments(RunPlan.build(recipe, 1), DistEnv()).ddp_find_unused_parameters is value
+    default = load_recipe(write_recipe("default.yaml"))
+    assert default.ddp_find_unused_parameters is None
+    assert training_arguments(RunPlan.build(default, 1), DistEnv()).ddp_find_unused_parameters is False
+
+
 def test_axolotl_keys_reach_the_trainer(write_recipe):
     recipe = load_recipe(
         write_recipe(

@@ -257,6 +257,16 @@ class TokenKeys(BaseModel):
         description="New tokens to add to the tokenizer; the model's embeddings grow to hold them (with LoRA, "
         "train them through lora_modules_to_save).",
     )
+    resize_token_embeddings_to_32x: bool = Field(
+        False,
+        description="Grow the model's input and output embeddings to the tokenizer's length rounded up to a "
+        "multiple of 32 when they have fewer rows (Axolotl's key; embeddings with enough rows are kept). No "
+        "token id maps to the extra rows, so they are never inputs or targets; but the output layer computes "
+        "a logit for each, and the loss is the cross-entropy over all rows, unmasked, as in Axolotl and "
+        "transformers. The extra rows start at the mean of the others, so at first they take at most about "
+        "their share (extra rows / all rows) of each token's probability; training the output layer lowers "
+        "it. A full model saves with the grown vocab_size; a LoRA adapter saves both embeddings whole.",
+    )
     chat_template_jinja: str | None = Field(
         None,
         description="A Jinja chat template (the text, or the path of a .jinja file) for chat_template datasets; "

@@ -5,6 +5,10 @@ embeddings grow to hold it (:func:`fit_embeddings`). A new token starts with an 
 so a LoRA run must also train the embeddings (``lora_modules_to_save``) unless the only new token is
 the pad token, which is never a target and only ever attends to itself (padding is a document of
 its own in cptune's batches).
+
+With ``resize_token_embeddings_to_32x`` the embeddings grow further, to a multiple of 32 rows (as
+Axolotl does). No token id maps to those rows, so they need no training: they are never inputs, and
+never targets, though the output layer gives each a logit that takes part in the loss's softmax.
 """
 
 from __future__ import annotations
@@ -91,16 +95,38 @@ def check_new_token_training(
     )
 
 
-def fit_embeddings(model: Any, tokenizer: Any, seed: int) -> None:
-    """Grow the model's embeddings to hold every token of ``tokenizer`` (no-op when they already do).
+EMBEDDING_ROW_MULTIPLE = 32
+"""What ``resize_token_embeddings_to_32x`` rounds the embeddings' rows up to (Axolotl's key names the number)."""
 
-    New rows start at the mean of the old ones plus noise (transformers' ``mean_resizing``), drawn
-    with ``seed`` so every rank (and a later merge) gets the same rows.
+
+def embedding_rows(recipe: Recipe, tokenizer: Any) -> int:
+    """The rows the recipe's model needs: one per token of ``tokenizer``, rounded up to a multiple of
+    :data:`EMBEDDING_ROW_MULTIPLE` with ``resize_token_embeddings_to_32x``."""
+    tokens = len(tokenizer)
+    if not recipe.resize_token_embeddings_to_32x:
+        return tokens
+    return -(-tokens // EMBEDDING_ROW_MULTIPLE) * EMBEDDING_ROW_MULTIPLE
+
+
+def fit_embeddings(model: Any, tokenizer: Any, recipe: Recipe) -> None:
+    """Grow the model's embeddings to the rows :func:`embedding_rows` asks for (no-op when they have as many).
+
+    Training, evaluation, inference and merge-lora all call it before an adapter goes on, so that the
+    embeddings an adapter saved fit the base model's. New rows start at the mean of the old ones plus
+    noise (transformers' ``mean_resizing``), drawn with the recipe's seed so every rank (and a later
+    merge) gets the same rows.
     """
     rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) <= rows:
+    wanted = embedding_rows(recipe, tokenizer)
+    if wanted <= rows:
         return
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model.resize_token_embeddings(len(tokenizer))
-    log.info("embeddings grown from %d to %d rows for the recipe's new tokens", rows, len(tokenizer))
+        torch.manual_seed(recipe.seed)
+        model.resize_token_embeddings(wanted)
+    why = "the recipe's new tokens"
+    if wanted > len(tokenizer):
+        why = (
+            f"the tokenizer's {len(tokenizer)} tokens, rounded up to a multiple of {EMBEDDING_ROW_MULTIPLE} "
+            "(resize_token_embeddings_to_32x)"
+        )
+    log.info("embeddings grown from %d to %d rows for %s", rows, wanted, why)

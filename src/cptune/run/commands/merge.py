@@ -81,7 +81,7 @@ def merge_lora(recipe: Recipe, checkpoint: str | Path | None = None, out: str | 
         # merged model computes what the trained one did (not into the original weights).
         base = dequantize_in_place(base)
         log.info("dequantized the %s base model to %s before merging", _bits(recipe), base.dtype)
-    fit_embeddings(base, tokenizer, recipe.seed)  # new tokens: the adapter saved the grown embeddings
+    fit_embeddings(base, tokenizer, recipe)  # as training grew them: the adapter saved the grown embeddings
     merged = PeftModel.from_pretrained(base, str(source.path)).merge_and_unload()
     if not recipe.causal:
         log.warning(

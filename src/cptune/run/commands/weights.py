@@ -114,7 +114,8 @@ def load_source_model(
 
     Shared by ``cptune evaluate``, ``cptune inference`` and what they share with training: the
     recipe's dtype and quantization (:func:`~cptune.models.loading.load_model`), the embeddings grown
-    for the recipe's new tokens as training grew them (the adapter then carries their trained rows),
+    as training grew them (for the recipe's new tokens, to a multiple of 32 with
+    ``resize_token_embeddings_to_32x``; the adapter then carries their trained rows),
     and the adapter on top.
 
     Args:
@@ -132,7 +133,8 @@ def load_source_model(
     if check_model is not None:
         check_model(model.config, type(model))
     if source.kind != "full":
-        fit_embeddings(model, tokenizer, recipe.seed)  # the recipe's new tokens, as training grew them
+        # As training grew them: the recipe's new tokens, resize_token_embeddings_to_32x.
+        fit_embeddings(model, tokenizer, recipe)
     if source.kind == "adapter":
         from peft import PeftModel
 

@@ -96,8 +96,8 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
         # transformers' info level dumps model configs; cptune logs what matters itself.
         log_level="warning",
         log_level_replica="error",
-        # The model is the same on every step: no extra autograd traversal per step.
-        ddp_find_unused_parameters=False,
+        # Unless the recipe asks for it: the model is the same on every step, no extra autograd traversal per step.
+        ddp_find_unused_parameters=bool(recipe.ddp_find_unused_parameters),
         # A collective that waits longer than this fails the run instead of holding it forever.
         ddp_timeout=recipe.ddp_timeout,
         **fsdp_training_arguments(recipe, plan.dims),

@@ -78,6 +78,7 @@ RUN_SHAPING_KEYS = (
     "lora_target_linear",
     "lora_target_modules",
     "lora_modules_to_save",
+    "resize_token_embeddings_to_32x",
     # parallelism
     "context_parallel_size",
     "cp_backend",

@@ -138,7 +138,7 @@ def _train(
         check_host_memory(recipe, model_config(recipe), env.local_world_size)
     model = load_model(recipe, attention.attn_implementation, local_rank=env.local_rank)
     plan.check_model(model.config, type(model))
-    fit_embeddings(model, tokenizer, recipe.seed)
+    fit_embeddings(model, tokenizer, recipe)
     check_token_ids(highest_token_id(prepared), model.get_input_embeddings().num_embeddings, recipe)
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP

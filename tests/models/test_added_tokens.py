@@ -1,0 +1,114 @@
+"""The embeddings' rows: resize_token_embeddings_to_32x rounds them up to a multiple of 32, as Axolotl does.
+
+The tokens a recipe adds, and the training they need under LoRA: tests/models/test_quantization.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from cptune.config.loader import validate_recipe
+from cptune.models.added_tokens import fit_embeddings
+from cptune.models.head_loss import logits_loss
+from cptune.models.loading import load_model, load_tokenizer
+from tests.conftest import QUICKSTART_DATA
+from tests.numerics import float64_loss_sum, reorder_bound
+
+
+def recipe(model_dir: Path, **keys):
+    return validate_recipe({"base_model": str(model_dir), "datasets": [{"path": "d.jsonl"}], **keys})
+
+
+def rows_of(model) -> tuple[int, int, int]:
+    """Rows of the input and output embeddings, and the config's vocab_size."""
+    return (
+        model.get_input_embeddings().weight.shape[0],
+        model.get_output_embeddings().weight.shape[0],
+        model.config.vocab_size,
+    )
+
+
+def test_the_rows_round_up_to_a_multiple_of_32_only_when_asked(tiny_model_dir):
+    tokenizer = load_tokenizer(recipe(tiny_model_dir))
+    tokens = len(tokenizer)
+    assert tokens % 32 != 0  # the tiny model's vocabulary is no multiple of 32 (714 tokens)
+    padded_rows = (tokens // 32 + 1) * 32
+
+    plain = load_model(recipe(tiny_model_dir), "sdpa")
+    assert rows_of(plain) == (tokens,) * 3
+    fit_embeddings(plain, tokenizer, recipe(tiny_model_dir))
+    assert rows_of(plain) == (tokens,) * 3
+
+    padded = recipe(tiny_model_dir, resize_token_embeddings_to_32x=True)
+    model = load_model(padded, "sdpa")
+    fit_embeddings(model, tokenizer, padded)
+    assert rows_of(model) == (padded_rows,) * 3
+    # The tokens' own rows are kept; every rank (and a later merge) draws the same new rows.
+    for grown, kept in zip(
+        (model.get_input_embeddings(), model.get_output_embeddings()),
+        (plain.get_input_embeddings(), plain.get_output_embeddings()),
+        strict=True,
+    ):
+        assert torch.equal(grown.weight[:tokens], kept.weight)
+    again = load_model(padded, "sdpa")
+    fit_embeddings(again, tokenizer, padded)
+    assert torch.equal(again.get_output_embeddings().weight, model.get_output_embeddings().weight)
+
+    # A new token counts: 715 tokens still round up to the same rows.
+    with_token = recipe(tiny_model_dir, resize_token_embeddings_to_32x=True, tokens=["<tool>"])
+    grown_tokenizer = load_tokenizer(with_token)
+    assert len(grown_tokenizer) == tokens + 1
+    model = load_model(with_token, "sdpa")
+    fit_embeddings(model, grown_tokenizer, with_token)
+    assert rows_of(model) == (padded_rows,) * 3
+
+    # Embeddings with enough rows are kept as they are (Axolotl resizes only to grow).
+    wide = load_model(padded, "sdpa")
+    wide.resize_token_embeddings(padded_rows + 3)
+    fit_embeddings(wide, tokenizer, padded)
+    assert rows_of(wide) == (padded_rows + 3,) * 3
+
+
+def test_the_extra_rows_are_never_targets_but_their_logits_share_the_softmax(tiny_model_dir):
+    """cptune's loss is the cross-entropy over every row of the output layer, the extra ones unmasked (as
+    Axolotl's and transformers' are): no target is an extra row, yet each takes probability, at first at
+    most its share (the rows start at the mean of the others: by Jensen, exp(mean logit) <= mean exp(logit)).
+    Their input embeddings get no gradient (no token maps to them); their output rows get one."""
+    padded = recipe(tiny_model_dir, resize_token_embeddings_to_32x=True)
+    tokenizer = load_tokenizer(padded)
+    model = load_model(padded, "sdpa").double()
+    fit_embeddings(model, tokenizer, padded)
+    tokens, rows = len(tokenizer), model.config.vocab_size
+    extra = rows - tokens
+    row = json.loads(QUICKSTART_DATA.read_text().splitlines()[0])
+    ids = torch.tensor([tokenizer(row["instruction"] + " " + row["output"])["input_ids"]])
+    shift_labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    targets = int((shift_labels != -100).sum())
+
+    loss, outputs = logits_loss(model, {"input_ids": ids}, shift_labels)
+    logits = outputs.logits.detach()
+    assert logits.shape[-1] == rows and int(shift_labels.max()) < tokens
+    over_all_rows = float64_loss_sum(logits, shift_labels)
+    over_the_tokens = float64_loss_sum(logits[..., :tokens], shift_labels)
+    # cptune's loss takes the fp32 cross-entropy of each token over its row of logits, then sums the tokens.
+    bound = reorder_bound(rows + targets, float(over_all_rows) + 2 * targets * float(logits.abs().max()))
+    loss_value = float(loss.detach())
+    assert abs(loss_value - float(over_all_rows)) <= bound
+    assert loss_value - float(over_the_tokens) > 10 * bound
+
+    # The extra rows' probability per token, against their share: the rows start at the mean plus noise of
+    # covariance 1e-9 times the rows' (transformers' mean_resizing), so each extra logit is within 6 standard
+    # deviations of sqrt(1e-9) times the spread of the token's logits of the mean logit.
+    probabilities = torch.softmax(logits, dim=-1)[0, :-1]
+    extra_mass = probabilities[:, tokens:].sum(-1)
+    slack = torch.exp(6 * math.sqrt(1e-9) * logits[0, :-1, :tokens].std(-1, correction=0))
+    share = extra * slack / (tokens + extra * slack)
+    assert bool((extra_mass > 0).all()) and bool((extra_mass <= share).all()), (extra_mass, share)
+
+    loss.backward()
+    assert not model.get_input_embeddings().weight.grad[tokens:].any()
+    assert model.get_output_embeddings().weight.grad[tokens:].abs().sum(-1).min() > 0
