@@ -176,6 +176,24 @@ def test_report_numbers_equal_an_independent_computation(strategy, report_recipe
     assert "contiguous (this recipe):" in text
 
 
+def test_report_counts_the_exact_duplicates_dropped(report_recipe):
+    path, sources = report_recipe(dataset_exact_deduplication=True)
+    recipe = load_recipe(path)
+    tokenizer = load_tokenizer(recipe)
+    prepared = prepare_datasets(recipe, tokenizer, log=lambda _: None)
+    report = build_report(recipe, prepared, backend_for(recipe))
+    # The alpaca rows are all different; the completion texts repeat every 9 rows.
+    distinct = list(dict.fromkeys(row["text"] for row in sources["completion"]))
+    assert len(distinct) == 9
+    assert report["dropped_duplicates"] == 25 - 9
+    formatter = build_formatter(
+        recipe.datasets[1], tokenizer, train_on_inputs=False, chat_template=None, label="completion"
+    )
+    assert report["datasets"][1]["tokens"] == sum(len(formatter({"text": t}).input_ids) for t in distinct)
+    lines = format_report(report, recipe, backend_for(recipe)).splitlines()
+    assert "  16 samples dropped as exact duplicates (dataset_exact_deduplication)" in lines
+
+
 def test_report_says_completion_rows_are_cut_into_pieces(tmp_path: Path, write_recipe):
     # Completion rows longer than sequence_len are cut into pieces (as Axolotl cuts them), not dropped.
     rows = [{"text": " ".join(WORDS * 3)}, {"text": "apple river."}]

@@ -175,6 +175,15 @@ ENTRIES: tuple[Entry, ...] = (
         "sides), so there is nothing to precompute",
         "Remove `precompute_ref_log_probs`: ORPO and SimPO train a full fine-tune or an adapter without one.",
     ),
+    Entry(
+        "dedup-eval-pairs-all-in-training",
+        SECTION,
+        "dataset_exact_deduplication with test_datasets whose every pair is also a training pair",
+        "dataset_exact_deduplication: every evaluation pair of test_datasets equals a training pair of datasets, "
+        "so no evaluation data is left",
+        "With `rl`, deduplication also drops the evaluation pairs that repeat a training pair (as Axolotl does). "
+        "Evaluate on pairs the training data does not hold, or set `dataset_exact_deduplication: false`.",
+    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = (

@@ -226,6 +226,18 @@ class DataKeys(BaseModel):
         "drop", description="What to do with samples longer than sequence_len."
     )
     skip_invalid_rows: bool = Field(False, description="Skip (and count) malformed rows instead of stopping.")
+    dataset_exact_deduplication: bool = Field(
+        False,
+        description="Drop every sample that equals one kept before it, as Axolotl does: samples are compared "
+        "once tokenized and cut to the length policy, before the validation split (so val_set_size never holds "
+        "out a copy of a training sample) and before packing, and are equal when their tokens, labels and "
+        "positions are; the first copy (in `datasets` order, then row order) is kept. `test_datasets` are "
+        "deduplicated among themselves; with `rl`, an evaluation pair equal to a training pair is dropped too "
+        "(supervised `test_datasets` may repeat training samples, as in Axolotl). Unlike Axolotl, columns "
+        "nothing trains are not compared: pre-tokenized rows, or preference rows, that differ only in such a "
+        "column (an id) are duplicates here. The drops are counted per dataset in the preprocess output and "
+        "the data report.",
+    )
     chat_template: ChatTemplateName | None = Field(
         None,
         description="Chat template for chat_template datasets, by name (cptune's own rendering of each family's "

@@ -72,6 +72,7 @@ _RECIPE_KEYS = (
     "train_on_inputs",
     "excess_length_strategy",
     "skip_invalid_rows",
+    "dataset_exact_deduplication",
     "val_set_size",
     "seed",
     "chat_template",

@@ -1,4 +1,4 @@
-"""Prepare a recipe's data: load, tokenize, split, pack, and cache the result.
+"""Prepare a recipe's data: load, tokenize, deduplicate, split, pack, and cache the result.
 
 :func:`prepare_datasets` is what ``cptune preprocess`` and ``cptune train`` call.
 It fingerprints the inputs, reuses ``dataset_prepared_path/<fingerprint>/``
@@ -31,6 +31,7 @@ from cptune.config.data import DatasetConfig
 from cptune.config.recipe import Recipe
 from cptune.console import draws_progress_bars
 from cptune.data.cache import build_once, compute_fingerprint, is_built
+from cptune.data.dedup import drop_duplicates
 from cptune.data.formats import dataset_formatter, missing_columns_advice, required_columns
 from cptune.data.packing import first_fit_decreasing, pack_table, packing_efficiency
 from cptune.data.progress import RowProgress
@@ -177,7 +178,8 @@ def _tokenize_all(
     sources: Sequence[tuple[str, DatasetConfig, ResolvedSource]],
     scratch: Path,
     log: Callable[[str], None],
-) -> tuple[pa.Table, pa.Table | None, list[DatasetStats], pa.Table]:
+) -> tuple[list[pa.Table], list[pa.Table], list[DatasetStats], pa.Table]:
+    """Each dataset's samples (``datasets``, then ``test_datasets``), their stats and the documents table."""
     tables: dict[str, list[pa.Table]] = {"datasets": [], "test_datasets": []}
     all_stats = []
     documents = []
@@ -213,9 +215,44 @@ def _tokenize_all(
         all_stats.append(stats)
         dataset = pa.array(np.full(formatted.num_rows, index, dtype=np.int32))
         documents.append(formatted.add_column(0, "dataset", dataset))
-    train = pa.concat_tables(tables["datasets"])
-    test = pa.concat_tables(tables["test_datasets"]) if tables["test_datasets"] else None
-    return train, test, all_stats, pa.concat_tables(documents)
+    return tables["datasets"], tables["test_datasets"], all_stats, pa.concat_tables(documents)
+
+
+def _deduplicate(
+    recipe: Recipe,
+    train: list[pa.Table],
+    test: list[pa.Table],
+    stats: Sequence[DatasetStats],
+    log: Callable[[str], None],
+) -> tuple[list[pa.Table], list[pa.Table]]:
+    """``dataset_exact_deduplication``: each list without its repeated samples, as Axolotl drops them.
+
+    Axolotl deduplicates the merged training samples before it holds out val_set_size, and the
+    test_datasets samples among themselves; for ``rl`` it then also drops the evaluation pairs
+    equal to a training pair (axolotl ``utils/data/sft.py``, ``rl.py``, ``shared.py``). The
+    datasets' stats are updated in place (``dropped_duplicates``; what is kept no longer counts
+    the drops).
+    """
+    train_result = drop_duplicates(train)
+    test_result = drop_duplicates(test, earlier=train_result.seen if recipe.is_preference else frozenset())
+    for dataset, dropped in zip(stats, train_result.dropped + test_result.dropped, strict=True):
+        tokens, trained = count_tokens(dropped)
+        dataset.dropped_duplicates = dropped.num_rows
+        dataset.rows_out -= dropped.num_rows
+        dataset.tokens -= tokens
+        dataset.trained_tokens -= trained
+        if dropped.num_rows:
+            log(
+                f"{dataset.label}: {dropped.num_rows:,} exact duplicates dropped (dataset_exact_deduplication)"
+            )
+    if test and not sum(table.num_rows for table in test_result.kept):
+        raise DataError(
+            "dataset_exact_deduplication: every evaluation pair of test_datasets equals a training pair of "
+            "datasets, so no evaluation data is left (with rl, evaluation pairs that repeat training pairs are "
+            "dropped, as Axolotl drops them). Evaluate on pairs that are not in the training data, or set "
+            "dataset_exact_deduplication: false."
+        )
+    return train_result.kept, test_result.kept
 
 
 def _validation_split(train: pa.Table, val_set_size: float, seed: int) -> tuple[pa.Table, pa.Table]:
@@ -262,7 +299,13 @@ def _build(
     started = time.perf_counter()
     scratch = folder / "scratch"
     scratch.mkdir()
-    train, test, dataset_stats, documents = _tokenize_all(recipe, tokenizer, sources, scratch, log)
+    train_tables, test_tables, dataset_stats, documents = _tokenize_all(
+        recipe, tokenizer, sources, scratch, log
+    )
+    if recipe.dataset_exact_deduplication:
+        train_tables, test_tables = _deduplicate(recipe, train_tables, test_tables, dataset_stats, log)
+    train = pa.concat_tables(train_tables)
+    test = pa.concat_tables(test_tables) if test_tables else None
     with (
         pa.OSFile(str(folder / _DOCUMENTS_FILE), "wb") as sink,
         pa.ipc.new_file(sink, documents.schema) as writer,

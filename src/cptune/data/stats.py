@@ -28,6 +28,9 @@ class DatasetStats:
             sample, counted in ``rows_out``).
         dropped_no_trained_tokens: Samples without a single target token.
         dropped_too_short: Samples shorter than ``min_sample_len`` dropped.
+        dropped_duplicates: Samples dropped by ``dataset_exact_deduplication``: each equal to a sample kept
+            before it (of this dataset or an earlier one of the same list; with ``rl``, an evaluation pair
+            may also equal a training pair). Not counted in ``rows_out``, ``tokens`` or ``trained_tokens``.
         tokens: Tokens in the kept samples.
         trained_tokens: Target tokens in the kept samples: positions after the
             first whose label is not -100 (the first token of a sample is never
@@ -43,6 +46,7 @@ class DatasetStats:
     chunked: int = 0
     dropped_no_trained_tokens: int = 0
     dropped_too_short: int = 0
+    dropped_duplicates: int = 0
     tokens: int = 0
     trained_tokens: int = 0
 
@@ -130,6 +134,7 @@ class PrepStats:
                     ("cut into sequence_len pieces", d.chunked),
                     ("without trained tokens (dropped)", d.dropped_no_trained_tokens),
                     ("shorter than min_sample_len (dropped)", d.dropped_too_short),
+                    ("exact duplicates (dropped)", d.dropped_duplicates),
                 )
                 if count
             ]

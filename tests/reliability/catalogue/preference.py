@@ -36,6 +36,18 @@ def _pair_data(ws: Workspace, type_: str, **tokenizer: object) -> dict:
     return {"rl": "dpo", "datasets": [dataset], "tokenizer_config": _tokenizer_folder(ws, **tokenizer)}
 
 
+def _eval_pairs_all_in_training(ws: Workspace) -> dict:
+    """Deduplicated pairs whose evaluation file is the training file: every evaluation pair is dropped."""
+    path = ws.write_rows("pairs.jsonl", PAIR_ROWS)
+    dataset = {"path": path, "type": "chat_template.default", "field_messages": "prompt"}
+    return {
+        "rl": "dpo",
+        "datasets": [dataset],
+        "test_datasets": [dataset],
+        "dataset_exact_deduplication": True,
+    }
+
+
 CASES: tuple[Case, ...] = (
     Case("rl-not-built", setup=lambda ws: {**_pairs(ws), "rl": "kto"}),
     Case("rl-unknown", setup=lambda ws: {**_pairs(ws), "rl": "ppo"}),
@@ -100,4 +112,5 @@ CASES: tuple[Case, ...] = (
         "reference-free-precompute",
         setup=lambda ws: {**_pairs(ws), "rl": "simpo", "adapter": DELETE, "precompute_ref_log_probs": True},
     ),
+    Case("dedup-eval-pairs-all-in-training", setup=_eval_pairs_all_in_training),
 )

@@ -64,5 +64,11 @@ DATA_DIFFERENCES: tuple[tuple[str, str], ...] = (
         "trainer's sampler shuffles them; `shuffle_merged_datasets` adds nothing).",
         "Nothing.",
     ),
+    (
+        "`dataset_exact_deduplication: true` compares samples by what is stored and trained (tokens, labels, "
+        "positions); Axolotl compares every column of its rows, so pre-tokenized rows, or preference rows, that "
+        "differ only in a column nothing trains (an id) are duplicates here and kept there.",
+        "Nothing, or `dataset_exact_deduplication: false` to keep such copies.",
+    ),
 )
 """(what differs, what to set) for each remaining difference in what is trained."""

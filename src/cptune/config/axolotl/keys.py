@@ -64,7 +64,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "neftune_noise_alpha": "NEFTune is not supported; remove it.",
     "noisy_embedding_alpha": "NEFTune is not supported; remove it.",
     "default_system_message": "not supported; put the system message in the data.",
-    "dataset_exact_deduplication": "deduplication is not supported; deduplicate the data beforehand.",
     "gpu_memory_limit": "not supported; remove it.",
     "debug": "use `cptune validate` to see the resolved recipe; remove it.",
     "local_rank": "set by the launcher, not the recipe; remove it.",

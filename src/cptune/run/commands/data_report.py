@@ -242,6 +242,7 @@ def build_report(recipe: Recipe, prepared: PreparedData, backend: BackendPolicy)
         "steps": _steps_section(recipe, trained_per_row),
         "skipped_rows": sum(d.skipped_total for d in stats.datasets),
         "dropped_without_trained_tokens": sum(d.dropped_no_trained_tokens for d in stats.datasets),
+        "dropped_duplicates": sum(d.dropped_duplicates for d in stats.datasets),
     }
 
 
@@ -348,6 +349,7 @@ def format_report(report: dict[str, Any], recipe: Recipe, backend: BackendPolicy
     for count, what in (
         (report["skipped_rows"], "invalid rows skipped (skip_invalid_rows), not counted as documents"),
         (report["dropped_without_trained_tokens"], "documents dropped for having no trained token"),
+        (report["dropped_duplicates"], "samples dropped as exact duplicates (dataset_exact_deduplication)"),
     ):
         if count:
             lines.append(f"  {_n(count)} {what}")
