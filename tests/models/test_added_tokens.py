@@ -10,8 +10,9 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from cptune.config.loader import validate_recipe
+from cptune.config.loader import load_recipe, validate_recipe
 from cptune.models.added_tokens import fit_embeddings
 from cptune.models.head_loss import logits_loss
 from cptune.models.loading import load_model, load_tokenizer
@@ -112,3 +113,25 @@ def test_the_extra_rows_are_never_targets_but_their_logits_share_the_softmax(tin
     loss.backward()
     assert not model.get_input_embeddings().weight.grad[tokens:].any()
     assert model.get_output_embeddings().weight.grad[tokens:].abs().sum(-1).min() > 0
+
+
+def test_data_that_holds_the_recipes_new_token_trains(write_recipe, tmp_path, cptune_in_process):
+    """A token the recipe adds gets the id after the base model's last row, and the data holds it: the check
+    that the data's ids fit the model (a tokenizer of another model) leaves the recipe's own tokens out, since
+    the embeddings grow to hold them. It once refused every such recipe, before training."""
+    data = tmp_path / "new-token.jsonl"
+    row = {"instruction": "Say the new token twice.", "input": "", "output": "<zz> <zz>"}
+    data.write_text("".join(json.dumps(row) + "\n" for _ in range(8)))
+    path = write_recipe(
+        datasets=[{"path": str(data), "type": "alpaca"}],
+        tokens=["<zz>"],
+        lora_modules_to_save=["embed_tokens", "lm_head"],
+        max_steps=1,
+    )
+    tokenizer = load_tokenizer(load_recipe(path))
+    new_id = tokenizer.convert_tokens_to_ids("<zz>")
+    assert new_id == len(tokenizer) - 1
+    done = cptune_in_process("train", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as saved:
+        assert saved.get_tensor("base_model.model.model.embed_tokens.weight").shape[0] == new_id + 1

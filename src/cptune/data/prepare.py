@@ -16,7 +16,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +74,18 @@ class PreparedData:
     stats: PrepStats
 
 
-def highest_token_id(prepared: PreparedData) -> int | None:
-    """The highest token id in the prepared rows (train and eval); None when they hold no token."""
+def highest_token_id(prepared: PreparedData, ignoring: Collection[int] = ()) -> int | None:
+    """The highest token id in the prepared rows (train and eval), ids in ``ignoring`` left out; None when they
+    hold no other token."""
     highest: int | None = None
+    left_out = pa.array(sorted(ignoring), type=pa.int64())
     for dataset in (prepared.train, prepared.eval):
         if dataset is None or len(dataset) == 0:
             continue
-        value = pc.max(pc.list_flatten(dataset.data.table.column("input_ids"))).as_py()
+        ids = pc.list_flatten(dataset.data.table.column("input_ids"))
+        if len(left_out):
+            ids = pc.filter(ids, pc.invert(pc.is_in(ids.cast(pa.int64()), value_set=left_out)))
+        value = pc.max(ids).as_py()
         if value is not None:
             highest = value if highest is None else max(highest, value)
     return highest

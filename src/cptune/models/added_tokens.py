@@ -46,6 +46,20 @@ def add_recipe_tokens(tokenizer: Any, recipe: Recipe) -> list[str]:
     return [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
 
 
+def recipe_token_ids(tokenizer: Any, recipe: Recipe) -> set[int]:
+    """The ids of every token the recipe names (``tokens``, ``special_tokens``), added or already there.
+
+    The model's embeddings hold them once :func:`fit_embeddings` has grown them, so they are left out
+    when the data's token ids are checked against the base model's ``vocab_size``.
+    """
+    names = list(recipe.tokens or ())
+    special = recipe.special_tokens
+    if special is not None:
+        names += [getattr(special, key) for key in SPECIAL_TOKEN_KEYS if getattr(special, key) is not None]
+        names += list(special.additional_special_tokens or ())
+    return {i for i in tokenizer.convert_tokens_to_ids(names) if i is not None}
+
+
 def untrained_new_tokens(tokenizer: Any, added: list[str]) -> list[str]:
     """The added tokens whose embeddings must be trained: all but the pad token."""
     return [token for token in added if token != tokenizer.pad_token]

@@ -131,8 +131,10 @@ def check_token_ids(highest_id: int | None, embedded: int | None, recipe: Recipe
     """Refuse data with token ids that the model has no embedding for (a tokenizer of another model).
 
     Args:
-        highest_id: The highest token id in the prepared data (None: no tokens).
-        embedded: Rows of the model's input embedding (config ``vocab_size``); None when unknown.
+        highest_id: The highest token id in the prepared data, the recipe's own tokens left out
+            (:func:`cptune.models.added_tokens.recipe_token_ids`: the embeddings grow to hold them); None:
+            no other tokens.
+        embedded: Rows of the base model's input embedding (config ``vocab_size``); None when unknown.
     """
     if highest_id is None or embedded is None or highest_id < embedded:
         return

@@ -56,11 +56,15 @@ def preflight(
     plan.check_ready(training=training)
     if prepare_data:
         from cptune.data.prepare import highest_token_id, prepare_datasets
+        from cptune.models.added_tokens import recipe_token_ids
         from cptune.models.loading import check_token_ids, load_tokenizer
 
-        prepared = prepare_datasets(recipe, load_tokenizer(recipe))
+        tokenizer = load_tokenizer(recipe)
+        prepared = prepare_datasets(recipe, tokenizer)
         check_token_ids(
-            highest_token_id(prepared), getattr(config.get_text_config(), "vocab_size", None), recipe
+            highest_token_id(prepared, ignoring=recipe_token_ids(tokenizer, recipe)),
+            getattr(config.get_text_config(), "vocab_size", None),
+            recipe,
         )
         plan.check_prepared_rows(prepared)
         # Here the data was prepared or found in the cache: the one place that knows which.

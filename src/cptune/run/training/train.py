@@ -97,7 +97,7 @@ def _train(
 
     from cptune.config.axolotl.notes import axolotl_notes
     from cptune.data.prepare import highest_token_id, prepare_datasets
-    from cptune.models.added_tokens import fit_embeddings
+    from cptune.models.added_tokens import fit_embeddings, recipe_token_ids
     from cptune.run.training.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
@@ -138,8 +138,13 @@ def _train(
         check_host_memory(recipe, model_config(recipe), env.local_world_size)
     model = load_model(recipe, attention.attn_implementation, local_rank=env.local_rank)
     plan.check_model(model.config, type(model))
+    # Before the embeddings grow: only the recipe's own tokens may lie beyond the base model's rows.
+    check_token_ids(
+        highest_token_id(prepared, ignoring=recipe_token_ids(tokenizer, recipe)),
+        model.get_input_embeddings().num_embeddings,
+        recipe,
+    )
     fit_embeddings(model, tokenizer, recipe)
-    check_token_ids(highest_token_id(prepared), model.get_input_embeddings().num_embeddings, recipe)
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP
         # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
