@@ -16,6 +16,7 @@ from cptune.config.loader import load_recipe, validate_recipe
 from cptune.models.added_tokens import fit_embeddings
 from cptune.models.head_loss import logits_loss
 from cptune.models.loading import load_model, load_tokenizer
+from cptune.run.commands.inference import GenerationOptions, generate
 from tests.conftest import QUICKSTART_DATA
 from tests.numerics import float64_loss_sum, reorder_bound
 
@@ -135,3 +136,22 @@ def test_data_that_holds_the_recipes_new_token_trains(write_recipe, tmp_path, cp
     assert done.returncode == 0, done.stderr[-3000:]
     with safe_open(tmp_path / "out" / "adapter_model.safetensors", "pt") as saved:
         assert saved.get_tensor("base_model.model.model.embed_tokens.weight").shape[0] == new_id + 1
+
+
+def test_generation_never_picks_a_padded_row(tiny_model_dir):
+    """The rows past the tokenizer's last id are no token: generation suppresses them. Here the last padded
+    row is made the greedy choice for the prompt's next token (its logit 1000, far above any other); the
+    answer must still be a token of the tokenizer."""
+    padded = recipe(tiny_model_dir, resize_token_embeddings_to_32x=True)
+    tokenizer = load_tokenizer(padded)
+    model = load_model(padded, "sdpa")
+    fit_embeddings(model, tokenizer, padded)
+    rows = rows_of(model)[1]
+    assert rows > len(tokenizer)
+    prompt = tokenizer("Say hello.")["input_ids"]
+    with torch.no_grad():
+        last = model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+        model.get_output_embeddings().weight[rows - 1] = last * (1000 / last.dot(last))
+        assert model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax() == rows - 1
+    answer = generate(model, tokenizer, prompt, GenerationOptions(max_new_tokens=1), stops=[], stream=False)
+    assert len(answer.output_ids) == 1 and answer.output_ids[0] < len(tokenizer)
