@@ -93,6 +93,11 @@ def test_a_resume_refuses_embeddings_of_other_rows(write_recipe, tmp_path):
     recipe, _ = resumed_recipe(load_recipe(edited, ["--resume_from_checkpoint=true"]), edited, [])
     with pytest.raises(CptuneError, match="  - resize_token_embeddings_to_32x: false in the run, true now"):
         check_resumed_recipe(recipe, checkpoint)
+    # New tokens shape it too (and their ids are in the data).
+    edited = write_recipe(tokens=["<tool>"])
+    recipe, _ = resumed_recipe(load_recipe(edited, ["--resume_from_checkpoint=true"]), edited, [])
+    with pytest.raises(CptuneError, match=r"  - tokens: unset in the run, \[<tool>\] now"):
+        check_resumed_recipe(recipe, checkpoint)
 
 
 def test_the_runs_overrides_that_no_longer_fit_the_recipe_file_are_named(write_recipe, tmp_path):

@@ -79,6 +79,8 @@ RUN_SHAPING_KEYS = (
     "lora_target_modules",
     "lora_modules_to_save",
     "resize_token_embeddings_to_32x",
+    "tokens",  # new tokens grow the embeddings, and their ids are in the data
+    "special_tokens",
     # parallelism
     "context_parallel_size",
     "cp_backend",
