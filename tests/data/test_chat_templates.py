@@ -34,6 +34,8 @@ DOCUMENTED = {
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
     "qwen_25": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
+    "falcon_h1": "<s><|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
+    "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>\n",
     # Qwen3: the last turn opens an (empty) thinking block; earlier assistant turns show their answer only.
     "qwen3": "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1"
     "<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nA2<|im_end|>\n",
@@ -56,6 +58,7 @@ DOCUMENTED = {
 GENERATION_PROMPT = {
     "chatml": "<|im_start|>assistant\n",
     "qwen_25": "<|im_start|>assistant\n",
+    "falcon_h1": "<|im_start|>assistant\n",
     "qwen3": "<|im_start|>assistant\n",
     "qwen3_5": "<|im_start|>assistant\n<think>\n\n",
     "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
@@ -70,6 +73,7 @@ GENERATION_PROMPT = {
 END_OF_TURN = {
     "chatml": "<|im_end|>",
     "qwen_25": "<|im_end|>",
+    "falcon_h1": "<|im_end|>",
     "qwen3": "<|im_end|>",
     "qwen3_5": "<|im_end|>",
     "llama3": "<|eot_id|>",
@@ -84,6 +88,7 @@ END_OF_TURN = {
 TRAINED = {
     "chatml": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen_25": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
+    "falcon_h1": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen3": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "qwen3_5": ["It is 4.<|im_end|>", "Yes, I am.<|im_end|>"],
     "llama3": ["It is 4.<|eot_id|>", "Yes, I am.<|eot_id|>"],
@@ -156,6 +161,21 @@ def test_gemma3_keeps_the_system_message_as_written_and_trims_each_content(
     )
     gemma = tokenizer.apply_chat_template(spaced, chat_template=TEMPLATES["gemma"], tokenize=False)
     assert gemma.startswith("<s><start_of_turn>user\nSYS \n\n  U1<end_of_turn>")
+
+
+def test_falcon_h1_renders_a_system_message_only_first(tokenizer: PreTrainedTokenizerFast):
+    """Falcon-H1's own template (and Axolotl's falcon_h1) writes the first message when it is a system message and
+    leaves every later system message out."""
+    chat = [
+        {"role": "system", "content": "SYS"},
+        {"role": "user", "content": "U1"},
+        {"role": "system", "content": "LATER"},
+        {"role": "assistant", "content": "A1"},
+    ]
+    text = tokenizer.apply_chat_template(chat, chat_template=TEMPLATES["falcon_h1"], tokenize=False)
+    assert text == (
+        "<s><|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))

@@ -73,6 +73,7 @@ BUILT_IN_CHAT_TEMPLATES = (
     "gemma",
     "gemma3",
     "phi_3",
+    "falcon_h1",
 )
 """Axolotl's chat template names that cptune renders with its own templates (:mod:`cptune.data.chat_templates`)."""
 

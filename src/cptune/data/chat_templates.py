@@ -46,6 +46,19 @@ CHATML = (
 )
 """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per turn, without a bos token (as Axolotl's)."""
 
+FALCON_H1 = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+"""Falcon-H1: ChatML after a bos token; a system message counts only as the first message (Falcon-H1's own
+template, and Axolotl's ``falcon_h1``, leave out any later one). Tool definitions are not rendered."""
+
 QWEN_25 = (
     "{%- if not messages or messages[0]['role'] != 'system' -%}"
     "{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
@@ -186,6 +199,7 @@ opens a thinking block, ``<think>\n\n``, closed empty with ``enable_thinking: fa
 TEMPLATES: dict[str, str] = {
     "chatml": CHATML,
     "qwen_25": QWEN_25,
+    "falcon_h1": FALCON_H1,
     "qwen3": QWEN3,
     "qwen3_5": QWEN3_5,
     "llama3": LLAMA3,
@@ -201,6 +215,7 @@ TEMPLATES: dict[str, str] = {
 MARKERS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "qwen_25": ("<|im_start|>", "<|im_end|>"),
+    "falcon_h1": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "qwen3_5": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
