@@ -22,6 +22,9 @@ from tests.tiers import (  # noqa: F401 - hooks of the suite's tiers (tests/tier
     pytest_runtest_protocol,
 )
 
+# Which pytest worker runs which test when the suite runs in several (scripts/test.sh).
+pytest_plugins = ["tests.workers"]
+
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_DATA = REPO / "examples" / "data" / "quickstart.jsonl"
 
