@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cptune.config.loader import validate_recipe
 from cptune.models.sizing import count_parameters, model_shape
@@ -39,3 +40,35 @@ def test_dense_layers_beside_sparse_ones_take_the_wider_and_a_shared_expert_adds
         shared_expert_intermediate_size=40,
     )  # fmt: skip
     assert model_shape(shared).intermediate == 2 * 8 + 40
+
+
+def test_quantizing_a_mixture_of_experts_leaves_its_expert_tensors_in_the_training_dtype(tmp_path):
+    """bitsandbytes quantizes linear layers only; a Qwen3-MoE keeps its experts in 3D tensors, which load_in_4bit
+    leaves in bf16 (measured on CPU with bitsandbytes 0.50 and transformers 5.23). The count and the memory estimate
+    say so, rather than counting every frozen weight as 4-bit."""
+    from cptune.run.memory_plan import describe_state_memory
+    from cptune.run.plan import RunPlan
+
+    model = build_tiny_qwen3_moe(97, seed=1)
+    recipe = validate_recipe(
+        {
+            "base_model": "unused",
+            "datasets": [{"path": "d.jsonl"}],
+            "adapter": "qlora",
+            "load_in_4bit": True,
+            "bf16": True,
+        }
+    )
+    counts = count_parameters(recipe, model.config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    linear = sum(
+        m.weight.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()
+    )
+    assert (counts.quantized, counts.unquantized_experts) == (linear, experts)
+    lines = describe_state_memory(RunPlan.build(recipe, 1), model.config)
+    assert (
+        f"  {experts:,} weights of the experts ({experts / counts.total:.0%} of the model) stay in bfloat16 "
+        in ("\n".join(lines))
+    )

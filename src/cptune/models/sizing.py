@@ -30,6 +30,9 @@ class ParameterCounts:
     quantized: int = 0
     #: parameters of all decoder layers (the rest, embeddings and head, is FSDP2's root unit)
     all_layers: int = 0
+    #: frozen weights that stay in the training dtype although the recipe quantizes: a mixture of experts'
+    #: expert tensors (3D, ``experts x out x in``), which bitsandbytes, quantizing linear layers only, leaves be
+    unquantized_experts: int = 0
 
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
@@ -40,7 +43,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_classes
     ]
     largest_layer = max(layer_sizes, default=0)
-    quantized = 0
+    quantized = unquantized_experts = 0
     if recipe.is_quantized:
         # What transformers hands to bitsandbytes: every linear layer but the output head and the
         # modules the recipe keeps (bnb_config_kwargs.llm_int8_skip_modules).
@@ -53,6 +56,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in skip
         )
+        unquantized_experts = sum(p.numel() for p in model.parameters() if p.dim() >= 3)
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -64,6 +68,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         all_layers=sum(layer_sizes),
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
         quantized=quantized,
+        unquantized_experts=unquantized_experts,
     )
 
 
