@@ -200,6 +200,18 @@ ENTRIES: tuple[Entry, ...] = (
         "layers would see only a slice of each row).",
     ),
     Entry(
+        "model-stateful-layers-cp",
+        SECTION,
+        "Context parallelism with a model that has Mamba, linear-attention or convolution layers",
+        "context_parallel_size: base_model lfm2 has layers of type ['conv'], which carry a state from each token "
+        "to the next",
+        "Such a layer reads each token with the state the tokens before it left. Context parallelism gives each "
+        "rank a part of every row, and cptune passes no such state between the ranks (attention needs none: the "
+        "ranks exchange keys and values), so every part but the first would start from nothing. Train at "
+        "`context_parallel_size: 1`, or use a model with attention layers only. Refused for every backend, "
+        "before anything is loaded.",
+    ),
+    Entry(
         "model-temperature-packed",
         SECTION,
         "Sample packing with Llama 4 rows of floor_scale tokens or more",

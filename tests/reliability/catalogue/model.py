@@ -116,6 +116,11 @@ CASES: tuple[Case, ...] = (
         setup=_short_convolution_model,
     ),
     Case(
+        "model-stateful-layers-cp",
+        keys={"context_parallel_size": 2, "sample_packing": False},
+        setup=_short_convolution_model,
+    ),
+    Case(
         "model-temperature-packed",
         keys={"sample_packing": True},
         setup=_llama4_temperature_model,

@@ -138,6 +138,26 @@ def check_packing_layers(recipe: Recipe, text_config: Any) -> None:
         )
 
 
+def check_stateful_layers_unsplit(text_config: Any) -> None:
+    """Refuse context parallelism for a model with layers that carry a state along the sequence.
+
+    A linear-attention, Mamba or convolution layer reads each token with the state the tokens before it
+    left. Context parallelism gives each rank a part of the row; cptune passes no such state from one
+    rank's part to the next, so every part after the first would start from nothing. (Attention needs no
+    state: the ranks exchange keys and values instead.)
+    """
+    kinds = stateful_layer_types(text_config)
+    if kinds:
+        model = getattr(text_config, "model_type", None) or type(text_config).__name__
+        raise CptuneError(
+            f"context_parallel_size: base_model {model} has layers of type {kinds}, which carry a state from "
+            "each token to the next (linear attention, state-space or convolution layers). Context parallelism "
+            "splits each row between the ranks, and cptune does not pass that state from one rank's part of the "
+            "row to the next, so every part but the first would start from nothing. Use context_parallel_size: "
+            "1, or a model with attention layers only."
+        )
+
+
 def check_packing_masks(recipe: Recipe, config: Any, model_class: type | None) -> None:
     """Refuse sample packing at cp=1 for a model whose attention transformers' masks would not split by sample.
 
@@ -193,6 +213,8 @@ def check_model_config(
         # serve it (local.runtime.attends_by_document): only packing needs transformers' masks
         check_packing_masks(recipe, config, model_class)
         return
+    if dims.cp_enabled:
+        check_stateful_layers_unsplit(text)
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"
