@@ -10,6 +10,8 @@ bash scripts/setup.sh --deepspeed  # the deepspeed backend's tests run too
 . .venv/bin/activate
 workers=${CPTUNE_TEST_WORKERS:-2}
 if [ "$workers" -gt 1 ]; then
-  exec python -m pytest -q --full --numprocesses "$workers" --dist loadgroup "$@"
+  # A worker that dies (a crash in torch or gloo) fails the run: xdist 3.8 would start another and hand it
+  # the crashed test again, and wait for ever.
+  exec python -m pytest -q --full --numprocesses "$workers" --dist loadgroup --max-worker-restart 0 "$@"
 fi
 exec python -m pytest -q --full "$@"

@@ -113,8 +113,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             self._groups: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
-            if not self._groups:  # the workers wrote it before they reported their collection
+            if self._groups is None:  # the workers wrote it before they reported their collection
                 self._groups = json.loads(path.read_text() or "{}")
-            return self._groups.get(nodeid, nodeid.split("::")[0])
+            if nodeid not in self._groups:  # a broken handshake would split the shared fixtures silently
+                raise RuntimeError(f"tests/workers.py: no group for {nodeid} in {path}")
+            return self._groups[nodeid]
 
     return GroupScheduling(config, log)

@@ -68,7 +68,4 @@ def test_quantizing_a_mixture_of_experts_leaves_its_expert_tensors_in_the_traini
     )
     assert (counts.quantized, counts.unquantized_experts) == (linear, experts)
     lines = describe_state_memory(RunPlan.build(recipe, 1), model.config)
-    assert (
-        f"  {experts:,} weights of the experts ({experts / counts.total:.0%} of the model) stay in bfloat16 "
-        in ("\n".join(lines))
-    )
+    assert f"  {experts:,} weights of the experts stay in bfloat16 with load_in_4bit: " in "\n".join(lines)

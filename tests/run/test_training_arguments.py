@@ -22,7 +22,7 @@ def test_ddp_find_unused_parameters_reaches_the_trainer(write_recipe):
         recipe = load_recipe(write_recipe(ddp_find_unused_parameters=value))
         assert training_arguments(RunPlan.build(recipe, 1), DistEnv()).ddp_find_unused_parameters is value
     default = load_recipe(write_recipe("default.yaml"))
-    assert default.ddp_find_unused_parameters is None
+    assert default.ddp_find_unused_parameters is False
     assert training_arguments(RunPlan.build(default, 1), DistEnv()).ddp_find_unused_parameters is False
 
 

@@ -372,8 +372,8 @@ def _short(value: Any, limit: int = 60) -> str:
 def _partial_recipe(data: Mapping[str, Any], broken: set[str]) -> Recipe | None:
     """A recipe of the keys that passed validation (defaults elsewhere), for combination rules.
 
-    Values are taken as written: they passed field validation, so they mean what
-    the validated value would mean for the rules' purposes.
+    Values are typed as their fields after the recipe's own rewriting of keys; one that still does not
+    type (it failed validation for a reason the rules need not know) stands in as the field's default.
     """
     data = _keys_as_the_recipe_reads_them(data)
     values: dict[str, Any] = {}

@@ -118,8 +118,8 @@ class TrainingKeys(BaseModel):
         ("none",), description="Loggers besides train_log.json; one name or a list."
     )
     dataloader_num_workers: int = Field(0, ge=0, description="Data-loader worker processes per rank.")
-    ddp_find_unused_parameters: bool | None = Field(
-        None,
+    ddp_find_unused_parameters: bool = Field(
+        False,
         description="Let DDP search each step's autograd graph for parameters that got no gradient, which it "
         "needs when a step leaves some trained parameters unused (e.g. a multimodal model's vision tower on "
         "text-only data); default false: the same model runs every step, no search. DDP only (no effect under "

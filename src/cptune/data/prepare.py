@@ -78,14 +78,14 @@ def highest_token_id(prepared: PreparedData, ignoring: Collection[int] = ()) -> 
     """The highest token id in the prepared rows (train and eval), ids in ``ignoring`` left out; None when they
     hold no other token."""
     highest: int | None = None
-    left_out = pa.array(sorted(ignoring), type=pa.int64())
     for dataset in (prepared.train, prepared.eval):
         if dataset is None or len(dataset) == 0:
             continue
         ids = pc.list_flatten(dataset.data.table.column("input_ids"))
-        if len(left_out):
-            ids = pc.filter(ids, pc.invert(pc.is_in(ids.cast(pa.int64()), value_set=left_out)))
         value = pc.max(ids).as_py()
+        if value in ignoring:  # rare: filtering copies every id
+            left_out = pa.array(sorted(ignoring), type=ids.type)
+            value = pc.max(pc.filter(ids, pc.invert(pc.is_in(ids, value_set=left_out)))).as_py()
         if value is not None:
             highest = value if highest is None else max(highest, value)
     return highest
@@ -250,7 +250,8 @@ def _deduplicate(
             log(
                 f"{dataset.label}: {dropped.num_rows:,} exact duplicates dropped (dataset_exact_deduplication)"
             )
-    if test and not sum(table.num_rows for table in test_result.kept):
+    emptied = sum(t.num_rows for t in test) and not sum(t.num_rows for t in test_result.kept)
+    if recipe.is_preference and emptied:
         raise DataError(
             "dataset_exact_deduplication: every evaluation pair of test_datasets equals a training pair of "
             "datasets, so no evaluation data is left (with rl, evaluation pairs that repeat training pairs are "

@@ -56,7 +56,9 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in skip
         )
-        unquantized_experts = sum(p.numel() for p in model.parameters() if p.dim() >= 3)
+        unquantized_experts = sum(
+            p.numel() for name, p in model.named_parameters() if p.dim() >= 3 and ".experts." in name
+        )
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -222,9 +222,9 @@ def describe_state_memory(plan: RunPlan, config: Any) -> list[str]:
         bits = "load_in_4bit" if recipe.load_in_4bit else "load_in_8bit"
         dtype = str(torch_dtype(recipe)).removeprefix("torch.")
         lines.append(
-            f"  {counts.unquantized_experts:,} weights of the experts ({counts.unquantized_experts / counts.total:.0%} "
-            f"of the model) stay in {dtype} with {bits}: bitsandbytes quantizes linear layers only, and a mixture of experts keeps its experts in 3D tensors "
-            "(cptune has no counterpart of Axolotl's quantize_moe_experts); the weights above count them so."
+            f"  {counts.unquantized_experts:,} weights of the experts stay in {dtype} with {bits}: bitsandbytes "
+            "quantizes linear layers only, and a mixture of experts keeps its experts in 3D tensors (cptune has "
+            "no counterpart of Axolotl's quantize_moe_experts); the weights above count them so."
         )
     if layouts[0].offload:
         host = rows[0][1].host

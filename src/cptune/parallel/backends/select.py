@@ -207,14 +207,14 @@ def check_model_config(
     """Refuse a model whose attention ``backend`` (the one of this layout) cannot split (before loading weights)."""
     text = config.get_text_config()
     check_tensor_parallel_model(config, model_class, dims.tp_size)
+    if dims.cp_enabled:  # before packing's refusal, whose remedy (sample_packing: false) would not do
+        check_stateful_layers_unsplit(text)
     check_packing_layers(recipe, text)
     if not dims.cp_enabled and recipe.causal:
         # transformers' sdpa runs, or cptune's document attention where the model's config showed it can
         # serve it (local.runtime.attends_by_document): only packing needs transformers' masks
         check_packing_masks(recipe, config, model_class)
         return
-    if dims.cp_enabled:
-        check_stateful_layers_unsplit(text)
     computed_by = backend.label  # what computes the attention, for the messages
     # What avoids cptune's attention: cp=1, and causal: true where bidirectional attention brings it in.
     fallback = "context_parallel_size: 1" if recipe.causal else "context_parallel_size: 1 with causal: true"

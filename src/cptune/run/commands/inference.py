@@ -171,15 +171,16 @@ def generate(
     """Generate an answer to ``prompt_ids`` (streamed to stdout when ``stream``)."""
     from transformers import GenerationConfig, TextStreamer
 
-    # Output rows past the tokenizer's last id (resize_token_embeddings_to_32x, a vocab_size with spare
-    # rows) are no token: never generated.
+    # Output rows that no token has (resize_token_embeddings_to_32x's padding, a vocab_size with spare
+    # rows) are never generated.
     rows = model.get_output_embeddings().weight.shape[0]
+    unused = sorted(set(range(rows)) - set(tokenizer.get_vocab().values()) - set(stops))
     config = GenerationConfig(
         max_new_tokens=options.max_new_tokens,
         do_sample=options.do_sample,
         eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
-        suppress_tokens=list(range(len(tokenizer), rows)) or None,
+        suppress_tokens=unused or None,
         **{
             name: getattr(options, name)
             for name in ("temperature", "top_p", "top_k")
