@@ -34,9 +34,7 @@ def add_recipe_tokens(tokenizer: Any, recipe: Recipe) -> list[str]:
     before = len(tokenizer)
     special = recipe.special_tokens
     if special is not None:
-        values = {
-            key: getattr(special, key) for key in SPECIAL_TOKEN_KEYS if getattr(special, key) is not None
-        }
+        values = _special_token_values(recipe)
         if values:
             tokenizer.add_special_tokens(values)
         if special.additional_special_tokens:
@@ -46,17 +44,23 @@ def add_recipe_tokens(tokenizer: Any, recipe: Recipe) -> list[str]:
     return [tokenizer.convert_ids_to_tokens(i) for i in range(before, len(tokenizer))]
 
 
+def _special_token_values(recipe: Recipe) -> dict[str, str]:
+    """``{bos_token: ..., ...}``: the special tokens the recipe sets."""
+    special = recipe.special_tokens
+    if special is None:
+        return {}
+    return {key: getattr(special, key) for key in SPECIAL_TOKEN_KEYS if getattr(special, key) is not None}
+
+
 def recipe_token_ids(tokenizer: Any, recipe: Recipe) -> set[int]:
     """The ids of every token the recipe names (``tokens``, ``special_tokens``), added or already there.
 
     The model's embeddings hold them once :func:`fit_embeddings` has grown them, so they are left out
     when the data's token ids are checked against the base model's ``vocab_size``.
     """
-    names = list(recipe.tokens or ())
-    special = recipe.special_tokens
-    if special is not None:
-        names += [getattr(special, key) for key in SPECIAL_TOKEN_KEYS if getattr(special, key) is not None]
-        names += list(special.additional_special_tokens or ())
+    names = [*(recipe.tokens or ()), *_special_token_values(recipe).values()]
+    if recipe.special_tokens is not None:
+        names += list(recipe.special_tokens.additional_special_tokens or ())
     return {i for i in tokenizer.convert_tokens_to_ids(names) if i is not None}
 
 

@@ -127,15 +127,21 @@ def check_model_type(recipe: Recipe, config: Any) -> None:
     )
 
 
-def check_token_ids(highest_id: int | None, embedded: int | None, recipe: Recipe) -> None:
+def check_token_ids(prepared: Any, tokenizer: Any, embedded: int | None, recipe: Recipe) -> None:
     """Refuse data with token ids that the model has no embedding for (a tokenizer of another model).
 
+    The recipe's own tokens are left out (:func:`cptune.models.added_tokens.recipe_token_ids`): the
+    embeddings grow to hold them.
+
     Args:
-        highest_id: The highest token id in the prepared data, the recipe's own tokens left out
-            (:func:`cptune.models.added_tokens.recipe_token_ids`: the embeddings grow to hold them); None:
-            no other tokens.
+        prepared: The prepared data (:class:`cptune.data.prepare.PreparedData`).
+        tokenizer: The recipe's tokenizer, its tokens added.
         embedded: Rows of the base model's input embedding (config ``vocab_size``); None when unknown.
     """
+    from cptune.data.prepare import highest_token_id
+    from cptune.models.added_tokens import recipe_token_ids
+
+    highest_id = highest_token_id(prepared, ignoring=recipe_token_ids(tokenizer, recipe))
     if highest_id is None or embedded is None or highest_id < embedded:
         return
     tokenizer = recipe.tokenizer_config or recipe.base_model

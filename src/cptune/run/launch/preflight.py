@@ -55,17 +55,12 @@ def preflight(
         check_host_memory(recipe, config, processes_per_node or plan.dims.world_size)
     plan.check_ready(training=training)
     if prepare_data:
-        from cptune.data.prepare import highest_token_id, prepare_datasets
-        from cptune.models.added_tokens import recipe_token_ids
+        from cptune.data.prepare import prepare_datasets
         from cptune.models.loading import check_token_ids, load_tokenizer
 
         tokenizer = load_tokenizer(recipe)
         prepared = prepare_datasets(recipe, tokenizer)
-        check_token_ids(
-            highest_token_id(prepared, ignoring=recipe_token_ids(tokenizer, recipe)),
-            getattr(config.get_text_config(), "vocab_size", None),
-            recipe,
-        )
+        check_token_ids(prepared, tokenizer, getattr(config.get_text_config(), "vocab_size", None), recipe)
         plan.check_prepared_rows(prepared)
         # Here the data was prepared or found in the cache: the one place that knows which.
         log.info("%s", prepared.stats.format())

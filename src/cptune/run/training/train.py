@@ -96,8 +96,8 @@ def _train(
     from transformers import set_seed
 
     from cptune.config.axolotl.notes import axolotl_notes
-    from cptune.data.prepare import highest_token_id, prepare_datasets
-    from cptune.models.added_tokens import fit_embeddings, recipe_token_ids
+    from cptune.data.prepare import prepare_datasets
+    from cptune.models.added_tokens import fit_embeddings
     from cptune.run.training.tracking import recipe_callbacks, tracker_environment
 
     env = read_dist_env()
@@ -139,11 +139,7 @@ def _train(
     model = load_model(recipe, attention.attn_implementation, local_rank=env.local_rank)
     plan.check_model(model.config, type(model))
     # Before the embeddings grow: only the recipe's own tokens may lie beyond the base model's rows.
-    check_token_ids(
-        highest_token_id(prepared, ignoring=recipe_token_ids(tokenizer, recipe)),
-        model.get_input_embeddings().num_embeddings,
-        recipe,
-    )
+    check_token_ids(prepared, tokenizer, model.get_input_embeddings().num_embeddings, recipe)
     fit_embeddings(model, tokenizer, recipe)
     if recipe.is_lora:
         # The adapter's random init must not depend on what ran before (e.g. a CP
