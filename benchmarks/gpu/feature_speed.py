@@ -16,6 +16,8 @@ other on the same model (not alternated: the features install hooks that stay fo
   with the functions cptune's trainer installs them with;
 * ``trainer_norms``: ``trainer`` with ``recompute_norms`` (each RMSNorm keeps its bf16 input and
   recomputes in the backward), installed after the other settings ran;
+* ``trainer_two_level``: ``trainer_norms`` with ``activation_offloading: two_level`` (every second
+  layer's input offloaded, the others regenerated in the backward), switched on after the others ran;
 * ``trainer``: everything, with the step as cptune's Trainer runs a bf16 recipe: the forward and
   the head loss under bf16 autocast (accelerate wraps the forward; the backward runs outside it)
   and cptune's patch ``lora-input-kept-under-autocast`` applied. ``today`` and ``everything``
@@ -43,18 +45,21 @@ from typing import Any
 from benchmarks.gpu.flops import LLAMA_31_8B, lora_parameters, utilization
 
 
-def install_everything(model) -> Any:
-    """activation_offloading + tiled_mlp + cut_cross_entropy, as cptune's trainer installs them."""
+def install_everything(model) -> tuple[Any, Any]:
+    """activation_offloading + tiled_mlp + cut_cross_entropy, as cptune's trainer installs them: the
+    head loss, and the offloader (its stats say how much pinned host memory the layer inputs took)."""
     from cptune.models.head_loss import HeadLoss
     from cptune.models.offload import enable_activation_offloading
     from cptune.models.tiled_mlp import enable_tiled_mlp
 
-    enable_activation_offloading(model)
+    offloader = enable_activation_offloading(model)
     enable_tiled_mlp(model, None)
-    return HeadLoss(model)
+    return HeadLoss(model), offloader
 
 
-FEATURED = ("everything", "trainer", "trainer_norms")  # the settings with every memory feature installed
+# the settings with every memory feature installed
+FEATURED = ("everything", "trainer", "trainer_norms", "trainer_two_level")
+NORMS = ("trainer_norms", "trainer_two_level")  # ... and recompute_norms
 
 
 def setting_patches(name: str):
@@ -222,19 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         model = build(build_args, device)
         model.set_attn_implementation("sdpa")
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        loss_fn = logits_loss
+        loss_fn, offloader, norms = logits_loss, None, False
         featured = [name for name in settings if name in FEATURED]
         for name in settings:  # today first: the features' hooks stay on the model once installed
             if name in FEATURED and loss_fn is logits_loss:
-                loss_fn = install_everything(model)
-            if name == "trainer_norms":  # after the settings without it: its hooks stay on the model
+                loss_fn, offloader = install_everything(model)
+            if name in NORMS and not norms:  # after the settings without it: its hooks stay on the model
                 from cptune.models.recomputed_norms import enable_recomputed_norms
 
                 enable_recomputed_norms(model)
+                norms = True
+            if offloader is not None:  # between steps: the offloader holds nothing then
+                offloader.two_level = name == "trainer_two_level"
             with setting_patches(name):
                 for length in args.lengths:
                     results["rows"].append(
-                        run_one(model, optimizer, loss_fn, name, length, args, device, shape)
+                        run_one(model, optimizer, loss_fn, name, length, args, device, shape, offloader)
                     )
                     save()
                     if args.until_fits and "tokens_per_second_per_gpu" in results["rows"][-1]:
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             name = featured[-1]
             with setting_patches(name):
                 results["longest"] = longest_step(
-                    model, optimizer, loss_fn, results, args, device, shape, usable, name
+                    model, optimizer, loss_fn, results, args, device, shape, usable, name, offloader
                 )
                 save()
                 step = results["longest"].get("step", {})
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                         "outcome": "started; no result (cut by the time limit)",
                     }
                     save()
-                    results["longest"]["above"] = run_one(model, optimizer, loss_fn, name, above, args, device, shape, steps=1, warmup=0)  # fmt: skip
+                    results["longest"]["above"] = run_one(model, optimizer, loss_fn, name, above, args, device, shape, offloader, steps=1, warmup=0)  # fmt: skip
                     save()
     finally:
         dist.destroy_process_group()
@@ -264,9 +272,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_one(
-    model, optimizer, loss_fn, name, length, args, device, shape, steps=None, warmup=None
+    model, optimizer, loss_fn, name, length, args, device, shape, offloader=None, steps=None, warmup=None
 ) -> dict[str, Any]:
-    """One setting at one length, with the memory model's prediction beside it."""
+    """One setting at one length, with the memory model's prediction beside it.
+
+    With fewer layers than Llama-3.1-8B's (``--layers``), ``peak_gib_full_depth`` adds to the measured peak
+    the states of the layers left out (bf16 weights, fp32 adapter with its gradient and AdamW state;
+    :func:`benchmarks.gpu.predict.lora_states`): every other term of the peak is one layer's working set
+    and the checkpoint rows on the device, the same at any depth. The offloaded inputs in host memory
+    scale with the depth (``host_gib_full_depth``, x 32 / layers).
+    """
     import torch
 
     from benchmarks.gpu import predict
@@ -277,6 +292,9 @@ def run_one(
         torch.cuda.empty_cache()
     steps = args.steps if steps is None else steps
     warmup = args.warmup if warmup is None else warmup
+    if offloader is not None:
+        offloader.stats.peak_host_bytes = offloader.stats.host_bytes
+        regenerated = offloader.stats.regenerated
     try:
         row = measure(
             model, optimizer, loss_fn, length, steps, warmup, device, autocast=name.startswith("trainer")
@@ -293,12 +311,24 @@ def run_one(
         row |= utilization(
             shape, length, row["tokens_per_second_per_gpu"], lora_parameters(shape, 16), recompute=True
         )
+    if offloader is not None and "tokens_per_second_per_gpu" in row:
+        row["host_gib"] = offloader.stats.peak_host_bytes / 2**30
+        row["regenerated_inputs"] = offloader.stats.regenerated - regenerated  # two-level's, over the steps
+    if "peak_gib" in row and shape.layers < LLAMA_31_8B.layers:
+        left_out = predict.lora_states(LLAMA_31_8B) - predict.lora_states(shape)
+        row["peak_gib_full_depth"] = row["peak_gib"] + left_out / 2**30
+        if "host_gib" in row:
+            row["host_gib_full_depth"] = row["host_gib"] * LLAMA_31_8B.layers / shape.layers
     guess = predict.predict(predict.SETTINGS[name], length, shape=shape)
+    full = predict.predict(predict.SETTINGS[name], length) if shape.layers < LLAMA_31_8B.layers else None
     return {"setting": name, "length": length, **row, "predicted_peak_gib": guess.peak_gib,
-            "predicted_phase": guess.phase, "predicted_host_gib": guess.host_gib}  # fmt: skip
+            "predicted_phase": guess.phase, "predicted_host_gib": guess.host_gib,
+            **({"predicted_peak_gib_full_depth": full.peak_gib, "predicted_host_gib_full_depth": full.host_gib} if full else {})}  # fmt: skip
 
 
-def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable, name) -> dict[str, Any]:
+def longest_step(
+    model, optimizer, loss_fn, results, args, device, shape, usable, name, offloader=None
+) -> dict[str, Any]:
     """Fit the setting's peaks, then one step at the longest length the line (and the host RAM and time) allow."""
     from benchmarks.gpu import longest, predict
 
@@ -333,7 +363,9 @@ def longest_step(model, optimizer, loss_fn, results, args, device, shape, usable
               "step": {"length": length, "outcome": "started; no result (cut by the time limit)"}}  # fmt: skip
     results["longest"] = result
     args.out.write_text(json.dumps(results, indent=1))
-    result["step"] = run_one(model, optimizer, loss_fn, name, length, args, device, shape, steps=1, warmup=0)
+    result["step"] = run_one(
+        model, optimizer, loss_fn, name, length, args, device, shape, offloader, steps=1, warmup=0
+    )
     return result
 
 

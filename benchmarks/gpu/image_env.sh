@@ -14,6 +14,8 @@ set -euo pipefail
 DIR=${1:-/tmp/cptune-image-env}
 if [ ! -x "$DIR/bin/python" ]; then
     PY=$(command -v python3.12 || true)
+    # pyenv's shim is on PATH even when 3.12 is not the active version; it fails when run
+    if [ -n "$PY" ] && ! "$PY" -c '' 2>/dev/null; then PY=; fi
     if [ -z "$PY" ] && command -v pyenv >/dev/null; then PY=$(PYENV_VERSION=$(pyenv versions --bare | grep '^3\.12' | tail -1) pyenv which python); fi
     [ -n "$PY" ] || { echo "image_env: no Python 3.12 found (the GPU image's Python)" >&2; exit 1; }
     "$PY" -m venv "$DIR"

@@ -25,6 +25,14 @@
 # layer backward (~100 s in); longest.json records that it started before it starts, so a step cut
 # by the time limit still says how far it got (lease.log has when its forward ended).
 # Files: env.json longest.json lease.log.
+#
+# --two-level (issue 30, one call): setup, kernels and multirank as above (their newer cases: the document
+# attention a KV head at a time, sliding windows, sinks on the zigzag ring), then Llama-3.1-8B's layers
+# cut to 8 (the step's time a quarter, each layer's working set the same) under every memory feature
+# with recompute_norms: one-level vs two-level offloading at 32K and 96K, then one two-level step at
+# 524,288 tokens within 69.4 GiB (an H100's 79.6 less the 10.2 GiB of states of the 24 layers left out),
+# each row with its peak at full depth (measured + those states) and the pinned host memory it took.
+# Files: env.json kernels.json multirank.json two_level.json half_million.json lease.log.
 # A failing phase is logged and the next one still runs; exit 1 if any failed.
 set -uo pipefail
 
@@ -35,7 +43,8 @@ for arg in "$@"; do
         --dry-run) DRY=1 ;;
         --check-b) CHECK_B=1 ;;
         --trainer) CHECK_B=2 ;;
-        *) echo "lease.sh: unknown option $arg (known: --dry-run, --check-b, --trainer)" >&2; exit 2 ;;
+        --two-level) CHECK_B=3 ;;
+        *) echo "lease.sh: unknown option $arg (known: --dry-run, --check-b, --trainer, --two-level)" >&2; exit 2 ;;
     esac
 done
 OUT=${OUT:-outputs/gpu-lease}
@@ -99,7 +108,23 @@ export PYTHONPATH="$PYTHONPATH:$SITE"
 # patches; feature_speed's "trainer" setting), with the long step capped to what the lease has left:
 # its time grows at most as the square of the length from check B's 281.2 s at 294,912 tokens.
 step_budget() { echo $((LEASE_SECONDS - (SECONDS - START) - 150)); }
-if [ "$CHECK_B" = 2 ] && [ "$DRY" = 1 ]; then
+# --two-level: 8 of the 32 layers; the cap leaves room for the other 24 layers' states (10.2 GiB)
+TWO_LEVEL=(--settings trainer_norms,trainer_two_level --layers 8 --steps 1 --warmup 0)
+HALF_MILLION=(--settings trainer_two_level --layers 8 --steps 1 --warmup 0)
+if [ "$CHECK_B" = 3 ] && [ "$DRY" = 1 ]; then
+    phase kernels 90 20 "$PYTHON" -m benchmarks.gpu.check_kernels --dry-run --out "$OUT/kernels.json"
+    phase multirank 150 30 "$PYTHON" -m benchmarks.gpu.multirank --device cpu --tiny --cp-sizes 2,4 --budget 140 --out "$OUT/multirank.json"
+    phase two_level 120 20 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run "${TWO_LEVEL[@]}" --out "$OUT/two_level.json"
+    phase half_million 120 20 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run "${HALF_MILLION[@]}" --out "$OUT/half_million.json"
+elif [ "$CHECK_B" = 3 ]; then
+    export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+    phase kernels 60 20 "$PYTHON" -m benchmarks.gpu.check_kernels --out "$OUT/kernels.json"
+    phase multirank 130 30 "$PYTHON" -m benchmarks.gpu.multirank --cp-sizes 2,4 --budget 120 --out "$OUT/multirank.json"
+    phase two_level 80 30 "$PYTHON" -m benchmarks.gpu.feature_speed "${TWO_LEVEL[@]}" --lengths 32768,98304 \
+        --gpu-gib 69.4 --out "$OUT/two_level.json"
+    phase half_million 600 200 "$PYTHON" -m benchmarks.gpu.feature_speed "${HALF_MILLION[@]}" --lengths 524288 \
+        --gpu-gib 69.4 --out "$OUT/half_million.json"
+elif [ "$CHECK_B" = 2 ] && [ "$DRY" = 1 ]; then
     phase longest 300 30 "$PYTHON" -m benchmarks.gpu.feature_speed --dry-run --settings trainer --longest \
         --time-anchor 512:1 --step-budget 4 --out "$OUT/longest.json"
 elif [ "$CHECK_B" = 2 ]; then

@@ -34,6 +34,12 @@ SETTINGS = {
         "recompute_norms": True,
         "cut_cross_entropy": True,
     },
+    "trainer_two_level": {
+        "activation_offloading": "two_level",
+        "tiled_mlp": True,
+        "recompute_norms": True,
+        "cut_cross_entropy": True,
+    },
 }
 
 
