@@ -200,29 +200,44 @@ def _feature_rows(features: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _memory_features(features: dict[str, Any], title: str = "Memory features") -> list[str]:
-    lines = [
-        f"{title}, cp=1 ({features['model']}; `benchmarks/gpu/feature_speed.py`; the prediction is "
-        "`cptune validate`'s memory model):",
-        "",
-        "| setting | tokens | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
     rows = _feature_rows(features)
     step = (features.get("longest") or {}).get("step")
     if isinstance(step, dict):
         rows = [*rows, {**step, "setting": f"{step.get('setting', 'everything')}, longest by the fit"}]
+    # rows of a model cut to fewer layers (feature_speed --layers) also give the peak at full depth
+    depth = any("peak_gib_full_depth" in row for row in rows)
+    lines = [
+        f"{title}, cp=1 ({features['model']}; `benchmarks/gpu/feature_speed.py`; the prediction is "
+        "`cptune validate`'s memory model"
+        + (
+            "; *at 32 layers* adds to the peak the states of the layers left out, and scales the pinned host "
+            "memory of the offloaded layer inputs by 32 / layers"
+            if depth
+            else ""
+        )
+        + "):",
+        "",
+        "| setting | tokens | tokens/s/GPU | MFU (LoRA) | HFU | peak GiB | predicted GiB |"
+        + (" at 32 layers: peak GiB | predicted GiB | pinned host GiB |" if depth else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if depth else ""),
+    ]
     for row in rows:
         predicted = f"{row['predicted_peak_gib']:.1f}" if "predicted_peak_gib" in row else ""
+        extra = ""
+        if depth:
+            cells = [row.get("peak_gib_full_depth"), row.get("predicted_peak_gib_full_depth")]
+            cells.append(row.get("host_gib_full_depth"))
+            extra = " " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |"
         if "error" in row:
             # an out-of-memory row keeps the peak allocated when the allocation failed
             peak = f"{row['peak_gib']:.1f} at the failure" if "peak_gib" in row else ""
             lines.append(
-                f"| {row['setting']} | {row['length']:,} | {row['error']} | | | {peak} | {predicted} |"
+                f"| {row['setting']} | {row['length']:,} | {row['error']} | | | {peak} | {predicted} |{extra}"
             )
             continue
         lines.append(
             f"| {row['setting']} | {row['length']:,} | {row['tokens_per_second_per_gpu']:,.0f} | {row['mfu']:.1%} | "
-            f"{row['hfu']:.1%} | {row['peak_gib']:.1f} | {predicted} |"
+            f"{row['hfu']:.1%} | {row['peak_gib']:.1f} | {predicted} |{extra}"
         )
     found = features.get("longest")
     if found and "error" not in found:

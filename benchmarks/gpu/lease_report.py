@@ -9,7 +9,8 @@ Usage (here, after the lease; the directories are where the device tool put each
 Reads whatever of ``env.json``, ``kernels.json``, ``multirank.json``, ``paths.json`` and
 ``features.json`` the directories hold (``benchmarks/gpu/lease.sh`` writes them), and of
 ``strides.json`` (``attention_paths --heads-k-strides ... --profile``), ``longest.json``
-(``lease.sh --check-b``) and ``cudnn.json``
+(``lease.sh --check-b``), ``two_level.json``, ``half_million.json`` and ``longer.json`` (``lease.sh
+--two-level`` and a call after it: feature_speed's rows, put together with features.json's) and ``cudnn.json``
 (``benchmarks.gpu.cudnn_probe``), and records the machine, the versions, the commit the lease ran
 (``env.json``'s, else this checkout's), the kernels behind ring-flash-attn and the numbers, as measured.
 """
@@ -41,6 +42,9 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+DEPTH_FILES = ("two_level", "half_million", "longer")
 
 
 def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
@@ -88,8 +92,10 @@ def entry(directories: list[Path], label: str | None = None) -> dict[str, Any]:
             for length, rows in paths["lengths"].items()
             for path, row in rows.items()
         ]
-    if features:
-        run["memory_features"] = features
+    # feature_speed's files of lease.sh --two-level (and a longer step after it): one table with features.json's
+    parts = [p for p in (features, *(_read(directories, f"{n}.json") for n in DEPTH_FILES)) if p]
+    if parts:
+        run["memory_features"] = {**parts[0], "rows": [row for part in parts for row in part["rows"]]}
     if strides:
         run["strides"] = {
             "throughput": [

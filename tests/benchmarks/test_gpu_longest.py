@@ -5,6 +5,8 @@ The script itself runs on a GPU (or ``--dry-run`` on CPU, not in CI: it launches
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from benchmarks.gpu import longest, predict
 
@@ -123,3 +125,45 @@ def test_the_trainer_setting_runs_the_lora_projections_on_the_bf16_input():
             model(input_ids=ids)
         dtypes[setting] = set(seen)
     assert dtypes == {"everything": {torch.float32}, "trainer": {torch.bfloat16}}
+
+
+@pytest.mark.e2e
+def test_two_level_rows_halve_the_pinned_inputs_and_give_the_peak_at_full_depth(tmp_path):
+    """feature_speed's dry run (CPU, the tiny Llama) of lease.sh --two-level's settings: two_level holds half
+    the offloaded inputs one-level holds, at every length, and regenerates the others; with --layers below 32
+    each row adds the left-out layers' states to its peak and scales the host memory to 32 layers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.gpu.flops import LLAMA_31_8B
+
+    repo = Path(__file__).resolve().parents[2]
+    # This checkout's cptune (src) before whichever one is installed, and the repository for benchmarks/.
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)]),
+    }
+    out = tmp_path / "two_level.json"
+    command = [sys.executable, "-m", "benchmarks.gpu.feature_speed", "--dry-run", "--layers", "8",
+               "--settings", "trainer_norms,trainer_two_level", "--steps", "1", "--warmup", "0", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {(row["setting"], row["length"]): row for row in json.loads(out.read_text())["rows"]}
+    lengths = sorted({length for _, length in rows})
+    assert len(rows) == 4 and len(lengths) == 2
+    left_out = predict.lora_states(LLAMA_31_8B) - predict.lora_states(
+        dataclasses.replace(LLAMA_31_8B, layers=8)
+    )
+    for length in lengths:
+        one, two = rows["trainer_norms", length], rows["trainer_two_level", length]
+        assert one["host_gib"] > 0 and two["host_gib"] * 2 == one["host_gib"]
+        assert one["regenerated_inputs"] == 0 and two["regenerated_inputs"] >= 1
+        for row in (one, two):
+            assert row["peak_gib_full_depth"] == row["peak_gib"] + left_out / 2**30
+            assert row["host_gib_full_depth"] == row["host_gib"] * 4
+            assert row["predicted_host_gib_full_depth"] == 4 * row["predicted_host_gib"]
+        assert two["predicted_host_gib"] * 2 == one["predicted_host_gib"]

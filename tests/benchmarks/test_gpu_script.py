@@ -141,6 +141,9 @@ def test_kernel_check_script_runs_on_cpu_over_the_reference_op():
     for window in (None, 12):  # size 1: the window n(96) is 12 tokens, chunks of n(192) = 24
         zigzag = next(row for row in rows if row["case"] == check_kernels._zigzag_sinks_name(window))
         assert 0 < zigzag["dsinks"] < check_kernels.TOLERANCE["bfloat16"] / 2, zigzag
+    heads = next(row for row in rows if row["case"] == check_kernels.HEAD_GROUPS_CASE)
+    assert heads["bit_identical"] == {"out": True, "dq": True, "dk": True, "dv": True}
+    assert heads["default_order"]["dq_repeat_bit_identical"] and "deterministic" not in heads  # CUDA only
     # The rounding of bf16 inputs and outputs, and nothing near the pass mark.
     assert all(1e-4 < row["dq"] < check_kernels.TOLERANCE["bfloat16"] / 2 for row in rows if "dq" in row)
 
@@ -231,6 +234,35 @@ def test_lease_report_turns_the_lease_files_into_a_page_entry(tmp_path, monkeypa
     assert "| ring-flash-attn (torch kernels) | 8,192 | 6,200 | 0.980 |" in text
     assert "| sdpa | 65536 | out of memory |" in text
     assert "1 of 1 passed" in text and "1.007x" in text
+
+
+def test_lease_report_puts_the_two_level_files_in_one_table_with_the_peak_at_32_layers(tmp_path):
+    """lease.sh --two-level writes two_level.json and half_million.json (and a later call longer.json): one
+    memory table on the page, each row with its measured and predicted peak at 32 layers and pinned host."""
+    import json
+
+    from benchmarks.gpu import docs, lease_report
+
+    def row(setting, length, peak, full, host):
+        return {"setting": setting, "length": length, "tokens_per_second_per_gpu": 2400.0, "mfu": 0.28, "hfu": 0.37,
+                "peak_gib": peak, "predicted_peak_gib": peak - 1, "peak_gib_full_depth": full,
+                "predicted_peak_gib_full_depth": full + 0.5, "host_gib": host / 4, "host_gib_full_depth": host}  # fmt: skip
+
+    model = "Llama-3.1-8B, 8 layers"
+    files = {
+        "env.json": {"device": "NVIDIA H200", "commit": "ab21804ed3d8", "date": "2026-11-27", "cuda": "13.0"},
+        "two_level.json": {"model": model, "rows": [row("trainer_two_level", 98304, 16.0, 26.22, 12.0)]},
+        "half_million.json": {"model": model, "rows": [row("trainer_two_level", 524288, 61.78, 72.0, 64.0)]},
+    }  # fmt: skip
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    run = lease_report.entry([tmp_path], "two-level")
+    assert [r["length"] for r in run["memory_features"]["rows"]] == [98304, 524288]
+    text = docs.gpu_section({"runs": [run], "not_measured": []})
+    assert "at 32 layers: peak GiB | predicted GiB | pinned host GiB |" in text
+    assert (
+        "| trainer_two_level | 524,288 | 2,400 | 28.0% | 37.0% | 61.8 | 60.8 | 72.0 | 72.5 | 64.0 |" in text
+    )
 
 
 def test_check_b_results_render_with_the_fit_and_the_long_step():

@@ -180,8 +180,10 @@ class MemoryKeys(BaseModel):
         "ulysses_attn_implementation: cptune) calls FlashAttention-2 for this many KV heads (and their query heads) "
         "at a time, so its backward expands dK/dV to the query heads and accumulates dQ in fp32 for one group "
         "instead of every head (GPU memory). Heads are independent: the same attention (checked on CPU's stand-in "
-        "kernels; the GPU kernels' bit-identity is a check of benchmarks/gpu/check_kernels.py not yet run on a "
-        "GPU, hence off by default). ring-flash-attn's heads_k_stride does the same for its ring.",
+        "kernels; on a GPU, out, dK and dV came out the same bits and dQ did not, as FlashAttention-2's dQ is not "
+        "repeatable from run to run by default; benchmarks/gpu/check_kernels.py now compares them under torch's "
+        "deterministic setting, not yet run: hence off by default). ring-flash-attn's heads_k_stride does the "
+        "same for its ring.",
     )
     cut_cross_entropy: bool | None = Field(
         None,

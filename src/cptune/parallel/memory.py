@@ -374,15 +374,19 @@ CHUNK_BYTES = memory_fit.CHUNK_BYTES
 #   dtype): 32 KiB per token for Llama-3.1-8B in bf16, as issue 30 lists them. torch's CPU attention
 #   backward, which the traces hold, keeps one such expanded gradient at a time (measured:
 #   memory_fit.CPU_ATTENTION_BACKWARD_ROWS), so the model adds the difference, 24 KiB per token for
-#   Llama-3.1-8B. It adds it to the layer backward's peak, wherever in the layer that peak is: an upper
-#   bound. Against the GPU's check B (issue 27, docs/benchmarks/lease-2026-11-26-check-b: 77.5 GiB at
-#   294,912 tokens, without autocast) the model for that setup is 5.5% over (docs/benchmarks.md).
-#   The GPU runs on the Trainer's path went through transformers' sdpa, which runs cuDNN's attention on
-#   Hopper, not FlashAttention-2; the model charges every GPU path the same term, and the measurements
-#   bear that out as a bound: with recompute_norms the attention backward sets the layer's peak and the
-#   GPU's slope (113 KiB/token) is 23 KiB/token above the CPU trace's (89.6), the term's size; without
-#   it the norms' fp32 temporaries set the peak, away from the attention's buffers, and the GPU's slope
-#   (170, then 165) is the trace's (169.3), so there the term is what makes the model 8-12% over.
+#   Llama-3.1-8B. The sum goes into dK and dV of the KV heads, which mha_bwd allocates before the
+#   kernel runs (``dk = empty_like(k)``), so they are held beside the expanded ones: 2 x kv_heads x
+#   head_dim more, 4 KiB per token for Llama-3.1-8B, 28 in all. The model adds the term to the layer
+#   backward's peak, wherever in the layer that peak is: an upper bound.
+#   Measured on GPUs (docs/benchmarks/gpu_results.json):
+#   - check B (issue 27: 77.5 GiB at 294,912 tokens, without autocast): the model for that setup is over.
+#   - the Trainer's path (bf16 autocast; transformers' sdpa, which runs cuDNN's attention on Hopper):
+#     without recompute_norms the norms' fp32 temporaries set the layer's peak, away from the attention's
+#     buffers, and the GPU's slope (165-170 KiB/token) is the trace's (169.3): the term is what makes the
+#     model 8-14% over there. With recompute_norms the attention backward sets the peak: the GPU's slope
+#     is 112.7-114.0 KiB/token from 32K to 589,824 tokens (two_level; 8 of the 32 layers for the long
+#     steps, issue 30's lease of 2026-11-27), 4 KiB/token above the model's (108.8) with only the first
+#     24 KiB: without the KV heads' dK/dV the model was 1.9% and 2.1% under at 524,288 and 589,824 tokens.
 #   cptune's own cp=1 path for full-attention models (document attention) and ring-flash-attn run
 #   FlashAttention-2 (torch's copy), the kernel the term is read from.
 # - The allocator's reserve and the CUDA context: cptune.run.memory_plan.GPU_RESERVE (2 GiB); check B
@@ -393,11 +397,14 @@ FLASH_DQ_ACCUMULATOR_BYTES = FP32
 
 def flash_backward_bytes(shape: ModelShape, dtype_bytes: int) -> float:
     """Per-token bytes FlashAttention-2's backward holds on a GPU beyond what the CPU traces hold: the fp32
-    dQ accumulator, and dK/dV expanded to every query head when the model has fewer KV heads (GQA), less
-    the expanded rows torch's CPU kernel holds."""
+    dQ accumulator and, when the model has fewer KV heads (GQA), dK/dV expanded to every query head (less
+    the expanded rows torch's CPU kernel holds) beside the KV heads' dK/dV they are summed into."""
     query_row = shape.heads * shape.head_dim * dtype_bytes
-    expanded = 2 - memory_fit.CPU_ATTENTION_BACKWARD_ROWS if shape.kv_heads < shape.heads else 0
-    return FLASH_DQ_ACCUMULATOR_BYTES * shape.heads * shape.head_dim + expanded * query_row
+    accumulator = FLASH_DQ_ACCUMULATOR_BYTES * shape.heads * shape.head_dim
+    if shape.kv_heads >= shape.heads:
+        return accumulator
+    expanded = (2 - memory_fit.CPU_ATTENTION_BACKWARD_ROWS) * query_row
+    return accumulator + expanded + 2 * shape.kv_width * dtype_bytes
 
 
 @dataclass(frozen=True)
