@@ -143,7 +143,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--lengths", type=ints, default=[65536])
     parser.add_argument(
-        "--settings", default="today,everything", help="comma-separated, in order: today, everything, trainer"
+        "--settings",
+        default="today,everything",
+        help="comma-separated, in order: today, everything, trainer, trainer_norms, trainer_two_level",
     )
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting and length")
     parser.add_argument("--warmup", type=int, default=1)
