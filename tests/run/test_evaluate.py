@@ -272,6 +272,18 @@ def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
                         context_parallel_size=cp,
                     )
                 )
+        if world == 2:
+            # eval_batch_size 4: rows of different lengths padded into one batch, split over the CP ranks
+            recipes[world].append(
+                write_recipe(
+                    "unpacked-cp2-eval-batch-4.yaml",
+                    test_datasets=[{"path": str(tmp_path / "eval.jsonl"), "type": "pretokenized"}],
+                    sample_packing=False,
+                    micro_batch_size=1,
+                    eval_batch_size=4,
+                    context_parallel_size=2,
+                )
+            )
     for layout in ("packed", "unpacked"):
         for cp in (2, 4):
             recipe = tmp_path / f"{layout}-cp{cp}.yaml"
@@ -306,7 +318,7 @@ def test_eval_loss_and_dpo_eval_metrics_with_cp2_and_cp4_equal_cp1(
     assert not failures, (failures, dpo_got)
     rel = {name: max(abs(m["eval_loss"] - expected) / expected for m in ranks) for name, ranks in got.items()}
     print(f"eval parity: reference {expected:.9f} over {expected_tokens} targets; max rel diff per run {rel}")
-    assert len(rel) == 8
+    assert len(rel) == 9
     for name, ranks in got.items():
         for metrics in ranks:
             assert metrics["eval_tokens"] == expected_tokens, name

@@ -198,6 +198,29 @@ def test_validate_counts_recompute_norms(write_recipe):
     assert "gradient checkpointing, activation_offloading, tiled_mlp, recompute_norms" in described
 
 
+def test_validate_plans_an_evaluation_batch_larger_than_the_micro_batch(write_recipe):
+    """eval_batch_size 8 over micro_batch_size 1: one forward without gradients over 8 rows, whose peak
+    (the model states + the no-grad forward's activations over 8 x 128 tokens) is printed beside the step's;
+    with eval_batch_size at the micro batch, or no evaluation data, no line."""
+    from cptune.models.sizing import model_shape
+    from cptune.parallel.memory import format_bytes, no_grad_forward_memory
+
+    recipe = load_recipe(write_recipe(eval_batch_size=8, val_set_size=0.25, gradient_checkpointing=True))
+    plan = RunPlan.build(recipe, 1)
+    described = describe_plan(plan, gpu_memory_gib=3.0)
+    lines = [line for line in described.splitlines() if "evaluation: eval_batch_size" in line]
+    assert len(lines) == 1, described
+    shape = model_shape(model_config(recipe))
+    activations = no_grad_forward_memory(shape, memory_plan.activation_setup(plan, 1), 8 * 128)
+    assert f"8 row(s), {8 * 128:,} tokens per GPU" in lines[0]
+    assert f"+ activations {format_bytes(activations)})" in lines[0], lines[0]
+    for keys in ({"eval_batch_size": 1, "val_set_size": 0.25}, {"eval_batch_size": 8}):
+        plain = describe_plan(
+            RunPlan.build(load_recipe(write_recipe("other.yaml", **keys)), 1), gpu_memory_gib=3.0
+        )
+        assert "evaluation: eval_batch_size" not in plain
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-row-per-side"])
 def test_validate_prints_the_longest_preference_pair_and_the_reference_forward(write_recipe, packed):
     """rl: dpo: the table gives the longest pair (both sides) per cp; without packing each side is a row of its

@@ -122,3 +122,16 @@ def test_axolotls_cosine_min_lr_ratio_ends_the_cosine_at_that_share_of_the_peak(
     # Without it, the plain cosine to 0.
     plain = training_arguments(RunPlan.build(load_recipe(write_recipe("plain.yaml")), 1), DistEnv())
     assert (plain.lr_scheduler_type, plain.lr_scheduler_kwargs) == ("cosine", {})
+
+
+def test_eval_batch_size_reaches_the_trainer_and_defaults_to_micro_batch_size(write_recipe):
+    """Axolotl's eval_batch_size: rows per evaluation forward (the eval dataloader reads args.eval_batch_size)."""
+    recipe = load_recipe(write_recipe(micro_batch_size=2, eval_batch_size=4, val_set_size=0.1))
+    args = training_arguments(RunPlan.build(recipe, 1), DistEnv())
+    assert (args.per_device_train_batch_size, args.per_device_eval_batch_size, args.eval_batch_size) == (
+        2,
+        4,
+        4,
+    )
+    default = load_recipe(write_recipe("default.yaml", micro_batch_size=2))
+    assert training_arguments(RunPlan.build(default, 1), DistEnv()).per_device_eval_batch_size == 2

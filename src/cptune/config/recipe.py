@@ -127,6 +127,11 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
         return self.is_preference and not self.sample_packing
 
     @property
+    def resolved_eval_batch_size(self) -> int:
+        """Rows (pairs, with ``rl``) per process per evaluation forward: ``eval_batch_size``, else ``micro_batch_size``."""
+        return self.eval_batch_size or self.micro_batch_size
+
+    @property
     def rows_per_micro_batch(self) -> int:
         """Rows of a collated micro batch: ``micro_batch_size``, twice that when each pair side has its own row."""
         return self.micro_batch_size * (2 if self.pair_sides_in_own_rows else 1)

@@ -62,6 +62,14 @@ class TrainingKeys(BaseModel):
 
     # --- training ----------------------------------------------------------
     micro_batch_size: int = Field(1, ge=1, description="Rows per process per forward pass.")
+    eval_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows per process per forward pass in evaluation; micro_batch_size when not set. The "
+        "evaluation loss is summed over the target tokens of every row and divided by their count, so it does "
+        "not depend on how the rows are batched. `cptune validate` plans the memory of an evaluation batch "
+        "beside the training step's.",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro batches per optimizer step.")
     num_epochs: float = Field(
         1.0, gt=0, description="Passes over the training rows (max_steps wins when set)."

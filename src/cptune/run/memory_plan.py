@@ -356,6 +356,8 @@ def describe_activation_memory(
     if recipe.is_preference:
         weights = states_per_rank(recipe, counts, state_layout(plan, plan.dims)).weights
         lines += _preference_lines(recipe, shape, setup, tokens, estimate, states, weights)
+    if recipe.has_eval_data and recipe.resolved_eval_batch_size > recipe.micro_batch_size:
+        lines += _evaluation_lines(recipe, shape, setup, cp, states, estimate, usable)
     host = host or HostMemory.detect()
     if estimate.host:
         offloaded = offloaded_layers(shape.layers, setup.two_level)
@@ -401,6 +403,39 @@ def describe_activation_memory(
     lines.append(
         "  (activations from per-token costs measured on CPU and checked against H100 runs: docs/benchmarks.md)"
     )
+    return lines
+
+
+def _evaluation_lines(
+    recipe: Recipe,
+    shape: ModelShape,
+    setup: ActivationSetup,
+    cp: int,
+    states: float,
+    estimate: ActivationEstimate,
+    usable: int,
+) -> list[str]:
+    """An evaluation batch of ``eval_batch_size`` rows, more than a training micro batch: one forward without
+    gradients over more tokens, which may set the run's peak."""
+    rows = recipe.resolved_eval_batch_size * (2 if recipe.pair_sides_in_own_rows else 1)
+    tokens = -(-rows * recipe.sequence_len // cp)
+    evaluation = no_grad_forward_memory(shape, setup, tokens)
+    peak = states + evaluation
+    where = (
+        f"above the training step's {format_bytes(states + estimate.peak)}"
+        if evaluation > estimate.peak
+        else f"below the training step's {format_bytes(states + estimate.peak)}"
+    )
+    lines = [
+        f"  evaluation: eval_batch_size {recipe.resolved_eval_batch_size} ({rows} row(s), {tokens:,} tokens per GPU), "
+        f"one forward without gradients: peak {format_bytes(peak)} (model states {format_bytes(states)} + "
+        f"activations {format_bytes(evaluation)}), {where}"
+    ]
+    if peak > usable:
+        lines.append(
+            f"  warning: the evaluation batch exceeds the usable GPU memory ({format_bytes(usable)}); lower "
+            "eval_batch_size (the evaluation loss does not depend on it)."
+        )
     return lines
 
 

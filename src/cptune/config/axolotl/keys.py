@@ -60,7 +60,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "sample_packing_eff_est": "cptune packs exactly and reports the efficiency; remove it.",
     "total_num_tokens": "cptune counts tokens itself; remove it.",
     "torch_compile": "torch.compile is not supported yet; remove it.",
-    "eval_batch_size": "evaluation uses micro_batch_size; remove it.",
     "early_stopping_patience": "early stopping is not supported yet; remove it.",
     "auto_resume_from_checkpoints": (
         "use resume_from_checkpoint: true (or `cptune train --resume`), which continues from the newest "

@@ -49,7 +49,7 @@ def training_arguments(plan: RunPlan, env: DistEnv) -> Any:
     return TrainingArguments(
         output_dir=recipe.output_dir,
         per_device_train_batch_size=recipe.micro_batch_size,
-        per_device_eval_batch_size=recipe.micro_batch_size,
+        per_device_eval_batch_size=recipe.resolved_eval_batch_size,
         gradient_accumulation_steps=recipe.gradient_accumulation_steps,
         num_train_epochs=recipe.num_epochs,
         max_steps=recipe.max_steps or -1,
