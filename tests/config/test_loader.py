@@ -49,12 +49,26 @@ def test_unsupported_axolotl_key_says_so():
 
 def test_keys_of_axolotls_example_recipes_get_advice():
     """Keys that Axolotl's shipped LoRA recipes set name cptune's equivalent, not just "unknown key"."""
-    found = problems({**MINIMAL, "revision_of_model": "main", "batch_size": 8, "use_mlflow": True})
+    found = problems({**MINIMAL, "batch_size": 8, "use_mlflow": True})
     assert all(m.startswith("is an Axolotl key that cptune does not support") for m in found.values())
-    assert "model_revision" in found["revision_of_model"]
     assert "micro_batch_size" in found["batch_size"]
     assert "heavy dependency" in found["use_mlflow"]
-    assert set(found) == {"revision_of_model", "batch_size", "use_mlflow"}
+    assert set(found) == {"batch_size", "use_mlflow"}
+
+
+def test_axolotls_revision_of_model_is_the_model_revision():
+    """Axolotl names the hub revision of base_model revision_of_model; the same revision under both names is
+    one key, two revisions are refused naming both."""
+    assert validate_recipe({**MINIMAL, "revision_of_model": "v1.2"}).model_revision == "v1.2"
+    assert (
+        validate_recipe({**MINIMAL, "revision_of_model": "v1", "model_revision": "v1"}).model_revision == "v1"
+    )
+    found = problems({**MINIMAL, "revision_of_model": "v1", "model_revision": "v2"})
+    assert set(found) == {"revision_of_model"}
+    assert found["revision_of_model"] == (
+        "is an Axolotl key that cptune does not support: Axolotl's name for model_revision, which the recipe also "
+        "sets to another revision; keep one of the two."
+    )
 
 
 def test_wrong_type_names_the_value():

@@ -295,6 +295,21 @@ def test_chat_eos_set_to_the_end_of_turn_token_trains_it(tokenizer: PreTrainedTo
     )
 
 
+def test_drop_system_message_leaves_out_a_first_system_message(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Axolotl's drop_system_message: the sample is the conversation without its system message, token for
+    token; a system message that does not come first stays, and one alone is a row problem."""
+    eot = ("<|im_end|>",)
+    dropped = formatter(tokenizer, type="chat_template", eot_tokens=eot, drop_system_message=True)
+    assert dropped({"messages": CHAT}) == formatter(tokenizer, type="chat_template", eot_tokens=eot)(
+        {"messages": CHAT[1:]}
+    )
+    assert "Be brief." not in tokenizer.decode(dropped({"messages": CHAT}).input_ids)
+    later = [*CHAT[1:3], CHAT[0], *CHAT[3:]]
+    assert "Be brief." in tokenizer.decode(dropped({"messages": later}).input_ids)
+    with pytest.raises(RowProblem, match="holds a system message only, which drop_system_message leaves out"):
+        dropped({"messages": CHAT[:1]})
+
+
 def test_chat_custom_fields_roles_to_train_and_train_on_inputs(tokenizer: PreTrainedTokenizerFast) -> None:
     row = {"conv": [{"from": m["role"], "value": m["content"]} for m in CHAT]}
     fields = {"field_messages": "conv", "message_field_role": "from", "message_field_content": "value"}

@@ -141,6 +141,15 @@ ENTRIES: tuple[Entry, ...] = (
         "`skip_invalid_rows: true`.",
     ),
     Entry(
+        "chat-system-message-only",
+        SECTION,
+        "A chat row left empty by drop_system_message",
+        "row 1: field 'messages' holds a system message only, which drop_system_message leaves out",
+        "With `drop_system_message: true` a conversation's first system message is left out, and this row had "
+        "nothing else. Fix the row, set `drop_system_message: false` for the dataset, or skip such rows with "
+        "`skip_invalid_rows: true`.",
+    ),
+    Entry(
         "chat-unknown-role",
         SECTION,
         "A chat row with a role the chat template does not know",

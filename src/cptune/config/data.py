@@ -123,6 +123,11 @@ class DatasetConfig(Frozen):
         description="chat_template: key of an assistant message's reasoning, for templates that show it (qwen3 "
         "writes it in a <think> block; it may also be written in the content as <think>...</think>).",
     )
+    drop_system_message: bool = Field(
+        False,
+        description="chat_template: leave out a conversation's first message when its role is system (Axolotl's "
+        "key). A system prompt the chat template writes by itself when there is none stays.",
+    )
     message_property_mappings: dict[str, str] | None = Field(
         None,
         description="chat_template: Axolotl's way to name a message's keys, e.g. {role: from, content: value} "

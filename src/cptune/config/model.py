@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
 
 
 class ModelKeys(BaseModel):
@@ -12,7 +14,14 @@ class ModelKeys(BaseModel):
     base_model: str = Field(description="Local folder or hub id of the model to fine-tune.")
     tokenizer_config: str | None = Field(None, description="Tokenizer folder or hub id; default: base_model.")
     trust_remote_code: bool = Field(False, description="Allow code shipped with the model to run.")
-    model_revision: str | None = Field(None, description="Hub revision of base_model.")
+    model_revision: str | None = Field(
+        None, description="Hub revision of base_model (branch, tag or commit); Axolotl's revision_of_model."
+    )
+    low_cpu_mem_usage: bool = Field(
+        True,
+        description="Accepted for Axolotl recipes: transformers 5 always loads the weights without a second copy "
+        "in CPU memory (it ignores the argument), so true and false load alike.",
+    )
     overrides_of_model_config: dict[str, bool | int | float | str | None] | None = Field(
         None,
         description=(
@@ -21,6 +30,18 @@ class ModelKeys(BaseModel):
             "loss; each must be a field the config has."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _axolotl_revision_key(cls, data: Any) -> Any:
+        # Axolotl's name for model_revision. Both keys with different values stay as they are, and
+        # revision_of_model is refused as such (cptune.config.axolotl.keys).
+        if not isinstance(data, dict) or data.get("revision_of_model") is None:
+            return data
+        if data.get("model_revision") not in (None, data["revision_of_model"]):
+            return data
+        moved = {k: v for k, v in data.items() if k != "revision_of_model"}
+        return {**moved, "model_revision": data["revision_of_model"]}
 
     @property
     def tokenizer_path(self) -> str:

@@ -57,7 +57,8 @@ def _messages(
 def message_list(
     value: Any, name: str, config: DatasetConfig, role_names: dict[str, str] | None = None
 ) -> list[dict[str, str]]:
-    """The messages of column ``name`` as the template sees them (role names mapped, reasoning kept).
+    """The messages of column ``name`` as the template sees them (role names mapped, reasoning kept; with
+    ``drop_system_message`` a first message of the system role left out).
 
     Raises:
         RowProblem: The value is not a non-empty list of messages with a text role and content.
@@ -86,6 +87,10 @@ def message_list(
                 raise field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
             converted["reasoning_content"] = reasoning
         messages.append(converted)
+    if config.drop_system_message and messages[0]["role"] == "system":
+        messages = messages[1:]
+        if not messages:
+            raise field_problem(name, "holds a system message only, which drop_system_message leaves out")
     return messages
 
 

@@ -10,6 +10,7 @@ from tests.reliability.catalogue.setups import (
     _chat_eot_eos_conflict,
     _chat_jinja_file_missing,
     _chat_messages_not_a_list,
+    _chat_system_message_only,
     _chat_unknown_role,
     _chat_without_assistant,
     _csv_header_only,
@@ -98,6 +99,10 @@ CASES: tuple[Case, ...] = (
     Case(
         "chat-messages-not-a-list",
         setup=_chat_messages_not_a_list,
+    ),
+    Case(
+        "chat-system-message-only",
+        setup=_chat_system_message_only,
     ),
     Case(
         "chat-unknown-role",

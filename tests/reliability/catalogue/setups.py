@@ -86,6 +86,13 @@ def _chat_messages_not_a_list(ws: Workspace) -> dict[str, Any]:
     return _chat(ws, [good, {"messages": "Hi! Hello!"}])
 
 
+def _chat_system_message_only(ws: Workspace) -> dict[str, Any]:
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    bad = {"messages": [{"role": "system", "content": "Be brief."}]}
+    path = ws.write_rows("chat.jsonl", [good, bad])
+    return {"datasets": [{"path": path, "type": "chat_template", "drop_system_message": True}]}
+
+
 def _chat_unknown_role(ws: Workspace) -> dict[str, Any]:
     bad = {"messages": [{"role": "narrator", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
     return _chat(ws, [bad])

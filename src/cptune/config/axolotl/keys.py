@@ -25,7 +25,9 @@ NO_COUNTERPART = (
 
 UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "sequence_parallel_degree": "Axolotl's older name for context_parallel_size; rename it.",
-    "revision_of_model": "cptune calls it model_revision; rename it.",
+    "revision_of_model": (
+        "Axolotl's name for model_revision, which the recipe also sets to another revision; keep one of the two."
+    ),
     "batch_size": "set micro_batch_size and gradient_accumulation_steps instead; remove it.",
     "gptq": _QUANTIZED,
     "xformers_attention": _ATTENTION,
