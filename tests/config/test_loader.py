@@ -284,3 +284,17 @@ def test_a_merged_key_may_still_be_overridden(tmp_path):
 def test_a_folder_is_not_a_recipe(tmp_path):
     with pytest.raises(RecipeError, match="is a folder, not a recipe file"):
         load_recipe(tmp_path)
+
+
+def test_axolotls_low_cpu_mem_usage_is_accepted_either_way():
+    """transformers 5 ignores low_cpu_mem_usage (from_pretrained drops it: it always loads without a second copy)."""
+    import inspect
+    import re
+
+    from transformers import modeling_utils
+
+    source = inspect.getsource(modeling_utils.PreTrainedModel.from_pretrained)
+    dropped = r'for name in \[[^\]]*"low_cpu_mem_usage"[^\]]*\]:\s*_ = kwargs\.pop\(name, None\)'
+    assert re.search(dropped, source), "transformers reads low_cpu_mem_usage again: revisit the key"
+    for value in (True, False):
+        assert validate_recipe({**MINIMAL, "low_cpu_mem_usage": value}).low_cpu_mem_usage is value
