@@ -345,3 +345,14 @@ def test_reentrant_checkpointing_runs_as_cptunes_non_reentrant_with_a_note():
         {**MINIMAL, "gradient_checkpointing_kwargs": {"use_reentrant": True, "preserve_rng_state": False}}
     )
     assert "keep only use_reentrant or remove it" in found["gradient_checkpointing_kwargs"]
+
+
+def test_attn_implementation_accepts_the_hubs_flash_attention_builds_only():
+    """Axolotl's gpt-oss recipes name kernels-community/vllm-flash-attn3: a FlashAttention build, accepted as
+    flash_attention_2/3 are (cptune picks the attention); other hub kernels and eager/flex are refused."""
+    for name in ("kernels-community/vllm-flash-attn3", "kernels-community/flash-attn", "flash_attention_3"):
+        notes = "\n".join(axolotl_notes(validate_recipe({**MINIMAL, "attn_implementation": name})))
+        assert f"attn_implementation: {name} is not what picks the attention" in notes
+    for name in ("kernels-community/sage-attention", "someone/flash-attn", "eager", "flex_attention"):
+        found = problems({**MINIMAL, "attn_implementation": name})
+        assert found["attn_implementation"].startswith(f"cptune does not run '{name}' attention"), found

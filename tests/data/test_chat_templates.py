@@ -328,3 +328,26 @@ def test_reasoning_key_by_field_thinking_or_mapping(tokenizer: PreTrainedTokeniz
         "messages carry reasoning ('reasoning_content') that the chat template does not show" in caplog.text
     )
     assert trained_text(tokenizer, sample)[-1] == "Yes, I am.<|im_end|>"
+
+
+def test_template_thinking_key_hands_the_reasoning_to_a_template_that_reads_another_key(
+    tokenizer: PreTrainedTokenizerFast, caplog
+):
+    """Axolotl's template_thinking_key: a template that reads a message's reasoning under another key renders
+    and trains it as qwen3's template does under reasoning_content; left at its default, that template never
+    sees it, and a warning names the key. transformers itself hands reasoning_content to a template that reads
+    thinking (gpt-oss's), which cptune's check of the template knows."""
+    expected = build(tokenizer, "qwen3")({"messages": THINKING})
+    own_key = TEMPLATES["qwen3"].replace("reasoning_content", "thought_text")
+    got = build(tokenizer, None, jinja=own_key, template_thinking_key="thought_text")({"messages": THINKING})
+    assert got == expected
+    assert "Check again." in tokenizer.decode(got.input_ids)
+    with caplog.at_level(logging.WARNING, logger="cptune.data.chat_format"):
+        unseen = build(tokenizer, None, jinja=own_key)({"messages": THINKING})
+    assert "Check again." not in tokenizer.decode(unseen.input_ids)
+    assert "the template never reads 'reasoning_content' (template_thinking_key)" in caplog.text
+    caplog.clear()
+    gpt_oss_key = TEMPLATES["qwen3"].replace("reasoning_content", "thinking")
+    with caplog.at_level(logging.WARNING, logger="cptune.data.chat_format"):
+        assert build(tokenizer, None, jinja=gpt_oss_key)({"messages": THINKING}) == expected
+    assert "does not show" not in caplog.text

@@ -128,6 +128,13 @@ class DatasetConfig(Frozen):
         description="chat_template: leave out a conversation's first message when its role is system (Axolotl's "
         "key). A system prompt the chat template writes by itself when there is none stays.",
     )
+    template_thinking_key: str = Field(
+        "reasoning_content",
+        description="chat_template: the key of a message the chat template reads its reasoning from (Axolotl's "
+        "key); the data's reasoning (field_thinking) is handed to the template under it. transformers also hands "
+        "reasoning under reasoning_content, thinking and reasoning alike (gpt-oss's template reads thinking), so "
+        "it matters for a template that reads another key.",
+    )
     message_property_mappings: dict[str, str] | None = Field(
         None,
         description="chat_template: Axolotl's way to name a message's keys, e.g. {role: from, content: value} "

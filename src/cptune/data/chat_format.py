@@ -11,6 +11,7 @@ trained messages), ``all`` (after every message), ``last`` (the last one found a
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,19 @@ DEFAULT_ROLES: dict[str, tuple[str, ...]] = {
 
 # How far after a message's content its end-of-turn / eos token may be (Axolotl's allowance for template text).
 _END_TOKEN_REACH = 3
+
+
+# transformers hands a message's reasoning to a chat template under each of these keys when the message has it
+# under one of them (utils/chat_template_utils.py, _alias_reasoning_fields): gpt-oss's template reads thinking.
+ALIASED_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _reads_key(template_text: str, key: str) -> bool:
+    """Whether a chat template names ``key`` as a key: quoted (``message['key']``, ``message.get("key")``,
+    ``'key' in message``) or as an attribute (``message.key``). A longer name that ends with it
+    (``enable_thinking``) does not count."""
+    quoted = re.escape(key)
+    return re.search(rf"""['"]{quoted}['"]|\.{quoted}\b""", template_text) is not None
 
 
 def _role_names(config: DatasetConfig) -> dict[str, str]:
@@ -85,7 +99,7 @@ def message_list(
         if reasoning is not None:
             if not isinstance(reasoning, str):
                 raise field_problem(name, f"message {turn} has a {reasoning_key!r} that is not text")
-            converted["reasoning_content"] = reasoning
+            converted[config.template_thinking_key] = reasoning
         messages.append(converted)
     if config.drop_system_message and messages[0]["role"] == "system":
         messages = messages[1:]
@@ -189,8 +203,10 @@ def chat_formatter(
     role_names = _role_names(config)
     trained_roles = {role_names.get(role, role) for role in config.roles_to_train}
     template_text = template if template is not None else str(tokenizer.chat_template or "")
-    # A template that never names reasoning_content cannot show it: say so once rather than drop it unseen.
-    shows_reasoning = "reasoning_content" in template_text
+    # A template that never names the reasoning's key cannot show it: say so once rather than drop it unseen.
+    thinking_key = config.template_thinking_key
+    readable = ALIASED_REASONING_KEYS if thinking_key in ALIASED_REASONING_KEYS else (thinking_key,)
+    shows_reasoning = any(_reads_key(template_text, key) for key in readable)
     warned = False
 
     def render(messages: list[dict[str, str]], whole: list[dict[str, str]], *, tokenize: bool) -> Any:
@@ -214,14 +230,16 @@ def chat_formatter(
     def format_row(row: Mapping[str, Any]) -> Sample:
         nonlocal warned
         messages = _messages(row, config, role_names)
-        if not (shows_reasoning or warned) and any(m.get("reasoning_content") for m in messages):
+        if not (shows_reasoning or warned) and any(m.get(thinking_key) for m in messages):
             warned = True
             logger.warning(
                 "%s: messages carry reasoning (%r) that the chat template does not show, so it is not "
-                "trained; use chat_template: qwen3 (or a template that writes reasoning_content), or put the "
+                "trained: the template never reads %r (template_thinking_key). Use chat_template: qwen3 (or a "
+                "template that writes it), set template_thinking_key to the key the template reads, or put the "
                 "reasoning in the content.",
                 config.path,
                 config.resolved_reasoning_field,
+                thinking_key,
             )
         trained = [train_on_inputs or m["role"] in trained_roles for m in messages]
         if not any(trained):

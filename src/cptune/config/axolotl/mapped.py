@@ -30,8 +30,9 @@ class AxolotlKeys(BaseModel):
     float16: bool | None = Field(None, description="The same as fp16 (an Axolotl spelling).")
     attn_implementation: str | None = Field(
         None,
-        description="flash_attention_2/3 or sdpa are accepted; cptune picks the attention from cp_backend "
-        "(validate says which runs).",
+        description="flash_attention_2/3, sdpa or a FlashAttention build of the hub's kernels-community (e.g. "
+        "kernels-community/vllm-flash-attn3) are accepted; cptune picks the attention from cp_backend (validate "
+        "says which runs).",
     )
     flash_attention: bool | None = Field(
         None, description="Accepted like attn_implementation: flash_attention_2."

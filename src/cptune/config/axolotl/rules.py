@@ -17,11 +17,19 @@ from cptune.config.recipe import Recipe
 _ATTENTION_NAMES = ("flash_attention_2", "flash_attention_3", "sdpa")
 
 
+def is_hub_flash_kernel(name: str) -> bool:
+    """A FlashAttention build from the hub's kernels-community (``kernels-community/vllm-flash-attn3``,
+    ``kernels-community/flash-attn``), which Axolotl's recipes name for the same attention as flash_attention_2/3."""
+    owner, _, kernel = name.partition("/")
+    return owner == "kernels-community" and "flash-attn" in kernel
+
+
 def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     """Axolotl keys cptune maps.
 
-    - `attn_implementation` is one of `flash_attention_2`, `flash_attention_3` or `sdpa` (cptune picks the
-      attention from `cp_backend`; eager, flex and others are refused).
+    - `attn_implementation` is one of `flash_attention_2`, `flash_attention_3`, `sdpa` or a FlashAttention build
+      of the hub's `kernels-community` (e.g. `kernels-community/vllm-flash-attn3`; cptune picks the attention
+      from `cp_backend`; eager, flex and others are refused).
     - `gradient_checkpointing_kwargs` may only set `use_reentrant` (`true` runs as `false`, noted).
     - `evals_per_epoch` and `eval_steps` together are refused, and so are `saves_per_epoch` and `save_steps`.
     - `bfloat16` must agree with `bf16`, and `float16` with `fp16`.
@@ -33,7 +41,8 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
       loss, `cut_cross_entropy`; with `LigerPlugin` only `liger_fused_linear_cross_entropy` has an
       equivalent); every other plugin is refused.
     """
-    if r.attn_implementation is not None and r.attn_implementation not in _ATTENTION_NAMES:
+    attention = r.attn_implementation
+    if attention is not None and attention not in _ATTENTION_NAMES and not is_hub_flash_kernel(attention):
         yield (
             "attn_implementation",
             f"cptune does not run '{r.attn_implementation}' attention; it picks the attention from cp_backend "
