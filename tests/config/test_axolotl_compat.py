@@ -356,3 +356,27 @@ def test_attn_implementation_accepts_the_hubs_flash_attention_builds_only():
     for name in ("kernels-community/sage-attention", "someone/flash-attn", "eager", "flex_attention"):
         found = problems({**MINIMAL, "attn_implementation": name})
         assert found["attn_implementation"].startswith(f"cptune does not run '{name}' attention"), found
+
+
+def test_use_kernels_and_experimental_skip_move_to_device_are_accepted_with_notes():
+    """gpt-oss's recipes set both. The Trainer places no model on a device before FSDP or DeepSpeed wraps it
+    (transformers' Trainer.__init__), which is what experimental_skip_move_to_device asks Axolotl for."""
+    import inspect
+    import re
+
+    from transformers import Trainer
+
+    source = inspect.getsource(Trainer.__init__)
+    skipped = re.search(
+        r"or self\.is_deepspeed_enabled.*?or self\.is_fsdp_enabled.*?self\.place_model_on_device = False",
+        source,
+        re.S,
+    )
+    assert skipped, (
+        "transformers' Trainer places models differently now: revisit experimental_skip_move_to_device"
+    )
+    recipe = validate_recipe({**MINIMAL, "use_kernels": True, "experimental_skip_move_to_device": True})
+    notes = "\n".join(axolotl_notes(recipe))
+    assert "use_kernels: cptune runs the model's own modules" in notes
+    assert "experimental_skip_move_to_device: the Trainer never moves the whole model" in notes
+    assert axolotl_notes(validate_recipe({**MINIMAL, "use_kernels": False})) == []

@@ -129,6 +129,16 @@ class AxolotlKeys(BaseModel):
         description="Accepted: cptune computes the loss itself (the same token mean; for the chunked loss that "
         "never builds the logits, set cut_cross_entropy or liger_fused_linear_cross_entropy).",
     )
+    use_kernels: bool | None = Field(
+        None,
+        description="Accepted: cptune runs the model's own modules, not the hub's kernels that transformers' "
+        "use_kernels swaps in (they compute the same functions; they need the kernels package and the hub).",
+    )
+    experimental_skip_move_to_device: bool | None = Field(
+        None,
+        description="Accepted: the Trainer never moves the whole model to the GPU before FSDP2 or DeepSpeed shards "
+        "it (what the key asks for); without sharding each GPU holds the whole model, as training it needs.",
+    )
     fused_attn_kernel: bool | None = Field(
         None,
         description="Accepted: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention, the "

@@ -79,6 +79,16 @@ def axolotl_notes(r: Recipe) -> list[str]:
             "fused_attn_kernel: cptune runs the model's own q/k RMSNorm and RoPE and the backend's attention: the "
             "same result, without Axolotl's fused kernel."
         )
+    if r.use_kernels:
+        notes.append(
+            "use_kernels: cptune runs the model's own modules, not the hub's kernels (the same functions, without "
+            "the kernels package or the hub)."
+        )
+    if r.experimental_skip_move_to_device:
+        notes.append(
+            "experimental_skip_move_to_device: the Trainer never moves the whole model to a GPU before FSDP2 or "
+            "DeepSpeed shards it; without either, each GPU holds the whole model, as plain data parallelism needs."
+        )
     if r.strict is not None:
         notes.append("strict is not used: cptune always refuses unknown keys.")
     if r.shuffle_merged_datasets:
