@@ -298,3 +298,16 @@ def test_axolotls_low_cpu_mem_usage_is_accepted_either_way():
     assert re.search(dropped, source), "transformers reads low_cpu_mem_usage again: revisit the key"
     for value in (True, False):
         assert validate_recipe({**MINIMAL, "low_cpu_mem_usage": value}).low_cpu_mem_usage is value
+
+
+def test_axolotls_model_config_is_overrides_of_model_config():
+    """Axolotl's schema reads overrides_of_model_config under the name model_config too (its Mixtral recipes
+    write model_config: {output_router_logits: true})."""
+    overrides = {"output_router_logits": True}
+    recipe = validate_recipe({**MINIMAL, "model_config": overrides})
+    assert recipe.overrides_of_model_config == overrides
+    found = problems(
+        {**MINIMAL, "model_config": overrides, "overrides_of_model_config": {"use_cache": False}}
+    )
+    assert set(found) == {"model_config"}
+    assert "Axolotl's other name for overrides_of_model_config" in found["model_config"]

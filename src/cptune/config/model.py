@@ -6,6 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
+# Axolotl's other name for a key of this group -> cptune's name (Axolotl accepts both).
+AXOLOTL_OTHER_NAMES = {"revision_of_model": "model_revision", "model_config": "overrides_of_model_config"}
+
 
 class ModelKeys(BaseModel):
     """Key group of :class:`~cptune.config.recipe.Recipe`: the base model and its tokenizer."""
@@ -25,7 +28,8 @@ class ModelKeys(BaseModel):
     overrides_of_model_config: dict[str, bool | int | float | str | None] | None = Field(
         None,
         description=(
-            "Fields of the base model's config set before it is loaded (Axolotl's key), e.g. "
+            "Fields of the base model's config set before it is loaded (Axolotl's key; also read under its other "
+            "name, model_config), e.g. "
             "output_router_logits: true and router_aux_loss_coef: 0.02 for a mixture-of-experts model's router "
             "loss; each must be a field the config has."
         ),
@@ -33,15 +37,16 @@ class ModelKeys(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _axolotl_revision_key(cls, data: Any) -> Any:
-        # Axolotl's name for model_revision. Both keys with different values stay as they are, and
-        # revision_of_model is refused as such (cptune.config.axolotl.keys).
-        if not isinstance(data, dict) or data.get("revision_of_model") is None:
+    def _axolotl_names(cls, data: Any) -> Any:
+        # Axolotl's schema takes each of these keys under two names (a field and its alias). Both names with
+        # different values stay as they are, and the other name is refused as such (cptune.config.axolotl.keys).
+        if not isinstance(data, dict):
             return data
-        if data.get("model_revision") not in (None, data["revision_of_model"]):
-            return data
-        moved = {k: v for k, v in data.items() if k != "revision_of_model"}
-        return {**moved, "model_revision": data["revision_of_model"]}
+        for other, ours in AXOLOTL_OTHER_NAMES.items():
+            if data.get(other) is None or data.get(ours) not in (None, data[other]):
+                continue
+            data = {**{k: v for k, v in data.items() if k != other}, ours: data[other]}
+        return data
 
     @property
     def tokenizer_path(self) -> str:

@@ -28,6 +28,10 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "revision_of_model": (
         "Axolotl's name for model_revision, which the recipe also sets to another revision; keep one of the two."
     ),
+    "model_config": (
+        "Axolotl's other name for overrides_of_model_config, which the recipe also sets to other values; keep one "
+        "of the two."
+    ),
     "batch_size": "set micro_batch_size and gradient_accumulation_steps instead; remove it.",
     "gptq": _QUANTIZED,
     "xformers_attention": _ATTENTION,
