@@ -39,8 +39,8 @@ DIFFERENCES: dict[str, str] = {
     "query only, as Qwen3's template does) and train those tokens; qwen3_5 renders text only (no images, no tool "
     "definitions) and its generation prompt opens a thinking block.",
     "deepspeed": "at context_parallel_size > 1: ZeRO for every cp_backend (Ulysses, or ring-flash-attn / torch CP "
-    "under DeepSpeed's engine, each CP group sharing a batch); at cp=1 refused (use fsdp_version: 2). The "
-    "optimizer and scheduler come from the recipe.",
+    "under DeepSpeed's engine, each CP group sharing a batch); at cp=1 ZeRO next to plain data parallelism, as "
+    "in Axolotl. The optimizer and scheduler come from the recipe.",
     "bf16": "`auto` is accepted; the default is false (fp32), not auto.",
     "gradient_checkpointing": "true or false; `offload` means true with activation_offloading (Axolotl's "
     "meaning).",
@@ -92,7 +92,7 @@ what to do, and notes keys that it accepts with a meaning of its own.
   does ([launching](launching.md)).
 - **DeepSpeed ZeRO** (`deepspeed: zero3.json` or `zero_stage`) runs with every `cp_backend`,
   ring-flash-attn and torch CP included, and with the tiled MLP and the chunked loss at ZeRO-3 (the
-  ALST recipes).
+  ALST recipes); without context parallelism it trains next to plain data parallelism, as in Axolotl.
 - **Tensor parallelism** (`tensor_parallel_size`) splits each weight by the model's own
   transformers plan, next to CP and FSDP2, for full fine-tunes with `cp_backend: ring-flash-attn`;
   other combinations are refused with the reason.

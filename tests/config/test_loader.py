@@ -122,14 +122,20 @@ def test_deepspeed_refuses_what_its_core_attention_would_train_wrong():
     assert ok.resolved_ulysses_attn_implementation == "cptune"
 
 
-def test_deepspeed_keys_need_cp_and_run_every_backend_under_zero():
+def test_deepspeed_keys_run_every_backend_under_zero_and_cp1_next_to_data_parallelism():
     found = problems(
         {**MINIMAL, "zero_stage": 2, "ulysses_attn_implementation": "sdpa", "deepspeed": "ds.json"}
     )
+    assert set(found) == {"ulysses_attn_implementation"}
     assert found["ulysses_attn_implementation"] == "applies only to cp_backend: deepspeed; remove it."
-    for key in ("zero_stage", "deepspeed"):
-        assert "DeepSpeed runs only with context_parallel_size > 1" in found[key]
-        assert "fsdp_version: 2" in found[key]
+    # At cp=1 (Axolotl's ZeRO recipes without CP) the local backend trains under ZeRO, whatever cp_backend says.
+    for backend in ("ring-flash-attn", "torch", "deepspeed"):
+        recipe = validate_recipe({**MINIMAL, "cp_backend": backend, "zero_stage": 2})
+        assert (
+            trains_on_deepspeed(backend_for(recipe), recipe) and backend_for(recipe).zero_stage(recipe) == 2
+        )
+    found = problems({**MINIMAL, "zero_stage": 3, "fsdp_version": 2})
+    assert set(found) == {"fsdp_version"} and "choose one" in found["fsdp_version"]
     # Ring-flash-attn or torch CP under ZeRO (Axolotl's `deepspeed: zero3.json` next to context_parallel_size)
     # runs on DeepSpeed's engine; with FSDP2 as well it is refused: one engine shards the model states.
     for backend in ("ring-flash-attn", "torch"):
@@ -148,8 +154,6 @@ def test_deepspeed_keys_need_cp_and_run_every_backend_under_zero():
         keys = {"cp_backend": backend, "zero_stage": 3, "tiled_mlp": True, "cut_cross_entropy": True}
         recipe = validate_recipe({**MINIMAL, "context_parallel_size": 2, **keys})
         assert recipe.tiled_mlp and recipe.resolved_head_loss and recipe.zero_stage == 3
-    found = problems({**MINIMAL, "cp_backend": "deepspeed", "zero_stage": 2})
-    assert "context_parallel_size > 1" in found["zero_stage"]
     recipe = validate_recipe(
         {
             **MINIMAL,

@@ -11,7 +11,10 @@ do not divide over the 2 processes:
 4. ``ring``: ring-flash-attn without DeepSpeed, the reference, after the DeepSpeed runs;
 5. ``dpo-zero3``: ``examples/cpu/dpo.yaml`` (DPO of a LoRA adapter, its reference the adapter disabled) with
    DeepSpeed Ulysses under ZeRO-3, every parameter partitioned, SGD, 4 steps;
-6. ``dpo-ring``: the same without DeepSpeed (ring-flash-attn), its reference.
+6. ``dpo-ring``: the same without DeepSpeed (ring-flash-attn), its reference;
+7. ``zero3-cp1``: the LoRA recipe at context_parallel_size 1 (two data-parallel processes, whole rows each)
+   under ZeRO-3, as Axolotl's ``deepspeed: zero3.json`` recipes without CP train;
+8. ``ddp-cp1``: the same with plain DDP, its reference.
 
 In one process, as ``cptune.run.training.train.train`` called several times from a notebook: no run may
 leave DeepSpeed's process-wide state behind (before the fix the second Ulysses run stopped at
@@ -50,7 +53,7 @@ WORLD, GA = 2, 2
 LOSS_TOL = ADAPTER_TOL = logged_tolerance(128, GA)  # bound (tests/numerics.py): 128-token rows, GA a step
 # The first 22 quickstart samples pack into 11 rows of 128 tokens with the tiny model's tokenizer.
 SAMPLES = 22
-RUNS = ("zero0", "zero3", "resumed", "ring", "dpo-zero3", "dpo-ring")
+RUNS = ("zero0", "zero3", "resumed", "ring", "dpo-zero3", "dpo-ring", "zero3-cp1", "ddp-cp1")
 DPO_KEYS = ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")
 
 
@@ -91,6 +94,8 @@ def runs(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict[str, dict]]:
             "resume_from_checkpoint": str(root / "zero0" / "checkpoint-2"),
         },
         "ring": {"cp_backend": "ring-flash-attn"},
+        "zero3-cp1": {"context_parallel_size": 1, "deepspeed": str(zero3)},
+        "ddp-cp1": {"context_parallel_size": 1},
     }
     example = yaml.safe_load((REPO / "examples" / "cpu" / "dpo.yaml").read_text())
     dpo = {
@@ -137,6 +142,25 @@ def test_deepspeed_runs_equal_the_run_without_deepspeed_step_by_step(runs):
         (expected,) = [entry for entry in ring["history"] if "train_loss" in entry]
         assert final["epoch"] == expected["epoch"] == 1.0
         assert abs(final["train_loss"] - expected["train_loss"]) <= LOSS_TOL * abs(expected["train_loss"])
+
+
+def test_zero3_without_cp_equals_ddp_step_by_step(runs):
+    """Axolotl's ZeRO recipes without context parallelism: two data-parallel processes under ZeRO-3, every
+    parameter partitioned, log DDP's numbers at every step (fp32: the sums differ in order only, by the same
+    bound) and save its adapter."""
+    root, reports = runs
+    got, expected = reports["zero3-cp1"], reports["ddp-cp1"]
+    assert got["parameters"] > 0 and got["whole_parameters"] == []
+    assert "whole_parameters" not in expected
+    assert len(steps(expected, "loss")) >= 3
+    for key in ("loss", "grad_norm"):
+        assert max_rel_diff(steps(got, key), steps(expected, key)) <= LOSS_TOL, key
+    assert steps(got, "epoch") == steps(expected, "epoch")
+    adapter = load_file(root / "zero3-cp1" / "adapter_model.safetensors")
+    reference = load_file(root / "ddp-cp1" / "adapter_model.safetensors")
+    assert sorted(adapter) == sorted(reference)
+    worst = max(float((adapter[k] - reference[k]).abs().max() / reference[k].abs().max()) for k in reference)
+    assert worst <= ADAPTER_TOL
 
 
 def test_runs_in_one_process_leave_no_deepspeed_state_behind(runs):

@@ -129,25 +129,8 @@ ENTRIES: tuple[Entry, ...] = (
         "A DeepSpeed option with another cp_backend",
         "ulysses_attn_implementation: applies only to cp_backend: deepspeed; remove it.",
         "`ulysses_attn_implementation` configures `cp_backend: deepspeed`; remove it or change `cp_backend`. "
-        "(`zero_stage` and `deepspeed` run every backend under DeepSpeed's ZeRO at `context_parallel_size` > 1.)",
-    ),
-    Entry(
-        "deepspeed-without-cp",
-        SECTION,
-        "zero_stage or deepspeed with context_parallel_size: 1",
-        "zero_stage: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP)",
-        "cptune uses DeepSpeed with context parallelism only (Ulysses, or ring-flash-attn / torch CP under "
-        "ZeRO). Set `context_parallel_size`, or remove the DeepSpeed keys.",
-    ),
-    Entry(
-        "deepspeed-zero-without-cp",
-        SECTION,
-        "deepspeed (a ZeRO config) in a recipe without context parallelism",
-        "deepspeed: DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
-        "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2)",
-        "Axolotl uses DeepSpeed's ZeRO for any run; cptune uses DeepSpeed with context parallelism only (Ulysses, "
-        "or ring-flash-attn / torch CP under ZeRO). To shard model states without CP use `fsdp_version: 2`; "
-        "otherwise remove `deepspeed`.",
+        "(`zero_stage` and `deepspeed` run every backend under DeepSpeed's ZeRO, and at `context_parallel_size` 1 "
+        "train with ZeRO next to plain data parallelism.)",
     ),
     Entry(
         "ulysses-core-bidirectional",
@@ -376,7 +359,8 @@ ENTRIES: tuple[Entry, ...] = (
         "tp-with-adapter",
         SECTION,
         "tensor_parallel_size with a LoRA adapter",
-        "adapter: lora with tensor_parallel_size=2 is not supported",
+        "adapter: lora with tensor_parallel_size=2 is not supported (LoRA layers are not split over tensor-parallel "
+        "ranks)",
         "cptune splits full fine-tunes only: LoRA layers are not split over tensor-parallel ranks. Train the "
         "adapter with `context_parallel_size` and FSDP2 alone, or remove `adapter` for a full fine-tune.",
     ),

@@ -24,24 +24,27 @@ from cptune.patches.core import Patch, Predicate
 
 @dataclass(frozen=True)
 class OnDeepSpeedEngine:
-    """Predicate: ``context_parallel_size > 1`` and DeepSpeed's engine trains the run.
+    """Predicate: DeepSpeed's engine trains the run.
 
-    That is: ``cp_backend`` in ``always`` (a backend that runs its own engine, Ulysses), or in
-    ``under_zero`` with ``deepspeed`` or ``zero_stage`` set (ring / torch CP under ZeRO). The
-    registry fills both from the backends' ``runs_own_engine`` and ``runs_under_zero``.
+    At ``context_parallel_size > 1``: ``cp_backend`` in ``always`` (a backend that runs its own engine,
+    Ulysses), or in ``under_zero`` with ``deepspeed`` or ``zero_stage`` set (ring / torch CP under ZeRO).
+    At ``context_parallel_size`` 1, whatever ``cp_backend`` says: ``deepspeed`` or ``zero_stage`` set, when
+    ``at_cp1`` (the backend of cp=1 runs trains under ZeRO). The registry fills them from the backends'
+    ``runs_own_engine`` and ``runs_under_zero``.
     """
 
     always: tuple[str, ...]
     under_zero: tuple[str, ...]
+    at_cp1: bool = False
 
     def __call__(self, recipe: Any) -> bool:
-        if recipe.context_parallel_size <= 1:
-            return False
-        if recipe.cp_backend in self.always:
-            return True
         asks = (
             getattr(recipe, "deepspeed", None) is not None or getattr(recipe, "zero_stage", None) is not None
         )
+        if recipe.context_parallel_size <= 1:
+            return self.at_cp1 and asks
+        if recipe.cp_backend in self.always:
+            return True
         return recipe.cp_backend in self.under_zero and asks
 
     def __str__(self) -> str:
@@ -52,9 +55,14 @@ class OnDeepSpeedEngine:
             conditions.append(
                 f"cp_backend in ({', '.join(self.under_zero)}) with deepspeed or zero_stage set"
             )
-        if len(conditions) > 1:
-            return f"context_parallel_size > 1 and ({', or '.join(conditions)})"
-        return f"context_parallel_size > 1 and {conditions[0] if conditions else 'never'}"
+        above = (
+            f"context_parallel_size > 1 and ({', or '.join(conditions)})"
+            if len(conditions) > 1
+            else f"context_parallel_size > 1 and {conditions[0] if conditions else 'never'}"
+        )
+        if self.at_cp1:
+            return f"{above}, or context_parallel_size 1 with deepspeed or zero_stage set"
+        return above
 
 
 def skip_shm_op_build_patch(applies_to: Predicate) -> Patch:

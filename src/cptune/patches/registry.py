@@ -60,13 +60,17 @@ class PatchingBackend(Protocol):
     def runtime(self) -> PatchingRuntime: ...
 
 
-def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) -> list[Patch]:
+def build_patches(
+    chosen: PatchingBackend, backends: Iterable[PatchingBackend], local: PatchingBackend | None = None
+) -> list[Patch]:
     """All patches of a training run, bound to the run's backend where a wrapper needs it.
 
     Args:
         chosen: The backend the recipe's ``cp_backend`` names (the run plan's ``cp_backend``): the
             wrappers of ``Accelerator._prepare_cp`` and of the CP context guard are its.
         backends: Every backend of the table, in its order.
+        local: The backend of runs at ``context_parallel_size`` 1 (the table's ``LOCAL``), if they may train on
+            DeepSpeed's engine (its ``runs_under_zero``).
 
     Plan and apply the resulting set with the recipe whose ``cp_backend`` names ``chosen``; the
     patches' predicates read that recipe.
@@ -76,7 +80,11 @@ def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) 
     # Every backend trains on accelerate's cp mesh axis: these accelerate patches let it exist without FSDP2.
     cp_mesh_without_fsdp = ContextParallelWith(tuple(b.name for b in backends if b.name), plain_ddp=True)
     under_zero = tuple(b.name for b in backends if b.runs_under_zero)
-    on_deepspeed = OnDeepSpeedEngine(tuple(b.name for b in backends if b.runs_own_engine), under_zero)
+    on_deepspeed = OnDeepSpeedEngine(
+        tuple(b.name for b in backends if b.runs_own_engine),
+        under_zero,
+        at_cp1=local is not None and local.runs_under_zero,
+    )
     patches = [
         gloo_one_worker_patch(),  # before any process group exists: every gloo group the run makes
         trainer_cp_inputs_patch(self_sharding),
@@ -87,7 +95,8 @@ def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) 
         accelerator_state_fsdp_on_cpu_patch(),
         prepare_tp_passthrough_patch(SplitsTensors()),
         *deepspeed_engine_patches(on_deepspeed),
-        loader_shares_cp_batches_patch(on_deepspeed),
+        # a CP group's batch: nothing to share at cp=1
+        loader_shares_cp_batches_patch(OnDeepSpeedEngine(on_deepspeed.always, on_deepspeed.under_zero)),
         lora_input_cast_patch(),
     ]
     for backend in backends:
@@ -95,9 +104,11 @@ def build_patches(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) 
     return patches
 
 
-def build_patch_set(chosen: PatchingBackend, backends: Iterable[PatchingBackend]) -> PatchSet:
+def build_patch_set(
+    chosen: PatchingBackend, backends: Iterable[PatchingBackend], local: PatchingBackend | None = None
+) -> PatchSet:
     """The :class:`PatchSet` for a training run (:func:`build_patches`); ``RunPlan.patches`` is the one a run applies."""
-    return PatchSet(build_patches(chosen, backends))
+    return PatchSet(build_patches(chosen, backends, local))
 
 
 def import_patch_set(runtime: PatchingRuntime) -> PatchSet:

@@ -60,7 +60,7 @@ class RunPlan:
             dims=dims,
             backend=LOCAL if dims.cp_size <= 1 else cp_backend,
             cp_backend=cp_backend,
-            patches=build_patch_set(cp_backend, BACKENDS.values()),
+            patches=build_patch_set(cp_backend, BACKENDS.values(), LOCAL),
         )
 
     def backend_at(self, cp_size: int) -> BackendPolicy:

@@ -89,14 +89,6 @@ CASES: tuple[Case, ...] = (
         keys={"context_parallel_size": 2, "ulysses_attn_implementation": "sdpa"},
     ),
     Case(
-        "deepspeed-without-cp",
-        keys={"cp_backend": "deepspeed", "zero_stage": 2},
-    ),
-    Case(
-        "deepspeed-zero-without-cp",
-        keys={"deepspeed": "zero2.json"},
-    ),
-    Case(
         "ulysses-core-bidirectional",
         keys={
             **DEEPSPEED_CP,

@@ -41,7 +41,8 @@ class DeepSpeedUlysses:
         (each CP group shares one batch, as next to DDP).
 
         - `ulysses_attn_implementation` applies only to `cp_backend: deepspeed`.
-        - `zero_stage` and `deepspeed` need `context_parallel_size > 1` (a cp=1 run trains with plain DDP).
+        - At `context_parallel_size: 1`, `zero_stage` and `deepspeed` train with DeepSpeed's ZeRO next to plain
+          data parallelism (whole rows on every rank, whatever `cp_backend` says).
         - `zero_stage` and `deepspeed` are refused with `fsdp_version` (one engine shards the model states).
         - With `context_parallel_size > 1` and a core attention other than `cptune`: `causal: false` is
           refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
@@ -62,8 +63,7 @@ class DeepSpeedUlysses:
                 "(weights, gradients and optimizer state sharded) instead of fsdp_version, or another cp_backend.",
             )
         if r.context_parallel_size == 1:
-            yield from _deepspeed_at_cp1(r)
-            return
+            return  # no Ulysses at cp=1: ZeRO alone, if asked (the local backend's)
         attention = r.resolved_ulysses_attn_implementation
         if attention == "cptune":
             return
@@ -129,21 +129,8 @@ class DeepSpeedUlysses:
         return RUNTIME
 
 
-def _deepspeed_at_cp1(r: Recipe) -> Iterator[tuple[str, str]]:
-    for key in ("zero_stage", "deepspeed"):
-        if getattr(r, key) is not None:
-            yield (
-                key,
-                "DeepSpeed runs only with context_parallel_size > 1 (a cp=1 run trains with plain DDP): set "
-                "context_parallel_size, or remove it (to shard model states without CP use fsdp_version: 2).",
-            )
-
-
 def _zero_under_cptune_sharding(r: Recipe) -> Iterator[tuple[str, str]]:
     """`zero_stage` / `deepspeed` with ring-flash-attn or torch CP (or any backend at cp=1)."""
-    if r.context_parallel_size == 1:
-        yield from _deepspeed_at_cp1(r)
-        return
     if r.fsdp_version is not None:
         yield (
             "fsdp_version",

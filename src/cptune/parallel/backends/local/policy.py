@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from cptune.parallel.backends import zero
+
 if TYPE_CHECKING:
     from cptune.config.recipe import Recipe
     from cptune.parallel.backends.spec import BackendRuntime, SequenceSplit
@@ -20,7 +22,7 @@ class Local:
     variant_key = None
     shards_inputs_itself = True
     runs_own_engine = False
-    runs_under_zero = False
+    runs_under_zero = True  # deepspeed / zero_stage at cp=1: DeepSpeed's ZeRO next to plain data parallelism
     attends_whole_layers = True
     splits_heads = False
     takes_tensor_parallel = True
@@ -54,7 +56,7 @@ class Local:
         return 0.0
 
     def zero_stage(self, recipe: Recipe) -> int | None:
-        return None
+        return zero.stage_under_zero(recipe)
 
     def runtime(self) -> BackendRuntime:
         from cptune.parallel.backends.local.runtime import RUNTIME

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cptune.parallel.backends.spec import BackendPlan, TrainerParallelism, accelerate_parallelism
+from cptune.parallel.backends import zero
+from cptune.parallel.backends.spec import BackendPlan, TrainerParallelism
 from cptune.patches.accelerate_patches import torch_cp_context_unavailable
 
 if TYPE_CHECKING:
@@ -16,19 +17,20 @@ if TYPE_CHECKING:
 
 
 class LocalRuntime:
-    """Whole rows on every rank, next to plain DDP or FSDP2."""
+    """Whole rows on every rank, next to plain DDP, FSDP2 or DeepSpeed's ZeRO (``deepspeed`` / ``zero_stage``)."""
 
     library = None
     cp_context_guard = staticmethod(torch_cp_context_unavailable)
 
     def check_ready(self, recipe: Recipe, *, training: bool) -> None:
-        return None
+        zero.check_ready_under_zero(recipe)
 
     def check_prepared_rows(self, recipe: Recipe, prepared: PreparedData) -> None:
         return None
 
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:
-        return accelerate_parallelism(dims)  # FSDP2 without CP still needs accelerate's mesh
+        # FSDP2 without CP still needs accelerate's mesh; deepspeed / zero_stage add DeepSpeed's config to it.
+        return zero.parallelism_under_zero(recipe, dims)
 
     def plan(self, recipe: Recipe, dims: ParallelDims, pad_token_id: int, model_config: Any) -> BackendPlan:
         from cptune.parallel.backends.local.sharding import LocalBackend
