@@ -88,6 +88,12 @@ what to do, and notes keys that it accepts with a meaning of its own.
 - **Tokens**: `special_tokens` and `tokens` are added to the tokenizer and the embeddings grow to
   hold them; with LoRA, new tokens other than pad need `lora_modules_to_save: [embed_tokens,
   lm_head]` (validate says so).
+- **`unfrozen_parameters`** trains only the parameters its patterns select, read as Axolotl reads
+  them (a regular expression matched at the start of the name, dots literal except in `.+`), and
+  freezes the rest before the model is wrapped for DDP, FSDP2 or DeepSpeed; `cptune validate` counts
+  only those as trained in its memory estimate. A pattern that selects no parameter is refused before
+  any weight loads (Axolotl silently trains less), and so are Axolotl's row ranges (`[:32000]`) and
+  an adapter next to it (Axolotl would match the adapter-wrapped names and freeze the adapter too).
 - **Launching**: on a GPU node `cptune train` starts one process per visible GPU, as `axolotl train`
   does ([launching](launching.md)).
 - **DeepSpeed ZeRO** (`deepspeed: zero3.json` or `zero_stage`) runs with every `cp_backend`,

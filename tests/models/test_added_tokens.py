@@ -9,10 +9,12 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from cptune.config.loader import load_recipe, validate_recipe
+from cptune.errors import CptuneError
 from cptune.models.added_tokens import fit_embeddings
 from cptune.models.head_loss import logits_loss
 from cptune.models.loading import load_model, load_tokenizer
@@ -155,3 +157,27 @@ def test_generation_never_picks_a_padded_row(tiny_model_dir):
         assert model(input_ids=torch.tensor([prompt])).logits[0, -1].argmax() == rows - 1
     answer = generate(model, tokenizer, prompt, GenerationOptions(max_new_tokens=1), stops=[], stream=False)
     assert len(answer.output_ids) == 1 and answer.output_ids[0] < len(tokenizer)
+
+
+def test_new_tokens_whose_embeddings_unfrozen_parameters_freeze_are_refused(tiny_model_dir):
+    """A partly frozen full fine-tune must select the embeddings of the tokens it adds, as LoRA must save them."""
+    from cptune.models.loading import model_config
+    from cptune.run.launch.preflight import check_new_tokens
+
+    frozen = recipe(tiny_model_dir, tokens=["<tool>"], unfrozen_parameters=["model.layers.+.mlp", "^lm_head"])
+    with pytest.raises(CptuneError) as refused:
+        check_new_tokens(frozen, model_config(frozen))
+    assert str(refused.value) == (
+        "tokens: adds 1 token(s) the tokenizer did not have (<tool>); their embeddings start untrained, and "
+        "unfrozen_parameters freezes model.embed_tokens.weight. Add [^model.embed_tokens.weight$] to "
+        "unfrozen_parameters to train them, or use tokens the tokenizer already has."
+    )
+    selected = recipe(
+        tiny_model_dir, tokens=["<tool>"], unfrozen_parameters=["^model.embed_tokens", "^lm_head"]
+    )
+    check_new_tokens(selected, model_config(selected))
+    # A new pad token alone is never a target: nothing to train.
+    padded = recipe(
+        tiny_model_dir, special_tokens={"pad_token": "<newpad>"}, unfrozen_parameters=["^lm_head"]
+    )
+    check_new_tokens(padded, model_config(padded))

@@ -100,6 +100,18 @@ def test_a_resume_refuses_embeddings_of_other_rows(write_recipe, tmp_path):
         check_resumed_recipe(recipe, checkpoint)
 
 
+def test_a_resume_refuses_other_unfrozen_parameters(write_recipe, tmp_path):
+    """unfrozen_parameters decide what trains: the checkpoint's optimizer state holds those parameters only."""
+    save_run_recipe(load_recipe(write_recipe(adapter=None, unfrozen_parameters=["^lm_head"])))
+    checkpoint = fake_checkpoint(tmp_path / "out")
+    edited = write_recipe(adapter=None, unfrozen_parameters=["^lm_head", "model.norm"])
+    recipe, _ = resumed_recipe(load_recipe(edited, ["--resume_from_checkpoint=true"]), edited, [])
+    with pytest.raises(
+        CptuneError, match=r"  - unfrozen_parameters: \[\^lm_head\] in the run, \[\^lm_head, model.norm\] now"
+    ):
+        check_resumed_recipe(recipe, checkpoint)
+
+
 def test_the_runs_overrides_that_no_longer_fit_the_recipe_file_are_named(write_recipe, tmp_path):
     path = write_recipe()
     save_run_recipe(load_recipe(path, ["--datasets.0.split=train"]), ["--datasets.1.split=train"])

@@ -293,6 +293,16 @@ ENTRIES: tuple[Entry, ...] = (
         "A full fine-tune trains every module already; remove the key, or set `adapter: lora`.",
     ),
     Entry(
+        "unfrozen-with-adapter",
+        SECTION,
+        "unfrozen_parameters with a LoRA or QLoRA adapter",
+        "unfrozen_parameters: selects the parameters of a full fine-tune, but adapter: lora trains a LoRA adapter",
+        "Axolotl applies the patterns to the adapter-wrapped model, whose names start with `base_model.model.`, "
+        "so its examples' `^model.…` patterns freeze the adapter too. Name whole modules to train next to the "
+        "adapter in `lora_modules_to_save`, restrict the adapter with `lora_target_modules`, or remove `adapter` "
+        "for a full fine-tune of the selected parameters.",
+    ),
+    Entry(
         "per-epoch-and-steps",
         SECTION,
         "evals_per_epoch next to eval_steps (or saves_per_epoch next to save_steps)",

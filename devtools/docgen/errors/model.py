@@ -305,12 +305,32 @@ ENTRIES: tuple[Entry, ...] = (
         "Use the modules' last names, e.g. `[embed_tokens, lm_head]` for Llama-style models.",
     ),
     Entry(
+        "unfrozen-selects-nothing",
+        SECTION,
+        "unfrozen_parameters pattern that selects no parameter",
+        "unfrozen_parameters: 'model.language_model.*' selects no parameter of the model, whose parameters are "
+        "named model.embed_tokens.weight",
+        "A pattern must match the start of a parameter's name, its dots literal except in `.+` (Axolotl's "
+        "reading): `mlp` selects nothing, `model.layers.+.mlp` every layer's MLP. The message lists the "
+        "model's first names; the check runs on the model's shapes before any weight loads. Axolotl "
+        "silently trains less; cptune refuses.",
+    ),
+    Entry(
         "new-tokens-untrained",
         SECTION,
         "New tokens in a LoRA run without training their embeddings",
         "tokens: adds 1 token(s) the tokenizer did not have (<tool>); their embeddings start untrained",
         "Add `lora_modules_to_save: [embed_tokens, lm_head]` (the message names the model's modules) so the "
         "new rows are trained and saved with the adapter. A new pad token alone needs nothing.",
+    ),
+    Entry(
+        "new-tokens-frozen",
+        SECTION,
+        "New tokens in a run whose unfrozen_parameters freeze the embeddings",
+        "their embeddings start untrained, and unfrozen_parameters freezes model.embed_tokens.weight, "
+        "lm_head.weight. Add [^model.embed_tokens.weight$, ^lm_head.weight$] to unfrozen_parameters",
+        "Add the patterns the message gives, so the new rows of the input and output embeddings are trained. A "
+        "new pad token alone needs nothing.",
     ),
     Entry(
         "cut-cross-entropy-softcapped-logits",

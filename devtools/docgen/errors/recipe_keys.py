@@ -236,6 +236,23 @@ ENTRIES: tuple[Entry, ...] = (
         "Remove it; each plugin gets its own line. `CutCrossEntropyPlugin` and `LigerPlugin` (with "
         "`liger_fused_linear_cross_entropy`) map onto cptune's chunked loss, `cut_cross_entropy`.",
     ),
+    Entry(
+        "unfrozen-row-range",
+        SECTION,
+        "unfrozen_parameters with Axolotl's row range (`[start:end]`)",
+        "ends in Axolotl's row range [:32000], which cptune does not support",
+        "cptune freezes and trains whole parameters: remove the range (`^model.embed_tokens.weight$`) to train "
+        "the whole parameter. Axolotl trains such a range by zeroing the other rows' gradients, which weight decay "
+        "and the optimizer's state still see.",
+    ),
+    Entry(
+        "unfrozen-not-a-pattern",
+        SECTION,
+        "unfrozen_parameters entry that is not a regular expression",
+        "'model.(layers' is not a regular expression (missing ), unterminated subpattern)",
+        "Each entry is a regular expression matched at the start of a parameter's name (Python's `re`), its dots "
+        "literal except in `.+`: close the bracket, or escape a character meant literally.",
+    ),
 )
 
 DOCUMENTED: tuple[Documented, ...] = ()

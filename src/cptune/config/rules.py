@@ -271,6 +271,24 @@ def _adapter_extras(r: Recipe) -> Iterator[tuple[str, str]]:
             yield key, "applies only with adapter: lora or qlora; remove it."
 
 
+def _unfrozen(r: Recipe) -> Iterator[tuple[str, str]]:
+    """Partly frozen full fine-tune (`unfrozen_parameters`).
+
+    - `unfrozen_parameters` with `adapter: lora` or `qlora` is refused: Axolotl matches the patterns against the
+      adapter-wrapped names (`base_model.model.…`) and freezes whatever they miss, the adapter included; use
+      `lora_modules_to_save` to train whole modules next to an adapter, or `lora_target_modules` to adapt fewer.
+    """
+    if r.unfrozen_parameters and r.is_lora:
+        yield (
+            "unfrozen_parameters",
+            f"selects the parameters of a full fine-tune, but adapter: {r.adapter} trains a LoRA adapter (Axolotl "
+            "matches these patterns against the adapter-wrapped names, base_model.model.…, and freezes what they "
+            "miss, the adapter included). To train whole modules next to the adapter, name them in "
+            "lora_modules_to_save (e.g. [lm_head]); to adapt fewer layers, set lora_target_modules; or remove "
+            "adapter to train only the selected parameters.",
+        )
+
+
 def _preference(r: Recipe) -> Iterator[tuple[str, str]]:
     """Preference training (`rl`).
 
@@ -406,6 +424,7 @@ RULES: tuple[Rule, ...] = (
     _adapter,
     _quantization,
     _adapter_extras,
+    _unfrozen,
     _preference,
     _chat_template,
     axolotl_mapped,

@@ -3,12 +3,14 @@ the memory features for long sequences, and the experiment trackers."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
 from cptune.config.axolotl.plugins import CUT_CROSS_ENTROPY_PLUGIN
 from cptune.config.base import one_or_many
+from cptune.config.unfrozen import name_regex, row_range
 
 # The Trainer's optimizer names (transformers 5.23 OptimizerNames, tests/config checks they agree);
 # cptune refuses at launch only those that cannot run here (cptune.run.training.optimizers).
@@ -98,6 +100,15 @@ class TrainingKeys(BaseModel):
         description="Recompute each layer in the backward pass: less activation memory, "
         "about one more forward pass of compute.",
     )
+    unfrozen_parameters: tuple[str, ...] | None = Field(
+        None,
+        description="Train only the parameters whose names these patterns select and freeze the rest (a full "
+        "fine-tune of part of the model), read as Axolotl reads them: a regular expression matched at the start "
+        "of the name (`lm_head` selects `lm_head.weight`; end it in `$` to match the whole name), each dot a "
+        "literal dot except in `.+`, which stands for any text (e.g. `model.layers.+.mlp`). Each pattern must "
+        "select a parameter of the model. Axolotl's row ranges (`[start:end]`) and an adapter are refused; an "
+        "empty list trains every parameter.",
+    )
     output_dir: str = Field(
         "./outputs", description="Where the model/adapter, checkpoints and train_log.json go."
     )
@@ -145,6 +156,31 @@ class TrainingKeys(BaseModel):
     @classmethod
     def _many_report_to(cls, value: Any) -> Any:
         return one_or_many(value)
+
+    @field_validator("unfrozen_parameters", mode="before")
+    @classmethod
+    def _many_unfrozen_parameters(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _unfrozen_patterns(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for pattern in value or ():
+            suffix = row_range(pattern)
+            if suffix is not None:
+                raise ValueError(
+                    f"'{pattern}' ends in Axolotl's row range {suffix}, which cptune does not support: it trains "
+                    "whole parameters (Axolotl zeroes the other rows' gradients, which still lets weight decay move "
+                    "them and keeps optimizer state for every row); remove the range to train the whole parameter"
+                )
+            try:
+                name_regex(pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"'{pattern}' is not a regular expression ({err.msg}); each entry is a pattern matched at the "
+                    "start of a parameter's name, e.g. model.layers.+.mlp or ^lm_head.weight$"
+                ) from None
+        return value
 
 
 class MemoryKeys(BaseModel):

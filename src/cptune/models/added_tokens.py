@@ -2,9 +2,9 @@
 
 A token the tokenizer lacks gets a new id past its vocabulary; the model's input and output
 embeddings grow to hold it (:func:`fit_embeddings`). A new token starts with an untrained embedding,
-so a LoRA run must also train the embeddings (``lora_modules_to_save``) unless the only new token is
-the pad token, which is never a target and only ever attends to itself (padding is a document of
-its own in cptune's batches).
+so a LoRA run must also train the embeddings (``lora_modules_to_save``), and a run with
+``unfrozen_parameters`` must select them, unless the only new token is the pad token, which is never
+a target and only ever attends to itself (padding is a document of its own in cptune's batches).
 
 With ``resize_token_embeddings_to_32x`` the embeddings grow further, to a multiple of 32 rows (as
 Axolotl does). No token id maps to those rows, so they need no training: they are never inputs, and
@@ -93,8 +93,11 @@ def check_new_token_training(
         model: The model (a meta-device copy is enough): names the embedding modules.
 
     Raises:
-        CptuneError: LoRA, new tokens other than pad, and lora_modules_to_save misses an embedding.
+        CptuneError: LoRA, new tokens other than pad, and lora_modules_to_save misses an embedding; or
+            unfrozen_parameters that freeze an embedding (:func:`_check_unfrozen_embeddings`).
     """
+    if recipe.unfrozen_parameters:
+        _check_unfrozen_embeddings(recipe, untrained_new_tokens(tokenizer, added), model)
     if not recipe.is_lora:
         return
     new = untrained_new_tokens(tokenizer, added)
@@ -110,6 +113,31 @@ def check_new_token_training(
         "untrained, and a LoRA run trains only the adapter. Add lora_modules_to_save: "
         f"[{', '.join(wanted)}] to train the embeddings too (they are saved with the adapter), or use "
         "tokens the tokenizer already has."
+    )
+
+
+def _check_unfrozen_embeddings(recipe: Recipe, new: list[str], model: torch.nn.Module) -> None:
+    """Refuse new tokens whose embedding rows ``unfrozen_parameters`` would freeze (a partly frozen full fine-tune).
+
+    ``model`` is a fresh copy (a meta-device one is enough); its parameters are frozen here as the run would.
+    """
+    from cptune.models.freezing import freeze_all_but
+
+    if not new:
+        return
+    freeze_all_but(model, recipe.unfrozen_parameters or ())
+    embeddings = [model.get_input_embeddings(), model.get_output_embeddings()]
+    frozen_ids = {id(m.weight) for m in embeddings if m is not None and not m.weight.requires_grad}
+    frozen = [name for name, p in model.named_parameters() if id(p) in frozen_ids]
+    if not frozen:
+        return
+    shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+    key = "tokens" if recipe.tokens else "special_tokens"
+    patterns = ", ".join(f"^{name}$" for name in frozen)
+    raise CptuneError(
+        f"{key}: adds {len(new)} token(s) the tokenizer did not have ({shown}); their embeddings start "
+        f"untrained, and unfrozen_parameters freezes {', '.join(frozen)}. Add [{patterns}] to unfrozen_parameters "
+        "to train them, or use tokens the tokenizer already has."
     )
 
 

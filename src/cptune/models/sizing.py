@@ -1,7 +1,8 @@
 """Parameter counts of the recipe's model, from its config alone (no weights are read).
 
 The model is built on PyTorch's ``meta`` device, which allocates no memory, and
-wrapped in the recipe's LoRA adapter, so the counts are exactly those of the run.
+wrapped in the recipe's LoRA adapter (or partly frozen as its ``unfrozen_parameters``
+say), so the counts are exactly those of the run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
+from cptune.models.freezing import apply_unfrozen_parameters
 from cptune.models.loading import apply_lora, meta_model, torch_dtype
 from cptune.parallel.memory import ModelShape
 
@@ -61,6 +63,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         )
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
+    apply_unfrozen_parameters(model, recipe)
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ParameterCounts(
         total=sum(p.numel() for p in model.parameters()),

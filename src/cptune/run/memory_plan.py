@@ -205,7 +205,9 @@ def describe_state_memory(plan: RunPlan, config: Any) -> list[str]:
         layouts.append(StateLayout())
     rows = [(layout.describe(), states_per_rank(recipe, counts, layout)) for layout in layouts]
     width = max(len(name) for name, _ in rows)
-    trained = "LoRA adapter" if recipe.is_lora else "all"
+    trained = (
+        "LoRA adapter" if recipe.is_lora else "unfrozen_parameters" if recipe.unfrozen_parameters else "all"
+    )
     if counts.quantized:
         trained += f"; {counts.quantized:,} base weights in {4 if recipe.load_in_4bit else 8} bits"
     lines = [

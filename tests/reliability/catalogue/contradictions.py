@@ -178,6 +178,10 @@ CASES: tuple[Case, ...] = (
         keys={"adapter": DELETE, "lora_modules_to_save": ["lm_head"]},
     ),
     Case(
+        "unfrozen-with-adapter",
+        keys={"unfrozen_parameters": ["^lm_head"]},
+    ),
+    Case(
         "per-epoch-and-steps",
         keys={"evals_per_epoch": 4, "eval_steps": 10, "val_set_size": 0.1},
     ),

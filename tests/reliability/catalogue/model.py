@@ -166,8 +166,16 @@ CASES: tuple[Case, ...] = (
         keys={"lora_modules_to_save": ["embed"]},
     ),
     Case(
+        "unfrozen-selects-nothing",
+        keys={"adapter": DELETE, "unfrozen_parameters": ["model.layers.+.mlp", "model.language_model.*"]},
+    ),
+    Case(
         "new-tokens-untrained",
         keys={"tokens": ["<tool>"]},
+    ),
+    Case(
+        "new-tokens-frozen",
+        keys={"adapter": DELETE, "tokens": ["<tool>"], "unfrozen_parameters": ["model.layers.+.mlp"]},
     ),
     Case(
         "cut-cross-entropy-softcapped-logits",

@@ -126,4 +126,15 @@ CASES: tuple[Case, ...] = (
         "plugins-unknown",
         keys={"plugins": ["axolotl.integrations.spectrum.SpectrumPlugin"]},
     ),
+    Case(
+        "unfrozen-row-range",
+        keys={
+            "adapter": DELETE,
+            "unfrozen_parameters": ["^lm_head.weight$", "^model.embed_tokens.weight$[:32000]"],
+        },
+    ),
+    Case(
+        "unfrozen-not-a-pattern",
+        keys={"adapter": DELETE, "unfrozen_parameters": ["model.(layers"]},
+    ),
 )

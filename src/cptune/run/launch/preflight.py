@@ -78,7 +78,8 @@ def check_resume(recipe: Recipe) -> None:
 
 
 def check_model(plan: RunPlan) -> Any:
-    """Check the model's architecture against the plan's backend and the LoRA targets, without loading weights.
+    """Check the model's architecture against the plan's backend and the LoRA targets and unfrozen_parameters,
+    without loading weights.
 
     Also checks that a local base_model folder holds complete weight files, that model_type names
     the model's class, that lora_model_dir holds an adapter, and that new tokens get trained.
@@ -88,6 +89,7 @@ def check_model(plan: RunPlan) -> Any:
     """
     from transformers import AutoModelForCausalLM
 
+    from cptune.models.freezing import check_unfrozen_parameters
     from cptune.models.loading import (
         check_causal_lm,
         check_local_weights,
@@ -107,6 +109,7 @@ def check_model(plan: RunPlan) -> Any:
     plan.check_model(config, model_class)
     check_lora_model_dir(recipe)
     check_lora_targets(recipe, config)
+    check_unfrozen_parameters(recipe, config)
     check_new_tokens(recipe, config)
     check_router_loss_with_rl(recipe, config)
     check_memory_features(recipe, config)
@@ -135,8 +138,9 @@ def check_router_loss_with_rl(recipe: Recipe, config: Any) -> None:
 
 
 def check_new_tokens(recipe: Recipe, config: Any) -> None:
-    """Refuse new tokens whose embeddings a LoRA run would leave untrained (see :mod:`cptune.models.added_tokens`)."""
-    if not (recipe.is_lora and (recipe.tokens or recipe.special_tokens)):
+    """Refuse new tokens whose embeddings a LoRA run or unfrozen_parameters would leave untrained (see
+    :mod:`cptune.models.added_tokens`)."""
+    if not ((recipe.is_lora or recipe.unfrozen_parameters) and (recipe.tokens or recipe.special_tokens)):
         return
     from cptune.models.added_tokens import check_new_token_training
     from cptune.models.loading import load_tokenizer_with_additions, meta_model

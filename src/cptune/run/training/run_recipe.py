@@ -78,6 +78,7 @@ RUN_SHAPING_KEYS = (
     "lora_target_linear",
     "lora_target_modules",
     "lora_modules_to_save",
+    "unfrozen_parameters",  # what trains: the checkpoint's optimizer state holds those parameters only
     "resize_token_embeddings_to_32x",
     "tokens",  # new tokens grow the embeddings, and their ids are in the data
     "special_tokens",

@@ -20,6 +20,7 @@ from typing import Any
 
 from cptune.atomic import write_text
 from cptune.config.recipe import Recipe
+from cptune.models.freezing import apply_unfrozen_parameters
 from cptune.models.loading import (
     apply_lora,
     check_token_ids,
@@ -146,6 +147,8 @@ def _train(
         # backend's imports): seed it, so cp=1 and cp=N start from the same weights.
         set_seed(recipe.seed)
         model = apply_lora(model, recipe)
+    # Before the memory features and the Trainer's wrapping (DDP, FSDP2, DeepSpeed) see the parameters.
+    apply_unfrozen_parameters(model, recipe)
     features = install_memory_features(model, recipe)
     trainable, total = trainable_parameter_count(model)
     log.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
