@@ -225,6 +225,33 @@ ENTRIES: tuple[Entry, ...] = (
         "data parallelism.",
     ),
     Entry(
+        "mxfp4-not-dequantized",
+        SECTION,
+        "model_quantization_config: Mxfp4Config without dequantize: true",
+        "model_quantization_config_kwargs: model_quantization_config: Mxfp4Config keeps the weights in MXFP4 unless "
+        "dequantize is true, and MXFP4 weights cannot be trained",
+        "Add `model_quantization_config_kwargs: {dequantize: true}`: the MXFP4 experts of a gpt-oss checkpoint are "
+        "then dequantized to the training dtype while loading and trained like the other weights (as Axolotl's "
+        "gpt-oss recipes do).",
+    ),
+    Entry(
+        "mxfp4-kwargs-without-config",
+        SECTION,
+        "model_quantization_config_kwargs without model_quantization_config",
+        "model_quantization_config: is not set, but model_quantization_config_kwargs is",
+        "Set `model_quantization_config: Mxfp4Config` for a checkpoint stored in MXFP4 (gpt-oss), or remove "
+        "`model_quantization_config_kwargs`.",
+    ),
+    Entry(
+        "mxfp4-and-bitsandbytes",
+        SECTION,
+        "model_quantization_config with load_in_4bit or load_in_8bit",
+        "load_in_4bit: the base model is loaded with model_quantization_config: Mxfp4Config (dequantized for "
+        "training), so bitsandbytes cannot quantize it too",
+        "One quantization at a time: remove `load_in_4bit` / `load_in_8bit` (and `adapter: qlora`) to train the "
+        "dequantized MXFP4 model, or remove `model_quantization_config`.",
+    ),
+    Entry(
         "fsdp1-list-with-version-1",
         SECTION,
         "Axolotl's fsdp list with fsdp_version: 1",

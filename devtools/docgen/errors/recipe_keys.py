@@ -41,6 +41,16 @@ ENTRIES: tuple[Entry, ...] = (
         "for, so a refusal here is not a typo.",
     ),
     Entry(
+        "quantization-config-not-mxfp4",
+        SECTION,
+        "A model_quantization_config other than Mxfp4Config",
+        "model_quantization_config: cptune loads quantized checkpoints only with Mxfp4Config",
+        "`Mxfp4Config` (with `model_quantization_config_kwargs: {dequantize: true}`) loads gpt-oss's MXFP4 "
+        "checkpoints dequantized for training; other transformers quantization configs (Axolotl's "
+        "`FineGrainedFP8Config`) are not supported. Remove the key to load a full-precision checkpoint, or use "
+        "`load_in_4bit` with `adapter: qlora` to quantize one with bitsandbytes.",
+    ),
+    Entry(
         "dataset-key-misspelt",
         SECTION,
         "A misspelt key inside a dataset entry",

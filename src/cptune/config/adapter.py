@@ -91,8 +91,33 @@ class BnbConfig(Frozen):
         return one_or_many(value)
 
 
+class Mxfp4Options(Frozen):
+    """transformers' ``Mxfp4Config`` arguments (Axolotl's ``model_quantization_config_kwargs``)."""
+
+    dequantize: bool = Field(
+        False,
+        description="Dequantize the MXFP4 expert weights to the training dtype while loading; cptune trains only "
+        "dequantized weights, so this must be true.",
+    )
+    modules_to_not_convert: tuple[str, ...] | None = Field(
+        None,
+        description="Modules transformers keeps out of MXFP4 when it quantizes; passed on as given, it changes "
+        "nothing in a dequantized load (every tensor stored in MXFP4 is dequantized).",
+    )
+
+    @field_validator("modules_to_not_convert", mode="before")
+    @classmethod
+    def _many_modules_to_not_convert(cls, value: Any) -> Any:
+        return one_or_many(value)
+
+
+# The one transformers quantization config cptune loads a checkpoint with (Axolotl also names FineGrainedFP8Config).
+MXFP4_CONFIG = "Mxfp4Config"
+
+
 class QuantizationKeys(BaseModel):
-    """Key group of the recipe: a base model quantized with bitsandbytes under a LoRA adapter (QLoRA)."""
+    """Key group of the recipe: a base model quantized with bitsandbytes under a LoRA adapter (QLoRA), and a
+    checkpoint stored in MXFP4 that is loaded dequantized."""
 
     # --- quantized base model (QLoRA) ------------------------------------------
     load_in_4bit: bool = Field(
@@ -107,6 +132,36 @@ class QuantizationKeys(BaseModel):
         None, description="bitsandbytes settings (needs load_in_4bit or load_in_8bit)."
     )
 
+    # --- checkpoint stored in MXFP4 (gpt-oss) -----------------------------------
+    model_quantization_config: Literal["Mxfp4Config"] | None = Field(
+        None,
+        description="`Mxfp4Config`: the base model is a checkpoint stored in MXFP4 (gpt-oss's experts: 4-bit "
+        "blocks with a shared scale per 32 values), loaded dequantized to the training dtype and trained "
+        "like any other (needs model_quantization_config_kwargs: {dequantize: true}).",
+    )
+    model_quantization_config_kwargs: Mxfp4Options | None = Field(
+        None,
+        description="Arguments of transformers' Mxfp4Config: `dequantize` (must be true: cptune trains the "
+        "dequantized weights) and `modules_to_not_convert`.",
+    )
+
+    @field_validator("model_quantization_config", mode="before")
+    @classmethod
+    def _only_mxfp4(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != MXFP4_CONFIG:
+            raise ValueError(
+                f"cptune loads quantized checkpoints only with {MXFP4_CONFIG} (gpt-oss's MXFP4 weights, "
+                f"dequantized for training), not '{value}'. Set model_quantization_config: {MXFP4_CONFIG}, "
+                "or remove it to load the checkpoint as it is stored"
+            )
+        return value
+
     @property
     def is_quantized(self) -> bool:
+        """The base is quantized by bitsandbytes while loading (load_in_4bit, load_in_8bit)."""
         return self.load_in_4bit or self.load_in_8bit
+
+    @property
+    def dequantizes_mxfp4(self) -> bool:
+        """The base is an MXFP4 checkpoint loaded dequantized (model_quantization_config: Mxfp4Config)."""
+        return self.model_quantization_config == MXFP4_CONFIG

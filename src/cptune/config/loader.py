@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from cptune.config.adapter import BnbConfig
+from cptune.config.adapter import BnbConfig, Mxfp4Options
 from cptune.config.axolotl.keys import (
     NO_COUNTERPART,
     UNSUPPORTED_DATASET_KEYS,
@@ -205,6 +205,7 @@ _UNSET_SECTIONS: dict[str, tuple[type[BaseModel], frozenset[str]]] = {
     "fsdp_config": (FsdpConfig, frozenset(UNSUPPORTED_FSDP_KEYS)),
     "special_tokens": (SpecialTokens, frozenset()),
     "bnb_config_kwargs": (BnbConfig, frozenset()),
+    "model_quantization_config_kwargs": (Mxfp4Options, frozenset()),
 }
 
 

@@ -261,6 +261,40 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
+def _mxfp4(r: Recipe) -> Iterator[tuple[str, str]]:
+    """MXFP4 checkpoints (gpt-oss).
+
+    - `model_quantization_config: Mxfp4Config` needs `model_quantization_config_kwargs: {dequantize: true}`:
+      cptune trains the MXFP4 weights dequantized to the training dtype, not in MXFP4.
+    - `model_quantization_config_kwargs` needs `model_quantization_config`.
+    - `model_quantization_config` with `load_in_4bit` or `load_in_8bit` is refused: one quantization at a time.
+    """
+    # A partly valid recipe holds None for a key that failed its own validation: each problem is filed under
+    # the key whose failure would make it wrong, so that the loader drops it then.
+    options = r.model_quantization_config_kwargs
+    if r.dequantizes_mxfp4 and not (options and options.dequantize):
+        yield (
+            "model_quantization_config_kwargs",
+            f"model_quantization_config: {r.model_quantization_config} keeps the weights in MXFP4 unless "
+            "dequantize is true, and MXFP4 weights cannot be trained; set model_quantization_config_kwargs: "
+            "{dequantize: true} to train them dequantized to the training dtype.",
+        )
+    if options is not None and r.model_quantization_config is None:
+        yield (
+            "model_quantization_config",
+            "is not set, but model_quantization_config_kwargs is; set model_quantization_config: Mxfp4Config, "
+            "or remove model_quantization_config_kwargs.",
+        )
+    if r.model_quantization_config is not None and r.is_quantized:
+        key = "load_in_4bit" if r.load_in_4bit else "load_in_8bit"
+        yield (
+            key,
+            f"the base model is loaded with model_quantization_config: {r.model_quantization_config} (dequantized "
+            f"for training), so bitsandbytes cannot quantize it too; one quantization at a time: remove {key} "
+            "or model_quantization_config.",
+        )
+
+
 def _adapter_extras(r: Recipe) -> Iterator[tuple[str, str]]:
     """LoRA extras.
 
@@ -423,6 +457,7 @@ RULES: tuple[Rule, ...] = (
     _tensor_parallel,
     _adapter,
     _quantization,
+    _mxfp4,
     _adapter_extras,
     _unfrozen,
     _preference,

@@ -218,13 +218,13 @@ def load_model(
 
     ``attn_implementation`` None: transformers' own attention, ``sdpa`` or ``eager`` where the model has
     no sdpa path (:func:`cptune.parallel.backends.local.runtime.transformers_attention`). A base model is
-    quantized as the recipe says (load_in_4bit, load_in_8bit); ``local_rank`` picks the GPU a quantized
-    copy goes to.
+    quantized as the recipe says (load_in_4bit, load_in_8bit; ``local_rank`` picks the GPU a quantized
+    copy goes to), and a base stored in MXFP4 is dequantized (model_quantization_config).
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from cptune.models.quantization import device_map, quantization_config
+    from cptune.models.quantization import device_map, mxfp4_config, quantization_config
 
     source = path or recipe.base_model
     revision = None if path else recipe.model_revision
@@ -239,6 +239,8 @@ def load_model(
             "quantization_config": quantization_config(recipe, torch_dtype(recipe)),
             "device_map": device_map(recipe, local_rank),
         }
+    elif path is None and recipe.dequantizes_mxfp4:
+        quantized = {"quantization_config": mxfp4_config(recipe)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
@@ -264,10 +266,14 @@ def load_model(
             f"base_model: cannot load '{source}' ({_first_line(err)}). Check that its weight files are "
             "complete and belong to this config; copy or download them again."
         ) from None
-    if quantized:
+    if path is None and recipe.is_quantized:
         from cptune.models.quantization import keep_cpu_layers_differentiable
 
         keep_cpu_layers_differentiable(model)
+    elif path is None and recipe.dequantizes_mxfp4:
+        from cptune.models.quantization import save_dequantized_experts_as_plain
+
+        save_dequantized_experts_as_plain(model)
     if recipe.resolved_gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     from cptune.parallel.backends.attention import runs_samples_apart

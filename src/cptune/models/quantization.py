@@ -6,6 +6,9 @@ it too, as DeepSpeed and FSDP need. cptune does not call peft's ``prepare_model_
 it casts every weight that is not quantized (norms, embeddings, output head) to fp32, which for an
 8B model is 2.1 GB more in bf16 runs and which Axolotl casts back afterwards; what else it does
 (freezing the base, input gradients for checkpointing) cptune does when it applies the adapter.
+
+A base stored in MXFP4 (gpt-oss's checkpoints) is not trained quantized: transformers' ``Mxfp4Config``
+dequantizes its experts while loading (:func:`mxfp4_config`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,48 @@ def quantization_config(recipe: Recipe, dtype: torch.dtype) -> Any | None:
         bnb_4bit_quant_storage=storage,
         llm_int8_skip_modules=skip,
     )
+
+
+def mxfp4_config(recipe: Recipe) -> Any | None:
+    """transformers' ``Mxfp4Config`` for a base stored in MXFP4 (None for any other base).
+
+    It dequantizes while loading: transformers reads each expert tensor's packed ``*_blocks`` and
+    ``*_scales`` and builds the plain ``GptOssExperts`` weights in the training dtype; the loaded model
+    carries no quantizer and trains like a full-precision one (and saves like one once
+    :func:`save_dequantized_experts_as_plain` ran). The recipe rules make sure ``dequantize`` is true.
+    """
+    if not recipe.dequantizes_mxfp4:
+        return None
+    from transformers import Mxfp4Config
+
+    options = recipe.model_quantization_config_kwargs
+    skip = list(options.modules_to_not_convert) if options and options.modules_to_not_convert else None
+    return Mxfp4Config(dequantize=True, modules_to_not_convert=skip)
+
+
+def save_dequantized_experts_as_plain(model: Any) -> int:
+    """Make ``save_pretrained`` write a dequantized MXFP4 model's experts under their own names; returns how
+    many loading conversions it dropped.
+
+    transformers 5.23 keeps the conversions that loaded a model (``model._weight_conversions``) and
+    reverses them when saving (core_model_loading.py, ``revert_weight_conversion``). The reverse of the
+    MXFP4 dequantization is the identity (``Mxfp4Dequantize.reverse_op``), so the reversed conversion
+    writes the trained ``experts.gate_up_proj`` under its first checkpoint name, ``gate_up_proj_blocks``,
+    in the training dtype and without scales: a checkpoint whose experts are missing when it is loaded
+    again (transformers initialises them at random). The dequantized model is a plain one, so it drops
+    those conversions and saves like one.
+    """
+    from transformers.integrations.mxfp4 import Mxfp4Dequantize
+
+    conversions = getattr(model, "_weight_conversions", None) or []
+    kept = [
+        c
+        for c in conversions
+        if not any(isinstance(op, Mxfp4Dequantize) for op in getattr(c, "operations", ()))
+    ]
+    if len(kept) < len(conversions):
+        model._weight_conversions = kept
+    return len(conversions) - len(kept)
 
 
 def device_map(recipe: Recipe, local_rank: int) -> dict[str, Any] | None:

@@ -142,6 +142,23 @@ CASES: tuple[Case, ...] = (
         keys={"adapter": "lora", "load_in_8bit": True, "fsdp_version": 2},
     ),
     Case(
+        "mxfp4-not-dequantized",
+        keys={"model_quantization_config": "Mxfp4Config"},
+    ),
+    Case(
+        "mxfp4-kwargs-without-config",
+        keys={"model_quantization_config_kwargs": {"dequantize": True}},
+    ),
+    Case(
+        "mxfp4-and-bitsandbytes",
+        keys={
+            "model_quantization_config": "Mxfp4Config",
+            "model_quantization_config_kwargs": {"dequantize": True},
+            "adapter": "qlora",
+            "load_in_4bit": True,
+        },
+    ),
+    Case(
         "fsdp1-list-with-version-1",
         keys={"fsdp": ["full_shard", "auto_wrap"], "fsdp_version": 1},
     ),

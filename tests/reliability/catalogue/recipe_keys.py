@@ -23,6 +23,10 @@ CASES: tuple[Case, ...] = (
         keys={"sage_attention": True},
     ),
     Case(
+        "quantization-config-not-mxfp4",
+        keys={"model_quantization_config": "FineGrainedFP8Config"},
+    ),
+    Case(
         "dataset-key-misspelt",
         setup=lambda ws: _dataset(ws, str(ws.data / "train.jsonl"), feild_output="answer"),
     ),
