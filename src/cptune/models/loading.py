@@ -268,6 +268,11 @@ def load_model(
         from cptune.models.quantization import keep_cpu_layers_differentiable
 
         keep_cpu_layers_differentiable(model)
+        if recipe.quantize_moe_experts:
+            from cptune.models.expert_quantization import quantize_experts
+
+            packed = quantize_experts(model, recipe)
+            log.info("quantize_moe_experts: %s weights of the experts stored in 4 bits", f"{packed:,}")
     if recipe.resolved_gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     from cptune.parallel.backends.attention import runs_samples_apart

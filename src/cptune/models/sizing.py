@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
+from cptune.models.expert_quantization import is_expert_weight
 from cptune.models.loading import apply_lora, meta_model, torch_dtype
 from cptune.parallel.memory import ModelShape
 
@@ -26,12 +27,14 @@ class ParameterCounts:
     #: parameters of the largest decoder layer (FSDP2 gathers one layer at a time)
     largest_layer: int
     dtype_bytes: int
-    #: frozen linear weights that bitsandbytes quantizes (load_in_4bit/8bit; 0 otherwise)
+    #: frozen weights stored quantized: the linear layers bitsandbytes quantizes (load_in_4bit/8bit; 0
+    #: otherwise), and with quantize_moe_experts the experts' 3D tensors
     quantized: int = 0
     #: parameters of all decoder layers (the rest, embeddings and head, is FSDP2's root unit)
     all_layers: int = 0
     #: frozen weights that stay in the training dtype although the recipe quantizes: a mixture of experts'
     #: expert tensors (3D, ``experts x out x in``), which bitsandbytes, quantizing linear layers only, leaves be
+    #: unless the recipe sets quantize_moe_experts
     unquantized_experts: int = 0
 
 
@@ -56,9 +59,11 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in skip
         )
-        unquantized_experts = sum(
-            p.numel() for name, p in model.named_parameters() if p.dim() >= 3 and ".experts." in name
-        )
+        experts = sum(p.numel() for name, p in model.named_parameters() if is_expert_weight(name, p))
+        if recipe.quantize_moe_experts and recipe.load_in_4bit:
+            quantized += experts
+        else:
+            unquantized_experts = experts
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
