@@ -146,3 +146,41 @@ def test_merging_dequantizes_the_experts_into_plain_parameters(moe_dir):
     assert isinstance(experts._parameters["down_proj"], torch.nn.Parameter)
     assert torch.equal(experts.down_proj, expected)
     assert not any(p.dtype == torch.uint8 for p in model.parameters())
+
+
+def test_the_packed_experts_take_no_adapter_and_the_estimate_counts_what_trains(moe_dir):
+    """peft 0.21 adapts transformers 5's fused expert tensors when the targets are all-linear (cptune's default);
+    packed, they are parametrized and take no adapter. The estimate from the config counts the same trained
+    parameters as the loaded model has, with and without the key."""
+    from cptune.models.loading import model_config, trainable_parameter_count
+    from cptune.models.sizing import count_parameters
+
+    def trained(**keys):
+        keys = recipe(moe_dir, lora_target_modules=None, **keys)
+        model = apply_lora(load_model(keys, "eager"), keys)
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert count_parameters(keys, model_config(keys)).trainable == trainable_parameter_count(model)[0]
+        return names
+
+    plain, packed = trained(), trained(quantize_moe_experts=True)
+    assert any(".experts." in n for n in plain)
+    assert packed == [n for n in plain if ".experts." not in n]
+
+
+def test_a_target_only_the_packed_experts_match_is_refused_before_loading(moe_dir):
+    """down_proj names the experts' fused tensor of a Qwen3-MoE (peft carries the transformers 4 name over):
+    adapted without the key, matched by nothing once they are packed."""
+    from cptune.errors import CptuneError
+    from cptune.models.loading import check_lora_targets, model_config
+
+    targets = {"lora_target_modules": ["q_proj", "down_proj"]}
+    check_lora_targets(recipe(moe_dir, **targets), model_config(recipe(moe_dir)))
+    packed = recipe(moe_dir, **targets, quantize_moe_experts=True)
+    with pytest.raises(CptuneError) as info:
+        check_lora_targets(packed, model_config(packed))
+    assert str(info.value) == (
+        "lora_target_modules: 'down_proj' adapts nothing in Qwen3MoeForCausalLM (the other targets do, so peft "
+        "would train without it). With quantize_moe_experts the experts' weights are packed in 4 bits and take no "
+        "LoRA adapter (as in Axolotl, where only lora_target_parameters adapts them): remove the names that only "
+        "the experts match, or remove quantize_moe_experts to adapt the experts in the training dtype."
+    )

@@ -111,8 +111,9 @@ class QuantizationKeys(BaseModel):
         description="With load_in_4bit, also store a mixture of experts' expert weights (the 3D tensors of its "
         "experts modules, which bitsandbytes' linear layers leave in the training dtype) in 4 bits, with "
         "bnb_config_kwargs' quant type and double quantization, dequantized as each layer runs; the experts stay "
-        "frozen. Needs adapter: qlora and gradient_checkpointing (the backward dequantizes a layer's experts "
-        "again instead of keeping them); not with FSDP or DeepSpeed.",
+        "frozen and take no LoRA adapter (without the key, targets that name the MLP projections, or all-linear, "
+        "adapt the experts too). Needs adapter: qlora and gradient_checkpointing (the backward dequantizes a "
+        "layer's experts again instead of keeping them); not with FSDP or DeepSpeed.",
     )
 
     @property

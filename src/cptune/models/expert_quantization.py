@@ -15,8 +15,11 @@ returns), so the eager loop over the experts dequantizes each tensor once per ca
 The backward: the ops keep the dequantized weights they multiplied with for their input gradient.
 The recipe rules require gradient checkpointing with this key, so each decoder layer's checkpoint
 drops those saved tensors in the forward, and its recomputation in the backward dequantizes the
-layer's experts again: one layer's dequantized experts exist at a time. The experts stay frozen;
-LoRA adapters train on the other layers, and gradients flow through the dequantized experts to them.
+layer's experts again: one layer's dequantized experts exist at a time. The experts stay frozen and
+take no LoRA adapter (peft adapts parameters, and a parametrized tensor is none; without the key, peft
+0.21 adapts transformers 5's fused expert tensors through ``target_parameters``, as Axolotl does only
+with ``lora_target_parameters``, a key cptune lacks). LoRA adapters train on the other layers, and
+gradients flow through the dequantized experts to them.
 """
 
 from __future__ import annotations
@@ -102,6 +105,25 @@ def quantize_experts(model: nn.Module, recipe: Recipe) -> int:
             module.register_forward_pre_hook(_open_cache)
             module.register_forward_hook(_close_cache, always_call=True)
     return packed
+
+
+class _Unpacked(nn.Module):
+    """:class:`Dequantize4bit`'s stand-in on a model without weights: the tensor as it is."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+
+def parametrize_like_packed(model: nn.Module) -> None:
+    """Put a parametrization on each expert tensor of a weightless (meta) model, as :func:`quantize_experts` does.
+
+    peft adapts a module's own parameters (``target_parameters``, which peft 0.21 fills in for the
+    experts' fused tensors of transformers 5 when the recipe's targets name the MLP projections or
+    all-linear), and a parametrized tensor is no longer one: the packed experts take no LoRA adapter. On
+    a model shaped this way peft adapts what it adapts on the loaded one, so the sizes agree.
+    """
+    for module, name in list(expert_weights(model)):
+        parametrize.register_parametrization(module, name, _Unpacked(), unsafe=True)
 
 
 def dequantize_experts(model: nn.Module) -> int:

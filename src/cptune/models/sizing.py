@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
-from cptune.models.expert_quantization import is_expert_weight
+from cptune.models.expert_quantization import is_expert_weight, parametrize_like_packed
 from cptune.models.loading import apply_lora, meta_model, torch_dtype
 from cptune.parallel.memory import ModelShape
 
@@ -36,6 +36,8 @@ class ParameterCounts:
     #: expert tensors (3D, ``experts x out x in``), which bitsandbytes, quantizing linear layers only, leaves be
     #: unless the recipe sets quantize_moe_experts
     unquantized_experts: int = 0
+    #: with quantize_moe_experts, the expert tensors' weights (among ``quantized``), packed once the model is loaded
+    quantized_experts: int = 0
 
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
@@ -46,7 +48,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_classes
     ]
     largest_layer = max(layer_sizes, default=0)
-    quantized = unquantized_experts = 0
+    quantized = unquantized_experts = quantized_experts = 0
     if recipe.is_quantized:
         # What transformers hands to bitsandbytes: every linear layer but the output head and the
         # modules the recipe keeps (bnb_config_kwargs.llm_int8_skip_modules).
@@ -62,8 +64,11 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         experts = sum(p.numel() for name, p in model.named_parameters() if is_expert_weight(name, p))
         if recipe.quantize_moe_experts and recipe.load_in_4bit:
             quantized += experts
+            quantized_experts = experts
         else:
             unquantized_experts = experts
+    if quantized_experts:
+        parametrize_like_packed(model)  # the packed experts take no adapter
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -76,6 +81,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
         quantized=quantized,
         unquantized_experts=unquantized_experts,
+        quantized_experts=quantized_experts,
     )
 
 
