@@ -124,9 +124,9 @@ def test_the_backward_keeps_one_layers_dequantized_experts_at_a_time(moe_dir):
     assert len(made) == 2 * LAYERS and sum(ref() is not None for ref in made) == 0
     loss.backward()
     assert len(made) == 4 * LAYERS  # each layer's two tensors dequantized again in the backward
-    assert (
-        alive_then == [1, 2] * LAYERS
-    )  # gate_up_proj, then down_proj, of one layer; the other layer's are gone
+    # At each dequantization in the backward: that layer's gate_up_proj, then with it its down_proj; none of
+    # the other layer's.
+    assert alive_then == [1, 2] * LAYERS
 
     model.base_model.model.activation_checkpointing_disable()
     made, _ = live_dequantized(model)
