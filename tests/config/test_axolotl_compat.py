@@ -382,3 +382,43 @@ def test_use_kernels_and_experimental_skip_move_to_device_are_accepted_with_note
     assert "use_kernels: cptune runs the model's own modules" in notes
     assert "experimental_skip_move_to_device: the Trainer never moves the whole model" in notes
     assert axolotl_notes(validate_recipe({**MINIMAL, "use_kernels": False})) == []
+
+
+def test_quantize_moe_experts_is_a_qlora_key_with_checkpointing_and_no_sharding():
+    qlora = {**MINIMAL, "adapter": "qlora", "load_in_4bit": True, "gradient_checkpointing": True}
+    assert validate_recipe({**qlora, "quantize_moe_experts": True}).quantize_moe_experts
+    assert not validate_recipe({**qlora, "quantize_moe_experts": False}).quantize_moe_experts
+
+    def refusals(data):
+        with pytest.raises(RecipeError) as info:
+            validate_recipe(data)
+        return [p.message for p in info.value.problems if p.key == "quantize_moe_experts"]
+
+    assert refusals({**MINIMAL, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True}) == [
+        "cptune stores a mixture of experts' expert weights in 4 bits only, under QLoRA: set load_in_4bit: true with "
+        "adapter: qlora (with load_in_8bit the experts stay in the training dtype), or remove quantize_moe_experts.",
+        "needs gradient_checkpointing: true: the backward recomputes each layer and dequantizes its experts again; "
+        "without it every layer's dequantized experts would stay in memory until the backward, as much as "
+        "unquantized experts.",
+    ]
+    assert refusals({**qlora, "quantize_moe_experts": True, "deepspeed": "zero3.json"}) == [
+        "4-bit experts are not built for sharded weights (deepspeed): FSDP2 and DeepSpeed would split the packed "
+        "experts apart from their quantization constants. Train without sharding (one GPU, or data parallelism "
+        "with context parallelism), or remove quantize_moe_experts."
+    ]
+    assert any(
+        "(fsdp_version)" in m for m in refusals({**qlora, "quantize_moe_experts": True, "fsdp_version": 2})
+    )
+
+
+def test_quantize_moe_experts_is_supported_in_the_axolotl_key_table(tmp_path):
+    from devtools.docgen.axolotl_migration import key_table
+
+    recipe = tmp_path / "qwen3--moe-qlora.yaml"
+    recipe.write_text(
+        "base_model: m\ndatasets:\n  - path: d.jsonl\nadapter: qlora\nload_in_4bit: true\n"
+        "gradient_checkpointing: true\nquantize_moe_experts: true\n",
+        encoding="utf-8",
+    )
+    rows = {key: outcomes for key, _, outcomes in key_table([recipe])}
+    assert rows["quantize_moe_experts"] == ["supported"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -69,3 +71,45 @@ def test_quantizing_a_mixture_of_experts_leaves_its_expert_tensors_in_the_traini
     assert (counts.quantized, counts.unquantized_experts) == (linear, experts)
     lines = describe_state_memory(RunPlan.build(recipe, 1), model.config)
     assert f"  {experts:,} weights of the experts stay in bfloat16 with load_in_4bit: " in "\n".join(lines)
+
+
+def test_quantize_moe_experts_counts_the_expert_tensors_in_4_bits():
+    """With quantize_moe_experts the experts' 3D tensors are quantized like the linear layers: the estimate counts
+    them at bitsandbytes' 4-bit size and drops the line that says they stay in the training dtype."""
+    from cptune.parallel.memory import format_bytes, quantized_bytes_per_weight
+    from cptune.run.memory_plan import describe_state_memory, state_layout, states_per_rank
+    from cptune.run.plan import RunPlan
+
+    model = build_tiny_qwen3_moe(97, seed=1)
+    keys = {
+        "base_model": "unused",
+        "datasets": [{"path": "d.jsonl"}],
+        "adapter": "qlora",
+        "load_in_4bit": True,
+        "bf16": True,
+        "gradient_checkpointing": True,
+        "lora_target_modules": ["q_proj", "v_proj"],  # the same adapter with and without the key
+    }
+    plain = validate_recipe(keys)
+    recipe = validate_recipe({**keys, "quantize_moe_experts": True})
+    before, counts = count_parameters(plain, model.config), count_parameters(recipe, model.config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert (counts.quantized, counts.unquantized_experts) == (before.quantized + experts, 0)
+    assert (counts.total, counts.trainable) == (before.total, before.trainable)
+    lines = describe_state_memory(RunPlan.build(recipe, 1), model.config)
+    assert not any("weights of the experts stay in" in line for line in lines)
+    assert (
+        f"  quantize_moe_experts: the {experts:,} weights of the experts are packed in 4 bits once the model is "
+        f"loaded; while it loads, the GPU holds them in bfloat16 ({format_bytes(experts * 2)}) beside the other "
+        "weights."
+    ) in lines
+    assert f"{counts.quantized:,} base weights in 4 bits" in lines[0]
+    # The weights column drops each expert weight's bf16 bytes for its 4-bit bytes, constants included.
+    plan = RunPlan.build(recipe, 1)
+    layout = state_layout(plan, plan.dims)
+    saved = states_per_rank(plain, before, layout).weights - states_per_rank(recipe, counts, layout).weights
+    per_weight = quantized_bytes_per_weight(4)
+    assert saved == (
+        (counts.quantized - before.quantized) * 2
+        - (math.ceil(counts.quantized * per_weight) - math.ceil(before.quantized * per_weight))
+    )

@@ -25,7 +25,33 @@ def float64_twin(model: torch.nn.Module) -> torch.nn.Module:
         for name, child in list(parent.named_children()):
             if bnb is not None and isinstance(child, bnb.nn.Linear4bit):
                 setattr(parent, name, _dequantized_linear(child))
+    _dequantize_packed_experts_in_float64(twin)
     return twin.double()
+
+
+class _InFloat64(torch.nn.Module):
+    """A packed expert tensor's parametrization whose dequantized (fp32) values the twin reads in float64."""
+
+    def __init__(self, dequantize: torch.nn.Module) -> None:
+        super().__init__()
+        self.dequantize = dequantize
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(packed).double()
+
+
+def _dequantize_packed_experts_in_float64(twin: torch.nn.Module) -> None:
+    """Expert tensors packed by quantize_moe_experts stay packed in the twin (uint8, untouched by ``double``)
+    and are read in float64. Swapped inside their parametrization, not removed: torch removes a
+    parametrization from the class a deep copy shares with the model it was copied from."""
+    if "cptune.models.expert_quantization" not in sys.modules:
+        return
+    from cptune.models.expert_quantization import Dequantize4bit
+
+    for module in twin.modules():
+        for chain in getattr(module, "parametrizations", {}).values():
+            if isinstance(chain[0], Dequantize4bit):
+                chain[0] = _InFloat64(chain[0])
 
 
 def _dequantized_linear(layer: torch.nn.Module) -> torch.nn.Linear:

@@ -305,6 +305,14 @@ MOE_CP4_CASES = [
 MOE_DP2_CP2_CASES = [
     case("moe-unpacked-causal-full-23", arch="qwen3_moe", packed=False, lora=False, seq_len=23)
 ]
+# quantize_moe_experts: QLoRA on a Qwen3-MoE whose expert tensors are packed in 4 bits too (every rank packs
+# the same weights; the packed experts take no adapter), on the ring and with torch's CP attention.
+MOE_PACKED_EXPERTS_CP2_CASES = [
+    case("qlora-moe-packed-experts-packed-causal", arch="qwen3_moe", qlora=True, moe_experts=True),
+    torch_case(
+        "qlora-moe-packed-experts-full-rows", arch="qwen3_moe", full_rows=True, qlora=True, moe_experts=True
+    ),
+]
 
 
 def pref_case(name: str, **changes) -> dict:
@@ -410,6 +418,7 @@ FEATURE_TWINS = {
 
 # spawn id -> (world size, cp size, cases of every backend run in that spawn)
 SPAWNS = {
+    "cp2-packed-experts": (2, 2, MOE_PACKED_EXPERTS_CP2_CASES),
     "cp2": (
         2,
         2,
@@ -858,3 +867,11 @@ def test_a_router_loss_over_padding_the_torch_backend_lets_attend_fails_the_pari
     for case_ in MOE_TORCH_PADDED_CASES:
         with pytest.raises(AssertionError):
             check(results, [case_])
+
+
+@pytest.mark.distributed
+def test_packed_moe_experts_parity_fp32(parity_results):
+    """quantize_moe_experts under context parallelism (ring-flash-attn varlen_llama3 and torch, cp=2): the
+    losses of 3 SGD steps and the step-0 gradients of the cp=1 run of the same packed model, by the float64
+    rule (the float64 reference reads the packed experts' dequantized values in float64)."""
+    check(parity_results("cp2-packed-experts"), MOE_PACKED_EXPERTS_CP2_CASES)

@@ -247,3 +247,19 @@ def test_ulysses_parity_fp32(tmp_path, world, cases):
                 per_rank[f"{prefix}packed-causal-lora+offload"],
             )
             assert (offloaded["cp_losses"], offloaded["grad_sha"]) == (twin["cp_losses"], twin["grad_sha"])
+
+
+# quantize_moe_experts: QLoRA on a Qwen3-MoE whose expert tensors are packed in 4 bits too, on DeepSpeed's engine
+# without ZeRO sharding (cptune refuses the key with deepspeed / zero_stage: the packed experts are not built to
+# be partitioned).
+PACKED_EXPERTS_CP2_CASES = [
+    case("qlora-moe-packed-experts-packed", arch="qwen3_moe", qlora=True, moe_experts=True)
+]
+
+
+@pytest.mark.distributed
+def test_ulysses_packed_moe_experts_parity_fp32(tmp_path):
+    """The losses of 3 SGD steps and the step-0 gradients of the cp=1 run of the same packed model, by the
+    float64 rule (the float64 reference reads the packed experts' dequantized values in float64)."""
+    results = run_ranks(WORKER, 2, tmp_path, json.dumps(PACKED_EXPERTS_CP2_CASES))
+    check(results, PACKED_EXPERTS_CP2_CASES)

@@ -145,7 +145,7 @@ def build_model(case: dict, attn_implementation: str) -> torch.nn.Module:
     if case.get("qlora"):
         from quantized import quantized_4bit  # tests/parallel/quantized.py, beside this script
 
-        model = quantized_4bit(model, attn_implementation)
+        model = quantized_4bit(model, attn_implementation, experts=case.get("moe_experts", False))
     if case["lora"]:
         from peft import LoraConfig, get_peft_model
 

@@ -195,3 +195,11 @@ def test_evaluate_reads_a_full_fine_tunes_stored_reference_and_a_lora_evaluation
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert passes[2:] == [evaluation_rows] and training_rows != evaluation_rows, passes
+
+
+def test_the_key_sees_quantized_experts(dpo_recipe):
+    """With quantize_moe_experts the reference model's experts hold their 4-bit values: other sums."""
+    qlora = {"adapter": "qlora", "load_in_4bit": True, "gradient_checkpointing": True}
+    assert digest(dpo_recipe(**qlora, quantize_moe_experts=True)) != digest(dpo_recipe(**qlora))
+    # Off is the key written before the switch existed.
+    assert digest(dpo_recipe(**qlora, quantize_moe_experts=False)) == digest(dpo_recipe(**qlora))

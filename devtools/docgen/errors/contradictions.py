@@ -252,6 +252,33 @@ ENTRIES: tuple[Entry, ...] = (
         "dequantized MXFP4 model, or remove `model_quantization_config`.",
     ),
     Entry(
+        "moe-experts-without-4bit",
+        SECTION,
+        "quantize_moe_experts without load_in_4bit",
+        "quantize_moe_experts: cptune stores a mixture of experts' expert weights in 4 bits only, under QLoRA",
+        "Set `load_in_4bit: true` with `adapter: qlora` (the experts are then packed in 4 bits like the linear "
+        "layers), or remove `quantize_moe_experts`: with `load_in_8bit` the experts stay in the training dtype, "
+        "as `cptune validate`'s memory estimate counts them.",
+    ),
+    Entry(
+        "moe-experts-without-checkpointing",
+        SECTION,
+        "quantize_moe_experts without gradient checkpointing",
+        "quantize_moe_experts: needs gradient_checkpointing: true",
+        "Set `gradient_checkpointing: true`. The experts are dequantized as each layer runs; the layer's "
+        "recomputation in the backward dequantizes them again, so one layer's dequantized experts exist at a "
+        "time. Without it every layer's would be kept for the backward, as much memory as unquantized experts.",
+    ),
+    Entry(
+        "moe-experts-sharded",
+        SECTION,
+        "quantize_moe_experts with FSDP or DeepSpeed",
+        "quantize_moe_experts: 4-bit experts are not built for sharded weights",
+        "Train without `fsdp_version` / `fsdp` / `deepspeed` / `zero_stage`: on one GPU, or with data and context "
+        "parallelism, where every rank holds the packed experts whole. Or remove `quantize_moe_experts` to shard "
+        "the experts in the training dtype.",
+    ),
+    Entry(
         "fsdp1-list-with-version-1",
         SECTION,
         "Axolotl's fsdp list with fsdp_version: 1",

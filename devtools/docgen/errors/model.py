@@ -451,7 +451,9 @@ DOCUMENTED: tuple[Documented, ...] = (
         "would train without it. A mixture of experts' expert weights are fused parameters in transformers 5: "
         "`lora_target_linear: true` adapts them (with the attention and the router), or name them by the "
         "model's transformers 4 module names (Qwen3-MoE: `gate_proj`, `up_proj`, `down_proj`; Mixtral: `w1`, "
-        "`w3`, `w2`). Checked on a weightless copy of the model before anything is loaded.",
+        "`w3`, `w2`). With `quantize_moe_experts` the experts are packed in 4 bits and take no adapter: remove "
+        "the names only they match, or remove `quantize_moe_experts`. Checked on a weightless copy of the model "
+        "before anything is loaded.",
         raised_in="src/cptune/models/lora_targets.py",
         why_not_in_catalogue="a saved mixture-of-experts model is large for the catalogue's workspace",
         tested_by="tests/models/test_lora_targets.py::test_a_target_that_adapts_nothing_beside_one_that_does_is_refused",

@@ -131,6 +131,15 @@ class QuantizationKeys(BaseModel):
     bnb_config_kwargs: BnbConfig | None = Field(
         None, description="bitsandbytes settings (needs load_in_4bit or load_in_8bit)."
     )
+    quantize_moe_experts: bool = Field(
+        False,
+        description="With load_in_4bit, also store a mixture of experts' expert weights (the 3D tensors of its "
+        "experts modules, which bitsandbytes' linear layers leave in the training dtype) in 4 bits, with "
+        "bnb_config_kwargs' quant type and double quantization, dequantized as each layer runs; the experts stay "
+        "frozen and take no LoRA adapter (without the key, targets that name the MLP projections, or all-linear, "
+        "adapt the experts too). Needs adapter: qlora and gradient_checkpointing (the backward dequantizes a "
+        "layer's experts again instead of keeping them); not with FSDP or DeepSpeed.",
+    )
 
     # --- checkpoint stored in MXFP4 (gpt-oss) -----------------------------------
     model_quantization_config: Literal["Mxfp4Config"] | None = Field(

@@ -203,9 +203,7 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
             "offloads the layer inputs that gradient checkpointing keeps for the backward pass; set "
             "gradient_checkpointing: true as well.",
         )
-    sharded = (
-        "fsdp_version" if r.is_fsdp else next((k for k in ("deepspeed", "zero_stage") if getattr(r, k)), None)
-    )
+    sharded = _sharding_key(r)
     if r.two_level_offloading and sharded:
         yield (
             "activation_offloading",
@@ -225,6 +223,13 @@ def _memory(r: Recipe) -> Iterator[tuple[str, str]]:
         )
 
 
+def _sharding_key(r: Recipe) -> str | None:
+    """The key that shards the weights (FSDP or DeepSpeed), None without sharding."""
+    return (
+        "fsdp_version" if r.is_fsdp else next((k for k in ("deepspeed", "zero_stage") if getattr(r, k)), None)
+    )
+
+
 def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
     """Quantized base models (QLoRA).
 
@@ -234,6 +239,10 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
     - An 8-bit base is refused under FSDP2 (FSDP2 would shard bitsandbytes' 8-bit weights and lose their
       scales); a 4-bit base is sharded with the other weights when its packed weights are stored in a float
       dtype (`bnb_4bit_quant_storage`, default the training dtype), and kept whole on every rank when uint8.
+    - `quantize_moe_experts` needs `load_in_4bit` (cptune packs the experts in 4 bits only) and gradient
+      checkpointing (the layers' recomputation dequantizes their experts again in the backward, instead of
+      every layer's dequantized experts staying in memory until then); FSDP and DeepSpeed are refused with it
+      (the packed experts are not built to be sharded).
     """
     if r.adapter == "qlora" and not r.load_in_4bit:
         yield (
@@ -258,6 +267,33 @@ def _quantization(r: Recipe) -> Iterator[tuple[str, str]]:
             "an 8-bit base cannot be trained under FSDP2 (fsdp_version: 2 or fsdp): bitsandbytes' 8-bit weights "
             "lose their scales when FSDP2 shards them. Use load_in_4bit with adapter: qlora (FSDP2 shards its 4-bit "
             "weights), or train without FSDP.",
+        )
+    if r.quantize_moe_experts:
+        yield from _expert_quantization(r)
+
+
+def _expert_quantization(r: Recipe) -> Iterator[tuple[str, str]]:
+    if not r.load_in_4bit:
+        yield (
+            "quantize_moe_experts",
+            "cptune stores a mixture of experts' expert weights in 4 bits only, under QLoRA: set load_in_4bit: "
+            "true with adapter: qlora (with load_in_8bit the experts stay in the training dtype), or remove "
+            "quantize_moe_experts.",
+        )
+    if not r.resolved_gradient_checkpointing:
+        yield (
+            "quantize_moe_experts",
+            "needs gradient_checkpointing: true: the backward recomputes each layer and dequantizes its experts "
+            "again; without it every layer's dequantized experts would stay in memory until the backward, as "
+            "much as unquantized experts.",
+        )
+    sharded = _sharding_key(r)
+    if sharded:
+        yield (
+            "quantize_moe_experts",
+            f"4-bit experts are not built for sharded weights ({sharded}): FSDP2 and DeepSpeed would split the "
+            "packed experts apart from their quantization constants. Train without sharding (one GPU, or data "
+            "parallelism with context parallelism), or remove quantize_moe_experts.",
         )
 
 

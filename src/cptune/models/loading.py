@@ -270,6 +270,14 @@ def load_model(
         from cptune.models.quantization import keep_cpu_layers_differentiable
 
         keep_cpu_layers_differentiable(model)
+        if recipe.quantize_moe_experts:
+            from cptune.models.expert_quantization import quantize_experts
+
+            packed = quantize_experts(model, recipe)
+            log.info(
+                "quantize_moe_experts: %s weights of the experts stored in 4 bits (frozen, no adapter)",
+                f"{packed:,}",
+            )
     elif path is None and recipe.dequantizes_mxfp4:
         from cptune.models.quantization import save_dequantized_experts_as_plain
 
@@ -362,6 +370,12 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
         model = meta_model(recipe, config)
     except ValueError:
         return  # not a causal LM that transformers knows: load_model says so when it loads the model
+    packed_experts = recipe.quantize_moe_experts and recipe.load_in_4bit
+    if packed_experts:
+        from cptune.models.expert_quantization import parametrize_like_packed
+
+        # The packed experts take no adapter: a target that names only them matches nothing.
+        parametrize_like_packed(model)
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in recipe.lora_modules_to_save or () if m not in names]
     if missing:
@@ -373,7 +387,7 @@ def check_lora_targets(recipe: Recipe, config: Any) -> None:
     if recipe.lora_target_modules and recipe.lora_model_dir is None:
         from cptune.models.lora_targets import check_every_target_matched
 
-        check_every_target_matched(adapted, recipe.lora_target_modules)
+        check_every_target_matched(adapted, recipe.lora_target_modules, packed_experts)
 
 
 def meta_model(recipe: Recipe, config: Any) -> Any:

@@ -23,14 +23,22 @@ EXPERT_HINT = (
     "lora_target_linear: true, or when named by the model's transformers 4 module names (Qwen3-MoE: "
     "gate_proj, up_proj, down_proj; Mixtral: w1, w3, w2)."
 )
+PACKED_EXPERTS_HINT = (
+    "With quantize_moe_experts the experts' weights are packed in 4 bits and take no LoRA adapter (as in "
+    "Axolotl, where only lora_target_parameters adapts them): remove the names that only the experts match, "
+    "or remove quantize_moe_experts to adapt the experts in the training dtype."
+)
 
 
-def check_every_target_matched(peft_model: Any, targets: tuple[str, ...]) -> None:
+def check_every_target_matched(
+    peft_model: Any, targets: tuple[str, ...], packed_experts: bool = False
+) -> None:
     """Refuse a named LoRA target that adapted no module and no parameter of ``peft_model``.
 
     Args:
         peft_model: The model with the adapter applied (a meta-device copy will do).
         targets: The recipe's ``lora_target_modules``.
+        packed_experts: The recipe packs the experts (``quantize_moe_experts``), which then take no adapter.
 
     Raises:
         CptuneError: naming the targets that matched nothing.
@@ -49,7 +57,8 @@ def check_every_target_matched(peft_model: Any, targets: tuple[str, ...]) -> Non
         model_name = type(tuner.model).__name__
         raise CptuneError(
             f"lora_target_modules: {', '.join(repr(n) for n in unmatched)} adapts nothing in {model_name} "
-            f"(the other targets do, so peft would train without it). {EXPERT_HINT} Remove or rename it."
+            f"(the other targets do, so peft would train without it). "
+            + (PACKED_EXPERTS_HINT if packed_experts else f"{EXPERT_HINT} Remove or rename it.")
         )
 
 

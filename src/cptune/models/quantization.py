@@ -140,6 +140,10 @@ def dequantize_in_place(model: Any) -> Any:
 
     Must run before the model's first forward pass: on CPUs with AVX512-BF16, bitsandbytes 0.50
     repacks 4-bit weights for its inference kernel on the first no-grad forward, after which they no
-    longer dequantize to the trained values.
+    longer dequantize to the trained values. The experts packed by ``quantize_moe_experts`` become plain
+    parameters the same way (:func:`cptune.models.expert_quantization.dequantize_experts`).
     """
+    from cptune.models.expert_quantization import dequantize_experts
+
+    dequantize_experts(model)
     return model.dequantize()

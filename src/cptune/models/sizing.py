@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from cptune.config.recipe import Recipe
+from cptune.models.expert_quantization import is_expert_weight, parametrize_like_packed
 from cptune.models.freezing import apply_unfrozen_parameters
 from cptune.models.loading import apply_lora, meta_model, torch_dtype
 from cptune.parallel.memory import ModelShape
@@ -28,13 +29,17 @@ class ParameterCounts:
     #: parameters of the largest decoder layer (FSDP2 gathers one layer at a time)
     largest_layer: int
     dtype_bytes: int
-    #: frozen linear weights that bitsandbytes quantizes (load_in_4bit/8bit; 0 otherwise)
+    #: frozen weights stored quantized: the linear layers bitsandbytes quantizes (load_in_4bit/8bit; 0
+    #: otherwise), and with quantize_moe_experts the experts' 3D tensors
     quantized: int = 0
     #: parameters of all decoder layers (the rest, embeddings and head, is FSDP2's root unit)
     all_layers: int = 0
     #: frozen weights that stay in the training dtype although the recipe quantizes: a mixture of experts'
     #: expert tensors (3D, ``experts x out x in``), which bitsandbytes, quantizing linear layers only, leaves be
+    #: unless the recipe sets quantize_moe_experts
     unquantized_experts: int = 0
+    #: with quantize_moe_experts, the expert tensors' weights (among ``quantized``), packed once the model is loaded
+    quantized_experts: int = 0
 
 
 def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
@@ -45,7 +50,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in layer_classes
     ]
     largest_layer = max(layer_sizes, default=0)
-    quantized = unquantized_experts = 0
+    quantized = unquantized_experts = quantized_experts = 0
     if recipe.is_quantized:
         # What transformers hands to bitsandbytes: every linear layer but the output head and the
         # modules the recipe keeps (bnb_config_kwargs.llm_int8_skip_modules).
@@ -58,9 +63,14 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
             for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head and name.rsplit(".", 1)[-1] not in skip
         )
-        unquantized_experts = sum(
-            p.numel() for name, p in model.named_parameters() if p.dim() >= 3 and ".experts." in name
-        )
+        experts = sum(p.numel() for name, p in model.named_parameters() if is_expert_weight(name, p))
+        if recipe.quantize_moe_experts and recipe.load_in_4bit:
+            quantized += experts
+            quantized_experts = experts
+        else:
+            unquantized_experts = experts
+    if quantized_experts:
+        parametrize_like_packed(model)  # the packed experts take no adapter
     if recipe.is_lora:
         model = apply_lora(model, recipe, load_weights=False)
     apply_unfrozen_parameters(model, recipe)
@@ -74,6 +84,7 @@ def count_parameters(recipe: Recipe, config: object) -> ParameterCounts:
         dtype_bytes=torch.tensor([], dtype=torch_dtype(recipe)).element_size(),
         quantized=quantized,
         unquantized_experts=unquantized_experts,
+        quantized_experts=quantized_experts,
     )
 
 

@@ -225,8 +225,17 @@ def describe_state_memory(plan: RunPlan, config: Any) -> list[str]:
         dtype = str(torch_dtype(recipe)).removeprefix("torch.")
         lines.append(
             f"  {counts.unquantized_experts:,} weights of the experts stay in {dtype} with {bits}: bitsandbytes "
-            "quantizes linear layers only, and a mixture of experts keeps its experts in 3D tensors (cptune has "
-            "no counterpart of Axolotl's quantize_moe_experts); the weights above count them so."
+            "quantizes linear layers only, and a mixture of experts keeps its experts in 3D tensors; the weights "
+            "above count them so (quantize_moe_experts: true stores them in 4 bits with load_in_4bit)."
+        )
+    if counts.quantized_experts:
+        from cptune.models.loading import torch_dtype
+
+        dtype = str(torch_dtype(recipe)).removeprefix("torch.")
+        lines.append(
+            f"  quantize_moe_experts: the {counts.quantized_experts:,} weights of the experts are packed in 4 bits "
+            f"once the model is loaded; while it loads, the GPU holds them in {dtype} "
+            f"({format_bytes(counts.quantized_experts * counts.dtype_bytes)}) beside the other weights."
         )
     if layouts[0].offload:
         host = rows[0][1].host

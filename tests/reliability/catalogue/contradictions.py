@@ -159,6 +159,24 @@ CASES: tuple[Case, ...] = (
         },
     ),
     Case(
+        "moe-experts-without-4bit",
+        keys={"load_in_8bit": True, "gradient_checkpointing": True, "quantize_moe_experts": True},
+    ),
+    Case(
+        "moe-experts-without-checkpointing",
+        keys={"adapter": "qlora", "load_in_4bit": True, "quantize_moe_experts": True},
+    ),
+    Case(
+        "moe-experts-sharded",
+        keys={
+            "adapter": "qlora",
+            "load_in_4bit": True,
+            "gradient_checkpointing": True,
+            "quantize_moe_experts": True,
+            "fsdp_version": 2,
+        },
+    ),
+    Case(
         "fsdp1-list-with-version-1",
         keys={"fsdp": ["full_shard", "auto_wrap"], "fsdp_version": 1},
     ),

@@ -54,11 +54,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "hub_strategy": _HUB,
     "push_dataset_to_hub": _HUB,
     "hf_use_auth_token": "cptune reads hub credentials from the environment (HF_TOKEN); remove it.",
-    "quantize_moe_experts": (
-        "cptune does not quantize a mixture of experts' expert weights (3D tensors; bitsandbytes quantizes "
-        "linear layers only): with load_in_4bit they stay in the training dtype, as the memory estimate of "
-        "`cptune validate` counts them; remove it."
-    ),
     "lora_fan_in_fan_out": "not needed for the supported architectures; remove it.",
     "peft_use_dora": "DoRA is not supported; remove it.",
     "peft_use_rslora": "rsLoRA is not supported; remove it.",

@@ -85,6 +85,8 @@ class ReferenceKey:
                 "load_in_4bit": recipe.load_in_4bit,
                 "load_in_8bit": recipe.load_in_8bit,
                 "bnb": recipe.bnb_config_kwargs.model_dump(mode="json") if recipe.bnb_config_kwargs else None,
+                # Only when on, so the keys of caches written before the switch existed stay the same.
+                **({"quantize_moe_experts": True} if recipe.quantize_moe_experts else {}),
             },
             "tf32": recipe.tf32 if torch.cuda.is_available() else None,
         }
