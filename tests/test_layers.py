@@ -48,7 +48,7 @@ LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in 
 # Layers of the modules inside a package, lowest first (module paths below the package; "" is its __init__).
 INNER_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "config": (
-        ("base",),
+        ("base", "unfrozen"),
         ("axolotl.keys", "axolotl.schema", "axolotl.fsdp1", "axolotl.plugins", "axolotl.mapped", "axolotl"),
         ("model", "data", "adapter", "training", "preference", "parallelism"),
         ("recipe",),

@@ -61,19 +61,3 @@ def apply_unfrozen_parameters(model: Any, recipe: Recipe) -> None:
     if not recipe.unfrozen_parameters:
         return
     freeze_all_but(model, recipe.unfrozen_parameters)  # the run logs the trainable count next
-
-
-def check_unfrozen_parameters(recipe: Recipe, config: Any) -> None:
-    """Refuse, before any weight is loaded, a pattern of ``unfrozen_parameters`` that selects no parameter.
-
-    The patterns are matched against the model built on PyTorch's ``meta`` device (every name, no memory).
-    """
-    if not recipe.unfrozen_parameters:
-        return
-    from cptune.models.loading import meta_model
-
-    try:
-        model = meta_model(recipe, config)
-    except ValueError:
-        return  # not a causal LM that transformers knows: load_model says so when it loads the model
-    freeze_all_but(model, recipe.unfrozen_parameters)

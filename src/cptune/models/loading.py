@@ -353,6 +353,22 @@ def check_lora_model_dir(recipe: Recipe) -> None:
         )
 
 
+def check_unfrozen_parameters(recipe: Recipe, config: Any) -> None:
+    """Refuse, before any weight is loaded, a pattern of ``unfrozen_parameters`` that selects no parameter.
+
+    The patterns are matched against the model built on PyTorch's ``meta`` device (every name, no memory).
+    """
+    if not recipe.unfrozen_parameters:
+        return
+    from cptune.models.freezing import freeze_all_but
+
+    try:
+        model = meta_model(recipe, config)
+    except ValueError:
+        return  # not a causal LM that transformers knows: load_model says so when it loads the model
+    freeze_all_but(model, recipe.unfrozen_parameters)
+
+
 def check_lora_targets(recipe: Recipe, config: Any) -> None:
     """Refuse ``lora_target_modules`` that name no module of the model, before any weight is loaded.
 

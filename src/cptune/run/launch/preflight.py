@@ -89,13 +89,13 @@ def check_model(plan: RunPlan) -> Any:
     """
     from transformers import AutoModelForCausalLM
 
-    from cptune.models.freezing import check_unfrozen_parameters
     from cptune.models.loading import (
         check_causal_lm,
         check_local_weights,
         check_lora_model_dir,
         check_lora_targets,
         check_model_type,
+        check_unfrozen_parameters,
         model_config,
     )
     from cptune.models.memory_features import check_memory_features
