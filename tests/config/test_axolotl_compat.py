@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cptune.config.axolotl.notes import axolotl_notes
-from cptune.config.loader import validate_recipe
+from cptune.config.loader import load_recipe, validate_recipe
 from cptune.errors import RecipeError
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "d.jsonl"}]}
@@ -422,3 +422,46 @@ def test_quantize_moe_experts_is_supported_in_the_axolotl_key_table(tmp_path):
     )
     rows = {key: outcomes for key, _, outcomes in key_table([recipe])}
     assert rows["quantize_moe_experts"] == ["supported"]
+
+
+def test_axolotls_batch_size_sets_the_accumulation_or_must_agree_with_it():
+    """Axolotl's normalize_config: gradient_accumulation_steps = batch_size // micro_batch_size when unset."""
+    recipe = validate_recipe({**MINIMAL, "batch_size": 8, "micro_batch_size": 2})
+    assert (recipe.micro_batch_size, recipe.gradient_accumulation_steps) == (2, 4)
+    assert (
+        validate_recipe({**MINIMAL, "batch_size": 4, "gradient_accumulation_steps": 4}).micro_batch_size == 1
+    )
+    found = problems({**MINIMAL, "batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 2})
+    assert found["batch_size"] == (
+        "8 is not micro_batch_size x gradient_accumulation_steps (2 x 2 = 4), the rows each process trains per "
+        "optimizer step (Axolotl's meaning); set gradient_accumulation_steps: 4, or remove batch_size."
+    )
+    found = problems({**MINIMAL, "batch_size": 5, "micro_batch_size": 2})
+    assert "choose a multiple of micro_batch_size 2" in found["batch_size"]
+
+
+def test_save_and_eval_strategy_reach_the_trainer_and_need_a_period_for_steps(write_recipe):
+    from cptune.run.plan import RunPlan
+    from cptune.run.training.builder import training_arguments
+    from cptune.run.training.distributed import DistEnv
+
+    def args(**keys):
+        return training_arguments(RunPlan.build(load_recipe(write_recipe(**keys)), 1), DistEnv())
+
+    got = args(save_strategy="epoch", eval_strategy="epoch", val_set_size=0.1)
+    assert (got.save_strategy, got.eval_strategy) == ("epoch", "epoch")
+    got = args(save_strategy="steps", save_steps=5)
+    assert (got.save_strategy, got.save_steps, got.eval_strategy) == ("steps", 5, "no")
+    assert args(save_strategy="no").save_strategy == "no"
+    assert args(save_steps=3).save_strategy == "steps"  # unset: steps when a period is given
+    found = problems({**MINIMAL, "save_strategy": "steps"})
+    assert found["save_strategy"] == (
+        "steps needs how often: set save_steps or saves_per_epoch, or use save_strategy: epoch or no."
+    )
+    found = problems({**MINIMAL, "eval_strategy": "epoch", "eval_steps": 10, "val_set_size": 0.1})
+    assert (
+        found["eval_strategy"]
+        == "epoch and eval_steps both say when (epoch: at the end of each epoch); keep one of them."
+    )
+    note = "\n".join(axolotl_notes(validate_recipe({**MINIMAL, "eval_strategy": "epoch"})))
+    assert "eval_strategy: epoch is not used: the recipe has no evaluation data" in note

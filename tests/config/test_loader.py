@@ -49,11 +49,11 @@ def test_unsupported_axolotl_key_says_so():
 
 def test_keys_of_axolotls_example_recipes_get_advice():
     """Keys that Axolotl's shipped LoRA recipes set name cptune's equivalent, not just "unknown key"."""
-    found = problems({**MINIMAL, "batch_size": 8, "use_mlflow": True})
+    found = problems({**MINIMAL, "use_mlflow": True, "hub_model_id": "me/model"})
     assert all(m.startswith("is an Axolotl key that cptune does not support") for m in found.values())
-    assert "micro_batch_size" in found["batch_size"]
     assert "heavy dependency" in found["use_mlflow"]
-    assert set(found) == {"batch_size", "use_mlflow"}
+    assert "upload output_dir yourself" in found["hub_model_id"]
+    assert set(found) == {"use_mlflow", "hub_model_id"}
 
 
 def test_axolotls_revision_of_model_is_the_model_revision():

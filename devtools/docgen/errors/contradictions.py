@@ -364,6 +364,32 @@ ENTRIES: tuple[Entry, ...] = (
         "Keep one of them: Axolotl's per-epoch count, or cptune's steps.",
     ),
     Entry(
+        "strategy-steps-without-period",
+        SECTION,
+        "save_strategy: steps (or eval_strategy: steps) without how often",
+        "save_strategy: steps needs how often: set save_steps or saves_per_epoch, or use save_strategy: epoch or no.",
+        "`steps` saves (or evaluates) every so many steps: give `save_steps` or `saves_per_epoch` (`eval_steps` or "
+        "`evals_per_epoch`), or choose `epoch` or `no`.",
+    ),
+    Entry(
+        "strategy-and-period",
+        SECTION,
+        "save_strategy: epoch or no next to save_steps (or the same for evaluation)",
+        "eval_strategy: epoch and eval_steps both say when (epoch: at the end of each epoch); keep one of them.",
+        "`epoch` and `no` fix when on their own; remove the period (`save_steps`, `saves_per_epoch`, `eval_steps`, "
+        "`evals_per_epoch`), or use `steps` with it.",
+    ),
+    Entry(
+        "batch-size-not-rows-per-step",
+        SECTION,
+        "batch_size that is not micro_batch_size x gradient_accumulation_steps",
+        "batch_size: 8 is not micro_batch_size x gradient_accumulation_steps (2 x 2 = 4), the rows each process "
+        "trains per optimizer step (Axolotl's meaning); set gradient_accumulation_steps: 4, or remove batch_size.",
+        "In Axolotl `batch_size` is the rows a process trains per optimizer step. Leave "
+        "`gradient_accumulation_steps` unset and cptune sets it to `batch_size / micro_batch_size`, as Axolotl "
+        "does; or remove `batch_size`.",
+    ),
+    Entry(
         "bfloat16-disagrees-with-bf16",
         SECTION,
         "bfloat16 (or float16) that disagrees with bf16 (fp16)",

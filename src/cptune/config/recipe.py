@@ -108,6 +108,20 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
         return None
 
     @property
+    def resolved_eval_strategy(self) -> str:
+        """The Trainer's eval_strategy: eval_strategy (Axolotl's key), else ``steps`` when evaluation has a period."""
+        if self.eval_strategy is not None and (self.eval_strategy == "no" or self.has_eval_data):
+            return self.eval_strategy
+        return "steps" if self.resolved_eval_steps else "no"
+
+    @property
+    def resolved_save_strategy(self) -> str:
+        """The Trainer's save_strategy: save_strategy (Axolotl's key), else ``steps`` when checkpoints have a period."""
+        if self.save_strategy is not None:
+            return self.save_strategy
+        return "steps" if self.resolved_save_steps else "no"
+
+    @property
     def resolved_save_steps(self) -> float | None:
         """save_steps, or Axolotl's saves_per_epoch as a share of the run's steps."""
         if self.save_steps is not None:

@@ -221,6 +221,18 @@ CASES: tuple[Case, ...] = (
         keys={"evals_per_epoch": 4, "eval_steps": 10, "val_set_size": 0.1},
     ),
     Case(
+        "strategy-steps-without-period",
+        keys={"save_strategy": "steps"},
+    ),
+    Case(
+        "strategy-and-period",
+        keys={"eval_strategy": "epoch", "eval_steps": 10, "val_set_size": 0.1},
+    ),
+    Case(
+        "batch-size-not-rows-per-step",
+        keys={"batch_size": 8, "micro_batch_size": 2, "gradient_accumulation_steps": 2},
+    ),
+    Case(
         "bfloat16-disagrees-with-bf16",
         keys={"bfloat16": True},
     ),

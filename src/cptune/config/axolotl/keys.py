@@ -32,7 +32,6 @@ UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
         "Axolotl's other name for overrides_of_model_config, which the recipe also sets to other values; keep one "
         "of the two."
     ),
-    "batch_size": "set micro_batch_size and gradient_accumulation_steps instead; remove it.",
     "gptq": _QUANTIZED,
     "xformers_attention": _ATTENTION,
     "flex_attention": _ATTENTION,

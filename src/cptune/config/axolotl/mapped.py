@@ -7,14 +7,31 @@ Where a key means something different in cptune, ``cptune validate`` prints a no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+# The Trainer's checkpoint and evaluation schedules that Axolotl's save_strategy / eval_strategy name.
+Schedule = Literal["steps", "epoch", "no"]
 
 
 class AxolotlKeys(BaseModel):
     """Key group of the recipe: Axolotl keys cptune accepts and maps onto its own behaviour (``cptune validate``
     notes each)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _accumulation_from_batch_size(cls, data: Any) -> Any:
+        # Axolotl's normalize_config: gradient_accumulation_steps = batch_size // micro_batch_size when unset. A
+        # batch_size that micro_batch_size does not divide leaves it unset, and the rules refuse the pair.
+        if not isinstance(data, dict) or not isinstance(data.get("batch_size"), int):
+            return data
+        if data.get("gradient_accumulation_steps") is not None:
+            return data
+        micro = data.get("micro_batch_size") or 1
+        if not isinstance(micro, int) or micro < 1 or data["batch_size"] % micro:
+            return data
+        return {**data, "gradient_accumulation_steps": data["batch_size"] // micro}
 
     # --- Axolotl keys cptune maps -------------------------------------------------
     model_type: str | None = Field(
@@ -48,6 +65,25 @@ class AxolotlKeys(BaseModel):
     )
     saves_per_epoch: int | None = Field(
         None, ge=0, description="Checkpoints per epoch (instead of save_steps)."
+    )
+    save_strategy: Schedule | None = Field(
+        None,
+        description="When checkpoints are written (the Trainer's values): `steps` (every save_steps or "
+        "saves_per_epoch, one of which it needs), `epoch` (at the end of each epoch) or `no`. Unset: `steps` when "
+        "save_steps or saves_per_epoch is set, else `no`.",
+    )
+    eval_strategy: Schedule | None = Field(
+        None,
+        description="When the evaluation data is evaluated (the Trainer's values): `steps` (every eval_steps or "
+        "evals_per_epoch, one of which it needs), `epoch` (at the end of each epoch) or `no`. Unset: `steps` "
+        "when eval_steps or evals_per_epoch is set, else `no`.",
+    )
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Axolotl's rows per process per optimizer step, micro_batch_size x "
+        "gradient_accumulation_steps: with gradient_accumulation_steps unset it sets it to batch_size / "
+        "micro_batch_size; with both set, they must agree.",
     )
     eval_sample_packing: bool | None = Field(
         None,

@@ -50,6 +50,11 @@ def axolotl_notes(r: Recipe) -> list[str]:
         notes.append(
             "evals_per_epoch is not used: the recipe has no evaluation data (val_set_size, test_datasets)."
         )
+    if r.eval_strategy in ("steps", "epoch") and not r.has_eval_data:
+        notes.append(
+            f"eval_strategy: {r.eval_strategy} is not used: the recipe has no evaluation data (val_set_size, "
+            "test_datasets)."
+        )
     if r.fsdp_config is not None and r.fsdp_config.state_dict_type == "FULL_STATE_DICT":
         notes.append(
             "fsdp_config.state_dict_type: FULL_STATE_DICT applies to the final model only: cptune gathers it (or "

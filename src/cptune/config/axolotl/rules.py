@@ -40,7 +40,13 @@ def axolotl_mapped(r: Recipe) -> Iterator[tuple[str, str]]:
     - `plugins` may list Axolotl's `CutCrossEntropyPlugin` and `LigerPlugin` (both map onto cptune's chunked
       loss, `cut_cross_entropy`; with `LigerPlugin` only `liger_fused_linear_cross_entropy` has an
       equivalent); every other plugin is refused.
+    - `batch_size` must be `micro_batch_size` x `gradient_accumulation_steps` (it sets the latter when unset).
+    - `save_strategy` / `eval_strategy`: `steps` needs how often (`save_steps` or `saves_per_epoch`, `eval_steps`
+      or `evals_per_epoch`); `epoch` and `no` are refused with them.
     """
+    yield from _batch_size(r)
+    yield from _schedule(r, "save", r.save_strategy, ("save_steps", "saves_per_epoch"))
+    yield from _schedule(r, "eval", r.eval_strategy, ("eval_steps", "evals_per_epoch"))
     attention = r.attn_implementation
     if attention is not None and attention not in _ATTENTION_NAMES and not is_hub_flash_kernel(attention):
         yield (
@@ -185,4 +191,39 @@ def fsdp1_rules(r: Recipe) -> Iterator[tuple[str, str]]:
         yield (
             "fsdp_config.offload_params",
             f"is false, but fsdp: {written(options)} asks for offload; keep one of them.",
+        )
+
+
+def _batch_size(r: Recipe) -> Iterator[tuple[str, str]]:
+    if r.batch_size is None or r.batch_size == r.micro_batch_size * r.gradient_accumulation_steps:
+        return
+    steps = r.batch_size // r.micro_batch_size
+    fix = (
+        f"set gradient_accumulation_steps: {steps}"
+        if r.batch_size % r.micro_batch_size == 0
+        else f"choose a multiple of micro_batch_size {r.micro_batch_size}"
+    )
+    yield (
+        "batch_size",
+        f"{r.batch_size} is not micro_batch_size x gradient_accumulation_steps ({r.micro_batch_size} x "
+        f"{r.gradient_accumulation_steps} = {r.micro_batch_size * r.gradient_accumulation_steps}), the rows each "
+        f"process trains per optimizer step (Axolotl's meaning); {fix}, or remove batch_size.",
+    )
+
+
+def _schedule(
+    r: Recipe, what: str, strategy: str | None, how_often: tuple[str, str]
+) -> Iterator[tuple[str, str]]:
+    """``save_strategy`` / ``eval_strategy`` against the keys that say how often."""
+    given = [key for key in how_often if getattr(r, key)]
+    if strategy == "steps" and not given:
+        yield (
+            f"{what}_strategy",
+            f"steps needs how often: set {how_often[0]} or {how_often[1]}, or use {what}_strategy: epoch or no.",
+        )
+    elif strategy in ("epoch", "no") and given:
+        yield (
+            f"{what}_strategy",
+            f"{strategy} and {given[0]} both say when ({strategy}: "
+            f"{'at the end of each epoch' if strategy == 'epoch' else 'never'}); keep one of them.",
         )
