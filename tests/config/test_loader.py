@@ -315,3 +315,17 @@ def test_axolotls_model_config_is_overrides_of_model_config():
     )
     assert set(found) == {"model_config"}
     assert "Axolotl's other name for overrides_of_model_config" in found["model_config"]
+
+
+def test_keys_of_axolotls_integrations_are_named_as_such():
+    """Keys that Axolotl's plugins add (its MoE kernels' use_scattermoe, SwanLab's, ...) are not typos: the
+    message names the integration; false or an empty value is accepted as not set."""
+    found = problems(
+        {**MINIMAL, "use_scattermoe": True, "kd_alpha": 0.5, "use_sonicmoe": False, "swanlab_mode": None}
+    )
+    assert set(found) == {"use_scattermoe", "kd_alpha"}
+    assert found["use_scattermoe"] == (
+        "is a key of Axolotl's kernels integration (a plugin), which cptune does not run; remove it (an empty value "
+        "or false is accepted as not set)."
+    )
+    assert "Axolotl's kd integration" in found["kd_alpha"]

@@ -41,6 +41,16 @@ ENTRIES: tuple[Entry, ...] = (
         "for, so a refusal here is not a typo.",
     ),
     Entry(
+        "key-axolotl-plugin",
+        SECTION,
+        "A key of an Axolotl integration (plugin)",
+        "use_scattermoe: is a key of Axolotl's kernels integration (a plugin), which cptune does not run",
+        "Axolotl's integrations (kernels, knowledge distillation, diffusion, expert parallelism, lm_eval, "
+        "SwanLab, ...) add keys for plugins listed under `plugins`; cptune runs none of them except the two loss "
+        "plugins it maps (CutCrossEntropyPlugin, LigerPlugin). Remove the key; an empty value or `false` is "
+        "accepted as not set.",
+    ),
+    Entry(
         "quantization-config-not-mxfp4",
         SECTION,
         "A model_quantization_config other than Mxfp4Config",

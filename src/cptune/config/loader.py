@@ -22,7 +22,13 @@ from cptune.config.axolotl.keys import (
     UNSUPPORTED_FSDP_KEYS,
     UNSUPPORTED_RECIPE_KEYS,
 )
-from cptune.config.axolotl.schema import AXOLOTL_DATASET_KEYS, AXOLOTL_RECIPE_KEYS, AXOLOTL_SWITCHES
+from cptune.config.axolotl.schema import (
+    AXOLOTL_DATASET_KEYS,
+    AXOLOTL_PLUGIN_KEYS,
+    AXOLOTL_PLUGIN_SWITCHES,
+    AXOLOTL_RECIPE_KEYS,
+    AXOLOTL_SWITCHES,
+)
 from cptune.config.data import (
     BUILT_IN_CHAT_TEMPLATES,
     PREFERENCE_TYPES,
@@ -216,14 +222,20 @@ def _without_unset(data: Mapping[str, Any]) -> tuple[dict[str, Any], list[Recipe
     section key is known), and ``false`` for an Axolotl switch that cptune has no key for. An
     unknown key stays, so that it fails with a "did you mean".
     """
-    known = set(Recipe.model_fields) | AXOLOTL_RECIPE_KEYS | set(UNSUPPORTED_RECIPE_KEYS)
+    known = (
+        set(Recipe.model_fields)
+        | AXOLOTL_RECIPE_KEYS
+        | set(UNSUPPORTED_RECIPE_KEYS)
+        | set(AXOLOTL_PLUGIN_KEYS)
+    )
+    switches = AXOLOTL_SWITCHES | AXOLOTL_PLUGIN_SWITCHES
     out: dict[str, Any] = {}
     early: list[RecipeProblem] = []
     offload = False
     for key, value in data.items():
         if value is None and key in known:
             continue
-        if value is False and key in AXOLOTL_SWITCHES and key not in Recipe.model_fields:
+        if value is False and key in switches and key not in Recipe.model_fields:
             continue
         if key == "gradient_checkpointing" and value == "offload":
             # Axolotl reads it as gradient_checkpointing: true plus activation_offloading: true.
@@ -358,6 +370,11 @@ def _unknown_key_message(loc: tuple[Any, ...]) -> str:
     model, unsupported = _SECTIONS[section] if section else (Recipe, UNSUPPORTED_RECIPE_KEYS)
     if key in unsupported:
         return f"is an Axolotl key that cptune does not support: {unsupported[key]}"
+    if not section and key in AXOLOTL_PLUGIN_KEYS:
+        return (
+            f"is a key of Axolotl's {AXOLOTL_PLUGIN_KEYS[key]} integration (a plugin), which cptune does not run; "
+            "remove it (an empty value or false is accepted as not set)."
+        )
     if key in _AXOLOTL_KEYS.get(section, frozenset()) and len(loc) <= 3:
         return f"is an Axolotl key that cptune does not support: {NO_COUNTERPART}"
     close = difflib.get_close_matches(key, list(model.model_fields), n=1, cutoff=0.6)

@@ -23,6 +23,10 @@ CASES: tuple[Case, ...] = (
         keys={"sage_attention": True},
     ),
     Case(
+        "key-axolotl-plugin",
+        keys={"use_scattermoe": True},
+    ),
+    Case(
         "quantization-config-not-mxfp4",
         keys={"model_quantization_config": "FineGrainedFP8Config"},
     ),

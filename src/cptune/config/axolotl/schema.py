@@ -140,3 +140,56 @@ xformers_attention
     )
 )
 """Boolean Axolotl keys that are off unless set: ``false`` changes nothing, so cptune accepts it."""
+
+
+def _by_integration(text: str) -> dict[str, str]:
+    """``integration: key key ...`` lines -> {key: integration}."""
+    table = {}
+    for line in text.strip().splitlines():
+        integration, _, keys = line.partition(":")
+        table |= dict.fromkeys(keys.split(), integration.strip())
+    return table
+
+
+AXOLOTL_PLUGIN_KEYS: dict[str, str] = _by_integration(
+    """
+densemixer: dense_mixer
+diffusion: diffusion
+expert_parallel: expert_parallel_backend expert_parallel_fallback_on_unsupported expert_parallel_num_nvl_bytes
+expert_parallel: expert_parallel_num_rdma_bytes expert_parallel_size expert_parallel_token_capacity
+grokfast: grokfast_alpha grokfast_lamb
+hatchery: hatchery
+kd: kd_alpha kd_beta kd_ce_alpha kd_normalize_topk kd_online_server kd_online_server_base_url kd_online_timeout
+kd: kd_online_topk kd_temperature kd_temperature_min kd_trainer
+kernels: dsv4_bf16_all dsv4_fp4_grouped_mode dsv4_fp8_lora_kernel dsv4_fp8_nonexpert_mode
+kernels: dsv4_shared_mlp_lora_kernel gemma4_fp8_nonexpert gemma4_nf4_nonexpert moe_bnb_fast moe_dequant_chunk_size
+kernels: moe_grouped_backend nonexpert_quantization nvfp4_merge_aware nvfp4_merge_aware_start_step use_dsv4_kernels
+kernels: use_glm_dsa_kernels use_scattermoe use_sonicmoe
+llm_compressor: llmcompressor
+lm_eval: lm_eval_batch_size lm_eval_model lm_eval_post_train lm_eval_tasks
+mora: mora mora_type use_mora
+nemo_gym: nemo_gym_auto_clone nemo_gym_auto_start nemo_gym_config_paths nemo_gym_datasets nemo_gym_dir
+nemo_gym: nemo_gym_enabled nemo_gym_head_port nemo_gym_max_turns nemo_gym_model_name nemo_gym_multi_turn
+nemo_gym: nemo_gym_run_timeout nemo_gym_server_timeout nemo_gym_verify_timeout
+spectrum: spectrum_model_name spectrum_top_fraction
+swanlab: swanlab_api_host swanlab_api_key swanlab_completion_log_interval swanlab_completion_max_buffer
+swanlab: swanlab_description swanlab_experiment_name swanlab_lark_secret swanlab_lark_webhook_url
+swanlab: swanlab_log_completions swanlab_log_model swanlab_mode swanlab_project swanlab_web_host swanlab_workspace
+swanlab: use_swanlab
+"""
+)
+"""Top-level keys that Axolotl's integrations (``src/axolotl/integrations/<name>/args.py``, plugins a recipe
+lists under ``plugins``) add to its schema, at the commit above, with the integration's folder name. Liger's
+are left out: cptune maps the LigerPlugin's loss and names its layer keys itself."""
+
+AXOLOTL_PLUGIN_SWITCHES: frozenset[str] = frozenset(
+    _names(
+        """
+dense_mixer dsv4_bf16_all dsv4_fp8_lora_kernel dsv4_shared_mlp_lora_kernel expert_parallel_fallback_on_unsupported
+gemma4_fp8_nonexpert gemma4_nf4_nonexpert kd_normalize_topk lm_eval_post_train moe_bnb_fast nemo_gym_auto_clone
+nemo_gym_auto_start nemo_gym_enabled nemo_gym_multi_turn nvfp4_merge_aware swanlab_log_completions swanlab_log_model
+use_dsv4_kernels use_glm_dsa_kernels use_mora use_scattermoe use_sonicmoe use_swanlab
+"""
+    )
+)
+"""The integrations' keys that are switches: ``false`` is accepted as not set."""
