@@ -465,3 +465,6 @@ def test_save_and_eval_strategy_reach_the_trainer_and_need_a_period_for_steps(wr
     )
     note = "\n".join(axolotl_notes(validate_recipe({**MINIMAL, "eval_strategy": "epoch"})))
     assert "eval_strategy: epoch is not used: the recipe has no evaluation data" in note
+    # without evaluation data the Trainer is told no (it refuses an eval_strategy without an eval_dataset)
+    assert args(eval_strategy="epoch").eval_strategy == "no"
+    assert args(eval_strategy="steps", evals_per_epoch=2).eval_strategy == "no"

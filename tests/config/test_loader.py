@@ -66,8 +66,8 @@ def test_axolotls_revision_of_model_is_the_model_revision():
     found = problems({**MINIMAL, "revision_of_model": "v1", "model_revision": "v2"})
     assert set(found) == {"revision_of_model"}
     assert found["revision_of_model"] == (
-        "is an Axolotl key that cptune does not support: Axolotl's name for model_revision, which the recipe also "
-        "sets to another revision; keep one of the two."
+        "is Axolotl's other name for model_revision, which the recipe also sets, to another value; keep one of the "
+        "two."
     )
 
 
@@ -314,7 +314,7 @@ def test_axolotls_model_config_is_overrides_of_model_config():
         {**MINIMAL, "model_config": overrides, "overrides_of_model_config": {"use_cache": False}}
     )
     assert set(found) == {"model_config"}
-    assert "Axolotl's other name for overrides_of_model_config" in found["model_config"]
+    assert found["model_config"].startswith("is Axolotl's other name for overrides_of_model_config")
 
 
 def test_keys_of_axolotls_integrations_are_named_as_such():
@@ -325,7 +325,49 @@ def test_keys_of_axolotls_integrations_are_named_as_such():
     )
     assert set(found) == {"use_scattermoe", "kd_alpha"}
     assert found["use_scattermoe"] == (
-        "is a key of Axolotl's kernels integration (a plugin), which cptune does not run; remove it (an empty value "
-        "or false is accepted as not set)."
+        "is a key of Axolotl's kernels integration (a plugin), which cptune does not run; remove it (an empty value, "
+        "or false for a switch, is accepted as not set)."
     )
     assert "Axolotl's kd integration" in found["kd_alpha"]
+
+
+def test_axolotls_batch_size_is_read_only_as_a_row_count():
+    """batch_size 0 or negative is refused as itself, not as a gradient_accumulation_steps the recipe never wrote."""
+    found = problems({**MINIMAL, "batch_size": 0})
+    assert set(found) == {"batch_size"}
+    found = problems({**MINIMAL, "batch_size": -4, "micro_batch_size": 2})
+    assert set(found) == {"batch_size"}
+    assert problems({**MINIMAL, "evaluation_strategy": "steps"})["evaluation_strategy"].endswith(
+        "Axolotl's older name for eval_strategy; rename it."
+    )
+
+
+def test_ulysses_refuses_an_evaluation_batch_larger_than_the_training_batch():
+    ulysses = {**MINIMAL, "context_parallel_size": 2, "cp_backend": "deepspeed"}
+    found = problems({**ulysses, "eval_batch_size": 4})
+    assert set(found) == {"eval_batch_size"}
+    assert found["eval_batch_size"].startswith(
+        "4 is more rows than micro_batch_size (1): DeepSpeed's Ulysses"
+    )
+    assert validate_recipe({**ulysses, "eval_batch_size": 2, "micro_batch_size": 2}).eval_batch_size == 2
+    assert validate_recipe({**MINIMAL, "context_parallel_size": 2, "eval_batch_size": 4}).eval_batch_size == 4
+
+
+def test_zero_without_cp_plans_deepspeeds_engine_and_its_patches():
+    """deepspeed / zero_stage at cp=1 over 2 processes: DeepSpeed's engine with the recipe's stage, its config on
+    the Trainer, ZeRO's state layout, the engine patches; not the loader's CP-batch patch (no CP group)."""
+    from cptune.run.plan import RunPlan
+
+    recipe = validate_recipe({**MINIMAL, "zero_stage": 3})
+    plan = RunPlan.build(recipe, 2)
+    assert plan.on_deepspeed and plan.zero_stage() == 3
+    assert plan.trainer_parallelism().deepspeed["zero_optimization"]["stage"] == 3
+    selected = {p.name for p in plan.patches.plan(recipe).selected}
+    assert {"deepspeed-skip-cpu-shm-op", "accelerate-deepspeed-cpu-world-size"} <= selected
+    assert "accelerate-deepspeed-loader-cp-batches" not in selected
+    plain = RunPlan.build(validate_recipe(MINIMAL), 2)
+    assert (
+        not plain.on_deepspeed
+        and plain.zero_stage() is None
+        and plain.trainer_parallelism().deepspeed is None
+    )

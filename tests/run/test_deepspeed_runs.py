@@ -150,17 +150,19 @@ def test_zero3_without_cp_equals_ddp_step_by_step(runs):
     bound) and save its adapter."""
     root, reports = runs
     got, expected = reports["zero3-cp1"], reports["ddp-cp1"]
+    # dp=2: a step sums GA rows on each of the WORLD processes (tests/numerics.py's bound for its rows)
+    tolerance = logged_tolerance(128, GA * WORLD)
     assert got["parameters"] > 0 and got["whole_parameters"] == []
     assert "whole_parameters" not in expected
     assert len(steps(expected, "loss")) >= 3
     for key in ("loss", "grad_norm"):
-        assert max_rel_diff(steps(got, key), steps(expected, key)) <= LOSS_TOL, key
+        assert max_rel_diff(steps(got, key), steps(expected, key)) <= tolerance, key
     assert steps(got, "epoch") == steps(expected, "epoch")
     adapter = load_file(root / "zero3-cp1" / "adapter_model.safetensors")
     reference = load_file(root / "ddp-cp1" / "adapter_model.safetensors")
     assert sorted(adapter) == sorted(reference)
     worst = max(float((adapter[k] - reference[k]).abs().max() / reference[k].abs().max()) for k in reference)
-    assert worst <= ADAPTER_TOL
+    assert worst <= tolerance
 
 
 def test_runs_in_one_process_leave_no_deepspeed_state_behind(runs):

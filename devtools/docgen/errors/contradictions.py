@@ -124,6 +124,15 @@ ENTRIES: tuple[Entry, ...] = (
         "`pad_to_sequence_len: false`.",
     ),
     Entry(
+        "ulysses-eval-batch-larger",
+        SECTION,
+        "cp_backend: deepspeed with eval_batch_size above micro_batch_size",
+        "eval_batch_size: 4 is more rows than micro_batch_size (1): DeepSpeed's Ulysses module is built for the "
+        "training batch's rows and refuses a larger batch.",
+        "Evaluate with `eval_batch_size` at or below `micro_batch_size` (the evaluation loss is the same token mean "
+        "however the rows are batched), or choose another `cp_backend`.",
+    ),
+    Entry(
         "deepspeed-option-other-backend",
         SECTION,
         "A DeepSpeed option with another cp_backend",

@@ -44,11 +44,22 @@ ENTRIES: tuple[Entry, ...] = (
         "key-axolotl-plugin",
         SECTION,
         "A key of an Axolotl integration (plugin)",
-        "use_scattermoe: is a key of Axolotl's kernels integration (a plugin), which cptune does not run",
+        "use_scattermoe: is a key of Axolotl's kernels integration (a plugin), which cptune does not run; remove it "
+        "(an empty value, or false for a switch, is accepted as not set)",
         "Axolotl's integrations (kernels, knowledge distillation, diffusion, expert parallelism, lm_eval, "
         "SwanLab, ...) add keys for plugins listed under `plugins`; cptune runs none of them except the two loss "
-        "plugins it maps (CutCrossEntropyPlugin, LigerPlugin). Remove the key; an empty value or `false` is "
-        "accepted as not set.",
+        "plugins it maps (CutCrossEntropyPlugin, LigerPlugin). Remove the key; an empty value, or `false` for a "
+        "switch, is accepted as not set.",
+    ),
+    Entry(
+        "key-axolotl-other-name-clash",
+        SECTION,
+        "A key under both of Axolotl's names, with two values",
+        "revision_of_model: is Axolotl's other name for model_revision, which the recipe also sets, to another "
+        "value; keep one of the two.",
+        "Axolotl reads `revision_of_model` and `model_revision`, `model_config` and `overrides_of_model_config`, as "
+        "one key each; cptune does too. Given twice with different values, it cannot tell which you meant: keep "
+        "one.",
     ),
     Entry(
         "quantization-config-not-mxfp4",

@@ -36,6 +36,7 @@ from cptune.config.data import (
     SpecialTokens,
     is_axolotl_preference_type,
 )
+from cptune.config.model import AXOLOTL_OTHER_NAMES
 from cptune.config.parallelism import FsdpConfig
 from cptune.config.recipe import Recipe
 from cptune.config.rules import combination_problems
@@ -368,12 +369,15 @@ def _unknown_key_message(loc: tuple[Any, ...]) -> str:
     key = str(loc[-1])
     section = str(loc[0]) if len(loc) >= 2 and loc[0] in _SECTIONS else ""
     model, unsupported = _SECTIONS[section] if section else (Recipe, UNSUPPORTED_RECIPE_KEYS)
+    if not section and key in AXOLOTL_OTHER_NAMES:
+        ours = AXOLOTL_OTHER_NAMES[key]
+        return f"is Axolotl's other name for {ours}, which the recipe also sets, to another value; keep one of the two."
     if key in unsupported:
         return f"is an Axolotl key that cptune does not support: {unsupported[key]}"
     if not section and key in AXOLOTL_PLUGIN_KEYS:
         return (
             f"is a key of Axolotl's {AXOLOTL_PLUGIN_KEYS[key]} integration (a plugin), which cptune does not run; "
-            "remove it (an empty value or false is accepted as not set)."
+            "remove it (an empty value, or false for a switch, is accepted as not set)."
         )
     if key in _AXOLOTL_KEYS.get(section, frozenset()) and len(loc) <= 3:
         return f"is an Axolotl key that cptune does not support: {NO_COUNTERPART}"

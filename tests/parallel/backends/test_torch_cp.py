@@ -180,3 +180,26 @@ def test_prepared_bidirectional_rows_are_checked_before_the_run():
         check_bidirectional_rows([4, 8, 7], split="evaluation", cp_size=2, micro_batch_size=1)
     with pytest.raises(CptuneError, match="row 0 has 4 tokens, row 1 has 8"):
         check_bidirectional_rows([4, 8], split="training", cp_size=2, micro_batch_size=2)
+
+
+def test_evaluation_rows_are_checked_at_the_evaluation_batch_size(tmp_path):
+    """eval_batch_size 4 over micro_batch_size 1: evaluation rows of different lengths would share a batch, so the
+    prepared evaluation split is refused naming eval_batch_size (training rows, one per batch, pass)."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from cptune.config.loader import validate_recipe
+    from cptune.parallel.backends.torch_cp.runtime import TorchCpRuntime
+
+    recipe = validate_recipe(
+        {"base_model": "m", "datasets": [{"path": "d.jsonl"}], "context_parallel_size": 2, "cp_backend": "torch",
+         "causal": False, "eval_batch_size": 4, "val_set_size": 0.5}
+    )  # fmt: skip
+    rows = Dataset.from_dict({"input_ids": [[1] * 4, [1] * 8]})
+    prepared = SimpleNamespace(train=rows, eval=rows)
+    with pytest.raises(
+        CptuneError, match=r"causal: false and eval_batch_size: 4 would pad rows .*\(prepared evaluation data"
+    ):
+        TorchCpRuntime().check_prepared_rows(recipe, prepared)
+    TorchCpRuntime().check_prepared_rows(recipe.model_copy(update={"eval_batch_size": 1}), prepared)

@@ -85,6 +85,10 @@ CASES: tuple[Case, ...] = (
         },
     ),
     Case(
+        "ulysses-eval-batch-larger",
+        keys={**DEEPSPEED_CP, "eval_batch_size": 4, "micro_batch_size": 1},
+    ),
+    Case(
         "deepspeed-option-other-backend",
         keys={"context_parallel_size": 2, "ulysses_attn_implementation": "sdpa"},
     ),

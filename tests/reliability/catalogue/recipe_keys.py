@@ -27,6 +27,10 @@ CASES: tuple[Case, ...] = (
         keys={"use_scattermoe": True},
     ),
     Case(
+        "key-axolotl-other-name-clash",
+        keys={"revision_of_model": "v1", "model_revision": "v2"},
+    ),
+    Case(
         "quantization-config-not-mxfp4",
         keys={"model_quantization_config": "FineGrainedFP8Config"},
     ),

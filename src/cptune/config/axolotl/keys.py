@@ -25,13 +25,7 @@ NO_COUNTERPART = (
 
 UNSUPPORTED_RECIPE_KEYS: dict[str, str] = {
     "sequence_parallel_degree": "Axolotl's older name for context_parallel_size; rename it.",
-    "revision_of_model": (
-        "Axolotl's name for model_revision, which the recipe also sets to another revision; keep one of the two."
-    ),
-    "model_config": (
-        "Axolotl's other name for overrides_of_model_config, which the recipe also sets to other values; keep one "
-        "of the two."
-    ),
+    "evaluation_strategy": "Axolotl's older name for eval_strategy; rename it.",
     "gptq": _QUANTIZED,
     "xformers_attention": _ATTENTION,
     "flex_attention": _ATTENTION,

@@ -24,14 +24,15 @@ class AxolotlKeys(BaseModel):
     def _accumulation_from_batch_size(cls, data: Any) -> Any:
         # Axolotl's normalize_config: gradient_accumulation_steps = batch_size // micro_batch_size when unset. A
         # batch_size that micro_batch_size does not divide leaves it unset, and the rules refuse the pair.
-        if not isinstance(data, dict) or not isinstance(data.get("batch_size"), int):
+        batch = data.get("batch_size") if isinstance(data, dict) else None
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             return data
         if data.get("gradient_accumulation_steps") is not None:
             return data
         micro = data.get("micro_batch_size") or 1
-        if not isinstance(micro, int) or micro < 1 or data["batch_size"] % micro:
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1 or batch % micro:
             return data
-        return {**data, "gradient_accumulation_steps": data["batch_size"] // micro}
+        return {**data, "gradient_accumulation_steps": batch // micro}
 
     # --- Axolotl keys cptune maps -------------------------------------------------
     model_type: str | None = Field(

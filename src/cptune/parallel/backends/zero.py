@@ -1,4 +1,5 @@
-"""DeepSpeed's ZeRO engine under cptune's own sharding (``deepspeed`` / ``zero_stage`` with ring-flash-attn or torch CP).
+"""DeepSpeed's ZeRO engine under cptune's own sharding (``deepspeed`` / ``zero_stage`` with ring-flash-attn or torch CP,
+or at context_parallel_size 1 with whole rows on every rank).
 
 A backend with ``runs_under_zero`` (see :class:`~cptune.parallel.backends.spec.BackendPolicy`) shards each
 batch over its CP group as it does next to DDP, while DeepSpeed's engine trains the model (ZeRO 0-3
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def asks_for_zero(recipe: Recipe) -> bool:
-    """The recipe sets ``deepspeed`` or ``zero_stage`` (DeepSpeed's engine trains it at cp > 1)."""
+    """The recipe sets ``deepspeed`` or ``zero_stage`` (DeepSpeed's engine trains it, at any cp size)."""
     return recipe.deepspeed is not None or recipe.zero_stage is not None
 
 

@@ -1,7 +1,7 @@
 """The recipe keys of ``cp_backend: deepspeed`` and of DeepSpeed's ZeRO engine (top-level keys of the recipe).
 
-``zero_stage`` and ``deepspeed`` also run ring-flash-attn and torch CP under DeepSpeed's engine
-(:mod:`cptune.parallel.backends.zero`).
+``zero_stage`` and ``deepspeed`` also run ring-flash-attn and torch CP under DeepSpeed's engine, and runs at
+context_parallel_size 1 (:mod:`cptune.parallel.backends.zero`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,15 @@ class DeepSpeedKeys(BaseModel):
     )
     zero_stage: Literal[0, 1, 2, 3] | None = Field(
         None,
-        description="DeepSpeed ZeRO stage at context_parallel_size > 1: with cp_backend: deepspeed (default 0, or the "
-        "stage in `deepspeed`), or ring-flash-attn / torch CP under DeepSpeed's engine.",
+        description="DeepSpeed ZeRO stage: at context_parallel_size > 1 with cp_backend: deepspeed (default 0, or the "
+        "stage in `deepspeed`), or ring-flash-attn / torch CP under DeepSpeed's engine; at context_parallel_size 1, "
+        "ZeRO next to plain data parallelism.",
     )
     deepspeed: str | None = Field(
         None,
-        description="A DeepSpeed JSON config (ZeRO and more) at context_parallel_size > 1: Ulysses with cp_backend: "
-        "deepspeed, or ring-flash-attn / torch CP under DeepSpeed's engine.",
+        description="A DeepSpeed JSON config (ZeRO and more): at context_parallel_size > 1 Ulysses with cp_backend: "
+        "deepspeed, or ring-flash-attn / torch CP under DeepSpeed's engine; at context_parallel_size 1, ZeRO next to "
+        "plain data parallelism (as Axolotl's recipes without CP).",
     )
 
     @property

@@ -48,6 +48,8 @@ class DeepSpeedUlysses:
           refused (the others attend causally only); `sample_packing: true` is refused with `sdpa`, and
           with `flash_attention_2/3` needs `micro_batch_size: 1`.
         - `cp_backend: deepspeed` is refused with `fsdp_version` (DeepSpeed shards with its ZeRO stages).
+        - At `context_parallel_size > 1`, `eval_batch_size` may not exceed `micro_batch_size` (the Ulysses module is
+          built for the training batch's rows).
         """
         r = recipe
         if r.cp_backend != self.name:
@@ -64,6 +66,13 @@ class DeepSpeedUlysses:
             )
         if r.context_parallel_size == 1:
             return  # no Ulysses at cp=1: ZeRO alone, if asked (the local backend's)
+        if r.resolved_eval_batch_size > r.micro_batch_size:
+            yield (
+                "eval_batch_size",
+                f"{r.resolved_eval_batch_size} is more rows than micro_batch_size ({r.micro_batch_size}): DeepSpeed's "
+                "Ulysses module is built for the training batch's rows and refuses a larger batch. Set "
+                "eval_batch_size to micro_batch_size or less, or use another cp_backend.",
+            )
         attention = r.resolved_ulysses_attn_implementation
         if attention == "cptune":
             return

@@ -39,7 +39,12 @@ class TorchCpRuntime:
 
         from cptune.parallel.backends.torch_cp.sharding import check_bidirectional_rows
 
-        for split, rows in (("training", prepared.train), ("evaluation", prepared.eval)):
+        eval_key = "eval_batch_size" if recipe.eval_batch_size else "micro_batch_size"
+        splits = (
+            ("training", prepared.train, recipe.micro_batch_size, "micro_batch_size"),
+            ("evaluation", prepared.eval, recipe.resolved_eval_batch_size, eval_key),
+        )
+        for split, rows, batch_size, key in splits:
             if rows is None or len(rows) == 0:
                 continue
             lengths = pc.list_value_length(rows.with_format("arrow")["input_ids"]).to_pylist()
@@ -47,7 +52,8 @@ class TorchCpRuntime:
                 lengths,
                 split=split,
                 cp_size=recipe.context_parallel_size,
-                micro_batch_size=recipe.micro_batch_size,
+                micro_batch_size=batch_size,
+                batch_key=key,
             )
 
     def trainer_parallelism(self, recipe: Recipe, dims: ParallelDims) -> TrainerParallelism:

@@ -106,7 +106,14 @@ def check_batch(batch: TokenBatch, *, causal: bool, cp_size: int) -> None:
         )
 
 
-def check_bidirectional_rows(lengths: list[int], *, split: str, cp_size: int, micro_batch_size: int) -> None:
+def check_bidirectional_rows(
+    lengths: list[int],
+    *,
+    split: str,
+    cp_size: int,
+    micro_batch_size: int,
+    batch_key: str = "micro_batch_size",
+) -> None:
     """Refuse prepared rows that :func:`check_batch` would stop on mid-run, with causal: false.
 
     Checked on the prepared data before anything starts (cptune train, evaluate and preprocess),
@@ -117,6 +124,7 @@ def check_bidirectional_rows(lengths: list[int], *, split: str, cp_size: int, mi
         split: ``training`` or ``evaluation``, for the message.
         cp_size: Ranks that split each row.
         micro_batch_size: Rows per batch; more than one pads rows to the longest of their batch.
+        batch_key: The recipe key that sets it (``eval_batch_size`` for evaluation batches), for the message.
 
     Raises:
         CptuneError: A row does not split evenly over the ranks, or rows a batch may hold together
@@ -133,11 +141,12 @@ def check_bidirectional_rows(lengths: list[int], *, split: str, cp_size: int, mi
     other = next((i for i, n in enumerate(lengths) if n != lengths[0]), None)
     if micro_batch_size > 1 and other is not None:
         raise CptuneError(
-            f"cp_backend: torch with causal: false and micro_batch_size: {micro_batch_size} would pad rows of "
+            f"cp_backend: torch with causal: false and {batch_key}: {micro_batch_size} would pad rows of "
             f"different lengths in one batch (prepared {split} data: row 0 has {lengths[0]} tokens, row "
             f"{other} has {lengths[other]}), and torch's context-parallel attention takes no padding mask. "
-            "Use micro_batch_size: 1 (with more gradient_accumulation_steps), or cp_backend: ring-flash-attn, "
-            "which masks padding."
+            f"Use {batch_key}: 1"
+            + (" (with more gradient_accumulation_steps)" if batch_key == "micro_batch_size" else "")
+            + ", or cp_backend: ring-flash-attn, which masks padding."
         )
 
 
