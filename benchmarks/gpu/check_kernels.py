@@ -428,7 +428,7 @@ def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head
     lease of 2026-11-27 compared the two ways under the default: out, dK and dV the same bits, dQ not. So on
     CUDA the verdict compares them under the deterministic setting (every output and gradient the same bits),
     and the row also records, under the default, whether one call repeated gives the same dQ and how far
-    the two ways' dQ are apart (the largest difference over the largest magnitude), beside the peaks."""
+    the two ways' dQ are apart (:func:`benchmarks.gpu.reference.relative_error`), beside the peaks."""
     import torch
 
     total = bounds[-1]
@@ -470,8 +470,8 @@ def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head
     row["default_order"] = {
         "bit_identical": {key: bool(torch.equal(default[0][key], default[1][key])) for key in default[0]},
         "dq_repeat_bit_identical": bool(torch.equal(default[0]["dq"], default[2]["dq"])),
-        "dq_difference": _relative_gap(default[0]["dq"], default[1]["dq"]),
-        "dq_repeat_difference": _relative_gap(default[0]["dq"], default[2]["dq"]),
+        "dq_difference": reference.relative_error(default[1]["dq"], default[0]["dq"]),
+        "dq_repeat_difference": reference.relative_error(default[2]["dq"], default[0]["dq"]),
     }
     if peaks:
         row["backward_peak_bytes"] = {"one call": peaks[0], "one KV head per call": peaks[1]}
@@ -481,12 +481,6 @@ def _head_groups_case(varlen_attention, randn, dtype, name, bounds, device, head
 
 
 HEAD_GROUPS_CASE = "varlen_attention one KV head per call (attention_kv_heads_per_call: 1)"
-
-
-def _relative_gap(a, b) -> float:
-    """The largest elementwise difference over the largest magnitude, in float64."""
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / a.abs().max().clamp_min(1e-300))
 
 
 def time_against_sdpa(tokens: int = 16384, repeats: int = 10, device: str = "cuda") -> dict[str, Any]:

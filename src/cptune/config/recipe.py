@@ -149,3 +149,8 @@ class Recipe(*reversed(KEY_GROUPS_IN_ORDER), Frozen):  # type: ignore[misc]  # p
     def rows_per_micro_batch(self) -> int:
         """Rows of a collated micro batch: ``micro_batch_size``, twice that when each pair side has its own row."""
         return self.micro_batch_size * (2 if self.pair_sides_in_own_rows else 1)
+
+    @property
+    def rows_per_eval_batch(self) -> int:
+        """Rows of a collated evaluation batch: ``resolved_eval_batch_size``, twice that for pairs side by side."""
+        return self.resolved_eval_batch_size * (2 if self.pair_sides_in_own_rows else 1)

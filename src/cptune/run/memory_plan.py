@@ -262,15 +262,17 @@ def host_bytes_per_process(recipe: Recipe, shape: ModelShape, cp_size: int) -> i
     return int(layers * shape.hidden * dtype_bytes * tokens_per_rank(recipe, cp_size))
 
 
-def tokens_per_rank(recipe: Recipe, cp_size: int) -> int:
-    """Tokens of a micro batch on one rank, at most: its rows of up to ``sequence_len`` tokens over ``cp_size``.
+def tokens_per_rank(recipe: Recipe, cp_size: int, rows: int | None = None) -> int:
+    """Tokens of a micro batch (or of ``rows`` rows) on one rank, at most: its rows of up to ``sequence_len``
+    tokens over ``cp_size``.
 
     A preference pair (both sides together) is at most ``sequence_len`` tokens: packed, a row holds whole
     pairs; without ``sample_packing`` each side is a row of its own padded to the batch's longest side
     (``Recipe.rows_per_micro_batch``: twice the micro batch), which with ``pad_to_sequence_len`` or one long
     side is up to ``sequence_len`` tokens each.
     """
-    return -(-recipe.rows_per_micro_batch * recipe.sequence_len // cp_size)
+    rows = recipe.rows_per_micro_batch if rows is None else rows
+    return -(-rows * recipe.sequence_len // cp_size)
 
 
 def available_host_memory() -> int | None:
@@ -428,8 +430,8 @@ def _evaluation_lines(
 ) -> list[str]:
     """An evaluation batch of ``eval_batch_size`` rows, more than a training micro batch: one forward without
     gradients over more tokens, which may set the run's peak."""
-    rows = recipe.resolved_eval_batch_size * (2 if recipe.pair_sides_in_own_rows else 1)
-    tokens = -(-rows * recipe.sequence_len // cp)
+    rows = recipe.rows_per_eval_batch
+    tokens = tokens_per_rank(recipe, cp, rows)
     evaluation = no_grad_forward_memory(shape, setup, tokens)
     peak = states + evaluation
     where = (
